@@ -1,0 +1,51 @@
+"""Attention backends: how ``propagate_attention`` is computed for an edge set.
+
+Contract for every backend: ``backend(q, k, v, edges)`` with q (n_dst, H, D) already scaled by
+1/sqrt(D), k (n_src, H, D), v (n_src, H, Dv) returns (n_dst, H, Dv): for each query the softmax of
+q.k over its incoming edges (numerically stable: max-subtracted) weighting the values. A query with
+no incoming edge (a halted ACT node) gets zeros. All backends compute the same function, forward
+and gradients, to float tolerance; ``dense`` is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gtx import hookimpl
+from gtx.errors import GtxError
+from gtx.graph import EdgeSet
+
+
+class Backend:
+    """Base class: subclasses set ``name`` and implement ``__call__``; ``available`` says why not."""
+
+    name = "?"
+
+    def available(self, device: torch.device | str = "cpu") -> str | None:
+        """None when usable on ``device``, else a one-line reason."""
+        return None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
+    """The registered backend ``name``, checked to be usable on ``device``."""
+    from gtx.plugins import BACKENDS
+
+    backend = BACKENDS.get(name).obj
+    reason = backend.available(device)
+    if reason:
+        raise GtxError(f"backend {name!r} is unavailable on {device}: {reason}; choose another with --backend ({', '.join(BACKENDS.names())})")
+    return backend
+
+
+@hookimpl
+def register_backends(register):
+    from gtx.backends.dense import DenseBackend
+    from gtx.backends.dgl_ops import DGLBackend
+    from gtx.backends.edgewise import TorchBackend
+
+    register("dense", DenseBackend())
+    register("torch", TorchBackend())
+    register("dgl", DGLBackend())

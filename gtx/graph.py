@@ -1,0 +1,124 @@
+"""Token graphs: the batched disjoint union of per-sample graphs, no padding.
+
+Node ids: encoder nodes of all samples are numbered 0..N_enc-1 sample by sample (sample 0's
+positions first), decoder nodes 0..N_dec-1 likewise; each stage's ``EdgeSet`` indexes the node
+type it reads: ``ee`` enc->enc, ``dd`` dec->dec, ``ed`` enc (keys) -> dec (queries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from gtx.pattern import STAGES, Pattern
+
+STAGE_TYPES = {"ee": ("enc", "enc"), "dd": ("dec", "dec"), "ed": ("enc", "dec")}  # (key type, query type)
+
+
+@dataclass(eq=False)
+class EdgeSet:
+    """One stage's edges over a batch: ``src`` (E,) key ids in [0, n_src), ``dst`` (E,) query ids in
+    [0, n_dst), int64, sorted by (dst, src). ``plan`` caches what backends derive from it."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    n_src: int
+    n_dst: int
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.src.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.src.device
+
+    def plan(self, key, build: Callable[[], object]):
+        """Build once per key (backend, device, ...) and keep it with the edges."""
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
+
+    def in_degree(self) -> torch.Tensor:
+        return self.plan("in_degree", lambda: torch.bincount(self.dst, minlength=self.n_dst))
+
+    def to(self, device) -> "EdgeSet":
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst)
+
+    def filter_dst(self, keep: torch.Tensor) -> "EdgeSet":
+        """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
+        mask = keep[self.dst]
+        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst)
+
+    def dense(self) -> torch.Tensor:
+        """(n_dst, n_src) bool adjacency: row = query, column = key."""
+        adj = torch.zeros(self.n_dst, self.n_src, dtype=torch.bool, device=self.device)
+        adj[self.dst, self.src] = True
+        return adj
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(lens, 0) - lens
+
+
+def positions(lens: torch.Tensor) -> torch.Tensor:
+    """Position of every node within its sample, for lengths (B,): concatenated aranges."""
+    total = int(lens.sum())
+    return torch.arange(total) - torch.repeat_interleave(_offsets(lens), lens)
+
+
+@dataclass(eq=False)
+class TokenGraph:
+    """A batch: per-sample lengths, node positions and one EdgeSet per stage."""
+
+    src_lens: torch.Tensor
+    tgt_lens: torch.Tensor | None
+    edges: dict[str, EdgeSet]
+    pattern: Pattern
+
+    @property
+    def n_enc(self) -> int:
+        return int(self.src_lens.sum())
+
+    @property
+    def n_dec(self) -> int:
+        return 0 if self.tgt_lens is None else int(self.tgt_lens.sum())
+
+    def to(self, device) -> "TokenGraph":
+        return TokenGraph(self.src_lens, self.tgt_lens, {s: e.to(device) for s, e in self.edges.items()}, self.pattern)
+
+    def edges_per_query(self) -> dict[str, float]:
+        return {s: e.num_edges / max(e.n_dst, 1) for s, e in self.edges.items()}
+
+
+def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Sequence[int]) -> EdgeSet:
+    """The disjoint union of per-sample edge sets (each cached by the pattern per lengths)."""
+    parts = [pattern.edges(stage, nq, nk) for nq, nk in zip(q_lens, k_lens)]
+    counts = torch.tensor([p[0].numel() for p in parts])
+    q_off = torch.repeat_interleave(_offsets(torch.as_tensor(q_lens)), counts)
+    k_off = torch.repeat_interleave(_offsets(torch.as_tensor(k_lens)), counts)
+    src = torch.cat([p[0] for p in parts]) + k_off
+    dst = torch.cat([p[1] for p in parts]) + q_off
+    return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)))
+
+
+def build_graph(pattern: Pattern, src_lens: Sequence[int], tgt_lens: Sequence[int] | None = None) -> TokenGraph:
+    """The token graph of a batch; encoder-only when ``tgt_lens`` is None (``ee`` alone)."""
+    src_lens = [int(n) for n in src_lens]
+    edges = {"ee": batch_edges(pattern, "ee", src_lens, src_lens)}
+    if tgt_lens is not None:
+        tgt_lens = [int(n) for n in tgt_lens]
+        edges["dd"] = batch_edges(pattern, "dd", tgt_lens, tgt_lens)
+        edges["ed"] = batch_edges(pattern, "ed", tgt_lens, src_lens)
+    return TokenGraph(
+        torch.tensor(src_lens), None if tgt_lens is None else torch.tensor(tgt_lens), edges, pattern
+    )
+
+
+__all__ = ["EdgeSet", "TokenGraph", "build_graph", "batch_edges", "positions", "STAGES", "STAGE_TYPES"]

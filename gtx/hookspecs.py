@@ -1,0 +1,51 @@
+"""Every gtx hook, in one place.
+
+Each ``register_*`` hook receives a ``register`` callback and calls it once per thing it provides;
+plugins may accept any subset of a hook's arguments. Two plugins registering one name is an error
+that names both, and a misspelled hook is an error at load time (``pm.check_pending()``).
+
+Edge convention, for every stage: an edge ``src -> dst`` means query ``dst`` attends to key/value
+``src``; the softmax of query ``dst`` runs over its incoming edges.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("gtx")
+hookimpl = pluggy.HookimplMarker("gtx")
+
+
+@hookspec
+def register_patterns(register):
+    """Register attention patterns: ``register(name, factory)``.
+
+    ``factory(**params) -> gtx.pattern.Pattern``; its keyword parameters (with type annotations and
+    defaults) are the pattern's command-line parameters (``local:w=4``) and the first line of its
+    docstring is the description shown by ``gtx patterns``.
+    """
+
+
+@hookspec
+def register_backends(register):
+    """Register attention backends: ``register(name, backend)``.
+
+    ``backend`` is a ``gtx.backends.Backend``: ``backend(q, k, v, edges)`` computes softmax attention
+    of each query over its incoming edges; ``backend.available()`` returns ``None`` or why not.
+    """
+
+
+@hookspec
+def register_models(register):
+    """Register models: ``register(name, model_cls, config=ConfigDataclass)``.
+
+    ``model_cls(config, vocab)`` is a ``torch.nn.Module`` written as ``update_graph`` calls.
+    """
+
+
+@hookspec
+def register_tasks(register):
+    """Register tasks (data and metrics): ``register(name, task_cls, config=ConfigDataclass)``."""
+
+
+@hookspec
+def register_commands(cli):
+    """Add commands to the click group ``cli``, e.g. ``gtx mycommand ...``."""

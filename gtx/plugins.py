@@ -1,0 +1,212 @@
+"""Plugin loading, and the registries built from the hooks.
+
+Load order (``load_plugins``, lazy and idempotent): gtx's own backends; the built-in plugin folders
+``patterns/`` and ``plugins/`` beside the ``gtx`` package, loaded by path exactly like a user's
+folder; installed packages of the entry-point group ``gtx`` (``GTX_LOAD_PLUGINS=a,b`` allow-lists
+distributions, an empty value loads none); then user folders (``--plugins-dir`` or
+``GTX_PLUGINS_DIR``, several separated by ``os.pathsep``). Last, ``pm.check_pending()`` rejects
+misspelled hooks. A packaged plugin declares::
+
+    [project.entry-points.gtx]
+    myplugin = "gtx_myplugin"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pluggy
+
+from gtx import hookspecs
+from gtx.errors import GtxError, PluginError, UnknownNameError
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILTIN_DIRS = (ROOT / "patterns", ROOT / "plugins")
+DEFAULT_PLUGINS = ("gtx.backends",)
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
+
+pm = pluggy.PluginManager("gtx")
+pm.add_hookspecs(hookspecs)
+
+_labels: dict[str, str] = {}  # pluggy plugin name -> what a user recognises (file path, distribution)
+_loaded_dirs: set[Path] = set()
+_state = {"builtins": False, "entrypoints": False, "generation": 0}
+
+
+def _register(plugin: object, name: str, label: str) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as e:
+        raise PluginError(f"plugin {label}: {e}") from None
+    _labels[name] = label
+    _state["generation"] += 1
+
+
+def load_file(path: Path) -> None:
+    """Import one plugin file and register it (a plain ``.py`` file with ``@hookimpl`` functions)."""
+    path = path.resolve()
+    name = str(path)
+    if pm.has_plugin(name):
+        return
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    modname = f"gtx_plugin_{path.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = module  # so dataclasses, pickling and tracebacks can find it
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[modname]
+        raise PluginError(f"plugin file {path} failed to import: {type(e).__name__}: {e}") from e
+    _register(module, name, str(path))
+
+
+def load_dir(directory: str | Path) -> None:
+    """Load every ``*.py`` file of a folder (not recursive, ``_``-prefixed files skipped)."""
+    directory = Path(directory).resolve()
+    if directory in _loaded_dirs:
+        return
+    if not directory.is_dir():
+        raise PluginError(f"plugins folder {directory} does not exist; pass an existing folder to --plugins-dir")
+    for path in sorted(directory.glob("*.py")):
+        if not path.name.startswith("_"):
+            load_file(path)
+    _loaded_dirs.add(directory)
+
+
+def _load_entrypoints() -> None:
+    allow = os.environ.get("GTX_LOAD_PLUGINS")
+    allowed = None if allow is None else {a.strip() for a in allow.split(",") if a.strip()}
+    for ep in importlib.metadata.entry_points(group="gtx"):
+        dist = ep.dist.name if ep.dist else ep.name
+        if allowed is not None and dist not in allowed:
+            continue
+        label = f"{dist} ({ep.value})"
+        try:
+            module = ep.load()
+        except Exception as e:
+            raise PluginError(f"plugin {label} failed to import: {type(e).__name__}: {e}") from e
+        if not pm.is_registered(module):
+            _register(module, f"entrypoint:{ep.name}", label)
+
+
+def load_plugins(dirs: Iterable[str | Path] = (), entrypoints: bool = True) -> None:
+    """Load built-ins, installed plugins and the given folders; idempotent. Raises PluginError."""
+    if not _state["builtins"]:
+        for modname in DEFAULT_PLUGINS:
+            _register(importlib.import_module(modname), modname, modname)
+        for d in BUILTIN_DIRS:
+            load_dir(d)
+        _state["builtins"] = True
+    if entrypoints and not _state["entrypoints"]:
+        _load_entrypoints()
+        _state["entrypoints"] = True
+    env_dirs = [d for d in os.environ.get("GTX_PLUGINS_DIR", "").split(os.pathsep) if d]
+    for d in [*env_dirs, *dirs]:
+        load_dir(d)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        label = _labels.get(pm.get_name(e.plugin) or "", repr(e.plugin))
+        hooks = ", ".join(n for n in dir(hookspecs) if n.startswith("register_"))
+        raise PluginError(f"plugin {label}: {e}; gtx's hooks are: {hooks}") from None
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin (tests use this to undo a temporary registration)."""
+    pm.unregister(name=name)
+    _labels.pop(name, None)
+    _state["generation"] += 1
+
+
+def label_of(plugin_name: str) -> str:
+    return _labels.get(plugin_name, plugin_name)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered thing: its name, the object, the plugin that registered it, its config class."""
+
+    name: str
+    obj: Any
+    plugin: str
+    config: type | None = None
+
+    @property
+    def description(self) -> str:
+        doc = inspect.getdoc(self.obj) or ""
+        return doc.strip().splitlines()[0] if doc.strip() else "Undocumented"
+
+
+class Registry:
+    """Name -> Entry for one kind, rebuilt from its ``register_*`` hook whenever plugins change."""
+
+    def __init__(self, kind: str, hook: str):
+        self.kind, self.hook = kind, hook
+        self._entries: dict[str, Entry] = {}
+        self._generation = -1
+
+    def entries(self) -> dict[str, Entry]:
+        if not _state["builtins"]:
+            load_plugins()
+        if self._generation != _state["generation"]:
+            self._entries = self._collect()
+            self._generation = _state["generation"]
+        return self._entries
+
+    def _collect(self) -> dict[str, Entry]:
+        entries: dict[str, Entry] = {}
+        for impl in reversed(getattr(pm.hook, self.hook).get_hookimpls()):  # registration order
+            label = label_of(impl.plugin_name)
+
+            def register(name: str, obj: Any, *, config: type | None = None, _label: str = label) -> None:
+                if not isinstance(name, str) or not NAME_RE.match(name):
+                    raise PluginError(f"plugin {_label} registered the {self.kind} name {name!r}; use letters, digits, '_' or '-'")
+                if name in entries:
+                    raise PluginError(
+                        f"{self.kind} {name!r} is registered twice: by {entries[name].plugin} and by {_label}; rename one"
+                    )
+                entries[name] = Entry(name, obj, _label, config)
+
+            call_hook(impl, label, register=register)
+        return entries
+
+    def get(self, name: str) -> Entry:
+        entries = self.entries()
+        if name not in entries:
+            raise UnknownNameError(self.kind, name, entries)
+        return entries[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.entries())
+
+
+def call_hook(impl: pluggy.HookImpl, label: str, **kwargs: Any) -> Any:
+    """Call one hook implementation with the arguments it asks for; name the plugin if it raises."""
+    try:
+        return impl.function(**{a: kwargs[a] for a in impl.argnames})
+    except GtxError:
+        raise
+    except Exception as e:
+        raise PluginError(f"plugin {label} raised in {impl.function.__name__}: {type(e).__name__}: {e}") from e
+
+
+def call_each(hook: str, **kwargs: Any) -> None:
+    """Call every implementation of a hook, naming the plugin that raises."""
+    for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
+        call_hook(impl, label_of(impl.plugin_name), **kwargs)
+
+
+PATTERNS = Registry("pattern", "register_patterns")
+BACKENDS = Registry("backend", "register_backends")
+MODELS = Registry("model", "register_models")
+TASKS = Registry("task", "register_tasks")

@@ -1,0 +1,27 @@
+"""act: ACT-filtered edges: the wrapped pattern's edges whose query node is still active."""
+
+from dataclasses import replace
+
+from gtx import hookimpl
+from gtx.pattern import Pattern
+
+
+def keep_active(edges, active):
+    """Keep the edges whose query (dst) node is active; ``active`` is a bool tensor over queries."""
+    return edges.filter_dst(active)
+
+
+def act(inner: Pattern) -> Pattern:
+    """ACT-filtered: the inner pattern's edges into still-active nodes, re-filtered every step.
+
+    Note:
+        Written ``act(local:w=4)``. With all nodes active it equals the inner pattern; the Universal
+        Transformer applies it around whatever pattern a run chooses. Keys are never filtered:
+        a halted node keeps its frozen state and stays visible to active queries.
+    """
+    return replace(inner, filter=keep_active)
+
+
+@hookimpl
+def register_patterns(register):
+    register("act", act)

@@ -1,0 +1,54 @@
+"""bigbird: block sparse window + global + random blocks (Zaheer et al. 2020, HF block_sparse)."""
+
+from functools import lru_cache
+
+import torch
+
+from gtx import hookimpl
+from gtx.pattern import Pattern
+
+
+@lru_cache(maxsize=1024)
+def random_blocks(nb_q: int, nb_k: int, r: int, seed: int) -> torch.Tensor:
+    """(nb_q, nb_k) bool: r random key blocks per query block, outside its window and the global
+    blocks; reproducible from (seed, sizes)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + nb_q * 1009 + nb_k)
+    out = torch.zeros(nb_q, nb_k, dtype=torch.bool)
+    for row in range(nb_q):
+        taken = {0, nb_k - 1, row - 1, row, row + 1}
+        free = torch.tensor([c for c in range(nb_k) if c not in taken], dtype=torch.long)
+        if len(free):
+            out[row, free[torch.randperm(len(free), generator=gen)[:r]]] = True
+    return out
+
+
+def bigbird(b: int = 64, r: int = 3, seed: int = 0) -> Pattern:
+    """BigBird: blocks of b tokens; each query block sees its neighbours, the global blocks and r random blocks.
+
+    Args:
+        b: block size (HF default 64; use a small b for short sequences).
+        r: random key blocks per query block (HF default 3).
+        seed: seeds the random blocks; the same (seed, lengths) always give the same edges.
+
+    Note:
+        Block-level, as in HF ``block_sparse`` (ITC): the first and last blocks are global (they see
+        and are seen by all), the sliding window is the previous, current and next block, plus r
+        random blocks per query block. ``dd`` is that & j <= i (token level); ``ed`` evaluates the
+        rule at the aligned source position. Self included.
+    """
+    if b < 1 or r < 0:
+        raise ValueError(f"need b >= 1 and r >= 0, got b={b}, r={r}")
+
+    def rule(q, k, n_q, n_k):
+        nb_q, nb_k = -(-n_q // b), -(-n_k // b)
+        qb, kb = q // b, k // b
+        window = (qb - kb).abs() <= 1
+        glob = (qb == 0) | (qb == nb_q - 1) | (kb == 0) | (kb == nb_k - 1)
+        return window | glob | random_blocks(nb_q, nb_k, r, seed)[qb, kb]
+
+    return Pattern.from_rule(rule)
+
+
+@hookimpl
+def register_patterns(register):
+    register("bigbird", bigbird)

@@ -1,0 +1,23 @@
+"""bipartite: only cross attention mixes tokens; self-attention stages keep just the self-edge."""
+
+from gtx import hookimpl
+from gtx.pattern import Pattern, everything
+
+
+def bipartite() -> Pattern:
+    """Cross attention only: ed complete bipartite; ee and dd hold only self-edges.
+
+    Note:
+        The self-edge keeps every query non-empty, so the self-attention sub-layers reduce to a
+        per-token value projection: an ablation of within-sequence mixing.
+    """
+
+    def self_only(q, k, n_q, n_k):
+        return q == k
+
+    return Pattern(ee=self_only, dd=self_only, ed=everything)
+
+
+@hookimpl
+def register_patterns(register):
+    register("bipartite", bipartite)

@@ -1,0 +1,23 @@
+"""causal: every self-attention stage sees only earlier-or-same positions; cross attention complete."""
+
+from gtx import hookimpl
+from gtx.pattern import Pattern, everything
+
+
+def causal() -> Pattern:
+    """Unidirectional: ee and dd see positions <= the query's; ed sees every source token.
+
+    Note:
+        Self-edges included. The encoder is causal too (a left-to-right encoder); with ``ed``
+        complete, the decoder still reads the whole source.
+    """
+
+    def left(q, k, n_q, n_k):
+        return k <= q
+
+    return Pattern(ee=left, dd=left, ed=everything)
+
+
+@hookimpl
+def register_patterns(register):
+    register("causal", causal)

@@ -1,0 +1,46 @@
+"""local: a sliding window of w positions on each side of the query."""
+
+import torch
+
+from gtx import hookimpl
+from gtx.pattern import Pattern, align
+
+
+def band(lo: int, hi: int, aligned: bool = False):
+    """Edges q -> keys at offsets lo..hi from the query (or from its aligned key position), O(n*w)."""
+
+    def fn(n_q, n_k):
+        q = torch.arange(n_q)[:, None]
+        centre = align(q, n_q, n_k) if aligned else q
+        k = centre + torch.arange(lo, hi + 1)[None, :]
+        ok = (k >= 0) & (k < n_k)
+        return k[ok], q.expand_as(k)[ok]
+
+    return fn
+
+
+def local(w: int = 4) -> Pattern:
+    """Sliding window: keys within w positions of the query (two-sided in ee, causal in dd).
+
+    Args:
+        w: window half-width; 0 keeps only the self-edge.
+
+    Note:
+        ``ee``: |q - k| <= w (two-sided, 2w+1 keys, self included). ``dd``: 0 <= q - k <= w (the
+        causal half, w+1 keys). ``ed``: |align(q) - k| <= w, where ``align(q) = floor(q * n_src / n_tgt)``
+        is the source position the target position lines up with (a monotone alignment, right for
+        copy-like tasks, a choice for others).
+    """
+    if w < 0:
+        raise ValueError(f"w must be >= 0, got {w}")
+
+    def rule(q, k, n_q, n_k):
+        return (q - k).abs() <= w
+
+    p = Pattern.from_rule(rule)
+    return Pattern(p.ee, p.dd, p.ed, edge_fns={"ee": band(-w, w), "dd": band(-w, 0), "ed": band(-w, w, aligned=True)})
+
+
+@hookimpl
+def register_patterns(register):
+    register("local", local)
