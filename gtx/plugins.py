@@ -22,7 +22,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import pluggy
 
@@ -121,10 +121,14 @@ def load_plugins(dirs: Iterable[str | Path] = (), entrypoints: bool = True) -> N
         raise PluginError(f"plugin {label}: {e}; gtx's hooks are: {hooks}") from None
 
 
-def unregister(name: str) -> None:
-    """Remove a plugin (tests use this to undo a temporary registration)."""
-    pm.unregister(name=name)
-    _labels.pop(name, None)
+def unload_dir(directory: str | Path) -> None:
+    """Unregister the plugins loaded from a folder (tests use this to undo a temporary folder)."""
+    directory = Path(directory).resolve()
+    for name, _ in list(pm.list_name_plugin()):
+        if Path(name).parent == directory:
+            pm.unregister(name=name)
+            _labels.pop(name, None)
+    _loaded_dirs.discard(directory)
     _state["generation"] += 1
 
 

@@ -1,0 +1,68 @@
+"""Independent dense oracles for the built-in patterns: scalar Python, written from the definitions
+in ../shared/docs/sparse_anchors.md §3, not from gtx's code. ``allowed(stage, i, j, n_q, n_k)``:
+may query i attend to key j?"""
+
+
+def from_rule(rule):
+    """The documented stage mapping: ee = rule, dd = rule and j <= i, ed = rule at the aligned position."""
+
+    def allowed(stage, i, j, n_q, n_k):
+        if stage == "ee":
+            return rule(i, j, n_q)
+        if stage == "dd":
+            return rule(i, j, n_q) and j <= i
+        return rule(i * n_k // n_q, j, n_k)
+
+    return allowed
+
+
+def per_stage(ee, dd, ed):
+    return lambda stage, i, j, n_q, n_k: {"ee": ee, "dd": dd, "ed": ed}[stage](i, j)
+
+
+ALWAYS = lambda i, j: True  # noqa: E731
+LEFT = lambda i, j: j <= i  # noqa: E731
+SELF = lambda i, j: i == j  # noqa: E731
+
+
+def full():
+    return per_stage(ALWAYS, LEFT, ALWAYS)
+
+
+def causal():
+    return per_stage(LEFT, LEFT, ALWAYS)
+
+
+def bipartite():
+    return per_stage(SELF, SELF, ALWAYS)
+
+
+def local(w):
+    return from_rule(lambda i, j, n: abs(i - j) <= w)
+
+
+def strided(l):  # noqa: E741
+    return from_rule(lambda i, j, n: abs(i - j) <= l or abs(i - j) % l == 0)
+
+
+def fixed(l, c):  # noqa: E741
+    return from_rule(lambda i, j, n: i // l == j // l or j % l in range(l - c, l))
+
+
+def longformer(w, g):
+    return from_rule(lambda i, j, n: abs(i - j) <= w or i < g or j < g)
+
+
+def dilated(w, d):
+    return from_rule(lambda i, j, n: abs(i - j) <= w * d and (i - j) % d == 0)
+
+
+def bigbird_deterministic(b):
+    """BigBird without its random blocks: window of neighbouring blocks plus first/last global blocks."""
+
+    def rule(i, j, n):
+        nb = -(-n // b)
+        bi, bj = i // b, j // b
+        return abs(bi - bj) <= 1 or bi in (0, nb - 1) or bj in (0, nb - 1)
+
+    return from_rule(rule)

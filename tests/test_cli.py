@@ -1,0 +1,104 @@
+"""The command line, through click's CliRunner."""
+
+import json
+
+from click.testing import CliRunner
+
+from gtx.cli import cli
+
+BUILTIN = ["full", "causal", "bipartite", "local", "act", "strided", "fixed", "longformer", "bigbird", "dilated"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_patterns_lists_builtins_with_parameters():
+    result = invoke("patterns")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for name in BUILTIN:
+        assert any(line.startswith(name) for line in lines), name
+    assert any(line.startswith("local") and "w: int = 4" in line for line in lines)
+
+
+def test_show_pattern_prints_each_stage():
+    result = invoke("show-pattern", "local:w=1", "--src-len", "4", "--tgt-len", "3")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "ee (encoder self-attention): 4 queries x 4 keys, 10 edges, density 0.625" in out
+    assert "dd (decoder self-attention): 3 queries x 3 keys, 5 edges" in out
+    assert "ed (encoder->decoder cross attention): 3 queries x 4 keys" in out
+    assert "     0 ##..\n     1 ###.\n     2 .###\n     3 ..##" in out
+
+
+def test_bad_input_is_one_line_and_exit_code_2():
+    for args, message in [
+        (["show-pattern", "local:w=-1"], "Error: bad parameters for pattern 'local': w must be >= 0, got -1"),
+        (["show-pattern", "local:x=3"], "Error: pattern 'local' has no parameter 'x'; its parameters: w: int = 4"),
+        (["show-pattern", "lokal"], "Error: unknown pattern 'lokal'; known patterns: act, bigbird"),
+    ]:
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().startswith(message), result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
+def test_backends_lists_reference_and_availability():
+    result = invoke("backends")
+    assert result.exit_code == 0
+    assert any(line.startswith("dense") and " yes " in line for line in result.output.splitlines())
+
+
+def test_plugins_json(plugin_dir):
+    folder = plugin_dir(
+        hello="""
+        from gtx import hookimpl
+
+        @hookimpl
+        def register_commands(cli):
+            pass
+        """
+    )
+    result = invoke("plugins", "--plugins-dir", str(folder))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert {"name": str(folder / "hello.py"), "hooks": ["register_commands"]} in data
+    assert len(json.loads(invoke("plugins", "--all").output)) > len(data)
+
+
+def test_hook_register_commands(plugin_dir):
+    from gtx import plugins
+
+    folder = plugin_dir(
+        hello="""
+        import click
+        from gtx import hookimpl
+
+        @hookimpl
+        def register_commands(cli):
+            @cli.command()
+            def hello():
+                "Say hello."
+                click.echo("hello from a plugin")
+        """
+    )
+    plugins.load_plugins(dirs=[folder])
+    plugins.call_each("register_commands", cli=cli)
+    try:
+        assert invoke("hello").output == "hello from a plugin\n"
+    finally:
+        cli.commands.pop("hello")
+
+
+def test_console_script_main_reports_plugin_errors(plugin_dir, monkeypatch, capsys):
+    import pytest
+
+    from gtx.cli import main
+
+    folder = plugin_dir(typo="from gtx import hookimpl\n\n@hookimpl\ndef register_tasc(register):\n    pass\n")
+    monkeypatch.setenv("GTX_PLUGINS_DIR", str(folder))
+    with pytest.raises(SystemExit) as info:
+        main(["patterns"])
+    assert info.value.code == 2
+    assert "unknown hook 'register_tasc'" in capsys.readouterr().err
