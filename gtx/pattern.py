@@ -31,8 +31,10 @@ _GRID_CHUNK = 1 << 22  # predicate cells evaluated at once: bounds memory for lo
 
 
 def align(q: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
-    """The key position a cross-attention query at position q lines up with: floor(q * n_k / n_q)."""
-    return q * n_k // n_q
+    """The source position a cross-attention query at target position q lines up with: the same
+    position, clipped to the last source token. It must not depend on n_q: a decoder generating
+    token by token does not know the target length (see ``check_prefix``)."""
+    return q.clamp(max=n_k - 1)
 
 
 def causal(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -65,12 +67,13 @@ class Pattern:
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_rule(cls, rule: Rule, **kw) -> "Pattern":
-        """One bidirectional rule for all stages: ``ee`` as is, ``dd`` intersected with causal,
-        ``ed`` evaluated at the key position the query aligns with (``align``)."""
+    def from_rule(cls, rule: Rule, decoder_rule: Rule | None = None, **kw) -> "Pattern":
+        """One bidirectional rule for all stages: ``ee`` as is, ``dd`` intersected with causal
+        (``decoder_rule`` replaces ``rule`` there if given), ``ed`` evaluated at the source position
+        the query aligns with (``align``)."""
 
         def dd(q, k, n_q, n_k):
-            return rule(q, k, n_q, n_k) & causal(q, k)
+            return (decoder_rule or rule)(q, k, n_q, n_k) & causal(q, k)
 
         def ed(q, k, n_q, n_k):
             return rule(align(q, n_q, n_k), k, n_k, n_k)
@@ -96,20 +99,25 @@ class Pattern:
         """Validated ``(src, dst)`` int64 tensors of one sample, sorted by (dst, src); cached."""
         key = (stage, n_q, n_k)
         if key not in self._cache:
-            try:
-                if stage in self.edge_fns:
-                    src, dst = sort_edges(*self.edge_fns[stage](n_q, n_k), n_k)
-                else:
-                    src, dst = grid_edges(self.rule(stage), n_q, n_k)
-            except GtxError:
-                raise
-            except Exception as e:
-                raise PluginError(
-                    f"pattern {self.spec!r} raised while building {stage} edges for n_q={n_q}, n_k={n_k}: {type(e).__name__}: {e}"
-                ) from e
+            src, dst = self._raw_edges(stage, n_q, n_k)
             check_edges(self.spec, stage, n_q, n_k, src, dst)
+            if stage != "ee" and n_q > 1:
+                shorter = self._raw_edges(stage, n_q - 1, n_k - 1 if stage == "dd" else n_k)
+                check_prefix(self.spec, stage, n_q, n_k, src, dst, shorter)
             self._cache[key] = (src, dst)
         return self._cache[key]
+
+    def _raw_edges(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            if stage in self.edge_fns:
+                return sort_edges(*self.edge_fns[stage](n_q, n_k), n_k)
+            return grid_edges(self.rule(stage), n_q, n_k)
+        except GtxError:
+            raise
+        except Exception as e:
+            raise PluginError(
+                f"pattern {self.spec!r} raised while building {stage} edges for n_q={n_q}, n_k={n_k}: {type(e).__name__}: {e}"
+            ) from e
 
     def __or__(self, other: "Pattern") -> "Pattern":
         return _combine(self, other, "|", torch.logical_or, _union_keys)
@@ -209,6 +217,25 @@ def check_edges(spec: str, stage: str, n_q: int, n_k: int, src: torch.Tensor, ds
                 f"{where}: edge {int(src[i])}->{int(dst[i])} lets position {int(dst[i])} see later position {int(src[i])}; "
                 "intersect the decoder rule with causal (k <= q)"
             )
+
+
+def check_prefix(spec: str, stage: str, n_q: int, n_k: int, src, dst, shorter) -> None:
+    """Raise PatternError unless the decoder-side edges of the first n_q - 1 queries are the same
+    for n_q and n_q - 1 queries: a decoder generating token by token sees only a prefix, so edges
+    that depend on the final target length would differ between training and generation (and leak
+    the length). Applies to ``dd`` (keys are that prefix too) and ``ed``."""
+    n_k_short = n_k - 1 if stage == "dd" else n_k
+    keep = dst < n_q - 1
+    a = dst[keep] * n_k_short + src[keep]
+    b = shorter[1] * n_k_short + shorter[0]
+    if a.shape != b.shape or not torch.equal(a, b):
+        diff = set(zip(dst[keep].tolist(), src[keep].tolist())) ^ set(zip(shorter[1].tolist(), shorter[0].tolist()))
+        d, s = min(diff)
+        raise PatternError(
+            f"pattern {spec or '<unnamed>'!r}, stage {stage} ({STAGE_NAMES[stage]}): edge {s}->{d} exists for target "
+            f"length {n_q} but not {n_q - 1} (or the reverse): decoder edges must not depend on the target length, "
+            "which a decoder generating token by token cannot know; make the rule independent of n_q"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ def local(w: int = 4) -> Pattern:
 
     Note:
         ``ee``: |q - k| <= w (two-sided, 2w+1 keys, self included). ``dd``: 0 <= q - k <= w (the
-        causal half, w+1 keys). ``ed``: |align(q) - k| <= w, where ``align(q) = floor(q * n_src / n_tgt)``
-        is the source position the target position lines up with (a monotone alignment, right for
-        copy-like tasks, a choice for others).
+        causal half, w+1 keys). ``ed``: |align(q) - k| <= w, where ``align(q) = min(q, n_src - 1)``
+        is the same position in the source: right for copy-like tasks, a choice for others, and
+        independent of the target length, which a decoder cannot know while it generates.
     """
     if w < 0:
         raise ValueError(f"w must be >= 0, got {w}")

@@ -3,15 +3,16 @@ in ../shared/docs/sparse_anchors.md §3, not from gtx's code. ``allowed(stage, i
 may query i attend to key j?"""
 
 
-def from_rule(rule):
-    """The documented stage mapping: ee = rule, dd = rule and j <= i, ed = rule at the aligned position."""
+def from_rule(rule, decoder_rule=None):
+    """The documented stage mapping: ee = rule, dd = rule (or decoder_rule) and j <= i, ed = rule at
+    the aligned source position min(i, n_src - 1)."""
 
     def allowed(stage, i, j, n_q, n_k):
         if stage == "ee":
             return rule(i, j, n_q)
         if stage == "dd":
-            return rule(i, j, n_q) and j <= i
-        return rule(i * n_k // n_q, j, n_k)
+            return (decoder_rule or rule)(i, j, n_q) and j <= i
+        return rule(min(i, n_k - 1), j, n_k)
 
     return allowed
 
@@ -65,4 +66,7 @@ def bigbird_deterministic(b):
         bi, bj = i // b, j // b
         return abs(bi - bj) <= 1 or bi in (0, nb - 1) or bj in (0, nb - 1)
 
-    return from_rule(rule)
+    def decoder_rule(i, j, n):
+        return abs(i // b - j // b) <= 1 or i // b == 0 or j // b == 0
+
+    return from_rule(rule, decoder_rule)

@@ -74,7 +74,7 @@ def test_bigbird_window_global_and_random_blocks(b, r, seed, n_src, n_tgt):
         got, base = edge_set(p, stage, n_q, n_k), oracle_set(allowed, stage, n_q, n_k)
         assert base <= got
         extra = got - base
-        if stage == "ee":  # each query block gains at most r random key blocks
+        if stage in ("ee", "dd"):  # each query block gains at most r random key blocks
             nb = -(-n_k // b)
             for qb in range(nb):
                 blocks = {j // b for (i, j) in extra if i // b == qb}
@@ -181,6 +181,12 @@ def test_decoder_future_edge_is_named():
     msg = str(info.value)
     assert "pattern 'leaky', stage dd" in msg and "n_q=5, n_k=5" in msg
     assert "edge 1->0 lets position 0 see later position 1" in msg
+
+
+def test_decoder_edges_depending_on_target_length_are_rejected():
+    p = leaky(lambda q, k, n_q, n_k: (k <= q) & ((k == 0) | (q == n_q - 1)))  # the last query sees all
+    with pytest.raises(PatternError, match=r"stage dd .*edge 1->2 exists for target length 4 but not 3.*independent of n_q"):
+        p.edges("dd", 4, 4)
 
 
 def test_other_invariants_are_checked():
