@@ -1,11 +1,14 @@
 """gtx command line: a thin click layer over the runner and the registries.
 
-    gtx patterns                      list attention patterns
+    gtx run --pattern local --model ut      train and evaluate; results appended under results/
+    gtx compare                             accuracy against speed, across runs
+    gtx patterns | models | tasks | backends
     gtx show-pattern local:w=2 --src-len 8 --tgt-len 6
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,7 +18,10 @@ import click
 from gtx import __version__
 from gtx.errors import GtxError
 from gtx.pattern import STAGE_NAMES, STAGES, describe_params, is_modifier, parse_pattern
-from gtx.plugins import BACKENDS, PATTERNS, call_each, label_of, load_plugins, pm
+from gtx.plugins import BACKENDS, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
+from gtx.results import format_table
+from gtx.runner import DEFAULT_BACKEND
+from gtx.train import TrainConfig
 
 
 class CliError(click.ClickException):
@@ -112,6 +118,99 @@ def show_pattern(pattern, src_len, tgt_len, max_width):
             grid[d][s] = "#"
         for i, row in enumerate(grid):
             click.echo(f"  {i:>4} {''.join(row)}")
+
+
+def _settings_of(config_cls) -> str:
+    if config_cls is None:
+        return "-"
+    return ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(config_cls))
+
+
+def _list_registry(registry) -> None:
+    rows = [("NAME", "DESCRIPTION", "SETTINGS (--set key=value)")]
+    for name, entry in sorted(registry.entries().items()):
+        rows.append((name, entry.description, _settings_of(entry.config)))
+    click.echo(_table(rows))
+
+
+@cli.command()
+@plugins_dir_option
+def models():
+    """List models and their settings."""
+    _list_registry(MODELS)
+
+
+@cli.command()
+@plugins_dir_option
+def tasks():
+    """List tasks and their settings."""
+    _list_registry(TASKS)
+
+
+def _key_value(ctx, param, values):
+    out = {}
+    for item in values:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.BadParameter(f"{item!r}: write key=value, e.g. --set dim=64", ctx=ctx, param=param)
+        out[key.strip()] = value.strip()
+    return out
+
+
+@cli.command()
+@click.option("--task", default="copy", show_default=True, help="Task name (gtx tasks).")
+@click.option("--model", default="transformer", show_default=True, help="Model name (gtx models).")
+@click.option("--pattern", default="full", show_default=True, help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Attention backend (gtx backends).")
+@click.option("--epochs", type=click.IntRange(min=1), help=f"Training epochs [default: {TrainConfig.epochs}].")
+@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
+@click.option("--batch-size", type=click.IntRange(min=1), help=f"Examples per batch [default: {TrainConfig.batch_size}].")
+@click.option("--layers", type=click.IntRange(min=1), help="Model layers (model setting).")
+@click.option("--heads", type=click.IntRange(min=1), help="Attention heads (model setting).")
+@click.option("--dim", type=click.IntRange(min=1), help="Model width d_model (model setting).")
+@click.option("--dim-ff", type=click.IntRange(min=1), help="Feed-forward width (model setting).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder for the results tables.")
+@click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Any model, task or training setting (repeatable).")
+@click.option("--quiet", is_flag=True, help="No progress bar or per-epoch lines.")
+@plugins_dir_option
+def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, heads, dim, dim_ff, seed, device, results_dir, settings, quiet):
+    """Train and evaluate one model under one pattern; append the results."""
+    from tqdm import tqdm
+
+    from gtx.runner import RunConfig
+    from gtx.runner import run as run_experiment
+
+    shortcuts = {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "layers": layers, "heads": heads, "dim": dim, "dim_ff": dim_ff}
+    settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
+    config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, seed=seed, results_dir=results_dir, settings=settings)
+
+    def progress(description, total):
+        bar = tqdm(total=total, desc=description, leave=False, disable=quiet or None, unit="batch")
+        return lambda: bar.update() if bar.n + 1 < total else bar.close()
+
+    log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
+    rows = run_experiment(config, progress=progress, log=log)
+    last = rows[(rows.epoch == rows.epoch.max())]
+    cols = ["split", "epoch", "loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "act_mean_steps"]
+    click.echo(format_table(last[cols]))
+    click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
+
+
+@cli.command()
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder of results tables.")
+@click.option("--by", default="task,model,pattern,backend", show_default=True, help="Columns to group runs by (comma-separated).")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@plugins_dir_option
+def compare(results_dir, by, fmt):
+    """Compare runs: best accuracy against training speed, relative to the full pattern."""
+    from gtx import results
+
+    df = results.load(results_dir)
+    if df.empty:
+        raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
+    click.echo(results.format_table(results.compare(df, [c.strip() for c in by.split(",") if c.strip()]), fmt))
 
 
 @cli.command(name="plugins")

@@ -1,4 +1,5 @@
 import os
+import tempfile
 import textwrap
 
 import pytest
@@ -6,6 +7,8 @@ import pytest
 # Installed third-party plugins must not leak into the tests: load no entry points.
 os.environ["GTX_LOAD_PLUGINS"] = ""
 os.environ.pop("GTX_PLUGINS_DIR", None)
+# Generated task data goes to a throw-away cache, not ~/.cache/gtx.
+os.environ["GTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="gtx-test-cache-")
 
 from gtx import plugins  # noqa: E402
 
@@ -24,3 +27,18 @@ def plugin_dir(tmp_path):
 
     yield write
     plugins.unload_dir(folder)
+
+
+TINY_DATA = {"n_train": "48", "n_valid": "12", "n_test": "12"}
+TINY_MODEL = {"dim": "16", "heads": "2", "dim_ff": "16"}
+
+
+@pytest.fixture
+def tiny_task():
+    """A small copy task, generated once per test."""
+    from gtx.plugins import TASKS
+
+    entry = TASKS.get("copy")
+    task = entry.obj("copy", entry.config(n_train=48, n_valid=12, n_test=12, mean_len=5, std_len=2))
+    task.splits()
+    return task

@@ -1,0 +1,76 @@
+"""Autoregressive decoding: greedy and beam search.
+
+The decoder graph grows one token at a time: at every length the pattern's ``dd`` and ``ed`` edges
+are built for the current prefix, exactly as in training (patterns are checked to be
+prefix-consistent), and the encoder runs once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gtx.graph import build_graph, positions
+from gtx.model import Encoded, Seq2SeqModel
+from gtx.pattern import Pattern
+from gtx.task import Batch, Task, Vocab
+
+
+def _select(encoded: Encoded, src_lens: torch.Tensor, repeat: int) -> Encoded:
+    """Repeat every sample's encoder nodes ``repeat`` times (one copy per beam hypothesis)."""
+    if repeat == 1:
+        return encoded
+    starts = torch.cumsum(src_lens, 0) - src_lens
+    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), src_lens.tolist()) for _ in range(repeat)])
+    index = index.to(encoded.x.device)
+    fields = {f.name: getattr(encoded, f.name) for f in dataclasses.fields(encoded)}
+    return Encoded(**{k: None if v is None else v[index] for k, v in fields.items()})
+
+
+@torch.no_grad()
+def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam: int = 1) -> list[list[int]]:
+    """Token ids of the best hypothesis per sample, without <sos> and <eos>; greedy when beam == 1.
+
+    Hypotheses are scored by the sum of log-probabilities; the final choice among a sample's beams
+    divides by the length (finished hypotheses keep their score)."""
+    device = batch.src.device
+    src_lens = batch.graph.src_lens
+    encoded = _select(model.encode(batch.src, batch.src_pos, batch.graph), src_lens, beam)
+    n_samples = len(src_lens)
+    rep_lens = src_lens.repeat_interleave(beam).tolist()
+    limits = torch.tensor([task.max_decode_len(n) for n in rep_lens])
+    seqs = torch.full((n_samples * beam, 1), Vocab.sos, dtype=torch.long)
+    scores = torch.zeros(n_samples, beam)
+    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    finished = torch.zeros(n_samples * beam, dtype=torch.bool)
+    for t in range(int(limits.max())):
+        length = seqs.shape[1]
+        graph = build_graph(pattern, rep_lens, [length] * len(rep_lens)).to(device)
+        lens = torch.full((len(rep_lens),), length)
+        out = model.decode(encoded, seqs.flatten().to(device), positions(lens).to(device), graph)
+        logp = torch.log_softmax(out.logits.float()[length - 1 :: length], -1).cpu()  # last position of each
+        vocab = logp.shape[1]
+        logp[finished] = float("-inf")
+        logp[finished, Vocab.pad] = 0.0  # a finished hypothesis only extends with padding, at no cost
+        cand = (scores.reshape(-1, 1) + logp).reshape(n_samples, beam * vocab)
+        scores, flat = cand.topk(beam, dim=1)
+        origin = (flat // vocab + torch.arange(n_samples)[:, None] * beam).flatten()
+        token = (flat % vocab).flatten()
+        seqs = torch.cat([seqs[origin], token[:, None]], 1)
+        finished = finished[origin] | (token == Vocab.eos) | (token == Vocab.pad) | (t + 1 >= limits)
+        if bool(finished.all()):
+            break
+    hyps = [_strip(s) for s in seqs[:, 1:].tolist()]
+    lengths = torch.tensor([len(h) + 1 for h in hyps], dtype=torch.float32).reshape(n_samples, beam)
+    best = (scores / lengths).argmax(1)
+    return [hyps[i * beam + int(b)] for i, b in enumerate(best)]
+
+
+def _strip(ids: list[int]) -> list[int]:
+    out = []
+    for i in ids:
+        if i in (Vocab.eos, Vocab.pad):
+            break
+        out.append(i)
+    return out

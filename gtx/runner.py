@@ -1,0 +1,222 @@
+"""The runner: resolve a run's configuration, train and evaluate, append results. Knows nothing of click.
+
+    from gtx.runner import RunConfig, run
+    table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import typing
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import torch
+
+import gtx
+from gtx.backends import get_backend
+from gtx.errors import GtxError
+from gtx.pattern import Pattern, parse_pattern
+from gtx.plugins import MODELS, TASKS
+from gtx.results import metrics_json, write_run
+from gtx.task import Task, batches
+from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
+
+DEFAULT_BACKEND = "dgl"
+
+
+@dataclass
+class RunConfig:
+    """One experiment. ``settings`` are ``key=value`` strings for the model, task or training
+    configs (``dim=64``; prefix ``model.``, ``task.`` or ``train.`` where a key is ambiguous)."""
+
+    task: str = "copy"
+    model: str = "transformer"
+    pattern: str = "full"
+    backend: str = DEFAULT_BACKEND
+    device: str = "auto"
+    seed: int = 0
+    results_dir: str = "results"
+    settings: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Resolved:
+    """Everything a run needs, checked before anything is written."""
+
+    config: RunConfig
+    task: Task
+    model_cls: type
+    model_config: object
+    task_config: object
+    train: TrainConfig
+    pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
+    chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
+    device: torch.device
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self.config),
+            "pattern": self.pattern.spec,
+            "device": str(self.device),
+            "model_config": dataclasses.asdict(self.model_config),
+            "task_config": dataclasses.asdict(self.task_config),
+            "train": dataclasses.asdict(self.train),
+        }
+
+
+def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
+    """Convert a ``--set`` string to a config field's type; errors name the key and the type."""
+    base = typing.get_origin(typ) or typ
+    try:
+        if base is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("1", "true", "yes")
+        if base in (int, float, str):
+            return base(raw)
+    except ValueError:
+        raise GtxError(f"--set {key}={raw}: {kind} {name!r} expects {base.__name__} for {key}") from None
+    raise GtxError(f"--set {key}: {kind} {name!r} field has unsupported type {typ}")
+
+
+def build_configs(settings: dict[str, str], targets: dict[str, tuple[str, type]]) -> dict[str, object]:
+    """Split ``settings`` among dataclasses: ``targets`` maps model/task/train -> (name, config class)."""
+    fields = {k: {f.name: f for f in dataclasses.fields(cls)} for k, (_, cls) in targets.items()}
+    hints = {k: typing.get_type_hints(cls) for k, (_, cls) in targets.items()}
+    values: dict[str, dict] = {k: {} for k in targets}
+    for key, raw in settings.items():
+        scope, _, short = key.rpartition(".")
+        owners = [scope] if scope else [k for k in targets if short in fields[k]]
+        if scope and scope not in targets:
+            raise GtxError(f"--set {key}: unknown prefix {scope!r}; use model., task. or train.")
+        if not owners or short not in fields[owners[0]]:
+            listing = "; ".join(f"{k} {targets[k][0]}: {', '.join(fields[k])}" for k in (owners or targets))
+            raise GtxError(f"--set {key}: no such setting; known settings: {listing}")
+        if len(owners) > 1:
+            raise GtxError(f"--set {key}: both {' and '.join(owners)} have {short!r}; write {owners[0]}.{short}=...")
+        kind, name = owners[0], targets[owners[0]][0]
+        values[kind][short] = parse_value(kind, name, key, raw, hints[kind][short])
+    out = {}
+    for kind, (name, cls) in targets.items():
+        try:
+            out[kind] = cls(**values[kind])
+        except (TypeError, ValueError) as e:
+            raise GtxError(f"bad settings for {kind} {name!r}: {e}") from None
+    return out
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise GtxError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
+    if name not in ("cpu", "cuda"):
+        raise GtxError(f"--device {name}: choose cpu, cuda or auto")
+    return torch.device(name)
+
+
+def resolve(config: RunConfig) -> Resolved:
+    """Check everything a run needs, in the order a user fixes it; writes nothing."""
+    task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
+    cfg = build_configs(
+        config.settings,
+        {"model": (config.model, model_entry.config), "task": (config.task, task_entry.config), "train": ("train", TrainConfig)},
+    )
+    chosen = parse_pattern(config.pattern)
+    wrap = model_entry.obj.dynamic_pattern
+    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
+    device = resolve_device(config.device)
+    get_backend(config.backend, device)
+    task = task_entry.obj(config.task, cfg["task"])
+    task.splits()  # generates or loads the data: a missing data_dir fails here
+    return Resolved(config, task, model_entry.obj, cfg["model"], cfg["task"], cfg["train"], pattern, chosen, device)
+
+
+def _versions() -> dict[str, str]:
+    from gtx.backends.dgl_compat import import_dgl
+
+    try:
+        dgl_version = import_dgl().__version__
+    except ImportError:
+        dgl_version = "unavailable"
+    return {"gtx_version": gtx.__version__, "torch_version": torch.__version__, "dgl_version": dgl_version}
+
+
+def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | None = None,
+        log: Callable[[str], None] = lambda s: None) -> pd.DataFrame:
+    """Train and evaluate one run; append its rows under ``config.results_dir``; return them.
+
+    ``progress(description, total)`` may return a per-batch callback (the CLI's progress bar)."""
+    r = resolve(config)
+    results_dir = Path(config.results_dir)
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GtxError(f"--results {results_dir}: cannot create the folder ({e.strerror}); choose another") from None
+    if not os.access(results_dir, os.W_OK):
+        raise GtxError(f"--results {results_dir}: not writable; choose another folder")
+
+    torch.manual_seed(config.seed)
+    backend = get_backend(config.backend, r.device)
+    model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend).to(r.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    dim = getattr(r.model_config, "dim", 128)
+    trainer = Trainer(model, r.train, dim, r.device)
+    started = dt.datetime.now(dt.timezone.utc)
+    run_id = f"{started:%Y%m%d-%H%M%S}-{config.task}-{config.model}-{uuid.uuid4().hex[:6]}"
+    common = {
+        "schema_version": 1, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
+        "task": config.task, "model": config.model, "pattern": r.chosen.spec,
+        "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": n_params,
+        "config": json.dumps(r.as_dict(), sort_keys=True), "backend_plan": "{}", **_versions(),
+    }
+    log(f"run {run_id}: task {config.task}, model {config.model} ({n_params:,} parameters), pattern {r.pattern.spec}, "
+        f"backend {config.backend}, device {r.device}")
+    rows: list[dict] = []
+    n_train = len(r.task.splits()["train"])
+    steps_per_epoch = -(-n_train // r.train.batch_size)
+    epoch = 0
+
+    def record(split: str, stats: PhaseStats, edges: dict[str, float]) -> None:
+        extra = dict(stats.extra)
+        rows.append({
+            **common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
+            **{f"edges_per_query_{s}": edges.get(s, float("nan")) for s in ("ee", "dd", "ed")},
+            "metrics": metrics_json(extra),
+        })
+
+    def edge_counts(split: str) -> dict[str, float]:
+        total: dict[str, list[float]] = {}
+        for b in batches(r.task, split, r.pattern, r.train.eval_batch_size):
+            for s, e in b.graph.edges.items():
+                acc = total.setdefault(s, [0, 0])
+                acc[0] += e.num_edges
+                acc[1] += e.n_dst
+        return {s: e / max(q, 1) for s, (e, q) in total.items()}
+
+    edges = {s: edge_counts(s) for s in ("train", "valid", "test")}
+    for epoch in range(1, r.train.epochs + 1):
+        tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress else (lambda: None)
+        stats = trainer.train_epoch(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch), tick)
+        record("train", stats, edges["train"])
+        valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
+                         decode_limit=r.train.decode_valid)
+        record("valid", valid, edges["valid"])
+        write_run(results_dir, run_id, rows)
+        log(f"epoch {epoch}: train loss {stats.row()['loss']:.4f} acc {stats.row()['token_acc']:.4f} "
+            f"({stats.row()['tokens_per_s']:,.0f} tokens/s) | valid acc {valid.row()['token_acc']:.4f} "
+            f"seq_acc {valid.extra.get('seq_acc', float('nan')):.4f}")
+        if trainer.done:
+            break
+    beam = getattr(r.task_config, "beam", 1)
+    test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
+    record("test", test, edges["test"])
+    write_run(results_dir, run_id, rows)
+    return pd.DataFrame(rows)

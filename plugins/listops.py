@@ -1,0 +1,100 @@
+"""listops: Long Range Arena ListOps, regenerated from the published procedure (Tay et al. 2021).
+
+Written from the prose description in ../shared/docs/paper_tables.md §1.5: trees of MIN, MAX,
+MED (median, truncated) and SM (sum mod 10) over digits, rejection-sampled on token length and
+deduplicated. Classification with 10 classes, done as a decoder of one output token: the target is
+the single label token, with no <eos>; sequence accuracy is classification accuracy.
+"""
+
+import random
+from dataclasses import dataclass, field
+
+from gtx import hookimpl
+from gtx.task import Task, Vocab
+
+OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
+CLOSE = "]"
+
+
+@dataclass
+class ListOpsConfig:
+    n_train: int = field(default=10000, metadata={"help": "LRA: 96000"})
+    n_valid: int = field(default=1000, metadata={"help": "LRA: 2000"})
+    n_test: int = field(default=1000, metadata={"help": "LRA: 2000"})
+    min_len: int = field(default=20, metadata={"help": "token length > min_len (LRA: 500)"})
+    max_len: int = field(default=100, metadata={"help": "token length < max_len (LRA: 2000)"})
+    max_depth: int = 10
+    max_args: int = 10
+    seed: int = 0
+
+
+def sample_tree(rng: random.Random, depth: int, max_depth: int, max_args: int):
+    """A tree and its token count, drawing random numbers in the reference generator's order."""
+    r = rng.random() if depth < max_depth else 1.0
+    if r > 0.25:
+        return rng.choice(range(10)), 1
+    k = rng.randint(2, max_args)
+    children, length = [], 2
+    for _ in range(k):
+        child, n = sample_tree(rng, depth + 1, max_depth, max_args)
+        children.append(child)
+        length += n
+    return (rng.choice(OPERATORS), tuple(children)), length
+
+
+def evaluate(tree) -> int:
+    if isinstance(tree, int):
+        return tree
+    op, children = tree
+    values = sorted(evaluate(c) for c in children)
+    if op == "[MIN":
+        return values[0]
+    if op == "[MAX":
+        return values[-1]
+    if op == "[MED":
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) // 2
+    return sum(values) % 10
+
+
+def tokens(tree) -> list[str]:
+    if isinstance(tree, int):
+        return [str(tree)]
+    op, children = tree
+    return [op] + [t for c in children for t in tokens(c)] + [CLOSE]
+
+
+class ListOps(Task):
+    """ListOps (LRA): evaluate nested MIN/MAX/MED/SM lists of digits; 10 classes, one output token."""
+
+    eos = False
+
+    def generate(self):
+        c = self.config
+        if c.min_len + 1 >= c.max_len:
+            raise ValueError(f"need min_len + 1 < max_len, got {c.min_len}, {c.max_len}")
+        rng = random.Random(c.seed)
+        total = c.n_train + c.n_valid + c.n_test
+        trees = {}  # insertion-ordered set: deduplicates identical trees, reproducible order
+        while len(trees) < total:
+            tree, n = sample_tree(rng, 1, c.max_depth, c.max_args)
+            if c.min_len < n < c.max_len:
+                trees.setdefault(tree, None)
+        examples = [(tokens(t), [str(evaluate(t))]) for t in trees]
+        rng.shuffle(examples)
+        return {
+            "train": examples[: c.n_train],
+            "valid": examples[c.n_train : c.n_train + c.n_valid],
+            "test": examples[c.n_train + c.n_valid :],
+        }
+
+    def vocabularies(self, train):
+        return Vocab([*OPERATORS, CLOSE, *map(str, range(10))]), Vocab([str(d) for d in range(10)])
+
+    def max_decode_len(self, src_len):
+        return 1
+
+
+@hookimpl
+def register_tasks(register):
+    register("listops", ListOps, config=ListOpsConfig)

@@ -1,0 +1,58 @@
+"""transformer: the encoder-decoder of the seeds, written as update_graph calls.
+
+Pre-norm sub-layers as in the DGL tutorial (and the Annotated Transformer): ``x + dropout(sublayer(LN(x)))``,
+a final LayerNorm on each stack, sinusoidal positions, optional shared embeddings.
+"""
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from gtx import hookimpl
+from gtx.engine import update_graph
+from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel
+
+
+@dataclass
+class TransformerConfig:
+    layers: int = field(default=2, metadata={"help": "encoder and decoder layers"})
+    heads: int = 4
+    dim: int = field(default=128, metadata={"help": "d_model"})
+    dim_ff: int = 512
+    dropout: float = 0.1
+    share_embeddings: bool = field(default=True, metadata={"help": "tie source/target embeddings and the output projection"})
+
+
+class Transformer(Seq2SeqModel):
+    """Transformer encoder-decoder (Vaswani et al.) as message passing over ee, dd and ed edges."""
+
+    def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, backend):
+        super().__init__(backend)
+        self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings)
+        self.encoder = nn.ModuleList(EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
+        self.decoder = nn.ModuleList(DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
+        self.enc_norm, self.dec_norm = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
+        self.init_weights()
+
+    def encode(self, src, src_pos, graph):
+        nodes = {"enc": {"x": self.embed.embed(self.embed.src, src, src_pos)}}
+        for layer in self.encoder:
+            update_graph(nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], self.backend)
+        return Encoded(self.enc_norm(nodes["enc"]["x"]))
+
+    def decode(self, encoded, tgt_in, tgt_pos, graph):
+        nodes = {"enc": {"x": encoded.x}, "dec": {"x": self.embed.embed(self.embed.tgt, tgt_in, tgt_pos)}}
+        for layer in self.decoder:
+            update_graph(nodes, "dd", graph.edges["dd"], [(layer.pre_self, "dec", None)], [(layer.post_self, "dec", None)], self.backend)
+            update_graph(
+                nodes, "ed", graph.edges["ed"],
+                [(layer.pre_query, "dec", None), (layer.pre_memory, "enc", None)],
+                [(layer.post_cross, "dec", None)],
+                self.backend,
+            )
+        return Output(self.embed.generator(self.dec_norm(nodes["dec"]["x"])))
+
+
+@hookimpl
+def register_models(register):
+    register("transformer", Transformer, config=TransformerConfig)

@@ -1,0 +1,163 @@
+"""ut: the Universal Transformer with adaptive computation time (ACT), as in the seeds.
+
+One shared encoder layer and one shared decoder layer applied repeatedly; before each step a node
+adds its position and a timestep encoding to its state; a halting unit per node accumulates
+p = sigmoid(W LN(x) + b) (b initialised to 1) until the sum reaches ``threshold`` or
+``max_depth`` steps; the output is the halting-weighted sum of the node's states; the ponder loss is
+``act_loss_weight * mean(remainders)`` over all nodes. At every step attention runs over the
+``act`` pattern around the run's pattern: only edges into still-active nodes. A halted node keeps
+its last keys and values, so active queries still see it.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gtx import hookimpl
+from gtx.engine import update_graph
+from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel
+
+
+@dataclass
+class UTConfig:
+    heads: int = 4
+    dim: int = 128
+    dim_ff: int = 512
+    dropout: float = 0.1
+    max_depth: int = field(default=8, metadata={"help": "most recurrent steps per node"})
+    threshold: float = field(default=0.99, metadata={"help": "a node halts once its halting probabilities sum to this"})
+    act_loss_weight: float = 0.01
+    act: bool = field(default=True, metadata={"help": "False: no halting, every node runs max_depth steps"})
+    share_embeddings: bool = True
+
+
+class Halting(nn.Module):
+    """p = sigmoid(W LN(x) + b), b initialised to 1 (halt late at first)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 1)
+        nn.init.constant_(self.proj.bias, 1.0)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(self.norm(x)))
+
+
+class UniversalTransformer(Seq2SeqModel):
+    """Universal Transformer with ACT: shared layers repeated per node until it halts."""
+
+    dynamic_pattern = "act"
+
+    def __init__(self, config: UTConfig, src_vocab, tgt_vocab, backend):
+        super().__init__(backend)
+        c = self.config = config
+        self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings)
+        self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
+        self.dec_layer = DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
+        self.halt_enc, self.halt_dec = Halting(c.dim), Halting(c.dim)
+        self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
+        self.enc_norm, self.dec_norm = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
+        self.init_weights()
+
+    def _state(self, table, ids, pos):
+        x = table(ids)
+        n = x.shape[0]
+        return {
+            "x": x, "pos": pos,
+            "s": torch.zeros_like(x),  # halting-weighted sum of states
+            "sum_p": x.new_zeros(n, 1), "r": x.new_ones(n, 1),  # halting mass, remainder
+            "steps": torch.zeros(n, dtype=torch.long, device=x.device),
+            "active": torch.ones(n, dtype=torch.bool, device=x.device),
+        }
+
+    def _step_forward(self, t: int):
+        time = self.time(torch.tensor([t], device=self.time.pe.device))
+
+        def fn(nodes):
+            return {"x": self.embed.dropout(nodes["x"] + self.embed.pos(nodes["pos"]) + time), "steps": nodes["steps"] + 1}
+
+        return fn
+
+    def _halt(self, halting: Halting, end: bool):
+        threshold = self.config.threshold
+
+        def fn(nodes):
+            x, p = nodes["x"], halting(nodes["x"])
+            sum_p = nodes["sum_p"] + p
+            active = (sum_p < threshold) & (not end)
+            cont = active.to(x.dtype)
+            r = nodes["r"] * (1 - cont) + (1 - sum_p) * cont  # a node halting now keeps its last remainder
+            s = nodes["s"] + ((1 - cont) * r + cont * p) * x
+            return {"sum_p": sum_p, "r": r, "s": s, "active": active.squeeze(1)}
+
+        return fn
+
+    def _steps(self, data, pattern, update):
+        """Call ``update(t, ids, keep, end)`` per step while nodes are active: ``ids`` are the active
+        node ids (None: all), ``keep(edges)`` applies the dynamic pattern's filter, ``end`` marks the
+        last allowed step."""
+        for t in range(self.config.max_depth):
+            active = data["active"]
+            if not active.any():
+                break
+            ids = None if bool(active.all()) else active.nonzero().squeeze(1)
+
+            def keep(edges, active=active, ids=ids):
+                return edges if ids is None or not pattern.dynamic else pattern.filter(edges, active)
+
+            update(t, ids, keep, t == self.config.max_depth - 1)
+
+    def _final(self, data):
+        return data["s"] if self.config.act else data["x"]
+
+    def _halting(self, halting, ntype, ids, end):
+        return [(self._halt(halting, end), ntype, ids)] if self.config.act else []
+
+    def encode(self, src, src_pos, graph):
+        nodes = {"enc": self._state(self.embed.src, src, src_pos)}
+        layer = self.enc_layer
+
+        def step(t, ids, edges, end):
+            update_graph(
+                nodes, "ee", edges(graph.edges["ee"]),
+                [(self._step_forward(t), "enc", ids), (layer.pre, "enc", ids)],
+                [(layer.post, "enc", ids), *self._halting(self.halt_enc, "enc", ids, end)],
+                self.backend,
+            )
+
+        self._steps(nodes["enc"], graph.pattern, step)
+        data = nodes["enc"]
+        return Encoded(self.enc_norm(self._final(data)), data["r"], data["steps"])
+
+    def decode(self, encoded, tgt_in, tgt_pos, graph):
+        nodes = {"enc": {"x": encoded.x}, "dec": self._state(self.embed.tgt, tgt_in, tgt_pos)}
+        layer = self.dec_layer
+        nodes["enc"].update(layer.pre_memory(nodes["enc"]))  # keys/values of the memory: the same every step
+
+        def step(t, ids, edges, end):
+            update_graph(
+                nodes, "dd", edges(graph.edges["dd"]),
+                [(self._step_forward(t), "dec", ids), (layer.pre_self, "dec", ids)],
+                [(layer.post_self, "dec", ids)],
+                self.backend,
+            )
+            update_graph(
+                nodes, "ed", edges(graph.edges["ed"]),
+                [(layer.pre_query, "dec", ids)],
+                [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)],
+                self.backend,
+            )
+
+        self._steps(nodes["dec"], graph.pattern, step)
+        data = nodes["dec"]
+        logits = self.embed.generator(self.dec_norm(self._final(data)))
+        if not self.config.act:
+            return Output(logits, None, [encoded.steps, data["steps"]])
+        r = torch.cat([encoded.remainders, data["r"]])
+        return Output(logits, self.config.act_loss_weight * r.mean(), [encoded.steps, data["steps"]])
+
+
+@hookimpl
+def register_models(register):
+    register("ut", UniversalTransformer, config=UTConfig)

@@ -1,0 +1,175 @@
+"""Both models on every backend: forward, backward, agreement; ACT; decoding reads no future."""
+
+import pytest
+import torch
+
+from gtx.backends import get_backend
+from gtx.decode import decode
+from gtx.pattern import parse_pattern
+from gtx.plugins import BACKENDS, MODELS
+from gtx.task import Vocab, batches
+
+BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None]
+TINY = {"transformer": dict(layers=2, heads=2, dim=16, dim_ff=16), "ut": dict(heads=2, dim=16, dim_ff=16, max_depth=4)}
+
+
+def build(name, task, backend="dense", seed=0, **overrides):
+    entry = MODELS.get(name)
+    torch.manual_seed(seed)
+    return entry.obj(entry.config(**{**TINY[name], **overrides}), task.src_vocab, task.tgt_vocab, get_backend(backend))
+
+
+def pattern_for(name, spec):
+    wrap = MODELS.get(name).obj.dynamic_pattern
+    return parse_pattern(f"{wrap}({spec})" if wrap else spec)
+
+
+@pytest.mark.parametrize("model", ["transformer", "ut"])
+@pytest.mark.parametrize("spec", ["full", "local:w=1"])
+def test_forward_backward_agree_across_backends(tiny_task, model, spec):
+    batch = next(batches(tiny_task, "train", pattern_for(model, spec), 8))
+    results = {}
+    for backend in BACKEND_NAMES:
+        m = build(model, tiny_task, backend)
+        m.eval()  # no dropout: outputs comparable across backends
+        out = m(batch)
+        loss = torch.nn.functional.cross_entropy(out.logits, batch.tgt_out) + (out.aux_loss if out.aux_loss is not None else 0)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        assert out.logits.shape == (batch.tgt_out.numel(), len(tiny_task.tgt_vocab))
+        assert torch.isfinite(loss) and torch.isfinite(grads).all()
+        results[backend] = (out.logits.detach(), grads)
+    ref_logits, ref_grads = results["dense"]
+    for backend, (logits, grads) in results.items():
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4, msg=backend)
+        torch.testing.assert_close(grads, ref_grads, atol=1e-4, rtol=1e-3, msg=backend)
+
+
+class Recording:
+    """Wraps a backend and records the number of edges and of queries with edges per call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def available(self, device="cpu"):
+        return None
+
+    def __call__(self, q, k, v, edges):
+        self.calls.append((edges.num_edges, int((edges.in_degree() > 0).sum())))
+        return self.inner(q, k, v, edges)
+
+
+def test_act_halts_nodes_and_shrinks_edge_sets(tiny_task):
+    m = build("ut", tiny_task)
+    for halting in (m.halt_enc, m.halt_dec):  # make halting probabilities ~0.4 so nodes halt at step 3
+        torch.nn.init.zeros_(halting.proj.weight)
+        torch.nn.init.constant_(halting.proj.bias, -0.4)
+    rec = Recording(m.backend)
+    m.backend = rec
+    batch = next(batches(tiny_task, "train", pattern_for("ut", "full"), 8))
+    out = m(batch)
+    enc_steps, dec_steps = out.steps
+    assert (enc_steps == 3).all() and (dec_steps == 3).all()  # 0.4 + 0.4 < 0.99 <= 0.4 * 3
+    assert torch.isfinite(out.aux_loss) and out.aux_loss > 0
+    # ee runs 3 times over all nodes; no step after the last one
+    assert len(rec.calls) == 3 + 2 * 3
+
+
+class HaltEvenNodesFirst(torch.nn.Module):
+    """Halting probability 1 for even nodes at the first step (called on all n nodes), else 0.3."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.even = (torch.arange(n) % 2 == 0)[:, None]
+
+    def forward(self, x):
+        if x.shape[0] == self.even.shape[0]:
+            return torch.where(self.even, 1.0, 0.3)
+        return torch.full((x.shape[0], 1), 0.3)
+
+
+def test_act_filtered_edges_shrink_when_some_nodes_halt(tiny_task):
+    m = build("ut", tiny_task)
+    batch = next(batches(tiny_task, "train", pattern_for("ut", "full"), 8))
+    m.halt_enc = HaltEvenNodesFirst(batch.src.numel())
+    even = m.halt_enc.even.squeeze(1)
+    rec = Recording(m.backend)
+    m.backend = rec
+    enc = m.encode(batch.src, batch.src_pos, batch.graph)
+    sizes = [e for e, _ in rec.calls]
+    assert sizes[0] == batch.graph.edges["ee"].num_edges and sizes[1] < sizes[0]
+    assert rec.calls[1][1] == int((~even).sum())  # only still-active queries have edges
+    assert int(enc.steps[even].max()) == 1 and int(enc.steps[~even].min()) == 4  # 0.3 * 3 < 0.99: to max_depth
+
+
+def test_ut_without_act_runs_every_step(tiny_task):
+    m = build("ut", tiny_task, act=False)
+    out = m(next(batches(tiny_task, "train", pattern_for("ut", "full"), 8)))
+    assert out.aux_loss is None and all((s == 4).all() for s in out.steps)
+
+
+@pytest.mark.parametrize("model", ["transformer", "ut"])
+@pytest.mark.parametrize("spec", ["full", "local:w=2", "strided:l=2", "bigbird:b=2,r=1"])
+def test_decoder_reads_no_future_position(tiny_task, model, spec):
+    """Changing target tokens after position t must not change the outputs at positions <= t."""
+    m = build(model, tiny_task)
+    m.eval()
+    batch = next(batches(tiny_task, "train", pattern_for(model, spec), 4))
+    base = m(batch).logits
+    t = 2
+    changed = batch.tgt_in.clone()
+    after = batch.tgt_pos > t
+    changed[after] = (changed[after] + 1) % len(tiny_task.tgt_vocab)
+    batch.tgt_in = changed
+    out = m(batch).logits
+    torch.testing.assert_close(out[~after], base[~after])
+    assert not torch.allclose(out[after], base[after])
+
+
+def test_a_leaking_decoder_pattern_would_be_caught(tiny_task):
+    """The test above is not vacuous: with a dd edge from the future, outputs change."""
+    from gtx.graph import EdgeSet
+
+    m = build("transformer", tiny_task)
+    m.eval()
+    batch = next(batches(tiny_task, "train", parse_pattern("full"), 4))
+    dd = batch.graph.edges["dd"]
+    n = dd.n_dst
+    batch.graph.edges["dd"] = EdgeSet(torch.cat([dd.src, torch.tensor([n - 1])]), torch.cat([dd.dst, torch.tensor([0])]), n, n)
+    order = torch.argsort(batch.graph.edges["dd"].dst * n + batch.graph.edges["dd"].src)
+    e = batch.graph.edges["dd"]
+    batch.graph.edges["dd"] = EdgeSet(e.src[order], e.dst[order], n, n)
+    base = m(batch).logits[0]
+    batch.tgt_in = batch.tgt_in.clone()
+    batch.tgt_in[n - 1] = (batch.tgt_in[n - 1] + 1) % len(tiny_task.tgt_vocab)
+    assert not torch.allclose(m(batch).logits[0], base)
+
+
+@pytest.mark.parametrize("model", ["transformer", "ut"])
+@pytest.mark.parametrize("beam", [1, 3])
+def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, model, beam):
+    """Decoding grows the graph token by token; feeding its output back teacher-forced must give
+    the same argmax at every position (greedy), and beam search returns valid sequences."""
+    m = build(model, tiny_task, seed=3)
+    m.eval()
+    pattern = pattern_for(model, "local:w=2")
+    batch = next(batches(tiny_task, "valid", pattern, 6))
+    hyps = decode(m, tiny_task, batch, pattern, beam=beam)
+    assert len(hyps) == 6
+    limits = [tiny_task.max_decode_len(int(n)) for n in batch.graph.src_lens]
+    assert all(len(h) <= lim and Vocab.eos not in h and Vocab.sos not in h for h, lim in zip(hyps, limits))
+    if beam > 1:
+        return
+    from gtx.task import make_batch
+
+    for i, h in enumerate(hyps):
+        if len(h) >= limits[i]:
+            continue  # stopped by the length limit, not by <eos>
+        one = make_batch(tiny_task, "valid", [batch.index[i]], pattern)
+        from gtx.graph import build_graph, positions
+
+        tgt_in = torch.tensor([Vocab.sos] + h)
+        graph = build_graph(pattern, one.graph.src_lens.tolist(), [len(tgt_in)])
+        enc = m.encode(one.src, one.src_pos, graph)
+        logits = m.decode(enc, tgt_in, positions(torch.tensor([len(tgt_in)])), graph).logits
+        assert logits.argmax(-1).tolist() == h + [Vocab.eos]

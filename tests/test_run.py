@@ -1,0 +1,83 @@
+"""End to end through the CLI: tiny runs, the results they append, gtx compare, and bad input."""
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gtx.cli import cli
+from gtx.results import load
+
+TINY = ["--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
+        "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]
+
+
+def gtx(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_tiny_runs_then_compare(tmp_path):
+    out = str(tmp_path / "res")
+    for pattern in ("full", "local:w=1"):
+        result = gtx("run", "--pattern", pattern, "--layers", "1", "--epochs", "2", "--results", out, *TINY)
+        assert result.exit_code == 0, result.output
+        assert "token_acc" in result.output and "results: " in result.output
+    df = load(out)
+    assert len(df) == 2 * (2 * 2 + 1)  # two runs x (2 epochs x train/valid + test)
+    assert set(df.pattern) == {"full", "local:w=1"} and (df.edges_per_query_ee > 0).all()
+    assert df[df.split == "valid"].seq_acc.notna().all() and df[df.split == "train"].seq_acc.isna().all()
+    result = gtx("compare", "--results", out)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "speed_vs_full" in lines[0] and len(lines) == 3
+    assert any(line.split()[2] == "local:w=1" for line in lines[1:])
+    md = gtx("compare", "--results", out, "--format", "markdown", "--by", "pattern")
+    assert md.output.startswith("| pattern")
+
+
+def test_mission_command_shape_ut_local(tmp_path):
+    result = gtx("run", "--pattern", "local", "--model", "ut", "--epochs", "1", "--results", str(tmp_path), *TINY, "--set", "max_depth=3")
+    assert result.exit_code == 0, result.output
+    df = load(tmp_path)
+    assert set(df.pattern) == {"local:w=4"} and set(df.model) == {"ut"}
+    assert df.act_mean_steps.between(1, 3).all()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "nope"], "unknown task 'nope'; known tasks: addition, copy"),
+        (["--pattern", "lokal"], "unknown pattern 'lokal'"),
+        (["--set", "nope=1"], "--set nope: no such setting; known settings: model transformer: layers"),
+        (["--set", "dim=abc"], "--set dim=abc: model 'transformer' expects int for dim"),
+        (["--task", "translation"], "task translation needs its data: --set data_dir=DIR"),
+        (["--task", "translation", "--set", "data_dir=/nonexistent"], "missing /nonexistent/train.src"),
+        (["--device", "cuda"], "--device cuda: no CUDA GPU is visible to torch here"),
+        (["--model", "ut", "--layers", "2"], "--set layers: no such setting"),
+        (["--set", "dim"], "write key=value"),
+    ],
+)
+def test_bad_input_one_line_exit_2_writes_nothing(tmp_path, args, message):
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = tmp_path / "res"
+    result = gtx("run", "--results", str(out), *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not out.exists()
+
+
+def test_compare_without_runs_says_what_to_do(tmp_path):
+    result = gtx("compare", "--results", str(tmp_path))
+    assert result.exit_code == 2 and "no runs under" in result.output
+
+
+def test_models_and_tasks_list_like_patterns():
+    models = gtx("models").output
+    assert models.startswith("NAME") and "transformer" in models and "max_depth=8" in models
+    tasks = gtx("tasks").output
+    for name in ("copy", "sort", "reverse", "addition", "listops", "g2p", "translation"):
+        assert any(line.startswith(name) for line in tasks.splitlines()), name
+    assert Path  # noqa: B018

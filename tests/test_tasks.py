@@ -1,0 +1,132 @@
+"""Task generators: determinism, disjoint splits, vocabularies, caching, metrics."""
+
+import json
+
+import pytest
+
+from gtx.errors import GtxError
+from gtx.plugins import TASKS
+from gtx.task import SPLITS, Vocab, batches, cache_dir, edit_distance
+from gtx.pattern import parse_pattern
+
+
+def make(name, **settings):
+    entry = TASKS.get(name)
+    return entry.obj(name, entry.config(**settings))
+
+
+SMALL = {
+    "copy": dict(n_train=300, n_valid=50, n_test=50),
+    "sort": dict(n_train=300, n_valid=50, n_test=50),
+    "reverse": dict(n_train=300, n_valid=50, n_test=50, train_len=8, test_len=12),
+    "addition": dict(n_train=300, n_valid=50, n_test=50, train_len=8, test_len=12),
+    "listops": dict(n_train=200, n_valid=30, n_test=30, min_len=8, max_len=40),
+    "g2p": dict(max_words=3000),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_generation_is_deterministic_disjoint_and_sized(name):
+    a = make(name, **SMALL[name]).generate()
+    b = make(name, **SMALL[name]).generate()
+    assert a == b
+    sources = [tuple(s) for split in SPLITS for s, _ in a[split]]
+    assert len(sources) == len(set(sources)), "a source appears twice"
+    for split in SPLITS:
+        assert a[split] and all(s and t for s, t in a[split])
+        if f"n_{split}" in SMALL[name]:
+            assert len(a[split]) == SMALL[name][f"n_{split}"]
+
+
+@pytest.mark.parametrize("name", ["copy", "reverse", "listops"])
+def test_seed_changes_the_data(name):
+    assert make(name, **SMALL[name]).generate() != make(name, **SMALL[name], seed=1).generate()
+
+
+def test_copy_and_sort_targets():
+    for s, t in make("copy", **SMALL["copy"]).generate()["train"]:
+        assert s == t and all(c in "abcdefghijklmnopqrstuvwxyz" for c in s)
+    for s, t in make("sort", **SMALL["sort"]).generate()["train"]:
+        assert t == sorted(s)
+
+
+def test_reverse_and_addition_generalise_to_longer_test_sequences():
+    data = make("reverse", **SMALL["reverse"]).generate()
+    assert max(len(s) for s, _ in data["train"]) <= 8 and min(len(s) for s, _ in data["test"]) >= 9
+    assert all(t == s[::-1] for s, t in data["train"])
+    for s, t in make("addition", **SMALL["addition"]).generate()["test"]:
+        i = s.index("+")
+        a, b = int("".join(s[:i])[::-1]), int("".join(s[i + 1 :])[::-1])
+        assert int("".join(t)[::-1]) == a + b
+        assert len(s) >= 9
+
+
+def test_listops_labels_and_lengths():
+    import importlib
+    import sys
+
+    mod = next(m for n, m in sys.modules.items() if n.startswith("gtx_plugin_listops"))
+    tree = ("[MAX", (4, 3, ("[MIN", (2, 3)), 1, 0, ("[MED", (1, 5, 8, 9, 2))))
+    assert mod.evaluate(tree) == 5  # the LRA paper's example
+    assert mod.evaluate(("[MED", (1, 2, 7, 9))) == 4 and mod.evaluate(("[SM", (9, 8))) == 7
+    assert mod.tokens(("[MIN", (2, 3))) == ["[MIN", "2", "3", "]"]
+    data = make("listops", **SMALL["listops"]).generate()
+    for s, t in data["train"]:
+        assert 8 < len(s) < 40 and len(t) == 1 and t[0] in "0123456789"
+        assert s[0] in mod.OPERATORS and s[-1] == "]"
+    assert importlib.import_module("gtx.task").Task.eos is True and TASKS.get("listops").obj.eos is False
+
+
+def test_vocabularies_are_fixed_where_test_data_is_longer():
+    task = make("addition", **SMALL["addition"])
+    task.splits()
+    assert task.src_vocab.itos[4:] == [*"0123456789", "+"] and len(task.tgt_vocab) == 14
+    assert Vocab.encode(task.tgt_vocab, ["7", "x"]) == [task.tgt_vocab.stoi["7"], 3]
+
+
+def test_g2p_is_real_cmudict_and_scores_phonemes():
+    task = make("g2p", **SMALL["g2p"])
+    data = task.splits()
+    words = {"".join(s) for split in SPLITS for s, _ in data[split]}
+    assert len(words) == 3000
+    pairs = dict(("".join(s), t) for split in SPLITS for s, t in data[split])
+    assert any(w in pairs for w in ("the", "of", "and")) or all(p.isupper() for t in pairs.values() for p in t)
+    m = task.metrics([["HH", "AH", "L", "OW"], ["K", "AE"]], [["HH", "AH", "L", "OW"], ["K", "AE", "T"]])
+    assert m == {"word_acc": 0.5, "per": pytest.approx(1 / 7)}
+    assert edit_distance("kitten", "sitting") == 3
+
+
+def test_translation_reads_its_folder_and_scores_bleu(tmp_path):
+    lines = {"train": (["a b c", "b c d", "c d e"], ["x y", "y z", "z w"]), "val": (["a b"], ["x"]), "test": (["q b"], ["y"])}
+    for stem, (src, tgt) in lines.items():
+        (tmp_path / f"{stem}.src").write_text("\n".join(src) + "\n")
+        (tmp_path / f"{stem}.tgt").write_text("\n".join(tgt) + "\n")
+    task = make("translation", data_dir=str(tmp_path))
+    data = task.splits()
+    assert data["test"] == [(["q", "b"], ["y"])]
+    assert task.src_vocab.encode(["q"]) == [3]  # unseen in train: <unk>
+    assert task.metrics([["the", "cat", "sat", "on", "the", "mat"]], [["the", "cat", "sat", "on", "the", "mat"]])["bleu"] == pytest.approx(100)
+    (tmp_path / "test.tgt").unlink()
+    with pytest.raises(GtxError, match=r"missing .*test.tgt; data_dir needs train, val and test"):
+        make("translation", data_dir=str(tmp_path)).splits()
+    with pytest.raises(GtxError, match="--set data_dir=DIR"):
+        make("translation").splits()
+
+
+def test_data_is_cached_on_disk(monkeypatch):
+    task = make("copy", n_train=20, n_valid=5, n_test=5, seed=123)
+    first = task.splits()
+    files = list((cache_dir() / "data" / "copy").glob("*.json"))
+    assert any(json.loads(f.read_text())["config"]["seed"] == 123 for f in files)
+    again = make("copy", n_train=20, n_valid=5, n_test=5, seed=123)
+    monkeypatch.setattr(type(again), "generate", lambda self: pytest.fail("regenerated instead of cached"))
+    assert again.splits() == first
+
+
+def test_batches_are_flat_and_graphs_match(tiny_task):
+    batch = next(batches(tiny_task, "train", parse_pattern("local:w=1"), 5))
+    lens = batch.graph.src_lens
+    assert batch.src.numel() == int(lens.sum()) and batch.tgt_in.numel() == batch.tgt_out.numel() == int(batch.graph.tgt_lens.sum())
+    assert batch.tgt_in[0] == Vocab.sos and batch.tgt_out[int(batch.graph.tgt_lens[0]) - 1] == Vocab.eos
+    assert batch.graph.edges["ed"].n_src == batch.src.numel()
+    assert (batch.src_pos[: int(lens[0])] == __import__("torch").arange(int(lens[0]))).all()
