@@ -26,6 +26,11 @@ class EdgeSet:
     dst: torch.Tensor
     n_src: int
     n_dst: int
+    stage: str = ""  # ee, dd or ed where known: lets backends report per-stage choices
+    #: for a subset made by ``filter_dst``: the full edge set and the kept queries, so that backends
+    #: can reuse the full set's plan instead of planning again (ACT filters every step)
+    parent: "EdgeSet | None" = field(default=None, repr=False)
+    keep: torch.Tensor | None = field(default=None, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -49,12 +54,14 @@ class EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
-        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst)
+        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage)
 
     def filter_dst(self, keep: torch.Tensor) -> "EdgeSet":
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
         mask = keep[self.dst]
-        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst)
+        root = self.parent or self
+        kept = keep if self.keep is None else keep & self.keep
+        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst, self.stage, parent=root, keep=kept)
 
     def dense(self) -> torch.Tensor:
         """(n_dst, n_src) bool adjacency: row = query, column = key."""
@@ -105,7 +112,7 @@ def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Seq
     k_off = torch.repeat_interleave(_offsets(torch.as_tensor(k_lens)), counts)
     src = torch.cat([p[0] for p in parts]) + k_off
     dst = torch.cat([p[1] for p in parts]) + q_off
-    return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)))
+    return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)), stage)
 
 
 def build_graph(pattern: Pattern, src_lens: Sequence[int], tgt_lens: Sequence[int] | None = None) -> TokenGraph:

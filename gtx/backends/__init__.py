@@ -42,10 +42,17 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
 
 @hookimpl
 def register_backends(register):
+    from gtx.backends.auto import AutoBackend
+    from gtx.backends.blocksparse import BlockSparseBackend
     from gtx.backends.dense import DenseBackend
-    from gtx.backends.dgl_ops import DGLBackend
+    from gtx.backends.dgl_ops import DGLBackend, DGLSeedBackend
     from gtx.backends.edgewise import TorchBackend
+    from gtx.backends.flex import FlexBackend
 
     register("dense", DenseBackend())
     register("torch", TorchBackend())
     register("dgl", DGLBackend())
+    register("dgl-seed", DGLSeedBackend())
+    register("blocksparse", BlockSparseBackend())
+    register("flex", FlexBackend())
+    register("auto", AutoBackend())

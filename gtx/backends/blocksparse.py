@@ -1,0 +1,111 @@
+"""blocksparse: edges -> a block layout, dense attention per block row over the gathered key blocks.
+
+Queries are cut into blocks of ``block`` rows. A query block's key blocks are the key blocks that
+hold at least one of its edges; they are gathered (padded to the longest row) and each query block
+runs one scaled_dot_product_attention over them, with an element mask only when some active block
+is partly filled (a layout whose blocks are all full runs unmasked). Exact: the same function as
+``dense``, forward and backward, on any device; one long sequence and a batch of many short
+samples (a block-diagonal graph) are the same case. Work is O(active blocks * block^2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gtx.backends import Backend
+from gtx.graph import EdgeSet
+
+
+@dataclass
+class Layout:
+    """A block plan. ``key_index`` (n_qb, K*block) gathers each row's key blocks (padding slots point
+    at key 0 and are masked); ``mask`` (n_qb, block, K*block) or None when every block is full;
+    ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros)."""
+
+    block: int
+    n_qb: int
+    key_index: torch.Tensor
+    mask: torch.Tensor | None
+    has_edge: torch.Tensor
+    active_blocks: int
+
+    @property
+    def k_max(self) -> int:
+        return self.key_index.shape[1] // self.block
+
+    def rows(self, keep_rows: torch.Tensor) -> "Layout":
+        """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
+        mask = None if self.mask is None else self.mask[keep_rows]
+        return Layout(self.block, self.n_qb, self.key_index[keep_rows], mask, self.has_edge, self.active_blocks)
+
+
+def block_pairs(edges: EdgeSet, block: int) -> tuple[torch.Tensor, int]:
+    """Sorted unique (query block, key block) ids of the edges, and the number of key blocks."""
+    n_kb = -(-edges.n_src // block)
+    return torch.unique((edges.dst // block) * n_kb + edges.src // block), n_kb
+
+
+def plan(edges: EdgeSet, block: int) -> Layout:
+    """Build the block layout of an edge set (vectorised; a few ms for 10^5 edges)."""
+    src, dst, device = edges.src, edges.dst, edges.device
+    n_qb = max(-(-edges.n_dst // block), 1)
+    pairs, n_kb = block_pairs(edges, block)
+    row, col = pairs // n_kb, pairs % n_kb
+    counts = torch.bincount(row, minlength=n_qb)
+    k_max = max(int(counts.max()) if len(counts) else 1, 1)
+    slot = torch.arange(len(pairs), device=device) - (torch.cumsum(counts, 0) - counts)[row]
+    key_block = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
+    key_block[row, slot] = col
+    offsets = torch.arange(block, device=device)
+    key_index = (key_block[:, :, None] * block + offsets).reshape(n_qb, k_max * block)
+    key_index = key_index.clamp_(max=max(edges.n_src - 1, 0))
+    edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
+    mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
+    mask[dst // block, dst % block, edge_slot * block + src % block] = True
+    has_edge = torch.zeros(n_qb * block, dtype=torch.bool, device=device)
+    has_edge[dst] = True
+    mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
+    return Layout(block, n_qb, key_index, None if bool(mask.all()) else mask, has_edge[: edges.n_dst], len(pairs))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros)."""
+    n_dst, heads, dim = q.shape
+    b = layout.block
+    qp = F.pad(q, (0, 0, 0, 0, 0, layout.n_qb * b - n_dst)).view(layout.n_qb, b, heads, dim)
+    if rows is not None:
+        qp = qp[rows]
+    qb = qp.transpose(1, 2)  # (rows, H, b, D)
+    kb = k[layout.key_index].transpose(1, 2)  # (rows, H, K*b, D)
+    vb = v[layout.key_index].transpose(1, 2)
+    mask = None if layout.mask is None else layout.mask[:, None]
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0).transpose(1, 2)  # (rows, b, H, Dv)
+    if rows is not None:
+        full = out.new_zeros(layout.n_qb, b, heads, v.shape[-1])
+        out = full.index_copy(0, rows, out)
+    out = out.reshape(layout.n_qb * b, heads, v.shape[-1])[:n_dst]
+    return out * layout.has_edge[:, None, None].to(out.dtype)
+
+
+class BlockSparseBackend(Backend):
+    """Block-sparse: dense SDPA per query block over the key blocks that hold edges."""
+
+    name = "blocksparse"
+
+    def __init__(self, block: int = 64):
+        self.block = block
+
+    def layout(self, edges: EdgeSet) -> Layout:
+        return edges.plan(("blocksparse", self.block, edges.device), lambda: plan(edges, self.block))
+
+    def __call__(self, q, k, v, edges):
+        if edges.parent is not None:  # an ACT subset: reuse the full plan on the blocks with kept queries
+            layout = self.layout(edges.parent)
+            keep = edges.keep
+            rows = torch.nonzero(F.pad(keep, (0, layout.n_qb * layout.block - len(keep))).view(layout.n_qb, -1).any(1)).squeeze(1)
+            out = attend(q, k, v, layout.rows(rows), rows)
+            return out * keep[:, None, None].to(out.dtype)
+        return attend(q, k, v, self.layout(edges))
