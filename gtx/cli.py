@@ -213,6 +213,88 @@ def compare(results_dir, by, fmt):
     click.echo(results.format_table(results.compare(df, [c.strip() for c in by.split(",") if c.strip()]), fmt))
 
 
+@cli.group()
+def bench():
+    """Benchmarks: attention kernels, and training throughput. Tables land under <results>/bench/."""
+
+
+def _csv_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+@bench.command(name="attention")
+@click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Sequence lengths, comma-separated.")
+@click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True, help="Backends, comma-separated.")
+@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG (needs matplotlib).")
+@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
+def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs):
+    """Forward + backward time and peak memory per (pattern, length, backend)."""
+    from gtx import bench as gtx_bench
+    from gtx.runner import resolve_device
+
+    load_plugins(dirs=plugins_dirs)
+    names = _csv_list(backends)
+    dev = resolve_device(device)
+    for name in names:
+        BACKENDS.get(name)
+    specs = [parse_pattern(p).spec for p in patterns]
+    sizes = [int(n) for n in _csv_list(lengths)]
+    df = gtx_bench.bench_attention(specs, sizes, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
+                                   log=lambda s: click.echo(s, err=True))
+    path = gtx_bench.save(df, results_dir, "attention")
+    click.echo(format_table(df, fmt))
+    click.echo(f"table: {path}", err=True)
+    if plot:
+        try:
+            click.echo(f"plot: {gtx_bench.plot_attention(df, path.with_suffix('.png'))}", err=True)
+        except GtxError as e:
+            click.echo(f"no plot: {e}", err=True)
+
+
+@bench.command(name="calibrate")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
+def bench_calibrate(device, heads, head_dim):
+    """Measure the auto backend's cost constants on this machine and save them for auto to use."""
+    from gtx import bench as gtx_bench
+    from gtx.runner import resolve_device
+
+    fitted = gtx_bench.calibrate(str(resolve_device(device)), heads, head_dim, log=lambda s: click.echo(s, err=True))
+    for kind, (a, o) in sorted(fitted.items()):
+        click.echo(f"{kind:<12} {a:.3e} s per unit of work + {1000 * o:.3f} ms per call")
+
+
+@bench.command(name="train")
+@click.option("--task", default="copy", show_default=True)
+@click.option("--model", default="transformer", show_default=True)
+@click.option("--pattern", default="full", show_default=True)
+@click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
+@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
+@click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True, help="Also time torch.nn.Transformer (transformer only).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+@plugins_dir_option
+def bench_train(task, model, pattern, backends, steps, settings, baseline, device, fmt, results_dir):
+    """Training tokens/s per backend on the same batches, and torch.nn.Transformer for reference."""
+    from gtx import bench as gtx_bench
+
+    df = gtx_bench.bench_train(task, model, pattern, _csv_list(backends), steps, settings=settings, device=device,
+                               baseline=baseline, log=lambda s: click.echo(s, err=True))
+    path = gtx_bench.save(df, results_dir, "train")
+    click.echo(format_table(df.drop(columns=["choice"]), fmt))
+    click.echo(f"table: {path}", err=True)
+
+
 @cli.command(name="plugins")
 @click.option("--all", "show_all", is_flag=True, help="Include gtx's built-in plugins.")
 @plugins_dir_option

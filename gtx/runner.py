@@ -28,7 +28,7 @@ from gtx.results import metrics_json, write_run
 from gtx.task import Task, batches
 from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
 
-DEFAULT_BACKEND = "dgl"
+DEFAULT_BACKEND = "auto"
 
 
 @dataclass

@@ -10,7 +10,10 @@ Choices are counted per stage in ``choices`` (the runner writes them to the resu
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -18,44 +21,63 @@ from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs
 from gtx.graph import EdgeSet
 
-# Seconds per unit of work, forward + backward, float32, 2-core x86 CPU (gtx bench attention,
-# docs/benchmarks.md); per-call overheads in seconds. CUDA constants favour the fused kernels.
+# Seconds per unit of work and per call, forward + backward, float32: the built-in calibration,
+# measured with ``gtx bench calibrate`` on the machines named in docs/benchmarks.md. Running it
+# writes this device kind's constants to <cache>/costs-<cpu|cuda>.json, which then take precedence.
 COSTS = {
     "cpu": {
-        "dense": (2.0e-10, 3e-4),  # per query*key*head*dim
-        "blocksparse": (1.2e-10, 1.5e-3),  # per padded block element*head*dim
-        "dgl": (1.0e-9, 1e-3),  # per edge*head*dim
-        "torch": (6.0e-9, 1e-3),
+        "dense": (3.15e-10, 0.0), "dgl": (2.89e-9, 3.6e-4), "torch": (2.25e-8, 0.0),
+        "blocksparse:16": (3.23e-10, 6.3e-4), "blocksparse:32": (1.99e-10, 5.8e-4), "blocksparse:64": (1.48e-10, 8.4e-4),
     },
-    "cuda": {
-        "dense": (2.0e-13, 5e-5),
-        "blocksparse": (4.0e-13, 3e-4),
-        "flex": (1.0e-13, 2e-4),
-        "torch": (2.0e-12, 2e-4),
-    },
+    "cuda": {"dense": (2.0e-13, 5e-5), "blocksparse": (4.0e-13, 3e-4), "flex": (1.0e-13, 2e-4), "torch": (2.0e-12, 2e-4)},
 }
-BLOCKS = (32, 64)
+BLOCKS = (16, 32, 64)
 
 
-def estimate(edges: EdgeSet, heads: int, dim: int, device: torch.device, available: set[str]) -> dict[str, float]:
-    """Predicted seconds per backend (keys like 'blocksparse:32') for one forward + backward."""
-    costs = COSTS["cuda" if device.type == "cuda" else "cpu"]
+def costs_path(device_type: str) -> Path:
+    from gtx.task import cache_dir
+
+    return cache_dir() / f"costs-{device_type}.json"
+
+
+@lru_cache(maxsize=4)
+def costs(device_type: str) -> dict[str, tuple[float, float]]:
+    """The constants for a device kind: the calibration file if there is one, else the built-ins."""
+    path = costs_path(device_type)
+    table = dict(COSTS[device_type])
+    if path.exists():
+        table.update({k: tuple(v) for k, v in json.loads(path.read_text()).items()})
+    return table
+
+
+def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, float]:
+    """Units of work per candidate ('dense', 'blocksparse:32', 'dgl', ...): query*key*head*dim for
+    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels."""
     hd = heads * dim
     out = {}
-    if "dense" in available:
-        a, o = costs["dense"]
-        out["dense"] = a * edges.n_dst * edges.n_src * hd + o
-    if "blocksparse" in available:
-        a, o = costs["blocksparse"]
+    if "dense" in kinds:
+        out["dense"] = float(edges.n_dst * edges.n_src * hd)
+    if "blocksparse" in kinds:
         for b in BLOCKS:
             pairs, n_kb = block_pairs(edges, b)
             n_qb = -(-edges.n_dst // b)
             k_max = int(torch.bincount(pairs // n_kb, minlength=n_qb).max()) if len(pairs) else 1
-            out[f"blocksparse:{b}"] = a * n_qb * k_max * b * b * hd + o
+            out[f"blocksparse:{b}"] = float(n_qb * k_max * b * b * hd)
     for name in ("dgl", "torch", "flex"):
-        if name in available and name in costs:
-            a, o = costs[name]
-            out[name] = a * edges.num_edges * hd + o
+        if name in kinds:
+            out[name] = float(edges.num_edges * hd)
+    return out
+
+
+def estimate(edges: EdgeSet, heads: int, dim: int, device: torch.device, kinds: set[str]) -> dict[str, float]:
+    """Predicted seconds per candidate for one forward + backward."""
+    table = costs("cuda" if device.type == "cuda" else "cpu")
+    out = {}
+    for name, units in work(edges, heads, dim, kinds).items():
+        constants = table.get(name) or table.get(name.split(":")[0])  # per block size, else per kind
+        if constants:
+            a, o = constants
+            out[name] = a * units + o
     return out
 
 
@@ -84,6 +106,8 @@ class AutoBackend(Backend):
         return self._backends[key]
 
     def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device) -> str:
+        if edges.num_edges == edges.n_dst * edges.n_src:
+            return "dense"  # a complete edge set is plain attention: the dense kernel runs it unmasked
         usable = self.candidates(device)
         kinds = {n.split(":")[0] for n in usable}
         predicted = estimate(edges, heads, dim, device, kinds)

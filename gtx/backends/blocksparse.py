@@ -1,7 +1,7 @@
 """blocksparse: edges -> a block layout, dense attention per block row over the gathered key blocks.
 
 Queries are cut into blocks of ``block`` rows. A query block's key blocks are the key blocks that
-hold at least one of its edges; they are gathered (padded to the longest row) and each query block
+hold at least one of its edges; they are gathered whole (padded to the longest row) and each query block
 runs one scaled_dot_product_attention over them, with an element mask only when some active block
 is partly filled (a layout whose blocks are all full runs unmasked). Exact: the same function as
 ``dense``, forward and backward, on any device; one long sequence and a batch of many short
@@ -21,25 +21,23 @@ from gtx.graph import EdgeSet
 
 @dataclass
 class Layout:
-    """A block plan. ``key_index`` (n_qb, K*block) gathers each row's key blocks (padding slots point
-    at key 0 and are masked); ``mask`` (n_qb, block, K*block) or None when every block is full;
-    ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros)."""
+    """A block plan. ``key_blocks`` (n_qb, K) lists each query block's key blocks (padding slots
+    repeat block 0 and are masked); ``mask`` (n_qb, block, K*block) or None when every block is
+    full; ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros)."""
 
     block: int
     n_qb: int
-    key_index: torch.Tensor
+    n_kb: int
+    key_blocks: torch.Tensor
     mask: torch.Tensor | None
     has_edge: torch.Tensor
+    all_have_edges: bool
     active_blocks: int
-
-    @property
-    def k_max(self) -> int:
-        return self.key_index.shape[1] // self.block
 
     def rows(self, keep_rows: torch.Tensor) -> "Layout":
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
-        return Layout(self.block, self.n_qb, self.key_index[keep_rows], mask, self.has_edge, self.active_blocks)
+        return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges, self.active_blocks)
 
 
 def block_pairs(edges: EdgeSet, block: int) -> tuple[torch.Tensor, int]:
@@ -57,37 +55,48 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     counts = torch.bincount(row, minlength=n_qb)
     k_max = max(int(counts.max()) if len(counts) else 1, 1)
     slot = torch.arange(len(pairs), device=device) - (torch.cumsum(counts, 0) - counts)[row]
-    key_block = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
-    key_block[row, slot] = col
-    offsets = torch.arange(block, device=device)
-    key_index = (key_block[:, :, None] * block + offsets).reshape(n_qb, k_max * block)
-    key_index = key_index.clamp_(max=max(edges.n_src - 1, 0))
+    key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
+    key_blocks[row, slot] = col
     edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
     mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
     mask[dst // block, dst % block, edge_slot * block + src % block] = True
     has_edge = torch.zeros(n_qb * block, dtype=torch.bool, device=device)
     has_edge[dst] = True
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
-    return Layout(block, n_qb, key_index, None if bool(mask.all()) else mask, has_edge[: edges.n_dst], len(pairs))
+    has_edge = has_edge[: edges.n_dst]
+    mask = None if bool(mask.all()) else mask
+    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), len(pairs))
+
+
+def gather_blocks(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(n, H, D) -> (rows, H, K*block, D): each row's key blocks, gathered whole. Gathering blocks
+    (index_select, whose backward is index_add) rather than single keys keeps the backward cheap."""
+    b, rows, k_max = layout.block, *layout.key_blocks.shape
+    blocks = _pad_rows(x, layout.n_kb * b).view(layout.n_kb, b, *x.shape[1:])
+    out = blocks.index_select(0, layout.key_blocks.flatten()).view(rows, k_max * b, *x.shape[1:])
+    return out.transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros)."""
     n_dst, heads, dim = q.shape
     b = layout.block
-    qp = F.pad(q, (0, 0, 0, 0, 0, layout.n_qb * b - n_dst)).view(layout.n_qb, b, heads, dim)
+    qp = _pad_rows(q, layout.n_qb * b).view(layout.n_qb, b, heads, dim)
     if rows is not None:
         qp = qp[rows]
     qb = qp.transpose(1, 2)  # (rows, H, b, D)
-    kb = k[layout.key_index].transpose(1, 2)  # (rows, H, K*b, D)
-    vb = v[layout.key_index].transpose(1, 2)
+    kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)  # (rows, H, K*b, D)
     mask = None if layout.mask is None else layout.mask[:, None]
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0).transpose(1, 2)  # (rows, b, H, Dv)
     if rows is not None:
         full = out.new_zeros(layout.n_qb, b, heads, v.shape[-1])
         out = full.index_copy(0, rows, out)
     out = out.reshape(layout.n_qb * b, heads, v.shape[-1])[:n_dst]
-    return out * layout.has_edge[:, None, None].to(out.dtype)
+    return out if layout.all_have_edges else out * layout.has_edge[:, None, None].to(out.dtype)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
 
 
 class BlockSparseBackend(Backend):

@@ -10,7 +10,10 @@ from gtx.backends import Backend
 from gtx.graph import EdgeSet
 
 
-def _mask(edges: EdgeSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mask(edges: EdgeSet) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The attention mask (None for a complete edge set: SDPA's unmasked kernel) and the rows to keep."""
+    if edges.num_edges == edges.n_dst * edges.n_src:
+        return None, None
     adj = edges.dense()
     empty = edges.in_degree() == 0
     if not empty.any():

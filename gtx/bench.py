@@ -1,0 +1,329 @@
+"""Benchmarks: attention kernels per (pattern, length, backend), and training throughput per backend.
+
+Each attention cell runs in a fresh subprocess so that its peak memory (CPU: growth of the
+process's peak RSS; CUDA: peak allocated) belongs to that cell alone, and cells do not warm each
+other's caches. Times are medians of ``repeats`` after ``warmup`` calls, forward + backward; the
+first call, which builds the backend's plan for the edge set, is reported as ``first_ms``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from gtx.errors import GtxError
+
+ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
+TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "step_ms", "data_ms", "steps", "device", "choice"]
+
+
+@dataclass
+class AttentionCell:
+    pattern: str
+    n: int
+    backend: str
+    heads: int = 4
+    head_dim: int = 32
+    repeats: int = 5
+    warmup: int = 1
+    device: str = "cpu"
+    plugins_dirs: tuple[str, ...] = ()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_attention_cell(cell: AttentionCell) -> dict:
+    """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
+    one sequence of n tokens."""
+    from gtx.backends import get_backend
+    from gtx.engine import propagate_attention
+    from gtx.graph import EdgeSet
+    from gtx.pattern import parse_pattern
+    from gtx.plugins import load_plugins
+
+    load_plugins(dirs=cell.plugins_dirs)
+    device = torch.device(cell.device)
+    backend = get_backend(cell.backend, device)
+    src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
+    edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = _peak_mb(device) if device.type == "cpu" else 0.0
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        propagate_attention(q, k, v, edges, backend).backward(grad)
+        _sync(device)
+
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    for _ in range(cell.warmup):
+        step()
+    times = []
+    for _ in range(cell.repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    choice = ""
+    if cell.backend == "auto":
+        choice = next(iter(backend.reset_choices().get("ee", {})), "")
+    return {
+        "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
+        "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
+        "peak_mem_mb": _peak_mb(device) - base, "choice": choice, "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
+    }
+
+
+def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5, warmup=1, device="cpu",
+                    plugins_dirs=(), timeout_s=900, log=lambda s: None) -> pd.DataFrame:
+    """Every (pattern, length, backend) cell in its own subprocess; a cell that fails or times out
+    is reported with ms = NaN and the reason in ``choice``."""
+    rows = []
+    for pattern in patterns:
+        for n in lengths:
+            for backend in backends:
+                cell = AttentionCell(pattern, n, backend, heads, head_dim, repeats, warmup, device, tuple(map(str, plugins_dirs)))
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, "-m", "gtx.bench", json.dumps(asdict(cell))],
+                        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                    )
+                    if proc.returncode:
+                        raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
+                    row = json.loads(proc.stdout.strip().splitlines()[-1])
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    reason = f"timed out after {timeout_s}s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
+                    row = {"pattern": pattern, "n": n, "backend": backend, "ms": float("nan"), "choice": f"error: {reason}"}
+                log(f"{row['pattern']:<16} n={n:<6} {backend:<12} {row['ms']:10.1f} ms  {row.get('peak_mem_mb', float('nan')):9.1f} MB  {row.get('choice', '')}")
+                rows.append(row)
+    return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
+
+
+class TorchTransformerBaseline(torch.nn.Module):
+    """What a user would pick instead: torch.nn.Transformer over padded batches with masks,
+    the same sizes, pre-norm, embeddings + sinusoidal positions and a tied output projection."""
+
+    def __init__(self, vocab_src: int, vocab_tgt: int, layers: int, heads: int, dim: int, dim_ff: int, dropout: float):
+        super().__init__()
+        from gtx.model import PositionalEncoding
+
+        self.src, self.tgt = torch.nn.Embedding(vocab_src, dim), torch.nn.Embedding(vocab_tgt, dim)
+        self.pos = PositionalEncoding(dim)
+        self.net = torch.nn.Transformer(dim, heads, layers, layers, dim_ff, dropout, batch_first=True, norm_first=True)
+        self.out = torch.nn.Linear(dim, vocab_tgt)
+
+    def forward(self, src, tgt, src_pad, tgt_pad):
+        n = tgt.shape[1]
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(n, device=tgt.device, dtype=torch.bool)
+        pos_s, pos_t = torch.arange(src.shape[1], device=src.device), torch.arange(n, device=tgt.device)
+        h = self.net(self.src(src) + self.pos(pos_s), self.tgt(tgt) + self.pos(pos_t), tgt_mask=causal,
+                     src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        return self.out(h)
+
+
+def _padded(batch):
+    """Flat node tensors -> padded (B, T) tensors and padding masks."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    def split(flat, lens):
+        return pad_sequence(list(torch.split(flat, lens.tolist())), batch_first=True)
+
+    src_lens, tgt_lens = batch.graph.src_lens, batch.graph.tgt_lens
+    src, tgt_in, tgt_out = split(batch.src, src_lens), split(batch.tgt_in, tgt_lens), split(batch.tgt_out, tgt_lens)
+    src_pad = torch.arange(src.shape[1])[None] >= src_lens[:, None]
+    tgt_pad = torch.arange(tgt_in.shape[1])[None] >= tgt_lens[:, None]
+    return src, tgt_in, tgt_out, src_pad, tgt_pad
+
+
+def bench_train(task="copy", model="transformer", pattern="full", backends=("auto",), steps=30, warmup_steps=3,
+                settings=None, device="cpu", baseline=True, log=lambda s: None) -> pd.DataFrame:
+    """Training tokens/s per backend on the same batches (target tokens per second of wall time,
+    graph building included), and the same model as torch.nn.Transformer with padded dense masks.
+    ``data_ms`` is the part of a step spent building batches and graphs."""
+    import torch.nn.functional as F
+
+    from gtx.backends import get_backend
+    from gtx.runner import RunConfig, resolve
+    from gtx.task import batches
+    from gtx.train import Trainer
+
+    rows = []
+    variants = [(b, {}) for b in backends]
+    if model == "ut":  # the same model with halting disabled at the same maximum depth
+        variants += [(b, {"act": "false"}) for b in backends]
+    for backend, extra in variants:
+        r = resolve(RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, settings={**(settings or {}), **extra}))
+        torch.manual_seed(0)
+        be = get_backend(backend, r.device)
+        net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, be).to(r.device)
+        trainer = Trainer(net, r.train, getattr(r.model_config, "dim", 128), r.device)
+        data = list(_take(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=0), steps + warmup_steps))
+        if hasattr(be, "reset_choices"):
+            be.reset_choices()
+        tokens, wall, data_s = _time_steps(lambda b: trainer.train_epoch([b]), data, warmup_steps, r)
+        choice = json.dumps(be.reset_choices()) if hasattr(be, "reset_choices") else ""
+        name = model + ("[act=false]" if extra else "")
+        rows.append({"task": task, "model": name, "pattern": r.chosen.spec, "backend": backend, "tokens_per_s": tokens / wall,
+                     "step_ms": 1000 * wall / steps, "data_ms": 1000 * data_s / steps, "steps": steps, "device": str(r.device), "choice": choice})
+        log(f"{name:<18} {backend:<12} {tokens / wall:10,.0f} tokens/s   step {1000 * wall / steps:7.1f} ms (data {1000 * data_s / steps:.1f} ms)")
+    if baseline and model == "transformer":
+        c = r.model_config
+        torch.manual_seed(0)
+        net = TorchTransformerBaseline(len(r.task.src_vocab), len(r.task.tgt_vocab), c.layers, c.heads, c.dim, c.dim_ff, c.dropout).to(r.device)
+        net.out.weight = net.tgt.weight
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
+
+        def step(batch):
+            src, tgt_in, tgt_out, src_pad, tgt_pad = (t.to(r.device) for t in _padded(batch))
+            logits = net(src, tgt_in, src_pad, tgt_pad)
+            loss = F.cross_entropy(logits[~tgt_pad], tgt_out[~tgt_pad], label_smoothing=r.train.label_smoothing)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+
+        net.train()
+        tokens, wall, data_s = _time_steps(step, data, warmup_steps, r)
+        rows.append({"task": task, "model": "torch.nn.Transformer", "pattern": "full (padded, masked)", "backend": "torch.nn",
+                     "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / steps, "data_ms": 1000 * data_s / steps,
+                     "steps": steps, "device": str(r.device), "choice": ""})
+        log(f"{'torch.nn.Transformer':<18} {'(padded)':<12} {tokens / wall:10,.0f} tokens/s   step {1000 * wall / steps:7.1f} ms")
+    return pd.DataFrame(rows).reindex(columns=TRAIN_COLUMNS)
+
+
+def _take(iterator, n):
+    for i, item in enumerate(iterator):
+        if i >= n:
+            return
+        yield item
+
+
+def _time_steps(step, data, warmup_steps, r):
+    """Run warm-up steps, then time the rest; graph building is re-done inside the timed region
+    (the batches are rebuilt from their examples) so that data cost is counted."""
+    from gtx.task import make_batch
+
+    for batch in data[:warmup_steps]:
+        step(batch)
+    tokens, data_s = 0, 0.0
+    _sync(r.device)
+    t0 = time.perf_counter()
+    for batch in data[warmup_steps:]:
+        d0 = time.perf_counter()
+        fresh = make_batch(r.task, batch.split, batch.index, r.pattern)
+        data_s += time.perf_counter() - d0
+        step(fresh)
+        tokens += fresh.n_target_tokens
+    _sync(r.device)
+    return tokens, time.perf_counter() - t0, data_s
+
+
+CALIBRATION_SUITE = [("full", [256]), ("full", [1024]), ("local:w=8", [2048]), ("local:w=32", [4096]),
+                     ("local:w=32", [8192]), ("local:w=64", [2048]), ("full", [16] * 128), ("local:w=2", [16] * 128)]
+
+
+def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None) -> dict[str, tuple[float, float]]:
+    """Time every auto candidate on a small suite (one long sequence and batches of short ones),
+    fit seconds = a * work + overhead per candidate (least relative squared error), and save the constants where
+    ``auto`` reads them. Returns the fitted constants."""
+    import numpy as np
+
+    from gtx.backends.auto import AutoBackend, costs, costs_path, work
+    from gtx.engine import propagate_attention
+    from gtx.graph import build_graph
+    from gtx.pattern import parse_pattern
+    from gtx.task import atomic_write_text
+
+    dev = torch.device(device)
+    auto = AutoBackend()
+    candidates = auto.candidates(dev)
+    kinds = {n.split(":")[0] for n in candidates}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    for spec, lens in CALIBRATION_SUITE:
+        edges = build_graph(parse_pattern(spec), lens).edges["ee"].to(dev)
+        units = work(edges, heads, head_dim, kinds)
+        q, k, v = (torch.randn(edges.n_dst, heads, head_dim, device=dev, requires_grad=True) for _ in range(3))
+        for name, backend in candidates.items():
+            if name.split(":")[0] in ("torch",) and edges.num_edges > 2_000_000:
+                continue
+            times = []
+            for i in range(repeats + 1):
+                _sync(dev)
+                t0 = time.perf_counter()
+                propagate_attention(q, k, v, edges, backend).sum().backward()
+                _sync(dev)
+                if i:  # the first call builds the plan
+                    times.append(time.perf_counter() - t0)
+            samples.setdefault(name, []).append((units[name], statistics.median(times)))
+            log(f"{spec:<12} x{len(lens):<4} {name:<15} {1000 * statistics.median(times):9.2f} ms")
+    fitted = {}
+    for kind, points in samples.items():
+        w, t = np.array(points).T
+        # least squares on relative error: small and large cases count alike
+        (a, o), *_ = np.linalg.lstsq(np.stack([w / t, 1 / t], 1), np.ones_like(t), rcond=None)
+        fitted[kind] = (max(float(a), 1e-15), max(float(o), 0.0))
+    path = costs_path(dev.type)
+    atomic_write_text(path, json.dumps(fitted, indent=1))
+    costs.cache_clear()
+    log(f"wrote {path}")
+    return fitted
+
+
+def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
+    """Write a benchmark table under ``<results>/bench/`` (atomically) and return its path."""
+    from gtx.task import atomic_write_text
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(results_dir) / "bench" / f"{kind}-{stamp}.csv"
+    atomic_write_text(path, df.to_csv(index=False))
+    return path
+
+
+def plot_attention(df: pd.DataFrame, path: Path) -> Path:
+    """Time against length per backend, log-log, one panel per pattern (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise GtxError("plotting needs matplotlib: pip install -e '.[plot]' (the CSV was written)") from None
+    patterns = list(dict.fromkeys(df.pattern))
+    fig, axes = plt.subplots(1, len(patterns), figsize=(5 * len(patterns), 4), squeeze=False)
+    for ax, pattern in zip(axes[0], patterns):
+        for backend, rows in df[df.pattern == pattern].groupby("backend"):
+            rows = rows.dropna(subset=["ms"]).sort_values("n")
+            ax.plot(rows.n, rows.ms, marker="o", label=backend)
+        ax.set(xscale="log", yscale="log", xlabel="tokens n", ylabel="forward + backward (ms)", title=pattern)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":  # one attention cell, for bench_attention's subprocesses
+    print(json.dumps(run_attention_cell(AttentionCell(**{**json.loads(sys.argv[1]), "plugins_dirs": tuple(json.loads(sys.argv[1])["plugins_dirs"])}))))
