@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,7 +133,9 @@ class TorchTransformerBaseline(torch.nn.Module):
 
         self.src, self.tgt = torch.nn.Embedding(vocab_src, dim), torch.nn.Embedding(vocab_tgt, dim)
         self.pos = PositionalEncoding(dim)
-        self.net = torch.nn.Transformer(dim, heads, layers, layers, dim_ff, dropout, batch_first=True, norm_first=True)
+        with warnings.catch_warnings():  # "enable_nested_tensor ... norm_first": nested tensors need post-norm
+            warnings.simplefilter("ignore", UserWarning)
+            self.net = torch.nn.Transformer(dim, heads, layers, layers, dim_ff, dropout, batch_first=True, norm_first=True)
         self.out = torch.nn.Linear(dim, vocab_tgt)
 
     def forward(self, src, tgt, src_pad, tgt_pad):

@@ -39,7 +39,7 @@ def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam
     encoded = _select(model.encode(batch.src, batch.src_pos, batch.graph), src_lens, beam)
     n_samples = len(src_lens)
     rep_lens = src_lens.repeat_interleave(beam).tolist()
-    limits = torch.tensor([task.max_decode_len(n) for n in rep_lens])
+    limits = torch.tensor([task.max_decode_len(n - 1) for n in rep_lens])  # sources end with <eos>
     seqs = torch.full((n_samples * beam, 1), Vocab.sos, dtype=torch.long)
     scores = torch.zeros(n_samples, beam)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
@@ -51,6 +51,7 @@ def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam
         out = model.decode(encoded, seqs.flatten().to(device), positions(lens).to(device), graph)
         logp = torch.log_softmax(out.logits.float()[length - 1 :: length], -1).cpu()  # last position of each
         vocab = logp.shape[1]
+        logp[:, [Vocab.pad, Vocab.sos]] = float("-inf")  # never generated
         logp[finished] = float("-inf")
         logp[finished, Vocab.pad] = 0.0  # a finished hypothesis only extends with padding, at no cost
         cand = (scores.reshape(-1, 1) + logp).reshape(n_samples, beam * vocab)

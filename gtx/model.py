@@ -69,16 +69,17 @@ class FeedForward(nn.Module):
 
 
 class Embeddings(nn.Module):
-    """Token embedding plus sinusoidal position, then dropout; source and target share one table
-    (and the output projection) when ``share`` and the vocabularies are equal.
+    """Token embedding times ``scale`` plus sinusoidal position, then dropout; source and target
+    share one table (and the output projection) when ``share`` and the vocabularies are equal.
 
-    Unlike the seeds, embeddings are not multiplied by sqrt(d): with xavier-initialised tables that
-    scale drowns the unit-amplitude positions, and copy/sort must learn positional attention first
-    (copy, 1 layer, 128 dims, 4 epochs: 97.8% valid token accuracy with the scale, 98.9% without)."""
+    The seeds multiply by sqrt(d) (11.3 at d = 128): with xavier-initialised tables that drowns the
+    unit-amplitude positions, which copy/sort must learn to attend by first; no scale leaves the
+    token content faint. Measured on copy (1 layer, 1 head, 128 dims, 4 epochs, seed 0): valid
+    sequence accuracy 86.8% at scale 11.3... see docs/models-and-tasks.md for the figures."""
 
-    def __init__(self, src_vocab: Vocab, tgt_vocab: Vocab, dim: int, dropout: float, share: bool):
+    def __init__(self, src_vocab: Vocab, tgt_vocab: Vocab, dim: int, dropout: float, share: bool, scale: float):
         super().__init__()
-        self.dim = dim
+        self.dim, self.scale = dim, scale
         self.tgt = nn.Embedding(len(tgt_vocab), dim)
         self.src = self.tgt if share and src_vocab == tgt_vocab else nn.Embedding(len(src_vocab), dim)
         self.generator = nn.Linear(dim, len(tgt_vocab))
@@ -87,8 +88,11 @@ class Embeddings(nn.Module):
         self.pos = PositionalEncoding(dim)
         self.dropout = nn.Dropout(dropout)
 
+    def token(self, table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        return table(ids) * self.scale
+
     def embed(self, table: nn.Embedding, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.dropout(table(ids) + self.pos(pos))
+        return self.dropout(self.token(table, ids) + self.pos(pos))
 
 
 class EncoderLayer(nn.Module):

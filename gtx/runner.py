@@ -175,7 +175,7 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
         "schema_version": 1, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
         "task": config.task, "model": config.model, "pattern": r.chosen.spec,
         "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": n_params,
-        "config": json.dumps(r.as_dict(), sort_keys=True), "backend_plan": "{}", **_versions(),
+        "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
     }
     log(f"run {run_id}: task {config.task}, model {config.model} ({n_params:,} parameters), pattern {r.pattern.spec}, "
         f"backend {config.backend}, device {r.device}")
@@ -186,10 +186,11 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
 
     def record(split: str, stats: PhaseStats, edges: dict[str, float]) -> None:
         extra = dict(stats.extra)
+        plan = backend.reset_choices() if hasattr(backend, "reset_choices") else {}
         rows.append({
             **common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
             **{f"edges_per_query_{s}": edges.get(s, float("nan")) for s in ("ee", "dd", "ed")},
-            "metrics": metrics_json(extra),
+            "metrics": metrics_json(extra), "backend_plan": json.dumps(plan, sort_keys=True),
         })
 
     def edge_counts(split: str) -> dict[str, float]:
@@ -202,6 +203,8 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
         return {s: e / max(q, 1) for s, (e, q) in total.items()}
 
     edges = {s: edge_counts(s) for s in ("train", "valid", "test")}
+    if hasattr(backend, "reset_choices"):
+        backend.reset_choices()
     for epoch in range(1, r.train.epochs + 1):
         tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress else (lambda: None)
         stats = trainer.train_epoch(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch), tick)

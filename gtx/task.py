@@ -1,8 +1,10 @@
 """Tasks: vocabularies, seeded and cached splits, batching into token graphs, metrics.
 
 Every task is sequence to sequence: a source token sequence and a target token sequence.
-Classification (``listops``) is a target of one token. The decoder reads ``<sos> + target`` and
-predicts ``target + <eos>`` (tasks with ``eos = False`` predict just the target, fixed length).
+Classification (``listops``) is a target of one token. The encoder reads ``source + <eos>`` (as in
+tensor2tensor and fairseq: without an end marker a decoder cannot tell where a short source ends),
+the decoder reads ``<sos> + target`` and predicts ``target + <eos>`` (tasks with ``eos = False``
+predict just the target, fixed length).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class Task:
 class Batch:
     """A batch of examples as flat node tensors (no padding) and its token graph.
 
-    ``src`` (N_enc,) ids, ``tgt_in`` (N_dec,) = <sos> + target, ``tgt_out`` (N_dec,) = target (+ <eos>);
+    ``src`` (N_enc,) ids of source + <eos>, ``tgt_in`` (N_dec,) = <sos> + target, ``tgt_out`` (N_dec,) = target (+ <eos>);
     ``src_pos``/``tgt_pos`` are positions within each sample."""
 
     src: torch.Tensor
@@ -153,7 +155,7 @@ class Batch:
 def make_batch(task: Task, split: str, index: list[int], pattern: Pattern) -> Batch:
     """The batch of examples ``index`` of a split, with its token graph under ``pattern``."""
     examples = [task.splits()[split][i] for i in index]
-    srcs = [task.src_vocab.encode(s) for s, _ in examples]
+    srcs = [task.src_vocab.encode(s) + [Vocab.eos] for s, _ in examples]
     tgts = [task.tgt_vocab.encode(t) for _, t in examples]
     eos = [Vocab.eos] if task.eos else []
     tgt_in = [[Vocab.sos] + t + eos for t in tgts]

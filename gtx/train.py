@@ -19,12 +19,12 @@ from gtx.task import Batch, Task
 
 @dataclass
 class TrainConfig:
-    epochs: int = field(default=10, metadata={"help": "passes over the training split"})
+    epochs: int = field(default=4, metadata={"help": "passes over the training split"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many optimizer steps (0: no limit)"})
     batch_size: int = field(default=128, metadata={"help": "examples per batch"})
     eval_batch_size: int = 256
-    lr_factor: float = field(default=1.0, metadata={"help": "Noam schedule factor"})
-    warmup: int = field(default=400, metadata={"help": "Noam warm-up steps"})
+    lr_factor: float = field(default=0.7, metadata={"help": "Noam schedule factor"})
+    warmup: int = field(default=200, metadata={"help": "Noam warm-up steps"})
     label_smoothing: float = 0.1
     clip_norm: float = field(default=1.0, metadata={"help": "gradient norm clip (0: off)"})
     decode_valid: int = field(default=-1, metadata={"help": "valid examples decoded per epoch for seq_acc (-1: all, 0: none)"})

@@ -21,6 +21,7 @@ class TransformerConfig:
     dim_ff: int = 512
     dropout: float = 0.1
     share_embeddings: bool = field(default=True, metadata={"help": "tie source/target embeddings and the output projection"})
+    embed_scale: float = field(default=4.0, metadata={"help": "token embeddings are multiplied by this (the seeds: sqrt(dim))"})
 
 
 class Transformer(Seq2SeqModel):
@@ -28,7 +29,7 @@ class Transformer(Seq2SeqModel):
 
     def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, backend):
         super().__init__(backend)
-        self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings)
+        self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale)
         self.encoder = nn.ModuleList(EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
         self.decoder = nn.ModuleList(DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
         self.enc_norm, self.dec_norm = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)

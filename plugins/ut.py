@@ -30,6 +30,7 @@ class UTConfig:
     act_loss_weight: float = 0.01
     act: bool = field(default=True, metadata={"help": "False: no halting, every node runs max_depth steps"})
     share_embeddings: bool = True
+    embed_scale: float = field(default=4.0, metadata={"help": "token embeddings are multiplied by this (the seeds: sqrt(dim))"})
 
 
 class Halting(nn.Module):
@@ -52,7 +53,7 @@ class UniversalTransformer(Seq2SeqModel):
     def __init__(self, config: UTConfig, src_vocab, tgt_vocab, backend):
         super().__init__(backend)
         c = self.config = config
-        self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings)
+        self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
         self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
         self.dec_layer = DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
         self.halt_enc, self.halt_dec = Halting(c.dim), Halting(c.dim)
@@ -61,7 +62,7 @@ class UniversalTransformer(Seq2SeqModel):
         self.init_weights()
 
     def _state(self, table, ids, pos):
-        x = table(ids)
+        x = self.embed.token(table, ids)
         n = x.shape[0]
         return {
             "x": x, "pos": pos,
