@@ -74,8 +74,8 @@ class Embeddings(nn.Module):
 
     The seeds multiply by sqrt(d) (11.3 at d = 128): with xavier-initialised tables that drowns the
     unit-amplitude positions, which copy/sort must learn to attend by first; no scale leaves the
-    token content faint. Measured on copy (1 layer, 1 head, 128 dims, 4 epochs, seed 0): valid
-    sequence accuracy 86.8% at scale 11.3... see docs/models-and-tasks.md for the figures."""
+    token content faint. Copy, 1 layer, 1 head, 128 dims, 4 epochs, seed 0, valid token / greedy
+    sequence accuracy: scale 11.3: 99.55% / 93.5%; 1: 99.74% / 97.5%; 4 (default): 99.89% / 98.5%."""
 
     def __init__(self, src_vocab: Vocab, tgt_vocab: Vocab, dim: int, dropout: float, share: bool, scale: float):
         super().__init__()
