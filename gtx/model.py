@@ -59,10 +59,33 @@ class PositionalEncoding(nn.Module):
         return self.pe[positions]
 
 
+class Dropout(nn.Module):
+    """Dropout whose CPU mask costs a third of ``torch.dropout``'s: one 64-bit random draw gives three
+    16-bit uniform lanes (probability exact to 1/65536). The CPU generator is the cost: at the sizes
+    of a small model, ``torch.dropout`` took ~18% of a training step. CUDA uses ``torch.dropout``."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if x.is_cuda:
+            return torch.dropout(x, self.p, True)
+        n = x.numel()
+        words = torch.empty(-(-n // 3), dtype=torch.int64, device=x.device).random_(0, 1 << 48)
+        lanes = words.view(torch.int16).view(-1, 4)[:, :3].reshape(-1)[:n]  # uniform on [-2^15, 2^15)
+        scale = (lanes >= round(-32768 + self.p * 65536)).to(x.dtype).mul_(1 / (1 - self.p))
+        return x * scale.view_as(x)
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, dim_ff: int, dropout: float):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, dim_ff), nn.ReLU(), nn.Dropout(dropout), nn.Linear(dim_ff, dim))
+        self.net = nn.Sequential(nn.Linear(dim, dim_ff), nn.ReLU(), Dropout(dropout), nn.Linear(dim_ff, dim))
 
     def forward(self, x):
         return self.net(x)
@@ -86,7 +109,7 @@ class Embeddings(nn.Module):
         if share:
             self.generator.weight = self.tgt.weight
         self.pos = PositionalEncoding(dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def token(self, table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         return table(ids) * self.scale
@@ -104,7 +127,7 @@ class EncoderLayer(nn.Module):
         self.attn = MultiHeadAttention(heads, dim)
         self.ff = FeedForward(dim, dim_ff, dropout)
         self.norm_attn, self.norm_ff = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def pre(self, nodes):
         return self.attn.get(self.norm_attn(nodes["x"]))
@@ -123,7 +146,7 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.cross_attn = MultiHeadAttention(heads, dim), MultiHeadAttention(heads, dim)
         self.ff = FeedForward(dim, dim_ff, dropout)
         self.norm_self, self.norm_cross, self.norm_ff = (nn.LayerNorm(dim) for _ in range(3))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def pre_self(self, nodes):
         return self.self_attn.get(self.norm_self(nodes["x"]))

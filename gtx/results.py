@@ -89,7 +89,7 @@ def load(results_dir: str | Path) -> pd.DataFrame:
         try:
             frames.append(validate(pd.read_csv(f, dtype=str, keep_default_na=False, na_values=[""])))
         except (ValueError, pd.errors.ParserError) as e:
-            warnings.warn(f"skipping {f}: {e}")
+            warnings.warn(f"skipping {f}: {e}", stacklevel=2)
     if not frames:
         return validate(pd.DataFrame({c: pd.Series(dtype=t) for c, t in COLUMNS.items()}))
     return pd.concat(frames, ignore_index=True)

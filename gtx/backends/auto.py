@@ -11,6 +11,7 @@ Choices are counted per stage in ``choices`` (the runner writes them to the resu
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter, defaultdict
 from functools import lru_cache
 from pathlib import Path
@@ -89,6 +90,7 @@ class AutoBackend(Backend):
     def __init__(self):
         self.choices: dict[str, Counter] = defaultdict(Counter)
         self._backends: dict[str, Backend] = {}
+        self._by_shape: dict[tuple, str] = {}
 
     def candidates(self, device: torch.device) -> dict[str, Backend]:
         from gtx.backends.blocksparse import BlockSparseBackend
@@ -108,6 +110,15 @@ class AutoBackend(Backend):
     def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device) -> str:
         if edges.num_edges == edges.n_dst * edges.n_src:
             return "dense"  # a complete edge set is plain attention: the dense kernel runs it unmasked
+        # Batches of one task differ edge by edge but not in shape: decide once per shape class
+        # (sizes and edges per query to within ~20%), not for every new batch.
+        shape = (edges.stage, str(device), heads, dim, round(4 * math.log2(edges.n_dst)), round(4 * math.log2(edges.n_src)),
+                 round(4 * math.log2(edges.num_edges + 1)))
+        if shape not in self._by_shape:
+            self._by_shape[shape] = self._estimate_best(edges, heads, dim, device)
+        return self._by_shape[shape]
+
+    def _estimate_best(self, edges: EdgeSet, heads: int, dim: int, device: torch.device) -> str:
         usable = self.candidates(device)
         kinds = {n.split(":")[0] for n in usable}
         predicted = estimate(edges, heads, dim, device, kinds)

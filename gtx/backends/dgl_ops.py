@@ -55,7 +55,7 @@ class DGLSeedBackend(DGLBackend):
         beyond ~80, like any unshifted exp)."""
         if edges.num_edges == 0:
             return v.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
-        dgl = import_dgl()
+        import_dgl()
         import dgl.function as fn
 
         g = edges.plan(("dgl", q.device), lambda: bipartite_graph(edges, q.device))
