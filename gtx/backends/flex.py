@@ -34,9 +34,8 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
     def kv_blocks(select):
         r, c = row[select], col[select]
         counts = torch.bincount(r, minlength=n_qb)
-        width = max(int(counts.max()) if len(counts) else 0, 1)
         slot = torch.arange(len(r), device=device) - (torch.cumsum(counts, 0) - counts)[r]
-        index = torch.zeros(n_qb, width, dtype=torch.int32, device=device)
+        index = torch.zeros(n_qb, n_kb, dtype=torch.int32, device=device)  # BlockMask wants one slot per key block
         index[r, slot] = c.to(torch.int32)
         return counts.to(torch.int32)[None, None], index[None, None]
 
