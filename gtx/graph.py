@@ -100,9 +100,6 @@ class TokenGraph:
     def to(self, device) -> "TokenGraph":
         return TokenGraph(self.src_lens, self.tgt_lens, {s: e.to(device) for s, e in self.edges.items()}, self.pattern)
 
-    def edges_per_query(self) -> dict[str, float]:
-        return {s: e.num_edges / max(e.n_dst, 1) for s, e in self.edges.items()}
-
 
 def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Sequence[int]) -> EdgeSet:
     """The disjoint union of per-sample edge sets (each cached by the pattern per lengths)."""

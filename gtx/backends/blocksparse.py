@@ -32,12 +32,11 @@ class Layout:
     mask: torch.Tensor | None
     has_edge: torch.Tensor
     all_have_edges: bool
-    active_blocks: int
 
     def rows(self, keep_rows: torch.Tensor) -> "Layout":
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
-        return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges, self.active_blocks)
+        return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges)
 
 
 def block_pairs(edges: EdgeSet, block: int) -> tuple[torch.Tensor, int]:
@@ -65,7 +64,7 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
     has_edge = has_edge[: edges.n_dst]
     mask = None if bool(mask.all()) else mask
-    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), len(pairs))
+    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()))
 
 
 def gather_blocks(x: torch.Tensor, layout: Layout) -> torch.Tensor:
