@@ -30,7 +30,18 @@ from gtx import hookspecs
 from gtx.errors import GtxError, PluginError, UnknownNameError
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILTIN_DIRS = (ROOT / "patterns", ROOT / "plugins")
+
+
+def _builtin_dirs() -> tuple[Path, Path]:
+    """``patterns/`` and ``plugins/`` beside the package (a checkout, an editable install), else
+    where a regular install puts them (``<prefix>/share/gtx``)."""
+    for base in (ROOT, Path(sys.prefix) / "share" / "gtx"):
+        if (base / "patterns").is_dir():
+            return base / "patterns", base / "plugins"
+    return ROOT / "patterns", ROOT / "plugins"
+
+
+BUILTIN_DIRS = _builtin_dirs()
 DEFAULT_PLUGINS = ("gtx.backends",)
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
 
