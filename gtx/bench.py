@@ -187,10 +187,9 @@ def bench_train(task="copy", model="transformer", pattern="full", backends=("aut
         net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, be).to(r.device)
         trainer = Trainer(net, r.train, getattr(r.model_config, "dim", 128), r.device)
         data = list(_take(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=0), steps + warmup_steps))
-        if hasattr(be, "reset_choices"):
-            be.reset_choices()
+        be.reset_choices()
         tokens, wall, data_s = _time_steps(lambda b: trainer.train_epoch([b]), data, warmup_steps, r)
-        choice = json.dumps(be.reset_choices()) if hasattr(be, "reset_choices") else ""
+        choice = json.dumps(be.reset_choices())
         name = model + ("[act=false]" if extra else "")
         rows.append({"task": task, "model": name, "pattern": r.chosen.spec, "backend": backend, "tokens_per_s": tokens / wall,
                      "step_ms": 1000 * wall / steps, "data_ms": 1000 * data_s / steps, "steps": steps, "device": str(r.device), "choice": choice})

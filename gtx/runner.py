@@ -24,7 +24,7 @@ from gtx.backends import get_backend
 from gtx.errors import GtxError
 from gtx.pattern import Pattern, parse_pattern
 from gtx.plugins import MODELS, TASKS
-from gtx.results import metrics_json, write_run
+from gtx.results import SCHEMA_VERSION, metrics_json, write_run
 from gtx.task import Task, batches
 from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
 
@@ -172,7 +172,7 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
     started = dt.datetime.now(dt.timezone.utc)
     run_id = f"{started:%Y%m%d-%H%M%S}-{config.task}-{config.model}-{uuid.uuid4().hex[:6]}"
     common = {
-        "schema_version": 1, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
+        "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
         "task": config.task, "model": config.model, "pattern": r.chosen.spec,
         "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": n_params,
         "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
@@ -184,34 +184,21 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
     steps_per_epoch = -(-n_train // r.train.batch_size)
     epoch = 0
 
-    def record(split: str, stats: PhaseStats, edges: dict[str, float]) -> None:
+    def record(split: str, stats: PhaseStats) -> None:
         extra = dict(stats.extra)
-        plan = backend.reset_choices() if hasattr(backend, "reset_choices") else {}
         rows.append({
             **common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
-            **{f"edges_per_query_{s}": edges.get(s, float("nan")) for s in ("ee", "dd", "ed")},
-            "metrics": metrics_json(extra), "backend_plan": json.dumps(plan, sort_keys=True),
+            "metrics": metrics_json(extra), "backend_plan": json.dumps(backend.reset_choices(), sort_keys=True),
         })
 
-    def edge_counts(split: str) -> dict[str, float]:
-        total: dict[str, list[float]] = {}
-        for b in batches(r.task, split, r.pattern, r.train.eval_batch_size):
-            for s, e in b.graph.edges.items():
-                acc = total.setdefault(s, [0, 0])
-                acc[0] += e.num_edges
-                acc[1] += e.n_dst
-        return {s: e / max(q, 1) for s, (e, q) in total.items()}
-
-    edges = {s: edge_counts(s) for s in ("train", "valid", "test")}
-    if hasattr(backend, "reset_choices"):
-        backend.reset_choices()
+    backend.reset_choices()
     for epoch in range(1, r.train.epochs + 1):
         tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress else (lambda: None)
         stats = trainer.train_epoch(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch), tick)
-        record("train", stats, edges["train"])
+        record("train", stats)
         valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
                          decode_limit=r.train.decode_valid)
-        record("valid", valid, edges["valid"])
+        record("valid", valid)
         write_run(results_dir, run_id, rows)
         log(f"epoch {epoch}: train loss {stats.row()['loss']:.4f} acc {stats.row()['token_acc']:.4f} "
             f"({stats.row()['tokens_per_s']:,.0f} tokens/s) | valid acc {valid.row()['token_acc']:.4f} "
@@ -220,6 +207,6 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
             break
     beam = getattr(r.task_config, "beam", 1)
     test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
-    record("test", test, edges["test"])
+    record("test", test)
     write_run(results_dir, run_id, rows)
     return pd.DataFrame(rows)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from gtx.decode import decode
 from gtx.model import Seq2SeqModel
-from gtx.pattern import Pattern
+from gtx.pattern import STAGES, Pattern
 from gtx.task import Batch, Task
 
 
@@ -45,6 +45,7 @@ class PhaseStats:
     tokens: int = 0
     steps_sum: float = 0.0
     nodes: int = 0
+    edges: dict = field(default_factory=dict)  # stage -> [edges, queries]
     wall_s: float = 0.0
     peak_mem_mb: float = float("nan")
     extra: dict = field(default_factory=dict)
@@ -57,6 +58,10 @@ class PhaseStats:
         for steps in out.steps:
             self.steps_sum += float(steps.sum())
             self.nodes += steps.numel()
+        for stage, e in batch.graph.edges.items():
+            total = self.edges.setdefault(stage, [0, 0])
+            total[0] += e.num_edges
+            total[1] += e.n_dst
 
     def row(self) -> dict:
         return {
@@ -66,7 +71,12 @@ class PhaseStats:
             "wall_s": self.wall_s,
             "peak_mem_mb": self.peak_mem_mb,
             "act_mean_steps": self.steps_sum / self.nodes if self.nodes else float("nan"),
+            **{f"edges_per_query_{stage}": self.edges_per_query(stage) for stage in STAGES},
         }
+
+    def edges_per_query(self, stage: str) -> float:
+        edges, queries = self.edges.get(stage, (0, 0))
+        return edges / queries if queries else float("nan")
 
 
 class Meter:

@@ -28,6 +28,10 @@ class Backend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
         raise NotImplementedError
 
+    def reset_choices(self) -> dict[str, dict[str, int]]:
+        """What the backend chose per stage since the last call (backends that choose override this)."""
+        return {}
+
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
     """The registered backend ``name``, checked to be usable on ``device``."""
