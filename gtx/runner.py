@@ -155,6 +155,12 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
 
     ``progress(description, total)`` may return a per-batch callback (the CLI's progress bar)."""
     r = resolve(config)
+    torch.manual_seed(config.seed)
+    backend = get_backend(config.backend, r.device)
+    try:
+        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend).to(r.device)
+    except ValueError as e:
+        raise GtxError(f"bad settings for model {config.model!r}: {e}") from None
     results_dir = Path(config.results_dir)
     try:
         results_dir.mkdir(parents=True, exist_ok=True)
@@ -163,9 +169,6 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
     if not os.access(results_dir, os.W_OK):
         raise GtxError(f"--results {results_dir}: not writable; choose another folder")
 
-    torch.manual_seed(config.seed)
-    backend = get_backend(config.backend, r.device)
-    model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend).to(r.device)
     n_params = sum(p.numel() for p in model.parameters())
     dim = getattr(r.model_config, "dim", 128)
     trainer = Trainer(model, r.train, dim, r.device)

@@ -71,7 +71,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class Task:
-    """Base class of task plugins. Subclasses set ``config_cls`` defaults and implement ``generate``.
+    """Base class of task plugins: subclasses implement ``generate`` (the config dataclass is
+    registered beside the class: ``register(name, cls, config=Config)``).
 
     Attributes:
         eos: the target ends with <eos> (False: fixed-length targets, e.g. one class token).
@@ -92,7 +93,10 @@ class Task:
 
     def splits(self) -> dict[str, list[Example]]:
         if self._splits is None:
-            self._splits = self._load_or_generate()
+            try:
+                self._splits = self._load_or_generate()
+            except ValueError as e:
+                raise GtxError(f"bad settings for task {self.name!r}: {e}") from None
             for split in SPLITS:
                 if not self._splits.get(split):
                     raise GtxError(f"task {self.name!r} produced no {split} examples; check its settings")
