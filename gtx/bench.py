@@ -331,4 +331,6 @@ def plot_attention(df: pd.DataFrame, path: Path) -> Path:
 
 
 if __name__ == "__main__":  # one attention cell, for bench_attention's subprocesses
-    print(json.dumps(run_attention_cell(AttentionCell(**{**json.loads(sys.argv[1]), "plugins_dirs": tuple(json.loads(sys.argv[1])["plugins_dirs"])}))))
+    fields = json.loads(sys.argv[1])
+    fields["plugins_dirs"] = tuple(fields["plugins_dirs"])
+    print(json.dumps(run_attention_cell(AttentionCell(**fields))))
