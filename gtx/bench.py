@@ -72,6 +72,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     # one tiny call first: libraries the backend imports lazily must not count as its memory
     tiny = EdgeSet(torch.arange(4, device=device), torch.arange(4, device=device), 4, 4, "ee")
     propagate_attention(*(torch.randn(4, cell.heads, cell.head_dim, device=device) for _ in range(3)), tiny, backend)
+    backend.reset_choices()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base = _peak_mb(device) if device.type == "cpu" else 0.0
@@ -91,9 +92,8 @@ def run_attention_cell(cell: AttentionCell) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    choice = ""
-    if cell.backend == "auto":
-        choice = next(iter(backend.reset_choices().get("ee", {})), "")
+    counts = backend.reset_choices().get("ee", {})
+    choice = max(counts, key=counts.get) if counts else ""
     return {
         "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
         "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
@@ -246,8 +246,9 @@ def _time_steps(step, data, warmup_steps, r):
     return tokens, time.perf_counter() - t0, data_s
 
 
-CALIBRATION_SUITE = [("full", [256]), ("full", [1024]), ("local:w=8", [2048]), ("local:w=32", [4096]),
-                     ("local:w=32", [8192]), ("local:w=64", [2048]), ("full", [16] * 128), ("local:w=2", [16] * 128)]
+CALIBRATION_SUITE = [("full", [256]), ("full", [1024]), ("causal", [2048]), ("local:w=8", [2048]), ("local:w=32", [4096]),
+                     ("local:w=32", [8192]), ("local:w=64", [2048]), ("strided:l=64", [4096]), ("strided:l=32", [2048]),
+                     ("full", [16] * 128), ("local:w=2", [16] * 128)]
 
 
 def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None) -> dict[str, tuple[float, float]]:

@@ -27,8 +27,8 @@ from gtx.graph import EdgeSet
 # writes this device kind's constants to <cache>/costs-<cpu|cuda>.json, which then take precedence.
 COSTS = {
     "cpu": {
-        "dense": (3.15e-10, 0.0), "dgl": (2.89e-9, 3.6e-4), "torch": (2.25e-8, 0.0),
-        "blocksparse:16": (3.23e-10, 6.3e-4), "blocksparse:32": (1.99e-10, 5.8e-4), "blocksparse:64": (1.48e-10, 8.4e-4),
+        "dense": (2.31e-10, 3.2e-4), "dgl": (2.43e-9, 6.1e-4), "torch": (2.06e-8, 0.0),
+        "blocksparse:16": (3.42e-10, 0.0), "blocksparse:32": (2.34e-10, 8e-5), "blocksparse:64": (1.77e-10, 0.0),
     },
     "cuda": {"dense": (2.0e-13, 5e-5), "blocksparse": (4.0e-13, 3e-4), "flex": (1.0e-13, 2e-4), "torch": (2.0e-12, 2e-4)},
 }
