@@ -22,6 +22,7 @@ from typing import Callable, Mapping
 import torch
 
 from gtx.errors import GtxError, PatternError, PluginError
+from gtx.values import parse_scalar
 
 STAGES = ("ee", "dd", "ed")
 STAGE_NAMES = {"ee": "encoder self-attention", "dd": "decoder self-attention", "ed": "encoder->decoder cross attention"}
@@ -349,11 +350,7 @@ def describe_params(factory: Callable) -> str:
 def _convert(name: str, key: str, value: str, annotation) -> object:
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", annotation), str)
     try:
-        if typ is bool:
-            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("1", "true", "yes")
-        return typ(value)
+        return parse_scalar(value, typ)
     except ValueError:
         raise PatternError(f"parameter {key} of pattern {name!r} must be {typ.__name__}, got {value!r}") from None
 

@@ -26,6 +26,7 @@ from gtx.pattern import Pattern, parse_pattern
 from gtx.plugins import MODELS, TASKS
 from gtx.results import SCHEMA_VERSION, metrics_json, write_run
 from gtx.task import Task, batches
+from gtx.values import parse_scalar
 from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
 
 DEFAULT_BACKEND = "auto"
@@ -74,15 +75,11 @@ class Resolved:
 def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
     """Convert a ``--set`` string to a config field's type; errors name the key and the type."""
     base = typing.get_origin(typ) or typ
-    try:
-        if base is bool:
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError
-            return raw.lower() in ("1", "true", "yes")
-        if base in (int, float, str):
-            return base(raw)
-    except ValueError:
-        raise GtxError(f"--set {key}={raw}: {kind} {name!r} expects {base.__name__} for {key}") from None
+    if base in (bool, int, float, str):
+        try:
+            return parse_scalar(raw, base)
+        except ValueError:
+            raise GtxError(f"--set {key}={raw}: {kind} {name!r} expects {base.__name__} for {key}") from None
     raise GtxError(f"--set {key}: {kind} {name!r} field has unsupported type {typ}")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gtx.backends import Backend
-from gtx.backends.blocksparse import block_pairs
+from gtx.backends.blocksparse import block_pairs, row_slots
 from gtx.graph import EdgeSet
 
 BLOCK = 128
@@ -33,13 +33,13 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
 
     def kv_blocks(select):
         r, c = row[select], col[select]
-        counts = torch.bincount(r, minlength=n_qb)
-        slot = torch.arange(len(r), device=device) - (torch.cumsum(counts, 0) - counts)[r]
+        counts, slot = row_slots(r, n_qb)
         index = torch.zeros(n_qb, n_kb, dtype=torch.int32, device=device)  # BlockMask wants one slot per key block
         index[r, slot] = c.to(torch.int32)
         return counts.to(torch.int32)[None, None], index[None, None]
 
-    adjacency = edges.plan(("flex-adjacency", device), lambda: _adjacency(edges))
+    # Element lookup for partial blocks, by absolute positions: FlexAttention reads it only there.
+    adjacency = edges.plan(("flex-adjacency", device), edges.dense)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return adjacency[q_idx, kv_idx]
@@ -50,12 +50,6 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
         partial_counts, partial_index, full_counts, full_index, BLOCK_SIZE=block, mask_mod=mask_mod,
         seq_lengths=(edges.n_dst, edges.n_src),
     )
-
-
-def _adjacency(edges: EdgeSet) -> torch.Tensor:
-    """Element lookup for partial blocks. Dense (n_dst x n_src) bool: FlexAttention only reads it
-    inside partial blocks, but it must be indexable by absolute positions."""
-    return edges.dense()
 
 
 _compiled = None
