@@ -174,3 +174,22 @@ def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, mo
         logits = m.decode(enc, tgt_in, positions(torch.tensor([len(tgt_in)])), graph).logits
         logits[:, [Vocab.pad, Vocab.sos]] = float("-inf")  # decoding never generates these
         assert logits.argmax(-1).tolist() == h + [Vocab.eos]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
+    from gtx.model import Dropout
+
+    torch.manual_seed(0)
+    drop = Dropout(p)
+    x = torch.ones(200_001)  # not a multiple of the four lanes a random word gives
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.005
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / (1 - p)))
+    assert not torch.equal(drop(x), y)  # a fresh mask per call
+    # lanes of one word are independent: neighbours agree as often as chance says
+    agree = (kept[:-1] == kept[1:]).float().mean().item()
+    assert abs(agree - (p * p + (1 - p) ** 2)) < 0.01
+    drop.eval()
+    assert drop(x) is x
