@@ -25,7 +25,7 @@ import torch
 from gtx.errors import GtxError
 
 ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
-TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "step_ms", "data_ms", "steps", "device", "choice"]
+TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "step_ms", "attention_ms", "data_ms", "steps", "rounds", "device", "choice"]
 
 
 @dataclass
@@ -164,11 +164,31 @@ def _padded(batch):
     return src, tgt_in, tgt_out, src_pad, tgt_pad
 
 
+class SkipAttention:
+    """Not a registered backend: an O(n) stand-in for attention that still sends gradients to q, k
+    and v, so that a training step keeps every other cost. Its tokens/s bound what any attention
+    backend can reach in that model: the step with attention at zero cost."""
+
+    name = "(no attention)"
+
+    def __call__(self, q, k, v, edges):
+        return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
+
+    def reset_choices(self):
+        return {}
+
+
 def bench_train(task="copy", model="transformer", pattern="full", backends=("auto",), steps=30, warmup_steps=3,
-                settings=None, device="cpu", baseline=True, log=lambda s: None) -> pd.DataFrame:
+                settings=None, device="cpu", baseline=True, bound=True, rounds=3, log=lambda s: None) -> pd.DataFrame:
     """Training tokens/s per backend on the same batches (target tokens per second of wall time,
     graph building included), and the same model as torch.nn.Transformer with padded dense masks.
-    ``data_ms`` is the part of a step spent building batches and graphs."""
+
+    Every variant is built first, then timed in ``rounds`` interleaved rounds of ``steps`` steps
+    (a variant's round runs after every other variant's previous round), so that a slow spell of a
+    shared machine hits all of them alike; a row reports the median round. ``bound`` adds the model
+    with attention skipped (``SkipAttention``): the ceiling for every backend. ``data_ms`` is the
+    part of a step spent building batches and graphs; ``attention_ms`` is the step minus the
+    bound's step."""
     import torch.nn.functional as F
 
     from gtx.backends import get_backend
@@ -176,24 +196,21 @@ def bench_train(task="copy", model="transformer", pattern="full", backends=("aut
     from gtx.task import batches
     from gtx.train import Trainer
 
-    rows = []
-    variants = [(b, {}) for b in backends]
+    # (row fields, step function, resolved run, backend or None)
+    variants = []
+    names = [(b, {}) for b in backends]
     if model == "ut":  # the same model with halting disabled at the same maximum depth
-        variants += [(b, {"act": "false"}) for b in backends]
-    for backend, extra in variants:
-        r = resolve(RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, settings={**(settings or {}), **extra}))
+        names += [(b, {"act": "false"}) for b in backends]
+    if bound:
+        names += [(SkipAttention.name, extra) for extra in ({}, {"act": "false"}) if extra == {} or model == "ut"]
+    for backend, extra in names:
+        r = resolve(RunConfig(task=task, model=model, pattern=pattern, backend="auto", device=device, settings={**(settings or {}), **extra}))
         torch.manual_seed(0)
-        be = get_backend(backend, r.device)
+        be = SkipAttention() if backend == SkipAttention.name else get_backend(backend, r.device)
         net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, be).to(r.device)
         trainer = Trainer(net, r.train, getattr(r.model_config, "dim", 128), r.device)
-        data = list(_take(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=0), steps + warmup_steps))
-        be.reset_choices()
-        tokens, wall, data_s = _time_steps(lambda b: trainer.train_epoch([b]), data, warmup_steps, r)
-        choice = json.dumps(be.reset_choices())
-        name = model + ("[act=false]" if extra else "")
-        rows.append({"task": task, "model": name, "pattern": r.chosen.spec, "backend": backend, "tokens_per_s": tokens / wall,
-                     "step_ms": 1000 * wall / steps, "data_ms": 1000 * data_s / steps, "steps": steps, "device": str(r.device), "choice": choice})
-        log(f"{name:<18} {backend:<12} {tokens / wall:10,.0f} tokens/s   step {1000 * wall / steps:7.1f} ms (data {1000 * data_s / steps:.1f} ms)")
+        fields = {"model": model + ("[act=false]" if extra else ""), "pattern": r.chosen.spec, "backend": backend}
+        variants.append((fields, lambda b, trainer=trainer: trainer.train_epoch([b]), r, be))
     if baseline and model == "transformer":
         c = r.model_config
         torch.manual_seed(0)
@@ -201,7 +218,7 @@ def bench_train(task="copy", model="transformer", pattern="full", backends=("aut
         net.out.weight = net.tgt.weight
         opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
 
-        def step(batch):
+        def baseline_step(batch, r=r):
             src, tgt_in, tgt_out, src_pad, tgt_pad = (t.to(r.device) for t in _padded(batch))
             logits = net(src, tgt_in, src_pad, tgt_pad)
             loss = F.cross_entropy(logits[~tgt_pad], tgt_out[~tgt_pad], label_smoothing=r.train.label_smoothing)
@@ -211,12 +228,29 @@ def bench_train(task="copy", model="transformer", pattern="full", backends=("aut
             opt.step()
 
         net.train()
-        tokens, wall, data_s = _time_steps(step, data, warmup_steps, r)
-        rows.append({"task": task, "model": "torch.nn.Transformer", "pattern": "full (padded, masked)", "backend": "torch.nn",
-                     "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / steps, "data_ms": 1000 * data_s / steps,
-                     "steps": steps, "device": str(r.device), "choice": ""})
-        log(f"{'torch.nn.Transformer':<18} {'(padded)':<12} {tokens / wall:10,.0f} tokens/s   step {1000 * wall / steps:7.1f} ms")
-    return pd.DataFrame(rows).reindex(columns=TRAIN_COLUMNS)
+        variants.append(({"model": "torch.nn.Transformer", "pattern": "full (padded, masked)", "backend": "torch.nn"}, baseline_step, r, None))
+
+    # the training split again and again when it holds fewer batches than the steps asked for
+    data = list(_take((b for epoch in range(steps + warmup_steps) for b in batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=epoch)),
+                      steps + warmup_steps))
+    timings = [[] for _ in variants]  # per variant: (tokens, wall_s, data_s) per round
+    for round_ in range(rounds):
+        for (fields, step, run, be), times in zip(variants, timings):
+            if be is not None and round_ == 0:
+                be.reset_choices()
+            times.append(_time_steps(step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, run))
+            tokens, wall, _ = times[-1]
+            log(f"round {round_ + 1}/{rounds}  {fields['model']:<20} {fields['backend']:<16} {tokens / wall:10,.0f} tokens/s")
+    rows = []
+    for (fields, _, run, be), times in zip(variants, timings):
+        tokens, wall, data_s = sorted(times, key=lambda t: t[1])[len(times) // 2]
+        n = len(data) - warmup_steps
+        rows.append({"task": task, **fields, "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / n, "data_ms": 1000 * data_s / n,
+                     "steps": n, "rounds": rounds, "device": str(run.device), "choice": json.dumps(be.reset_choices()) if be else ""})
+    df = pd.DataFrame(rows)
+    floor = df[df.backend == SkipAttention.name].set_index("model").step_ms
+    df["attention_ms"] = df.step_ms - df.model.map(floor)
+    return df.reindex(columns=TRAIN_COLUMNS)
 
 
 def _take(iterator, n):
@@ -227,21 +261,21 @@ def _take(iterator, n):
 
 
 def _time_steps(step, data, warmup_steps, r):
-    """Run warm-up steps, then time the rest; graph building is re-done inside the timed region
-    (the batches are rebuilt from their examples) so that data cost is counted."""
+    """Run the first ``warmup_steps`` batches untimed, then time the rest. Every batch is rebuilt
+    from its examples with the run's pattern, inside the timed region, so that data cost is counted."""
     from gtx.task import make_batch
 
-    for batch in data[:warmup_steps]:
-        step(batch)
     tokens, data_s = 0, 0.0
-    _sync(r.device)
-    t0 = time.perf_counter()
-    for batch in data[warmup_steps:]:
+    for i, batch in enumerate(data):
+        if i == warmup_steps:
+            _sync(r.device)
+            t0 = time.perf_counter()
         d0 = time.perf_counter()
         fresh = make_batch(r.task, batch.split, batch.index, r.pattern)
-        data_s += time.perf_counter() - d0
+        if i >= warmup_steps:
+            data_s += time.perf_counter() - d0
+            tokens += fresh.n_target_tokens
         step(fresh)
-        tokens += fresh.n_target_tokens
     _sync(r.device)
     return tokens, time.perf_counter() - t0, data_s
 

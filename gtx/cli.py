@@ -279,17 +279,19 @@ def bench_calibrate(device, heads, head_dim):
 @click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
 @click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="Interleaved rounds of --steps per variant; rows report the median round.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="Also time torch.nn.Transformer (transformer only).")
+@click.option("--bound/--no-bound", default=True, show_default=True, help="Also time the model with attention skipped: the ceiling for any backend.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
 @plugins_dir_option
-def bench_train(task, model, pattern, backends, steps, settings, baseline, device, fmt, results_dir):
+def bench_train(task, model, pattern, backends, steps, rounds, settings, baseline, bound, device, fmt, results_dir):
     """Training tokens/s per backend on the same batches, and torch.nn.Transformer for reference."""
     from gtx import bench as gtx_bench
 
     df = gtx_bench.bench_train(task, model, pattern, _csv_list(backends), steps, settings=settings, device=device,
-                               baseline=baseline, log=lambda s: click.echo(s, err=True))
+                               baseline=baseline, bound=bound, rounds=rounds, log=lambda s: click.echo(s, err=True))
     path = gtx_bench.save(df, results_dir, "train")
     click.echo(format_table(df.drop(columns=["choice"]), fmt))
     click.echo(f"table: {path}", err=True)

@@ -34,13 +34,35 @@ def test_bench_attention_reports_a_failing_cell_instead_of_stopping():
 
 def test_bench_train_compares_backends_and_torch_transformer():
     settings = {"n_train": "64", "n_valid": "8", "n_test": "8", "layers": "1", "dim": "16", "heads": "2", "dim_ff": "16", "batch_size": "16"}
-    df = bench.bench_train("copy", "transformer", "full", ["auto", "dgl-seed"], steps=2, warmup_steps=1, settings=settings)
+    df = bench.bench_train("copy", "transformer", "full", ["auto", "dgl-seed"], steps=2, warmup_steps=1, settings=settings, rounds=2)
     assert list(df.columns) == bench.TRAIN_COLUMNS
-    assert list(df.backend) == ["auto", "dgl-seed", "torch.nn"] and (df.tokens_per_s > 0).all()
+    assert list(df.backend) == ["auto", "dgl-seed", "(no attention)", "torch.nn"] and (df.tokens_per_s > 0).all()
+    assert (df.steps == 2).all() and (df.rounds == 2).all()
     assert json.loads(df.choice.iloc[0])  # auto's choices per stage
+    assert df.attention_ms.iloc[2] == 0 and df.attention_ms.iloc[:2].notna().all() and df.attention_ms.isna().iloc[3]
     ut_settings = {**{k: v for k, v in settings.items() if k != "layers"}, "max_depth": "2"}
-    ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings)
-    assert list(ut.model) == ["ut", "ut[act=false]"]
+    ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
+    assert list(ut.model) == ["ut", "ut[act=false]", "ut", "ut[act=false]"]
+    assert list(ut.backend) == ["auto", "auto", "(no attention)", "(no attention)"]
+
+
+def test_bench_train_cli_writes_a_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("GTX_CACHE_DIR", str(tmp_path / "cache"))
+    sets = [a for kv in ("n_train=32", "n_valid=8", "n_test=8", "layers=1", "dim=16", "heads=2", "dim_ff=16", "batch_size=16") for a in ("--set", kv)]
+    result = CliRunner().invoke(cli, ["bench", "train", "--backends", "auto", "--steps", "1", "--rounds", "1", "--no-baseline",
+                                      "--results", str(tmp_path), *sets])
+    assert result.exit_code == 0, result.output
+    (path,) = (tmp_path / "bench").glob("train-*.csv")
+    assert list(pd.read_csv(path).backend) == ["auto", "(no attention)"]
+
+
+def test_skip_attention_has_the_output_shape_and_sends_gradients_to_q_k_v():
+    q, k = torch.randn(5, 2, 3, requires_grad=True), torch.randn(7, 2, 3, requires_grad=True)
+    v = torch.randn(7, 2, 4, requires_grad=True)
+    out = bench.SkipAttention()(q, k, v, None)
+    assert out.shape == (5, 2, 4)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
 
 
 def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
