@@ -2,7 +2,9 @@
 
 The decoder graph grows one token at a time: at every length the pattern's ``dd`` and ``ed`` edges
 are built for the current prefix, exactly as in training (patterns are checked to be
-prefix-consistent), and the encoder runs once.
+prefix-consistent), and the encoder runs once. A model with incremental decoding
+(``Seq2SeqModel.start_decoding``) computes only the latest token at each length, over its cached
+keys and values: O(T) decoder work per sequence instead of O(T^2); others recompute the prefix.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 
 import torch
 
-from gtx.graph import build_graph, positions
+from gtx.graph import EdgeSet, batch_edges, build_graph, positions
 from gtx.model import Encoded, Seq2SeqModel
 from gtx.pattern import Pattern
 from gtx.task import Batch, Task, Vocab
@@ -28,15 +30,30 @@ def _select(encoded: Encoded, src_lens: torch.Tensor, repeat: int) -> Encoded:
     return Encoded(**{k: None if v is None else v[index] for k, v in fields.items()})
 
 
+def latest_edges(pattern: Pattern, src_lens: list[int], length: int, device) -> dict[str, EdgeSet]:
+    """The ``dd`` and ``ed`` edges into the last position of prefixes of ``length`` tokens, one per
+    sample: queries are samples; ``dd`` keys are numbered sample * length + position, ``ed`` keys
+    are the samples' encoder nodes."""
+    lens = [length] * len(src_lens)
+    out = {}
+    for stage, key_lens in (("dd", lens), ("ed", src_lens)):
+        e = batch_edges(pattern, stage, lens, key_lens)
+        last = e.dst % length == length - 1
+        out[stage] = EdgeSet(e.src[last], e.dst[last] // length, e.n_src, len(lens), stage).to(device)
+    return out
+
+
 @torch.no_grad()
-def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam: int = 1) -> list[list[int]]:
+def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam: int = 1, incremental: bool = True) -> list[list[int]]:
     """Token ids of the best hypothesis per sample, without <sos> and <eos>; greedy when beam == 1.
 
     Hypotheses are scored by the sum of log-probabilities; the final choice among a sample's beams
-    divides by the length (finished hypotheses keep their score)."""
+    divides by the length (finished hypotheses keep their score). ``incremental=False`` recomputes
+    the prefix even for a model that can decode incrementally (the reference it is tested against)."""
     device = batch.src.device
     src_lens = batch.graph.src_lens
     encoded = _select(model.encode(batch.src, batch.src_pos, batch.graph), src_lens, beam)
+    state = model.start_decoding(encoded, pattern) if incremental else None
     n_samples = len(src_lens)
     rep_lens = src_lens.repeat_interleave(beam).tolist()
     limits = torch.tensor([task.max_decode_len(n - 1) for n in rep_lens])  # sources end with <eos>
@@ -46,10 +63,14 @@ def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam
     finished = torch.zeros(n_samples * beam, dtype=torch.bool)
     for t in range(int(limits.max())):
         length = seqs.shape[1]
-        graph = build_graph(pattern, rep_lens, [length] * len(rep_lens)).to(device)
-        lens = torch.full((len(rep_lens),), length)
-        out = model.decode(encoded, seqs.flatten().to(device), positions(lens).to(device), graph)
-        logp = torch.log_softmax(out.logits.float()[length - 1 :: length], -1).cpu()  # last position of each
+        if state is None:
+            graph = build_graph(pattern, rep_lens, [length] * len(rep_lens)).to(device)
+            lens = torch.full((len(rep_lens),), length)
+            logits = model.decode(encoded, seqs.flatten().to(device), positions(lens).to(device), graph).logits[length - 1 :: length]
+        else:
+            pos = torch.full((len(rep_lens),), length - 1, device=device)
+            logits, state = model.decode_next(state, seqs[:, -1].to(device), pos, latest_edges(pattern, rep_lens, length, device))
+        logp = torch.log_softmax(logits.float(), -1).cpu()  # the last position of each hypothesis
         vocab = logp.shape[1]
         logp[:, [Vocab.pad, Vocab.sos]] = float("-inf")  # never generated
         logp[finished] = float("-inf")
@@ -59,6 +80,8 @@ def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam
         origin = (flat // vocab + torch.arange(n_samples)[:, None] * beam).flatten()
         token = (flat % vocab).flatten()
         seqs = torch.cat([seqs[origin], token[:, None]], 1)
+        if state is not None and beam > 1:
+            state = model.reorder_decoding(state, origin.to(device))
         finished = finished[origin] | (token == Vocab.eos) | (token == Vocab.pad) | (t + 1 >= limits)
         if bool(finished.all()):
             break

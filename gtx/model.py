@@ -192,3 +192,29 @@ class Seq2SeqModel(nn.Module):
 
     def forward(self, batch) -> Output:
         return self.decode(self.encode(batch.src, batch.src_pos, batch.graph), batch.tgt_in, batch.tgt_pos, batch.graph)
+
+    # Incremental decoding (optional): a model that keeps per-token state between decoding steps
+    # returns it from ``start_decoding``; ``gtx.decode`` then feeds one token per hypothesis per
+    # step instead of recomputing the whole prefix. Models returning None are decoded by recomputing.
+
+    def start_decoding(self, encoded: Encoded, pattern):
+        """The decoding state for these encoder states (one hypothesis per sample of ``encoded``) under
+        ``pattern`` (the run's, as in ``graph.pattern``), or None when the model only decodes by
+        recomputing the prefix."""
+        return None
+
+    def decode_next(self, state, tokens: torch.Tensor, pos: torch.Tensor, edges: dict):
+        """Logits (n, V) for the next token of n hypotheses, given their latest tokens (n,) at
+        position ``pos`` (n,), and the updated state. ``edges["dd"]`` holds the latest tokens' edges
+        (queries 0..n-1, keys numbered hypothesis * length + position over the prefix);
+        ``edges["ed"]`` the same queries over the encoder nodes."""
+        raise NotImplementedError
+
+    def reorder_decoding(self, state, origin: torch.Tensor):
+        """The state of the hypotheses ``origin`` (n,) (beam search keeps the best continuations)."""
+        raise NotImplementedError
+
+
+def append_keys(cache: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Per-hypothesis keys or values of a growing prefix: (n, L, H, D) plus (n, H, D) -> (n, L+1, H, D)."""
+    return new[:, None] if cache is None else torch.cat([cache, new[:, None]], 1)

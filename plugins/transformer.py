@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gtx import hookimpl
-from gtx.engine import update_graph
-from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel
+from gtx.engine import propagate_attention, update_graph
+from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
 
 
 @dataclass
@@ -52,6 +52,27 @@ class Transformer(Seq2SeqModel):
                 self.backend,
             )
         return Output(self.embed.generator(self.dec_norm(nodes["dec"]["x"])))
+
+    def start_decoding(self, encoded, pattern):
+        memory = [layer.pre_memory({"x": encoded.x}) for layer in self.decoder]  # ed keys/values, fixed
+        return {"memory": memory, "k": [None] * len(self.decoder), "v": [None] * len(self.decoder)}
+
+    def decode_next(self, state, tokens, pos, edges):
+        """The decoder for the latest token of each hypothesis: the same sub-layers as ``decode``,
+        over self-attention keys/values cached per layer."""
+        x = self.embed.embed(self.embed.tgt, tokens, pos)
+        for i, layer in enumerate(self.decoder):
+            new = layer.pre_self({"x": x})
+            state["k"][i], state["v"][i] = append_keys(state["k"][i], new["k"]), append_keys(state["v"][i], new["v"])
+            wv = propagate_attention(new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.backend)
+            x = layer.post_self({"x": x, "wv": wv})["x"]
+            memory = state["memory"][i]
+            wv = propagate_attention(layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.backend)
+            x = layer.post_cross({"x": x, "wv": wv})["x"]
+        return self.embed.generator(self.dec_norm(x)), state
+
+    def reorder_decoding(self, state, origin):
+        return {**state, "k": [k[origin] for k in state["k"]], "v": [v[origin] for v in state["v"]]}
 
 
 @hookimpl

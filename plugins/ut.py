@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from gtx import hookimpl
-from gtx.engine import update_graph
-from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel
+from gtx.engine import apply_nodes, propagate_attention, update_graph
+from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
 
 
 @dataclass
@@ -157,6 +157,43 @@ class UniversalTransformer(Seq2SeqModel):
             return Output(logits, None, [encoded.steps, data["steps"]])
         r = torch.cat([encoded.remainders, data["r"]])
         return Output(logits, self.config.act_loss_weight * r.mean(), [encoded.steps, data["steps"]])
+
+
+    def start_decoding(self, encoded, pattern):
+        memory = self.dec_layer.pre_memory({"x": encoded.x})  # ed keys/values, the same every step
+        return {"memory": memory, "pattern": pattern, "k": [None] * self.config.max_depth, "v": [None] * self.config.max_depth}
+
+    def decode_next(self, state, tokens, pos, edges):
+        """The decoder's steps for the latest token of each hypothesis. Self-attention at step t reads
+        every earlier token's keys/values as they were at step t (or at its last step, once halted:
+        what ``decode`` sees too), cached per step."""
+        nodes = {"dec": self._state(self.embed.tgt, tokens, pos)}
+        data, layer, memory = nodes["dec"], self.dec_layer, state["memory"]
+
+        def step(t, ids, keep, end):
+            for fn in (self._step_forward(t), layer.pre_self):
+                apply_nodes(nodes, fn, "dec", ids)
+            cache(t)
+            k, v = state["k"][t].flatten(0, 1), state["v"][t].flatten(0, 1)
+            data["wv"] = propagate_attention(data["q"], k, v, keep(edges["dd"]), self.backend)
+            apply_nodes(nodes, layer.post_self, "dec", ids)
+            apply_nodes(nodes, layer.pre_query, "dec", ids)
+            data["wv"] = propagate_attention(data["q"], memory["k"], memory["v"], keep(edges["ed"]), self.backend)
+            for fn, ntype, sel in [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)]:
+                apply_nodes(nodes, fn, ntype, sel)
+
+        def cache(t):
+            state["k"][t], state["v"][t] = append_keys(state["k"][t], data["k"]), append_keys(state["v"][t], data["v"])
+
+        length = int(pos[0]) + 1
+        self._steps(data, state["pattern"], step)
+        for t in range(self.config.max_depth):  # steps after all these tokens halted: their last keys
+            if state["k"][t] is None or state["k"][t].shape[1] < length:
+                cache(t)
+        return self.embed.generator(self.dec_norm(self._final(data))), state
+
+    def reorder_decoding(self, state, origin):
+        return {**state, "k": [k[origin] for k in state["k"]], "v": [v[origin] for v in state["v"]]}
 
 
 @hookimpl

@@ -193,3 +193,39 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
     assert abs(agree - (p * p + (1 - p) ** 2)) < 0.01
     drop.eval()
     assert drop(x) is x
+
+
+@pytest.mark.parametrize("model, overrides", [("transformer", {}), ("ut", {}), ("ut", {"act": False})])
+@pytest.mark.parametrize("spec", ["full", "local:w=2", "strided:l=3", "bigbird:b=2,r=1"])
+def test_incremental_decoding_gives_the_logits_of_the_whole_prefix(tiny_task, model, overrides, spec):
+    """Feeding tokens one at a time through ``decode_next`` gives, at every position, the logits
+    ``decode`` computes over the whole prefix (for the UT: with nodes halting at different steps)."""
+    from gtx.decode import latest_edges
+    from gtx.graph import build_graph, positions
+
+    m = build(model, tiny_task, seed=5, **overrides)
+    m.eval()
+    pattern = pattern_for(model, spec)
+    batch = next(batches(tiny_task, "valid", pattern, 5))
+    src_lens = batch.graph.src_lens.tolist()
+    encoded = m.encode(batch.src, batch.src_pos, batch.graph)
+    tokens = torch.randint(3, len(tiny_task.tgt_vocab), (len(src_lens), 7))
+    graph = build_graph(pattern, src_lens, [7] * len(src_lens))
+    with torch.no_grad():
+        whole = m.decode(encoded, tokens.flatten(), positions(torch.full((len(src_lens),), 7)), graph)
+        state = m.start_decoding(encoded, pattern)
+        for t in range(7):
+            logits, state = m.decode_next(state, tokens[:, t], torch.full((len(src_lens),), t), latest_edges(pattern, src_lens, t + 1, "cpu"))
+            torch.testing.assert_close(logits, whole.logits.view(len(src_lens), 7, -1)[:, t], atol=1e-5, rtol=1e-5)
+    if model == "ut" and not overrides:
+        assert len(set(whole.steps[1].tolist())) > 1  # nodes halted at different steps
+
+
+@pytest.mark.parametrize("model", ["transformer", "ut"])
+@pytest.mark.parametrize("beam", [1, 3])
+def test_incremental_decoding_equals_recomputing_the_prefix(tiny_task, model, beam):
+    m = build(model, tiny_task, seed=5)
+    m.eval()
+    pattern = pattern_for(model, "local:w=2")
+    batch = next(batches(tiny_task, "valid", pattern, 8))
+    assert decode(m, tiny_task, batch, pattern, beam=beam) == decode(m, tiny_task, batch, pattern, beam=beam, incremental=False)
