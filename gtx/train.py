@@ -106,7 +106,7 @@ class Trainer:
 
     def __init__(self, model: Seq2SeqModel, config: TrainConfig, dim: int, device: torch.device):
         self.model, self.config, self.dim, self.device = model, config, dim, device
-        self.opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, foreach=True)
+        self.opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)  # one kernel for all parameters (CPU and CUDA)
         self.step = 0
 
     @property
