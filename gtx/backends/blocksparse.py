@@ -87,7 +87,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, ro
     b = layout.block
     qp = _pad_rows(q, layout.n_qb * b).view(layout.n_qb, b, heads, dim)
     if rows is not None:
-        qp = qp[rows]
+        qp = qp.index_select(0, rows)  # backward: index_add (indexing's would be a slower index_put)
     qb = qp.transpose(1, 2)  # (rows, H, b, D)
     kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)  # (rows, H, K*b, D)
     mask = None if layout.mask is None else layout.mask[:, None]
