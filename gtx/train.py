@@ -23,7 +23,7 @@ class TrainConfig:
     max_steps: int = field(default=0, metadata={"help": "stop after this many optimizer steps (0: no limit)"})
     batch_size: int = field(default=128, metadata={"help": "examples per batch"})
     eval_batch_size: int = 256
-    lr_factor: float = field(default=0.7, metadata={"help": "Noam schedule factor"})
+    lr_factor: float = field(default=0.5, metadata={"help": "Noam schedule factor"})
     warmup: int = field(default=200, metadata={"help": "Noam warm-up steps"})
     label_smoothing: float = 0.1
     clip_norm: float = field(default=1.0, metadata={"help": "gradient norm clip (0: off)"})
