@@ -104,3 +104,21 @@ def test_targets_attention_local_8192():
     df = bench.bench_attention(["local:w=32"], [8192], ["dense", "dgl", "auto"], repeats=3)
     ms = df.set_index("backend").ms
     assert ms["dense"] / ms["auto"] >= 10 and ms["dgl"] / ms["auto"] >= 2
+
+
+def test_auto_times_close_candidates_and_keeps_the_fastest(monkeypatch):
+    """Where the cost model sees candidates within MEASURE_WITHIN of each other, the measured time
+    decides: here it wrongly predicts edge-wise torch to be best, and timing overrules it."""
+    from gtx.backends import auto as auto_module
+
+    edges = build_graph(parse_pattern("local:w=8"), [1024]).edges["ee"]
+    monkeypatch.setattr(auto_module, "estimate", lambda *a, **k: {"torch": 1.0, "blocksparse:32": 1.2, "dense": 10.0})
+    q, k, v = (torch.randn(1024, 2, 8, requires_grad=True) for _ in range(3))
+    cpu = torch.device("cpu")
+    measuring = auto_module.AutoBackend()
+    assert measuring.choose(edges, 2, 8, cpu, (q, k, v)) == "blocksparse:32"
+    ((_, times),) = measuring.measured.items()
+    assert set(times) == {"torch", "blocksparse:32"}  # dense is not close: never run
+    assert q.grad is None  # timed on copies
+    assert auto_module.AutoBackend(measure=False).choose(edges, 2, 8, cpu, (q, k, v)) == "torch"
+    assert auto_module.AutoBackend().choose(edges, 2, 8, cpu) == "torch"  # nothing to time with

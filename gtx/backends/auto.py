@@ -1,17 +1,25 @@
 """auto: per edge set, the backend a cost model predicts to be fastest; the default backend.
 
-Candidates: ``dense`` and ``blocksparse`` (block 32 or 64) everywhere; edge-wise ``dgl`` on CPU
-and ``torch``; ``flex`` on CUDA. The model predicts forward+backward time from the edge set's
-structure (sizes, edges, active blocks) with per-device constants measured by ``gtx bench
-attention`` (see docs/benchmarks.md). A plan is made once per edge set and kept with it; an ACT
+Candidates: ``dense`` and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
+CPU and ``torch``; ``flex`` on CUDA. The model predicts forward+backward time from the edge set's
+structure (sizes, edges, active blocks) with per-device constants fitted by ``gtx bench
+calibrate`` (see docs/benchmarks.md). A plan is made once per edge set and kept with it; an ACT
 subset (``EdgeSet.filter_dst``) reuses its full set's plan instead of planning every step.
 Choices are counted per stage in ``choices`` (the runner writes them to the results).
+
+A cost model with one term per candidate misjudges some structures (a strided pattern whose every
+block row touches every block is one, docs/benchmarks.md); so when several candidates are
+predicted within ``MEASURE_WITHIN`` of the best, auto times each of them once on the call's own
+inputs (forward, and backward when gradients are on) and keeps the fastest for that shape class.
+So the first call of a shape class costs a few extra calls, and its peak memory is that of the
+largest close candidate.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter, defaultdict
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +41,7 @@ COSTS = {
     "cuda": {"dense": (2.0e-13, 5e-5), "blocksparse": (4.0e-13, 3e-4), "flex": (1.0e-13, 2e-4), "torch": (2.0e-12, 2e-4)},
 }
 BLOCKS = (16, 32, 64)
+MEASURE_WITHIN = 1.5  # candidates predicted within this factor of the best are timed, once per shape class
 
 
 def costs_path(device_type: str) -> Path:
@@ -83,12 +92,15 @@ def estimate(edges: EdgeSet, heads: int, dim: int, device: torch.device, kinds: 
 
 
 class AutoBackend(Backend):
-    """Chooses dense, blocksparse, dgl, torch or flex per edge set with a calibrated cost model."""
+    """Chooses dense, blocksparse, dgl, torch or flex per edge set with a calibrated cost model,
+    timing the close candidates once per shape class when ``measure``."""
 
     name = "auto"
 
-    def __init__(self):
+    def __init__(self, measure: bool = True):
+        self.measure = measure
         self.choices: dict[str, Counter] = defaultdict(Counter)
+        self.measured: dict[tuple, dict[str, float]] = {}  # shape class -> seconds per timed candidate
         self._backends: dict[str, Backend] = {}
         self._by_shape: dict[tuple, str] = {}
 
@@ -107,7 +119,8 @@ class AutoBackend(Backend):
             self._backends[key] = usable
         return self._backends[key]
 
-    def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device) -> str:
+    def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None) -> str:
+        """The candidate for this edge set; ``inputs`` (q, k, v) allow timing close candidates."""
         if edges.num_edges == edges.n_dst * edges.n_src:
             return "dense"  # a complete edge set is plain attention: the dense kernel runs it unmasked
         # Batches of one task differ edge by edge but not in shape: decide once per shape class
@@ -115,18 +128,23 @@ class AutoBackend(Backend):
         shape = (edges.stage, str(device), heads, dim, round(4 * math.log2(edges.n_dst)), round(4 * math.log2(edges.n_src)),
                  round(4 * math.log2(edges.num_edges + 1)))
         if shape not in self._by_shape:
-            self._by_shape[shape] = self._estimate_best(edges, heads, dim, device)
+            self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs)
         return self._by_shape[shape]
 
-    def _estimate_best(self, edges: EdgeSet, heads: int, dim: int, device: torch.device) -> str:
+    def _best(self, shape, edges, heads, dim, device, inputs) -> str:
         usable = self.candidates(device)
         kinds = {n.split(":")[0] for n in usable}
-        predicted = estimate(edges, heads, dim, device, kinds)
-        return min((t, n) for n, t in predicted.items() if n in usable)[1]
+        predicted = {n: t for n, t in estimate(edges, heads, dim, device, kinds).items() if n in usable}
+        best = min(predicted.values())
+        close = sorted((n for n, t in predicted.items() if t <= MEASURE_WITHIN * best), key=predicted.get)
+        if len(close) == 1 or inputs is None or not self.measure:
+            return close[0]
+        self.measured[shape] = {n: time_once(usable[n], *inputs, edges) for n in close}
+        return min(self.measured[shape], key=self.measured[shape].get)
 
     def __call__(self, q, k, v, edges):
         root = edges.parent or edges
-        name = root.plan(("auto", q.device, q.shape[1], q.shape[2]), lambda: self.choose(root, q.shape[1], q.shape[2], q.device))
+        name = root.plan(("auto", q.device, q.shape[1], q.shape[2]), lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v)))
         self.choices[edges.stage or "?"][name] += 1
         return self.candidates(q.device)[name](q, k, v, edges)
 
@@ -135,3 +153,22 @@ class AutoBackend(Backend):
         out = {stage: dict(c) for stage, c in self.choices.items()}
         self.choices.clear()
         return out
+
+
+def time_once(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> float:
+    """Seconds of one call of ``backend`` on copies of the inputs, backward included when gradients
+    are on; a first untimed call builds the backend's plan for the edges."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+
+    def call():
+        out = backend(q, k, v, edges)
+        if grad:
+            out.sum().backward()
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    call()
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
