@@ -139,7 +139,7 @@ class AutoBackend(Backend):
         close = sorted((n for n, t in predicted.items() if t <= MEASURE_WITHIN * best), key=predicted.get)
         if len(close) == 1 or inputs is None or not self.measure:
             return close[0]
-        self.measured[shape] = {n: time_once(usable[n], *inputs, edges) for n in close}
+        self.measured[shape] = time_candidates({n: usable[n] for n in close}, inputs, edges)
         return min(self.measured[shape], key=self.measured[shape].get)
 
     def __call__(self, q, k, v, edges):
@@ -155,20 +155,25 @@ class AutoBackend(Backend):
         return out
 
 
-def time_once(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> float:
-    """Seconds of one call of ``backend`` on copies of the inputs, backward included when gradients
-    are on; a first untimed call builds the backend's plan for the edges."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+def time_candidates(backends: dict[str, Backend], inputs, edges: EdgeSet, rounds: int = 3) -> dict[str, float]:
+    """Seconds per call of each backend on copies of ``inputs`` (q, k, v), backward included when
+    gradients are on: the fastest of ``rounds`` calls, taken in turns so that a slow spell of a shared
+    machine hits every candidate; a first untimed call builds each backend's plan for the edges."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    q, k, v = (t.detach().requires_grad_(grad) for t in inputs)
 
-    def call():
+    def call(backend):
         out = backend(q, k, v, edges)
         if grad:
             out.sum().backward()
         if q.device.type == "cuda":
             torch.cuda.synchronize()
 
-    call()
-    t0 = time.perf_counter()
-    call()
-    return time.perf_counter() - t0
+    best = {}
+    for round_ in range(rounds + 1):
+        for name, backend in backends.items():
+            t0 = time.perf_counter()
+            call(backend)
+            if round_:
+                best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
+    return best
