@@ -198,11 +198,8 @@ def bench_train(task="copy", model="transformer", pattern="full", backends=("aut
 
     # (row fields, step function, resolved run, backend or None)
     variants = []
-    names = [(b, {}) for b in backends]
-    if model == "ut":  # the same model with halting disabled at the same maximum depth
-        names += [(b, {"act": "false"}) for b in backends]
-    if bound:
-        names += [(SkipAttention.name, extra) for extra in ({}, {"act": "false"}) if extra == {} or model == "ut"]
+    extras = [{}, {"act": "false"}] if model == "ut" else [{}]  # ut: also with halting disabled, same max depth
+    names = [(b, extra) for extra in extras for b in [*backends, *([SkipAttention.name] if bound else [])]]
     for backend, extra in names:
         r = resolve(RunConfig(task=task, model=model, pattern=pattern, backend="auto", device=device, settings={**(settings or {}), **extra}))
         torch.manual_seed(0)

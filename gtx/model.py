@@ -211,8 +211,10 @@ class Seq2SeqModel(nn.Module):
         raise NotImplementedError
 
     def reorder_decoding(self, state, origin: torch.Tensor):
-        """The state of the hypotheses ``origin`` (n,) (beam search keeps the best continuations)."""
-        raise NotImplementedError
+        """The state of the hypotheses ``origin`` (n,) (beam search keeps the best continuations).
+        This default serves a state dict whose lists ``k`` and ``v`` hold (n, L, H, D) caches
+        (``append_keys``); the rest of the state is shared by all hypotheses of a sample."""
+        return {**state, "k": [k[origin] for k in state["k"]], "v": [v[origin] for v in state["v"]]}
 
 
 def append_keys(cache: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -71,9 +71,6 @@ class Transformer(Seq2SeqModel):
             x = layer.post_cross({"x": x, "wv": wv})["x"]
         return self.embed.generator(self.dec_norm(x)), state
 
-    def reorder_decoding(self, state, origin):
-        return {**state, "k": [k[origin] for k in state["k"]], "v": [v[origin] for v in state["v"]]}
-
 
 @hookimpl
 def register_models(register):

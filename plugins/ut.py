@@ -158,7 +158,6 @@ class UniversalTransformer(Seq2SeqModel):
         r = torch.cat([encoded.remainders, data["r"]])
         return Output(logits, self.config.act_loss_weight * r.mean(), [encoded.steps, data["steps"]])
 
-
     def start_decoding(self, encoded, pattern):
         memory = self.dec_layer.pre_memory({"x": encoded.x})  # ed keys/values, the same every step
         return {"memory": memory, "pattern": pattern, "k": [None] * self.config.max_depth, "v": [None] * self.config.max_depth}
@@ -191,9 +190,6 @@ class UniversalTransformer(Seq2SeqModel):
             if state["k"][t] is None or state["k"][t].shape[1] < length:
                 cache(t)
         return self.embed.generator(self.dec_norm(self._final(data))), state
-
-    def reorder_decoding(self, state, origin):
-        return {**state, "k": [k[origin] for k in state["k"]], "v": [v[origin] for v in state["v"]]}
 
 
 @hookimpl

@@ -42,8 +42,9 @@ def test_bench_train_compares_backends_and_torch_transformer():
     assert df.attention_ms.iloc[2] == 0 and df.attention_ms.iloc[:2].notna().all() and df.attention_ms.isna().iloc[3]
     ut_settings = {**{k: v for k, v in settings.items() if k != "layers"}, "max_depth": "2"}
     ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
-    assert list(ut.model) == ["ut", "ut[act=false]", "ut", "ut[act=false]"]
-    assert list(ut.backend) == ["auto", "auto", "(no attention)", "(no attention)"]
+    assert list(ut.model) == ["ut", "ut", "ut[act=false]", "ut[act=false]"]
+    assert list(ut.backend) == ["auto", "(no attention)", "auto", "(no attention)"]
+    assert (ut.attention_ms.iloc[[1, 3]] == 0).all()  # each bound belongs to its own model variant
 
 
 def test_bench_train_cli_writes_a_table(tmp_path, monkeypatch):

@@ -9,10 +9,10 @@ Choices are counted per stage in ``choices`` (the runner writes them to the resu
 
 A cost model with one term per candidate misjudges some structures (a strided pattern whose every
 block row touches every block is one, docs/benchmarks.md); so when several candidates are
-predicted within ``MEASURE_WITHIN`` of the best, auto times each of them once on the call's own
-inputs (forward, and backward when gradients are on) and keeps the fastest for that shape class.
-So the first call of a shape class costs a few extra calls, and its peak memory is that of the
-largest close candidate.
+predicted within ``MEASURE_WITHIN`` of the best, auto times them on the first call's own inputs
+(forward, and backward when gradients are on; ``time_candidates``) and keeps the fastest for that
+shape class. So the first call of a shape class costs a few extra calls, and its peak memory is
+that of the largest close candidate.
 """
 
 from __future__ import annotations
