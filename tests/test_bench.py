@@ -116,10 +116,11 @@ def test_auto_times_close_candidates_and_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(auto_module, "estimate", lambda *a, **k: {"torch": 1.0, "blocksparse:32": 1.2, "dense": 10.0})
     q, k, v = (torch.randn(1024, 2, 8, requires_grad=True) for _ in range(3))
     cpu = torch.device("cpu")
-    measuring = auto_module.AutoBackend()
+    measuring = auto_module.AutoBackend(measure=True)
     assert measuring.choose(edges, 2, 8, cpu, (q, k, v)) == "blocksparse:32"
     ((_, times),) = measuring.measured.items()
     assert set(times) == {"torch", "blocksparse:32"}  # dense is not close: never run
     assert q.grad is None  # timed on copies
-    assert auto_module.AutoBackend(measure=False).choose(edges, 2, 8, cpu, (q, k, v)) == "torch"
-    assert auto_module.AutoBackend().choose(edges, 2, 8, cpu) == "torch"  # nothing to time with
+    assert auto_module.AutoBackend().choose(edges, 2, 8, cpu, (q, k, v)) == "torch"  # plain auto: the model decides
+    assert auto_module.AutoBackend(measure=True).choose(edges, 2, 8, cpu) == "torch"  # nothing to time with
+    assert get_backend("auto-tuned").measure and not get_backend("auto").measure

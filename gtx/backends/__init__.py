@@ -60,3 +60,4 @@ def register_backends(register):
     register("blocksparse", BlockSparseBackend())
     register("flex", FlexBackend())
     register("auto", AutoBackend())
+    register("auto-tuned", AutoBackend(measure=True))

@@ -8,11 +8,14 @@ subset (``EdgeSet.filter_dst``) reuses its full set's plan instead of planning e
 Choices are counted per stage in ``choices`` (the runner writes them to the results).
 
 A cost model with one term per candidate misjudges some structures (a strided pattern whose every
-block row touches every block is one, docs/benchmarks.md); so when several candidates are
-predicted within ``MEASURE_WITHIN`` of the best, auto times them on the first call's own inputs
-(forward, and backward when gradients are on; ``time_candidates``) and keeps the fastest for that
-shape class. So the first call of a shape class costs a few extra calls, and its peak memory is
-that of the largest close candidate.
+block row touches every block is one, docs/benchmarks.md). ``auto-tuned`` (``measure=True``)
+does not trust close predictions: when several candidates are predicted within
+``MEASURE_WITHIN`` of the best, it times them on the first call's own inputs (forward, and
+backward when gradients are on; ``time_candidates``) and keeps the fastest for that shape class.
+Its choices then depend on timings, so two runs of one command can pick different kernels and
+(float rounding differing) train to slightly different numbers; ``auto``, the default, decides
+from the model alone and is reproducible. A timed first call of a shape class costs a few extra
+calls, and its peak memory is that of the largest close candidate.
 """
 
 from __future__ import annotations
@@ -97,8 +100,9 @@ class AutoBackend(Backend):
 
     name = "auto"
 
-    def __init__(self, measure: bool = True):
+    def __init__(self, measure: bool = False):
         self.measure = measure
+        self.name = "auto-tuned" if measure else "auto"
         self.choices: dict[str, Counter] = defaultdict(Counter)
         self.measured: dict[tuple, dict[str, float]] = {}  # shape class -> seconds per timed candidate
         self._backends: dict[str, Backend] = {}
