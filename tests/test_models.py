@@ -229,3 +229,24 @@ def test_incremental_decoding_equals_recomputing_the_prefix(tiny_task, model, be
     pattern = pattern_for(model, "local:w=2")
     batch = next(batches(tiny_task, "valid", pattern, 8))
     assert decode(m, tiny_task, batch, pattern, beam=beam) == decode(m, tiny_task, batch, pattern, beam=beam, incremental=False)
+
+
+def test_a_model_without_incremental_decoding_is_decoded_by_recomputing(tiny_task):
+    """A model plugin need not subclass Seq2SeqModel: encode and decode are enough."""
+
+    class Plain(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def encode(self, *args):
+            return self.inner.encode(*args)
+
+        def decode(self, *args):
+            return self.inner.decode(*args)
+
+    m = build("transformer", tiny_task, seed=5)
+    m.eval()
+    pattern = pattern_for("transformer", "local:w=2")
+    batch = next(batches(tiny_task, "valid", pattern, 8))
+    assert decode(Plain(m), tiny_task, batch, pattern) == decode(m, tiny_task, batch, pattern)
