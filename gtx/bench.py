@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from gtx.backends import Backend
 from gtx.errors import GtxError
 
 ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
@@ -164,7 +165,7 @@ def _padded(batch):
     return src, tgt_in, tgt_out, src_pad, tgt_pad
 
 
-class SkipAttention:
+class SkipAttention(Backend):
     """Not a registered backend: an O(n) stand-in for attention that still sends gradients to q, k
     and v, so that a training step keeps every other cost. Its tokens/s bound what any attention
     backend can reach in that model: the step with attention at zero cost."""
@@ -173,9 +174,6 @@ class SkipAttention:
 
     def __call__(self, q, k, v, edges):
         return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
-
-    def reset_choices(self):
-        return {}
 
 
 def bench_train(task="copy", model="transformer", pattern="full", backends=("auto",), steps=30, warmup_steps=3,
