@@ -162,9 +162,8 @@ def make_batch(task: Task, split: str, index: list[int], pattern: Pattern) -> Ba
     srcs = [task.src_vocab.encode(s) + [Vocab.eos] for s, _ in examples]
     tgts = [task.tgt_vocab.encode(t) for _, t in examples]
     eos = [Vocab.eos] if task.eos else []
-    tgt_in = [[Vocab.sos] + t + eos for t in tgts]
-    tgt_in = [t[:-1] for t in tgt_in]
     tgt_out = [t + eos for t in tgts]
+    tgt_in = [([Vocab.sos] + t)[:-1] for t in tgt_out]  # teacher forcing: the output shifted right
     src_lens = torch.tensor([len(s) for s in srcs])
     tgt_lens = torch.tensor([len(t) for t in tgt_out])
     return Batch(
