@@ -122,7 +122,8 @@ def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     reason = f"timed out after {timeout_s}s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
                     row = {"pattern": pattern, "n": n, "backend": backend, "ms": float("nan"), "choice": f"error: {reason}"}
-                log(f"{row['pattern']:<16} n={n:<6} {backend:<12} {row['ms']:10.1f} ms  {row.get('peak_mem_mb', float('nan')):9.1f} MB  {row.get('choice', '')}")
+                mem = row.get("peak_mem_mb", float("nan"))
+                log(f"{row['pattern']:<16} n={n:<6} {backend:<12} {row['ms']:10.1f} ms  {mem:9.1f} MB  {row.get('choice', '')}")
                 rows.append(row)
     return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
 

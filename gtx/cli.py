@@ -279,7 +279,10 @@ def bench_calibrate(device, heads, head_dim):
 @click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
 @click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="Interleaved rounds of --steps per variant; rows report the median round.")
+@click.option(
+    "--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+    help="Interleaved rounds of --steps per variant; rows report the median round.",
+)
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="Also time torch.nn.Transformer (transformer only).")
 @click.option("--bound/--no-bound", default=True, show_default=True, help="Also time the model with attention skipped: the ceiling for any backend.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)

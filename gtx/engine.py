@@ -7,7 +7,7 @@ Node data lives per node type: ``nodes["enc"]["x"]`` is (N_enc, d_model), ``node
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 

@@ -7,8 +7,8 @@ type it reads: ``ee`` enc->enc, ``dd`` dec->dec, ``ed`` enc (keys) -> dec (queri
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ class EdgeSet:
     stage: str = ""  # ee, dd or ed where known: lets backends report per-stage choices
     #: for a subset made by ``filter_dst``: the full edge set and the kept queries, so that backends
     #: can reuse the full set's plan instead of planning again (ACT filters every step)
-    parent: "EdgeSet | None" = field(default=None, repr=False)
+    parent: EdgeSet | None = field(default=None, repr=False)
     keep: torch.Tensor | None = field(default=None, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -50,13 +50,13 @@ class EdgeSet:
     def in_degree(self) -> torch.Tensor:
         return self.plan("in_degree", lambda: torch.bincount(self.dst, minlength=self.n_dst))
 
-    def to(self, device) -> "EdgeSet":
+    def to(self, device) -> EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
         return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage)
 
-    def filter_dst(self, keep: torch.Tensor) -> "EdgeSet":
+    def filter_dst(self, keep: torch.Tensor) -> EdgeSet:
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
         mask = keep[self.dst]
         root = self.parent or self
@@ -97,7 +97,7 @@ class TokenGraph:
     def n_dec(self) -> int:
         return 0 if self.tgt_lens is None else int(self.tgt_lens.sum())
 
-    def to(self, device) -> "TokenGraph":
+    def to(self, device) -> TokenGraph:
         return TokenGraph(self.src_lens, self.tgt_lens, {s: e.to(device) for s, e in self.edges.items()}, self.pattern)
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Callable, Mapping
 
 import torch
 
@@ -68,7 +68,7 @@ class Pattern:
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_rule(cls, rule: Rule, decoder_rule: Rule | None = None, **kw) -> "Pattern":
+    def from_rule(cls, rule: Rule, decoder_rule: Rule | None = None, **kw) -> Pattern:
         """One bidirectional rule for all stages: ``ee`` as is, ``dd`` intersected with causal
         (``decoder_rule`` replaces ``rule`` there if given), ``ed`` evaluated at the source position
         the query aligns with (``align``)."""
@@ -120,10 +120,10 @@ class Pattern:
                 f"pattern {self.spec!r} raised while building {stage} edges for n_q={n_q}, n_k={n_k}: {type(e).__name__}: {e}"
             ) from e
 
-    def __or__(self, other: "Pattern") -> "Pattern":
+    def __or__(self, other: Pattern) -> Pattern:
         return _combine(self, other, "|", torch.logical_or, _union_keys)
 
-    def __and__(self, other: "Pattern") -> "Pattern":
+    def __and__(self, other: Pattern) -> Pattern:
         return _combine(self, other, "&", torch.logical_and, _intersect_keys)
 
 

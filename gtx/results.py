@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd

@@ -12,9 +12,9 @@ import json
 import os
 import typing
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -26,8 +26,8 @@ from gtx.pattern import Pattern, parse_pattern
 from gtx.plugins import MODELS, TASKS
 from gtx.results import SCHEMA_VERSION, metrics_json, write_run
 from gtx.task import Task, batches
-from gtx.values import parse_scalar
 from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
+from gtx.values import parse_scalar
 
 DEFAULT_BACKEND = "auto"
 

@@ -14,9 +14,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ class Batch:
     def n_target_tokens(self) -> int:
         return int(self.tgt_out.numel())
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name not in ("graph", "split", "index")}
         return Batch(**move, graph=self.graph.to(device), split=self.split, index=self.index)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F

@@ -6,8 +6,8 @@ on the order of the file or on ``max_words``.
 """
 
 import re
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from gtx import hookimpl
 from gtx.task import Task, edit_distance, stable_fraction

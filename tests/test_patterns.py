@@ -1,11 +1,11 @@
 """Every registered pattern against an independent oracle, the edge invariants, and composition."""
 
+import oracles
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import oracles
 from gtx.errors import PatternError, UnknownNameError
 from gtx.pattern import STAGES, Pattern, check_edges, parse_pattern
 from gtx.plugins import PATTERNS

@@ -56,7 +56,8 @@ def test_mission_command_shape_ut_local(tmp_path):
         (["--model", "ut", "--layers", "2"], "--set layers: no such setting"),
         (["--set", "dim"], "write key=value"),
         (["--dim", "10", "--heads", "3"], "bad settings for model 'transformer': d_model=10 must be divisible by heads=3"),
-        (["--task", "reverse", "--set", "train_len=10", "--set", "test_len=5"], "bad settings for task 'reverse': need train_len >= 1 and test_len > train_len"),
+        (["--task", "reverse", "--set", "train_len=10", "--set", "test_len=5"],
+         "bad settings for task 'reverse': need train_len >= 1 and test_len > train_len"),
     ],
 )
 def test_bad_input_one_line_exit_2_writes_nothing(tmp_path, args, message):

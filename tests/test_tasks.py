@@ -5,9 +5,9 @@ import json
 import pytest
 
 from gtx.errors import GtxError
+from gtx.pattern import parse_pattern
 from gtx.plugins import TASKS
 from gtx.task import SPLITS, Vocab, batches, cache_dir, edit_distance
-from gtx.pattern import parse_pattern
 
 
 def make(name, **settings):

@@ -33,7 +33,7 @@ class Layout:
     has_edge: torch.Tensor
     all_have_edges: bool
 
-    def rows(self, keep_rows: torch.Tensor) -> "Layout":
+    def rows(self, keep_rows: torch.Tensor) -> Layout:
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
         return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges)
