@@ -27,6 +27,11 @@ class EdgeSet:
     n_src: int
     n_dst: int
     stage: str = ""  # ee, dd or ed where known: lets backends report per-stage choices
+    #: per-sample query and key counts when the set is a disjoint union of samples (``batch_edges``):
+    #: sample i's queries and keys are the i-th consecutive runs of q_lens[i] and k_lens[i] ids.
+    #: Lets backends see structure per sample (a batch of complete or causal samples); None: unknown.
+    q_lens: tuple[int, ...] | None = None
+    k_lens: tuple[int, ...] | None = None
     #: for a subset made by ``filter_dst``: the full edge set and the kept queries, so that backends
     #: can reuse the full set's plan instead of planning again (ACT filters every step)
     parent: EdgeSet | None = field(default=None, repr=False)
@@ -54,7 +59,7 @@ class EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
-        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage)
+        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, self.q_lens, self.k_lens)
 
     def filter_dst(self, keep: torch.Tensor) -> EdgeSet:
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
@@ -109,7 +114,7 @@ def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Seq
     k_off = torch.repeat_interleave(_offsets(torch.as_tensor(k_lens)), counts)
     src = torch.cat([p[0] for p in parts]) + k_off
     dst = torch.cat([p[1] for p in parts]) + q_off
-    return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)), stage)
+    return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)), stage, tuple(map(int, q_lens)), tuple(map(int, k_lens)))
 
 
 def build_graph(pattern: Pattern, src_lens: Sequence[int], tgt_lens: Sequence[int] | None = None) -> TokenGraph:
