@@ -160,7 +160,7 @@ def _padded(batch):
         return pad_sequence(list(torch.split(flat, lens.tolist())), batch_first=True)
 
     src_lens, tgt_lens = batch.graph.src_lens, batch.graph.tgt_lens
-    src, tgt_in, tgt_out = split(batch.src, src_lens), split(batch.tgt_in, tgt_lens), split(batch.tgt_out, tgt_lens)
+    src, tgt_in, tgt_out = split(batch.src, src_lens), split(batch.tgt_in, tgt_lens), split(batch.targets, tgt_lens)
     src_pad = torch.arange(src.shape[1])[None] >= src_lens[:, None]
     tgt_pad = torch.arange(tgt_in.shape[1])[None] >= tgt_lens[:, None]
     return src, tgt_in, tgt_out, src_pad, tgt_pad
@@ -270,7 +270,7 @@ def _time_steps(step, data, warmup_steps, r):
         fresh = make_batch(r.task, batch.split, batch.index, r.pattern)
         if i >= warmup_steps:
             data_s += time.perf_counter() - d0
-            tokens += fresh.n_target_tokens
+            tokens += fresh.n_tokens
         step(fresh)
     _sync(r.device)
     return tokens, time.perf_counter() - t0, data_s

@@ -75,6 +75,16 @@ class EdgeSet:
         return adj
 
 
+def possible_edges(edges: EdgeSet) -> int:
+    """The edges a stage allows over the same samples: every key per query, and for ``dd`` every
+    key at or before the query (the causal triangle). Density = edges / this; 1.0 is full attention."""
+    q_lens = torch.tensor(edges.q_lens if edges.q_lens is not None else (edges.n_dst,))
+    k_lens = torch.tensor(edges.k_lens if edges.k_lens is not None else (edges.n_src,))
+    if edges.stage == "dd":
+        return int((q_lens * (q_lens + 1) // 2).sum())
+    return int((q_lens * k_lens).sum())
+
+
 def _offsets(lens: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lens, 0) - lens
 
@@ -87,16 +97,17 @@ def positions(lens: torch.Tensor) -> torch.Tensor:
 
 @dataclass(eq=False)
 class TokenGraph:
-    """A batch: per-sample lengths, node positions and one EdgeSet per stage."""
+    """A batch: per-sample lengths, node positions and one EdgeSet per stage. ``src_lens`` is None
+    for a decoder-only batch (lm: ``dd`` alone), ``tgt_lens`` None for an encoder-only one (``ee``)."""
 
-    src_lens: torch.Tensor
+    src_lens: torch.Tensor | None
     tgt_lens: torch.Tensor | None
     edges: dict[str, EdgeSet]
     pattern: Pattern
 
     @property
     def n_enc(self) -> int:
-        return int(self.src_lens.sum())
+        return 0 if self.src_lens is None else int(self.src_lens.sum())
 
     @property
     def n_dec(self) -> int:
@@ -117,17 +128,19 @@ def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Seq
     return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)), stage, tuple(map(int, q_lens)), tuple(map(int, k_lens)))
 
 
-def build_graph(pattern: Pattern, src_lens: Sequence[int], tgt_lens: Sequence[int] | None = None) -> TokenGraph:
-    """The token graph of a batch; encoder-only when ``tgt_lens`` is None (``ee`` alone)."""
-    src_lens = [int(n) for n in src_lens]
-    edges = {"ee": batch_edges(pattern, "ee", src_lens, src_lens)}
-    if tgt_lens is not None:
-        tgt_lens = [int(n) for n in tgt_lens]
-        edges["dd"] = batch_edges(pattern, "dd", tgt_lens, tgt_lens)
-        edges["ed"] = batch_edges(pattern, "ed", tgt_lens, src_lens)
-    return TokenGraph(
-        torch.tensor(src_lens), None if tgt_lens is None else torch.tensor(tgt_lens), edges, pattern
-    )
+def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequence[int] | None = None) -> TokenGraph:
+    """The token graph of a batch: ``ee`` over the sources, ``dd`` over the targets, ``ed`` when
+    there are both (encoder-only: ``tgt_lens`` None; decoder-only: ``src_lens`` None)."""
+    src = None if src_lens is None else [int(n) for n in src_lens]
+    tgt = None if tgt_lens is None else [int(n) for n in tgt_lens]
+    edges = {}
+    if src is not None:
+        edges["ee"] = batch_edges(pattern, "ee", src, src)
+    if tgt is not None:
+        edges["dd"] = batch_edges(pattern, "dd", tgt, tgt)
+        if src is not None:
+            edges["ed"] = batch_edges(pattern, "ed", tgt, src)
+    return TokenGraph(None if src is None else torch.tensor(src), None if tgt is None else torch.tensor(tgt), edges, pattern)
 
 
 __all__ = ["EdgeSet", "TokenGraph", "build_graph", "batch_edges", "positions", "STAGES", "STAGE_TYPES"]

@@ -1,11 +1,13 @@
 """Building blocks shared by model plugins, and the interface the runner expects of a model.
 
-A model is a ``torch.nn.Module`` with::
+A model is a ``torch.nn.Module`` (``GraphModel``) whose ``forward(batch) -> Output`` gives logits
+for ``batch.targets``, and whose ``forms`` name the task forms it serves (``gtx.task``). A
+sequence-to-sequence model (``Seq2SeqModel``) has::
 
     encode(src, src_pos, graph) -> Encoded          # encoder states (N_enc, d) and ACT statistics
     decode(encoded, tgt_in, tgt_pos, graph) -> Output  # logits (N_dec, V) over target tokens
 
-``forward(batch)`` is ``decode(encode(...))``. Decoding token by token reuses one ``encode``.
+and ``forward(batch)`` is ``decode(encode(...))``. Decoding token by token reuses one ``encode``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Encoded:
 
 @dataclass
 class Output:
-    """Decoder output: logits (N_dec, V); ``aux_loss`` is added to the training loss (ACT's ponder
+    """Model output: logits (len(batch.targets), V); ``aux_loss`` is added to the training loss (ACT's ponder
     cost); ``steps`` holds per-node step counts of encoder and decoder nodes (ACT models)."""
 
     logits: torch.Tensor
@@ -167,10 +169,12 @@ class DecoderLayer(nn.Module):
         return {"x": x + self.dropout(self.ff(self.norm_ff(x)))}
 
 
-class Seq2SeqModel(nn.Module):
-    """Base class of model plugins: holds the backend and defines ``forward(batch)``."""
+class GraphModel(nn.Module):
+    """Base class of model plugins: holds the backend; ``forward(batch) -> Output``."""
 
-    #: a modifier pattern the runner wraps around the chosen one (the UT's ACT), or None
+    #: the task forms (``gtx.task.FORMS``) the model serves
+    forms: tuple[str, ...] = ("seq2seq",)
+    #: a modifier pattern the runner wraps around the chosen one (ACT), or None
     dynamic_pattern: str | None = None
 
     def __init__(self, backend: Backend):
@@ -183,6 +187,10 @@ class Seq2SeqModel(nn.Module):
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+
+
+class Seq2SeqModel(GraphModel):
+    """Base class of encoder-decoder models: ``forward(batch)`` is ``decode(encode(...))``."""
 
     def encode(self, src, src_pos, graph) -> Encoded:
         raise NotImplementedError

@@ -18,7 +18,9 @@ import pandas as pd
 from gtx.errors import GtxError
 from gtx.task import SPLITS, atomic_write_text
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: columns added since version 1, with the value older files get on load
+ADDED = {"context_len": pd.NA, "density": float("nan")}
 
 #: name -> pandas dtype, in column order
 COLUMNS: dict[str, str] = {
@@ -33,12 +35,14 @@ COLUMNS: dict[str, str] = {
     "seed": "int64",
     "epoch": "int64",  # 1-based; test rows carry the last epoch
     "split": "string",  # train | valid | test
-    "loss": "float64",  # mean token cross-entropy (nats), teacher forced, no label smoothing
+    "loss": "float64",  # mean cross-entropy (nats) per scored target, teacher forced, no label smoothing
     "token_acc": "float64",  # teacher-forced token accuracy
-    "seq_acc": "float64",  # exact-match accuracy of decoded outputs (NaN where not decoded, e.g. train)
-    "tokens_per_s": "float64",  # target tokens per second of wall time of the phase
+    "seq_acc": "float64",  # exact-match accuracy of decoded outputs; classify: accuracy; NaN where not decoded (train, lm)
+    "tokens_per_s": "float64",  # tokens computed per second of wall time (decoder tokens; encoder tokens for classify)
     "wall_s": "float64",  # wall time of the phase (s)
     "peak_mem_mb": "float64",  # CUDA: peak allocated in the phase; CPU: peak RSS of the process
+    "context_len": "Int64",  # the longest sequence of the phase (tokens); <NA> in schema 1 files
+    "density": "float64",  # edges over the edges the stages allow (dd: the causal triangle); 1.0 = full attention
     "edges_per_query_ee": "float64",
     "edges_per_query_dd": "float64",
     "edges_per_query_ed": "float64",
@@ -87,7 +91,8 @@ def load(results_dir: str | Path) -> pd.DataFrame:
     frames = []
     for f in files:
         try:
-            frames.append(validate(pd.read_csv(f, dtype=str, keep_default_na=False, na_values=[""])))
+            df = pd.read_csv(f, dtype=str, keep_default_na=False, na_values=[""])
+            frames.append(validate(df.assign(**{c: v for c, v in ADDED.items() if c not in df.columns})))
         except (ValueError, pd.errors.ParserError) as e:
             warnings.warn(f"skipping {f}: {e}", stacklevel=2)
     if not frames:
@@ -98,8 +103,9 @@ def load(results_dir: str | Path) -> pd.DataFrame:
 def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "backend")) -> pd.DataFrame:
     """One row per group of runs: accuracy against speed.
 
-    Per run: best valid token/sequence accuracy over epochs, train tokens/s of its last epoch and
-    its test sequence accuracy; then the mean over the group's runs. ``speed_vs_full`` divides
+    Per run: best valid token/sequence accuracy and loss over epochs, train tokens/s of its last
+    epoch, its test sequence accuracy and its density (edges over those the stages allow: 1.0 is
+    full attention); then the mean over the group's runs. ``speed_vs_full`` divides
     train tokens/s by that of the ``full`` pattern in the group with the same other ``by`` values.
     """
     by = list(by)
@@ -118,8 +124,10 @@ def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "
                 "run_id": run_id,
                 "best_valid_token_acc": valid.token_acc.max(),
                 "best_valid_seq_acc": valid.seq_acc.max(),
+                "best_valid_loss": valid.loss.min(),
                 "test_seq_acc": test.seq_acc.iloc[-1] if len(test) else np.nan,
                 "train_tokens_per_s": last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
+                "density": rows.density.mean(),
             }
         )
     runs = pd.DataFrame(per_run)
@@ -127,8 +135,10 @@ def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "
         runs=("run_id", "count"),
         best_valid_token_acc=("best_valid_token_acc", "mean"),
         best_valid_seq_acc=("best_valid_seq_acc", "mean"),
+        best_valid_loss=("best_valid_loss", "mean"),
         test_seq_acc=("test_seq_acc", "mean"),
         train_tokens_per_s=("train_tokens_per_s", "mean"),
+        density=("density", "mean"),
     ).reset_index()
     if "pattern" in by:
         others = [c for c in by if c != "pattern"]

@@ -25,11 +25,12 @@ from gtx.errors import GtxError
 from gtx.pattern import Pattern, parse_pattern
 from gtx.plugins import MODELS, TASKS
 from gtx.results import SCHEMA_VERSION, metrics_json, write_run
-from gtx.task import Task, batches
+from gtx.task import Task, batches, make_batch
 from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
 from gtx.values import parse_scalar
 
 DEFAULT_BACKEND = "auto"
+NEARLY_COMPLETE = 0.99  # density from which a pattern counts as full attention (complete_note)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Resolved:
     pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
     chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
     device: torch.device
+    density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
 
     def as_dict(self) -> dict:
         return {
@@ -132,8 +134,29 @@ def resolve(config: RunConfig) -> Resolved:
     device = resolve_device(config.device)
     get_backend(config.backend, device)
     task = task_entry.obj(config.task, cfg["task"])
+    forms = getattr(model_entry.obj, "forms", ("seq2seq",))
+    if task.form not in forms:
+        fit = [name for name, e in MODELS.entries().items() if task.form in getattr(e.obj, "forms", ("seq2seq",))]
+        raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
     task.splits()  # generates or loads the data: a missing data_dir fails here
-    return Resolved(config, task, model_entry.obj, cfg["model"], cfg["task"], cfg["train"], pattern, chosen, device)
+    max_len = getattr(cfg["model"], "max_len", None)
+    if max_len is not None and task.context_len() > max_len:
+        raise GtxError(f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
+                       f"for {max_len}; raise --set max_len={task.context_len()} or shorten the task's sequences")
+    probe = PhaseStats()
+    probe.graph_only(make_batch(task, "train", [0], chosen))  # builds and checks the pattern's edges: a leak fails here
+    density = {stage: probe.density(stage) for stage in probe.edges}
+    return Resolved(config, task, model_entry.obj, cfg["model"], cfg["task"], cfg["train"], pattern, chosen, device, density)
+
+
+def complete_note(r: Resolved) -> str | None:
+    """A warning when a pattern other than full or causal is (nearly) full attention at the task's
+    lengths: its results would be full attention's under another name."""
+    if r.chosen.spec in ("full", "causal") or not r.density or min(r.density.values()) < NEARLY_COMPLETE:
+        return None
+    stages = ", ".join(f"{s} {d:.3f}" for s, d in r.density.items())
+    return (f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "
+            "it measures full attention here: use longer sequences or a sparser setting")
 
 
 def _versions() -> dict[str, str]:
@@ -168,7 +191,7 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
 
     n_params = sum(p.numel() for p in model.parameters())
     dim = getattr(r.model_config, "dim", 128)
-    trainer = Trainer(model, r.train, dim, r.device)
+    trainer = Trainer(model, r.train, dim, r.device, r.task)
     started = dt.datetime.now(dt.timezone.utc)
     run_id = f"{started:%Y%m%d-%H%M%S}-{config.task}-{config.model}-{uuid.uuid4().hex[:6]}"
     common = {
@@ -179,6 +202,9 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
     }
     log(f"run {run_id}: task {config.task}, model {config.model} ({n_params:,} parameters), pattern {r.pattern.spec}, "
         f"backend {config.backend}, device {r.device}")
+    note = complete_note(r)
+    if note:
+        log(note)
     rows: list[dict] = []
     n_train = len(r.task.splits()["train"])
     steps_per_epoch = -(-n_train // r.train.batch_size)
@@ -200,9 +226,10 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
                          decode_limit=r.train.decode_valid)
         record("valid", valid)
         write_run(results_dir, run_id, rows)
+        scalars = {k: v for k, v in valid.extra.items() if isinstance(v, float) and k not in ("decode_s",)}
         log(f"epoch {epoch}: train loss {stats.row()['loss']:.4f} acc {stats.row()['token_acc']:.4f} "
             f"({stats.row()['tokens_per_s']:,.0f} tokens/s) | valid acc {valid.row()['token_acc']:.4f} "
-            f"seq_acc {valid.extra.get('seq_acc', float('nan')):.4f}")
+            + " ".join(f"{k} {v:.4f}" for k, v in scalars.items()))
         if trainer.done:
             break
     beam = getattr(r.task_config, "beam", 1)

@@ -1,10 +1,17 @@
 """Tasks: vocabularies, seeded and cached splits, batching into token graphs, metrics.
 
-Every task is sequence to sequence: a source token sequence and a target token sequence.
-Classification (``listops``) is a target of one token. The encoder reads ``source + <eos>`` (as in
-tensor2tensor and fairseq: without an end marker a decoder cannot tell where a short source ends),
-the decoder reads ``<sos> + target`` and predicts ``target + <eos>`` (tasks with ``eos = False``
-predict just the target, fixed length).
+A task has one of three forms (``Task.form``), and a model serves some of them (``forms``):
+
+- ``seq2seq``: an example is (source tokens, target tokens). The encoder reads ``source + <eos>``
+  (as in tensor2tensor and fairseq: without an end marker a decoder cannot tell where a short
+  source ends), the decoder reads ``<sos> + target`` and predicts ``target + <eos>`` (tasks with
+  ``eos = False`` predict just the target, fixed length). Stages ``ee``, ``dd``, ``ed``.
+- ``lm``: an example is (tokens, groups). The model reads ``tokens[:-1]`` and predicts
+  ``tokens[1:]`` (decoder nodes, stage ``dd`` only). ``groups`` is empty (every prediction scored)
+  or holds one string per prediction: ``""`` leaves it out of the loss and the accuracy, any other
+  string scores it and names the group its accuracy is also reported in (``recall``'s distances).
+- ``classify``: an example is (tokens, [label]). The encoder reads the tokens (stage ``ee`` only)
+  and the model predicts one label per sample.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from gtx.pattern import Pattern
 
 PAD, SOS, EOS, UNK = "<pad>", "<sos>", "<eos>", "<unk>"
 SPLITS = ("train", "valid", "test")
-Example = tuple[list[str], list[str]]  # (source tokens, target tokens)
+FORMS = ("seq2seq", "lm", "classify")
+IGNORE = -100  # a target left out of the loss and the accuracy (cross_entropy's ignore_index)
+Example = tuple[Sequence[str], Sequence[str]]  # per form: (source, target), (tokens, groups) or (tokens, [label])
 
 
 class Vocab:
@@ -75,11 +84,13 @@ class Task:
     registered beside the class: ``register(name, cls, config=Config)``).
 
     Attributes:
-        eos: the target ends with <eos> (False: fixed-length targets, e.g. one class token).
+        form: ``seq2seq``, ``lm`` or ``classify`` (the module docstring says what an example is).
+        eos: the target ends with <eos> (False: fixed-length targets, e.g. one class token); seq2seq.
         beam: the decoding used for test metrics is beam search of this width (1 = greedy).
         cache: generated data is cached on disk under ``cache_dir()``, keyed by the config.
     """
 
+    form = "seq2seq"
     eos = True
     cache = True
 
@@ -116,8 +127,21 @@ class Task:
         return data
 
     def vocabularies(self, train: list[Example]) -> tuple[Vocab, Vocab]:
-        """Source and target vocabularies (from the training split unless the task fixes them)."""
-        return Vocab(sorted({t for s, _ in train for t in s})), Vocab(sorted({t for _, y in train for t in y}))
+        """Source and target vocabularies (from the training split unless the task fixes them); an
+        ``lm`` task reads and predicts one vocabulary."""
+        src = Vocab(sorted({t for s, _ in train for t in s}))
+        return (src, src) if self.form == "lm" else (src, Vocab(sorted({t for _, y in train for t in y})))
+
+    def context_len(self) -> int:
+        """The longest sequence a model reads at once (positions it needs), over every split."""
+        longest = max(len(x) for split in self.splits().values() for x, _ in split)
+        return longest - 1 if self.form == "lm" else longest + (self.form == "seq2seq")  # lm: inputs; seq2seq: + <eos>
+
+    def phase_metrics(self, loss: float, groups: dict[str, tuple[int, int]]) -> dict:
+        """Task metrics of one phase of teacher-forced predictions (train or evaluation): ``loss`` is
+        the mean cross-entropy (nats) per scored target, ``groups`` maps each group name to
+        (correct, scored) targets (lm tasks with groups)."""
+        return {}
 
     def max_decode_len(self, src_len: int) -> int:
         """Most target tokens greedy/beam decoding may emit for a source of this length (with <eos>)."""
@@ -135,47 +159,76 @@ class Task:
 class Batch:
     """A batch of examples as flat node tensors (no padding) and its token graph.
 
-    ``src`` (N_enc,) ids of source + <eos>, ``tgt_in`` (N_dec,) = <sos> + target, ``tgt_out`` (N_dec,) = target (+ <eos>);
-    ``src_pos``/``tgt_pos`` are positions within each sample."""
+    ``src`` (N_enc,) encoder input ids (seq2seq: source + <eos>; classify: the tokens), None for
+    lm; ``tgt_in`` (N_dec,) decoder input ids (seq2seq: <sos> + target; lm: tokens[:-1]), None for
+    classify; ``src_pos``/``tgt_pos`` positions within each sample. ``targets`` are what the
+    logits predict: (N_dec,) next tokens (``IGNORE`` where not scored) or (B,) labels (classify).
+    ``group_ids`` (len(targets),) index ``group_names`` per target, -1 for none (lm tasks with groups)."""
 
-    src: torch.Tensor
-    src_pos: torch.Tensor
-    tgt_in: torch.Tensor
-    tgt_out: torch.Tensor
-    tgt_pos: torch.Tensor
+    src: torch.Tensor | None
+    src_pos: torch.Tensor | None
+    tgt_in: torch.Tensor | None
+    tgt_pos: torch.Tensor | None
+    targets: torch.Tensor
     graph: TokenGraph
     split: str
     index: list[int]  # example indices in the split
+    group_ids: torch.Tensor | None = None
+    group_names: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def n_target_tokens(self) -> int:
-        return int(self.tgt_out.numel())
+    def n_tokens(self) -> int:
+        """Tokens the model computes per pass: decoder tokens (seq2seq, lm), else source tokens."""
+        return int((self.tgt_in if self.tgt_in is not None else self.src).numel())
 
     def to(self, device) -> Batch:
-        move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name not in ("graph", "split", "index")}
-        return Batch(**move, graph=self.graph.to(device), split=self.split, index=self.index)
+        tensors = ("src", "src_pos", "tgt_in", "tgt_pos", "targets", "group_ids")
+        move = {f: None if getattr(self, f) is None else getattr(self, f).to(device) for f in tensors}
+        return dataclasses.replace(self, **move, graph=self.graph.to(device))
+
+
+def _flat(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Concatenated ids, positions within each sequence, and lengths."""
+    lens = [len(x) for x in seqs]
+    return torch.tensor([i for x in seqs for i in x], dtype=torch.long), positions(torch.tensor(lens)), lens
 
 
 def make_batch(task: Task, split: str, index: list[int], pattern: Pattern) -> Batch:
     """The batch of examples ``index`` of a split, with its token graph under ``pattern``."""
     examples = [task.splits()[split][i] for i in index]
-    srcs = [task.src_vocab.encode(s) + [Vocab.eos] for s, _ in examples]
-    tgts = [task.tgt_vocab.encode(t) for _, t in examples]
+    if task.form == "lm":
+        ids = [task.src_vocab.encode(x) for x, _ in examples]
+        tgt_in, tgt_pos, lens = _flat([x[:-1] for x in ids])
+        targets = torch.tensor([i for x in ids for i in x[1:]], dtype=torch.long)
+        group_ids, names = _groups([g for _, g in examples], lens)
+        if group_ids is not None:
+            targets[group_ids == -2] = IGNORE
+            group_ids[group_ids == -2] = -1
+        graph = build_graph(pattern, None, lens)
+        return Batch(None, None, tgt_in, tgt_pos, targets, graph, split, index, group_ids, names)
+    src, src_pos, src_lens = _flat([task.src_vocab.encode(s) + ([] if task.form == "classify" else [Vocab.eos]) for s, _ in examples])
+    if task.form == "classify":
+        targets = torch.tensor([task.tgt_vocab.encode(y)[0] for _, y in examples], dtype=torch.long)
+        return Batch(src, src_pos, None, None, targets, build_graph(pattern, src_lens), split, index)
     eos = [Vocab.eos] if task.eos else []
-    tgt_out = [t + eos for t in tgts]
-    tgt_in = [([Vocab.sos] + t)[:-1] for t in tgt_out]  # teacher forcing: the output shifted right
-    src_lens = torch.tensor([len(s) for s in srcs])
-    tgt_lens = torch.tensor([len(t) for t in tgt_out])
-    return Batch(
-        src=torch.tensor([i for s in srcs for i in s]),
-        src_pos=positions(src_lens),
-        tgt_in=torch.tensor([i for t in tgt_in for i in t]),
-        tgt_out=torch.tensor([i for t in tgt_out for i in t]),
-        tgt_pos=positions(tgt_lens),
-        graph=build_graph(pattern, src_lens.tolist(), tgt_lens.tolist()),
-        split=split,
-        index=index,
-    )
+    tgt_out = [task.tgt_vocab.encode(t) + eos for _, t in examples]
+    tgt_in, tgt_pos, tgt_lens = _flat([([Vocab.sos] + t)[:-1] for t in tgt_out])  # teacher forcing: the output shifted right
+    targets = torch.tensor([i for t in tgt_out for i in t], dtype=torch.long)
+    return Batch(src, src_pos, tgt_in, tgt_pos, targets, build_graph(pattern, src_lens, tgt_lens), split, index)
+
+
+def _groups(groups: list[Sequence[str]], lens: list[int]) -> tuple[torch.Tensor | None, list[str]]:
+    """Per-target group ids of lm examples: -2 for "" (not scored), -1 for no group at all."""
+    if not any(groups):
+        return None, []
+    names = sorted({g for gs in groups for g in gs if g})
+    code = {g: i for i, g in enumerate(names)} | {"": -2}
+    ids = []
+    for gs, n in zip(groups, lens):
+        if gs and len(gs) != n:
+            raise GtxError(f"an lm example has {len(gs)} groups for {n} predictions; give one per prediction or none")
+        ids += [code[g] for g in gs] if gs else [-1] * n
+    return torch.tensor(ids, dtype=torch.long), names
 
 
 def batches(task: Task, split: str, pattern: Pattern, batch_size: int, shuffle_seed: int | None = None) -> Iterator[Batch]:

@@ -1,5 +1,6 @@
 """The training loop and evaluation: Adam with the Noam schedule, label smoothing, gradient clipping;
-teacher-forced loss and token accuracy, decoded sequence accuracy."""
+teacher-forced loss and token accuracy (over scored targets), decoded sequence accuracy (seq2seq),
+classification accuracy (classify), the task's own metrics per phase."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from gtx.decode import decode
-from gtx.model import Seq2SeqModel
+from gtx.graph import possible_edges
+from gtx.model import GraphModel
 from gtx.pattern import STAGES, Pattern
-from gtx.task import Batch, Task
+from gtx.task import IGNORE, Batch, Task
 
 
 @dataclass
@@ -45,37 +47,73 @@ class PhaseStats:
     tokens: int = 0
     steps_sum: float = 0.0
     nodes: int = 0
-    edges: dict = field(default_factory=dict)  # stage -> [edges, queries]
+    processed: int = 0  # tokens computed (``Batch.n_tokens``): the throughput's numerator
+    context_len: int = 0  # the longest sequence seen
+    edges: dict = field(default_factory=dict)  # stage -> [edges, queries, possible edges]
+    groups: dict = field(default_factory=dict)  # group name -> [correct, scored]
     wall_s: float = 0.0
     peak_mem_mb: float = float("nan")
     extra: dict = field(default_factory=dict)
 
     def add(self, out, batch: Batch, loss: torch.Tensor) -> None:
-        n = batch.n_target_tokens
+        """Add one batch; ``loss`` is the mean cross-entropy over its scored targets."""
+        scored = batch.targets != IGNORE
+        n = int(scored.sum())
+        hit = (out.logits.argmax(-1) == batch.targets) & scored
         self.loss_sum += float(loss) * n
-        self.correct += int((out.logits.argmax(-1) == batch.tgt_out).sum())
+        self.correct += int(hit.sum())
         self.tokens += n
+        self.processed += batch.n_tokens
+        if batch.group_ids is not None:
+            ids = batch.group_ids[scored]
+            correct = torch.bincount(ids[hit[scored]] + 1, minlength=len(batch.group_names) + 1)[1:].tolist()
+            count = torch.bincount(ids + 1, minlength=len(batch.group_names) + 1)[1:].tolist()
+            for name, c, k in zip(batch.group_names, correct, count):
+                total = self.groups.setdefault(name, [0, 0])
+                total[0] += c
+                total[1] += k
         for steps in out.steps:
             self.steps_sum += float(steps.sum())
             self.nodes += steps.numel()
-        for stage, e in batch.graph.edges.items():
-            total = self.edges.setdefault(stage, [0, 0])
+        self.graph_only(batch)
+
+    def graph_only(self, batch: Batch) -> None:
+        """Add a batch's lengths and edges alone (its density, without a model's output)."""
+        graph = batch.graph
+        for lens in (graph.src_lens, graph.tgt_lens):
+            if lens is not None:
+                self.context_len = max(self.context_len, int(lens.max()))
+        for stage, e in graph.edges.items():
+            total = self.edges.setdefault(stage, [0, 0, 0])
             total[0] += e.num_edges
             total[1] += e.n_dst
+            total[2] += possible_edges(e)
 
     def row(self) -> dict:
+        edges, possible = (sum(t[i] for t in self.edges.values()) for i in (0, 2))
         return {
             "loss": self.loss_sum / max(self.tokens, 1),
             "token_acc": self.correct / max(self.tokens, 1),
-            "tokens_per_s": self.tokens / self.wall_s if self.wall_s else float("nan"),
+            "tokens_per_s": self.processed / self.wall_s if self.wall_s else float("nan"),
             "wall_s": self.wall_s,
             "peak_mem_mb": self.peak_mem_mb,
             "act_mean_steps": self.steps_sum / self.nodes if self.nodes else float("nan"),
+            "context_len": self.context_len,
+            "density": edges / possible if possible else float("nan"),
             **{f"edges_per_query_{stage}": self.edges_per_query(stage) for stage in STAGES},
         }
 
+    def density(self, stage: str) -> float:
+        """Edges over the edges the stage allows (``possible_edges``): 1.0 is full attention."""
+        edges, _, possible = self.edges.get(stage, (0, 0, 0))
+        return edges / possible if possible else float("nan")
+
+    def task_metrics(self, task: Task) -> dict:
+        groups = {g: tuple(v) for g, v in self.groups.items()}
+        return task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups)
+
     def edges_per_query(self, stage: str) -> float:
-        edges, queries = self.edges.get(stage, (0, 0))
+        edges, queries, _ = self.edges.get(stage, (0, 0, 0))
         return edges / queries if queries else float("nan")
 
 
@@ -104,8 +142,8 @@ class Meter:
 class Trainer:
     """Owns the optimiser and step counter of one run."""
 
-    def __init__(self, model: Seq2SeqModel, config: TrainConfig, dim: int, device: torch.device):
-        self.model, self.config, self.dim, self.device = model, config, dim, device
+    def __init__(self, model: GraphModel, config: TrainConfig, dim: int, device: torch.device, task: Task | None = None):
+        self.model, self.config, self.dim, self.device, self.task = model, config, dim, device, task
         self.opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)  # one kernel for all parameters (CPU and CUDA)
         self.step = 0
 
@@ -120,8 +158,10 @@ class Trainer:
             for batch in batches:
                 batch = batch.to(self.device)
                 out = self.model(batch)
-                nll = F.cross_entropy(out.logits, batch.tgt_out)
-                loss = F.cross_entropy(out.logits, batch.tgt_out, label_smoothing=c.label_smoothing) if c.label_smoothing else nll
+                nll = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE)
+                loss = nll
+                if c.label_smoothing:
+                    loss = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing)
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 self.opt.zero_grad(set_to_none=True)
@@ -137,30 +177,37 @@ class Trainer:
                 if self.done:
                     break
         stats.wall_s, stats.peak_mem_mb = meter.wall_s, meter.peak_mb
+        stats.extra = stats.task_metrics(self.task) if self.task else {}
         return stats
 
 
 @torch.no_grad()
-def evaluate(model: Seq2SeqModel, task: Task, batches: Iterable[Batch], pattern: Pattern, device: torch.device,
+def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: Pattern, device: torch.device,
              decode_limit: int = -1, beam: int = 1) -> PhaseStats:
-    """Teacher-forced loss and token accuracy over the batches; then decode up to ``decode_limit``
-    examples (-1: all) for sequence accuracy and the task's metrics, timed separately."""
+    """Teacher-forced loss and token accuracy over the batches, and the task's phase metrics; for
+    seq2seq tasks then decode up to ``decode_limit`` examples (-1: all) for sequence accuracy and
+    the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
+    accuracy (one target per sample)."""
     model.eval()
     stats, hyps, refs, decode_s = PhaseStats(), [], [], 0.0
     examples = task.splits()
+    decode_limit = decode_limit if task.form == "seq2seq" else 0
     with Meter(device) as meter:
         for batch in batches:
             batch = batch.to(device)
             out = model(batch)
-            stats.add(out, batch, F.cross_entropy(out.logits, batch.tgt_out))
+            stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE))
             if decode_limit < 0 or len(hyps) < decode_limit:
                 t0 = time.perf_counter()
                 hyps += [task.tgt_vocab.decode(h) for h in decode(model, task, batch, pattern, beam)]
                 decode_s += time.perf_counter() - t0
                 refs += [list(examples[batch.split][i][1]) for i in batch.index]
     stats.wall_s, stats.peak_mem_mb = meter.wall_s - decode_s, meter.peak_mb
+    stats.extra = stats.task_metrics(task)
+    if task.form == "classify":
+        stats.extra["seq_acc"] = stats.row()["token_acc"]
     if decode_limit:
         if decode_limit > 0:
             hyps, refs = hyps[:decode_limit], refs[:decode_limit]
-        stats.extra = {"seq_acc": task.seq_acc(hyps, refs), **task.metrics(hyps, refs), "decoded": len(hyps), "decode_s": decode_s, "beam": beam}
+        stats.extra.update(seq_acc=task.seq_acc(hyps, refs), **task.metrics(hyps, refs), decoded=len(hyps), decode_s=decode_s, beam=beam)
     return stats

@@ -1,20 +1,15 @@
 """ut: the Universal Transformer with adaptive computation time (ACT), as in the seeds.
 
-One shared encoder layer and one shared decoder layer applied repeatedly; before each step a node
-adds its position and a timestep encoding to its state; a halting unit per node accumulates
-p = sigmoid(W LN(x) + b) (b initialised to 1) until the sum reaches ``threshold`` or
-``max_depth`` steps; the output is the halting-weighted sum of the node's states; the ponder loss is
-``act_loss_weight * mean(remainders)`` over all nodes. At every step attention runs over the
-``act`` pattern around the run's pattern: only edges into still-active nodes. A halted node keeps
-its last keys and values, so active queries still see it.
+One shared encoder layer and one shared decoder layer applied repeatedly, each node until it halts
+(``gtx.act`` has the halting rule, the ponder loss and how attention follows the active nodes).
 """
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from gtx import hookimpl
+from gtx.act import AdaptiveComputation, Halting
 from gtx.engine import apply_nodes, propagate_attention, update_graph
 from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
 
@@ -33,22 +28,8 @@ class UTConfig:
     embed_scale: float = field(default=4.0, metadata={"help": "token embeddings are multiplied by this (the seeds: sqrt(dim))"})
 
 
-class Halting(nn.Module):
-    """p = sigmoid(W LN(x) + b), b initialised to 1 (halt late at first)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 1)
-        nn.init.constant_(self.proj.bias, 1.0)
-
-    def forward(self, x):
-        return torch.sigmoid(self.proj(self.norm(x)))
-
-
-class UniversalTransformer(Seq2SeqModel):
+class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
     """Universal Transformer with ACT: shared layers repeated per node until it halts."""
-
-    dynamic_pattern = "act"
 
     def __init__(self, config: UTConfig, src_vocab, tgt_vocab, backend):
         super().__init__(backend)
@@ -60,60 +41,6 @@ class UniversalTransformer(Seq2SeqModel):
         self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
         self.enc_norm, self.dec_norm = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
         self.init_weights()
-
-    def _state(self, table, ids, pos):
-        x = self.embed.token(table, ids)
-        n = x.shape[0]
-        return {
-            "x": x, "pos": pos,
-            "s": torch.zeros_like(x),  # halting-weighted sum of states
-            "sum_p": x.new_zeros(n, 1), "r": x.new_ones(n, 1),  # halting mass, remainder
-            "steps": torch.zeros(n, dtype=torch.long, device=x.device),
-            "active": torch.ones(n, dtype=torch.bool, device=x.device),
-        }
-
-    def _step_forward(self, t: int):
-        time = self.time(torch.tensor([t], device=self.time.pe.device))
-
-        def fn(nodes):
-            return {"x": self.embed.dropout(nodes["x"] + self.embed.pos(nodes["pos"]) + time), "steps": nodes["steps"] + 1}
-
-        return fn
-
-    def _halt(self, halting: Halting, end: bool):
-        threshold = self.config.threshold
-
-        def fn(nodes):
-            x, p = nodes["x"], halting(nodes["x"])
-            sum_p = nodes["sum_p"] + p
-            active = (sum_p < threshold) & (not end)
-            cont = active.to(x.dtype)
-            r = nodes["r"] * (1 - cont) + (1 - sum_p) * cont  # a node halting now keeps its last remainder
-            s = nodes["s"] + ((1 - cont) * r + cont * p) * x
-            return {"sum_p": sum_p, "r": r, "s": s, "active": active.squeeze(1)}
-
-        return fn
-
-    def _steps(self, data, pattern, update):
-        """Call ``update(t, ids, keep, end)`` per step while nodes are active: ``ids`` are the active
-        node ids (None: all), ``keep(edges)`` applies the dynamic pattern's filter, ``end`` marks the
-        last allowed step."""
-        for t in range(self.config.max_depth):
-            active = data["active"]
-            if not active.any():
-                break
-            ids = None if bool(active.all()) else active.nonzero().squeeze(1)
-
-            def keep(edges, active=active, ids=ids):
-                return edges if ids is None or not pattern.dynamic else pattern.filter(edges, active)
-
-            update(t, ids, keep, t == self.config.max_depth - 1)
-
-    def _final(self, data):
-        return data["s"] if self.config.act else data["x"]
-
-    def _halting(self, halting, ntype, ids, end):
-        return [(self._halt(halting, end), ntype, ids)] if self.config.act else []
 
     def encode(self, src, src_pos, graph):
         nodes = {"enc": self._state(self.embed.src, src, src_pos)}
@@ -153,10 +80,7 @@ class UniversalTransformer(Seq2SeqModel):
         self._steps(nodes["dec"], graph.pattern, step)
         data = nodes["dec"]
         logits = self.embed.generator(self.dec_norm(self._final(data)))
-        if not self.config.act:
-            return Output(logits, None, [encoded.steps, data["steps"]])
-        r = torch.cat([encoded.remainders, data["r"]])
-        return Output(logits, self.config.act_loss_weight * r.mean(), [encoded.steps, data["steps"]])
+        return Output(logits, self._ponder_loss(encoded.remainders, data["r"]), [encoded.steps, data["steps"]])
 
     def start_decoding(self, encoded, pattern):
         memory = self.dec_layer.pre_memory({"x": encoded.x})  # ed keys/values, the same every step

@@ -33,10 +33,10 @@ def test_forward_backward_agree_across_backends(tiny_task, model, spec):
         m = build(model, tiny_task, backend)
         m.eval()  # no dropout: outputs comparable across backends
         out = m(batch)
-        loss = torch.nn.functional.cross_entropy(out.logits, batch.tgt_out) + (out.aux_loss if out.aux_loss is not None else 0)
+        loss = torch.nn.functional.cross_entropy(out.logits, batch.targets) + (out.aux_loss if out.aux_loss is not None else 0)
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
-        assert out.logits.shape == (batch.tgt_out.numel(), len(tiny_task.tgt_vocab))
+        assert out.logits.shape == (batch.targets.numel(), len(tiny_task.tgt_vocab))
         assert torch.isfinite(loss) and torch.isfinite(grads).all()
         results[backend] = (out.logits.detach(), grads)
     ref_logits, ref_grads = results["dense"]

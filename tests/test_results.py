@@ -14,9 +14,9 @@ from gtx.results import COLUMNS, compare, load, validate, write_run
 def row(run_id="r1", pattern="full", split="valid", epoch=1, acc=0.5, seq=0.25, tps=1000.0, **kw):
     base = {c: None for c in COLUMNS}
     base.update(
-        schema_version=1, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
+        schema_version=2, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
         pattern=pattern, backend="dgl", device="cpu", seed=0, epoch=epoch, split=split, loss=1.0, token_acc=acc,
-        seq_acc=seq, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, edges_per_query_ee=3.0, edges_per_query_dd=2.0,
+        seq_acc=seq, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, context_len=16, density=0.5, edges_per_query_ee=3.0, edges_per_query_dd=2.0,
         edges_per_query_ed=3.0, act_mean_steps=np.nan, n_params=10, metrics="{}", backend_plan="{}", config="{}",
         gtx_version="0", torch_version="0", dgl_version="0",
     )
@@ -83,8 +83,8 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
         row("b", "local:w=4", "train", 1, tps=3000.0), row("b", "local:w=4", "valid", 1, acc=0.8, seq=0.4),
     ]
     table = compare(validate(pd.DataFrame(rows)))
-    assert list(table.columns) == ["task", "model", "pattern", "backend", "runs", "best_valid_token_acc",
-                                   "best_valid_seq_acc", "test_seq_acc", "train_tokens_per_s", "speed_vs_full"]
+    assert list(table.columns) == ["task", "model", "pattern", "backend", "runs", "best_valid_token_acc", "best_valid_seq_acc",
+                                   "best_valid_loss", "test_seq_acc", "train_tokens_per_s", "density", "speed_vs_full"]
     full = table[table.pattern == "full"].iloc[0]
     local = table[table.pattern == "local:w=4"].iloc[0]
     assert full.best_valid_token_acc == 0.95 and full.train_tokens_per_s == 2000.0 and full.speed_vs_full == 1.0
@@ -93,3 +93,13 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
     assert results.format_table(table, "csv").splitlines()[0].startswith("task,model,pattern")
     with pytest.raises(Exception, match="cannot group by"):
         compare(validate(pd.DataFrame(rows)), ["nope"])
+
+
+def test_schema_1_files_load_with_the_added_columns_missing(tmp_path):
+    write_run(tmp_path, "new", [row(run_id="new")])
+    old = pd.DataFrame([row(run_id="old", schema_version=1)]).drop(columns=["context_len", "density"])
+    old.to_csv(tmp_path / "runs" / "old.csv", index=False)
+    df = load(tmp_path).set_index("run_id")
+    assert df.context_len["new"] == 16 and df.density["new"] == 0.5
+    assert pd.isna(df.context_len["old"]) and np.isnan(df.density["old"])
+    assert compare(df.reset_index(), ["task", "context_len"]).runs.sum() == 2

@@ -126,7 +126,7 @@ def test_data_is_cached_on_disk(monkeypatch):
 def test_batches_are_flat_and_graphs_match(tiny_task):
     batch = next(batches(tiny_task, "train", parse_pattern("local:w=1"), 5))
     lens = batch.graph.src_lens
-    assert batch.src.numel() == int(lens.sum()) and batch.tgt_in.numel() == batch.tgt_out.numel() == int(batch.graph.tgt_lens.sum())
-    assert batch.tgt_in[0] == Vocab.sos and batch.tgt_out[int(batch.graph.tgt_lens[0]) - 1] == Vocab.eos
+    assert batch.src.numel() == int(lens.sum()) and batch.tgt_in.numel() == batch.targets.numel() == int(batch.graph.tgt_lens.sum())
+    assert batch.tgt_in[0] == Vocab.sos and batch.targets[int(batch.graph.tgt_lens[0]) - 1] == Vocab.eos
     assert batch.graph.edges["ed"].n_src == batch.src.numel()
     assert (batch.src_pos[: int(lens[0])] == __import__("torch").arange(int(lens[0]))).all()
