@@ -104,7 +104,7 @@ class Embeddings(nn.Module):
     token content faint. Copy, 1 layer, 1 head, 128 dims, 4 epochs, seed 0, valid token / greedy
     sequence accuracy: scale 11.3: 99.55% / 93.5%; 1: 99.74% / 97.5%; 4 (default): 99.89% / 98.5%."""
 
-    def __init__(self, src_vocab: Vocab, tgt_vocab: Vocab, dim: int, dropout: float, share: bool, scale: float):
+    def __init__(self, src_vocab: Vocab, tgt_vocab: Vocab, dim: int, dropout: float, share: bool, scale: float, max_len: int = 4096):
         super().__init__()
         self.dim, self.scale = dim, scale
         self.tgt = nn.Embedding(len(tgt_vocab), dim)
@@ -112,7 +112,7 @@ class Embeddings(nn.Module):
         self.generator = nn.Linear(dim, len(tgt_vocab))
         if share:
             self.generator.weight = self.tgt.weight
-        self.pos = PositionalEncoding(dim)
+        self.pos = PositionalEncoding(dim, max_len)
         self.dropout = Dropout(dropout)
 
     def token(self, table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -174,8 +174,14 @@ class GraphModel(nn.Module):
 
     #: the task forms (``gtx.task.FORMS``) the model serves
     forms: tuple[str, ...] = ("seq2seq",)
-    #: a modifier pattern the runner wraps around the chosen one (ACT), or None
+    #: a modifier pattern the runner wraps around the chosen one (ACT), or None; see ``modifier``
     dynamic_pattern: str | None = None
+
+    @classmethod
+    def modifier(cls, config) -> str | None:
+        """The modifier pattern for a model of this config (models whose halting is a setting
+        override this); by default ``dynamic_pattern``."""
+        return cls.dynamic_pattern
 
     def __init__(self, backend: Backend):
         super().__init__()

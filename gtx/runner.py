@@ -129,14 +129,15 @@ def resolve(config: RunConfig) -> Resolved:
         {"model": (config.model, model_entry.config), "task": (config.task, task_entry.config), "train": ("train", TrainConfig)},
     )
     chosen = parse_pattern(config.pattern)
-    wrap = model_entry.obj.dynamic_pattern
+    model_cls = model_entry.obj
+    wrap = model_cls.modifier(cfg["model"]) if hasattr(model_cls, "modifier") else getattr(model_cls, "dynamic_pattern", None)
     pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
     device = resolve_device(config.device)
     get_backend(config.backend, device)
     task = task_entry.obj(config.task, cfg["task"])
     forms = getattr(model_entry.obj, "forms", ("seq2seq",))
     if task.form not in forms:
-        fit = [name for name, e in MODELS.entries().items() if task.form in getattr(e.obj, "forms", ("seq2seq",))]
+        fit = sorted(name for name, e in MODELS.entries().items() if task.form in getattr(e.obj, "forms", ("seq2seq",)))
         raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
     task.splits()  # generates or loads the data: a missing data_dir fails here
     max_len = getattr(cfg["model"], "max_len", None)

@@ -2,8 +2,11 @@
 
 Written from the prose description in ../shared/docs/paper_tables.md §1.5: trees of MIN, MAX,
 MED (median, truncated) and SM (sum mod 10) over digits, rejection-sampled on token length and
-deduplicated. Classification with 10 classes, done as a decoder of one output token: the target is
-the single label token, with no <eos>; sequence accuracy is classification accuracy.
+deduplicated. Classification with 10 classes, in either form: ``form=seq2seq`` (default) decodes
+one output token (the label, no <eos>) with an encoder-decoder (``transformer``, ``ut``);
+``form=classify`` pools an encoder (``--model encoder``), as LRA does. Either way sequence accuracy
+is classification accuracy. ``preset=lra`` takes the paper's sizes: 500-2000 tokens, 96,000 /
+2,000 / 2,000 examples (any of them can still be set).
 """
 
 import random
@@ -26,6 +29,23 @@ class ListOpsConfig:
     max_depth: int = 10
     max_args: int = 10
     seed: int = 0
+    form: str = field(default="seq2seq", metadata={"help": "seq2seq (transformer, ut) or classify (encoder)"})
+    preset: str = field(default="", metadata={"help": "lra: the paper's lengths and sizes, for settings left at their defaults"})
+
+    def __post_init__(self):
+        if self.form not in ("seq2seq", "classify"):
+            raise ValueError(f"form={self.form!r}: choose seq2seq or classify")
+        if self.preset not in ("", "lra"):
+            raise ValueError(f"preset={self.preset!r}: the only preset is lra")
+        if self.preset == "lra":
+            defaults = ListOpsConfig()
+            for name, value in LRA.items():
+                if getattr(self, name) == getattr(defaults, name):
+                    setattr(self, name, value)
+
+
+#: the LRA generator's defaults (paper_tables.md 1.5)
+LRA = {"n_train": 96000, "n_valid": 2000, "n_test": 2000, "min_len": 500, "max_len": 2000}
 
 
 def sample_tree(rng: random.Random, depth: int, max_depth: int, max_args: int):
@@ -68,6 +88,10 @@ class ListOps(Task):
     """ListOps (LRA): evaluate nested MIN/MAX/MED/SM lists of digits; 10 classes, one output token."""
 
     eos = False
+
+    def __init__(self, name, config):
+        super().__init__(name, config)
+        self.form = config.form
 
     def generate(self):
         c = self.config
