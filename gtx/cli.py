@@ -126,25 +126,26 @@ def _settings_of(config_cls) -> str:
     return ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(config_cls))
 
 
-def _list_registry(registry) -> None:
-    rows = [("NAME", "DESCRIPTION", "SETTINGS (--set key=value)")]
+def _list_registry(registry, form) -> None:
+    """Name, task form(s) (``form(cls)``), description and settings of each entry."""
+    rows = [("NAME", "FORM", "DESCRIPTION", "SETTINGS (--set key=value)")]
     for name, entry in sorted(registry.entries().items()):
-        rows.append((name, entry.description, _settings_of(entry.config)))
+        rows.append((name, form(entry.obj), entry.description, _settings_of(entry.config)))
     click.echo(_table(rows))
 
 
 @cli.command()
 @plugins_dir_option
 def models():
-    """List models and their settings."""
-    _list_registry(MODELS)
+    """List models, the task forms they serve and their settings."""
+    _list_registry(MODELS, lambda cls: ",".join(getattr(cls, "forms", ("seq2seq",))))
 
 
 @cli.command()
 @plugins_dir_option
 def tasks():
-    """List tasks and their settings."""
-    _list_registry(TASKS)
+    """List tasks, their form (seq2seq, lm, classify) and their settings."""
+    _list_registry(TASKS, lambda cls: cls.form)
 
 
 def _key_value(ctx, param, values):
