@@ -17,6 +17,7 @@ import click
 
 from gtx import __version__
 from gtx.errors import GtxError
+from gtx.graph import EdgeSet, possible_edges
 from gtx.pattern import STAGE_NAMES, STAGES, describe_params, is_modifier, parse_pattern
 from gtx.plugins import BACKENDS, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
 from gtx.results import format_table
@@ -106,9 +107,10 @@ def show_pattern(pattern, src_len, tgt_len, max_width):
     for stage in STAGES:
         n_q, n_k = sizes[stage]
         src, dst = p.edges(stage, n_q, n_k)
+        density = src.numel() / possible_edges(EdgeSet(src, dst, n_k, n_q, stage))
         click.echo(
             f"\n{stage} ({STAGE_NAMES[stage]}): {n_q} queries x {n_k} keys, {src.numel()} edges, "
-            f"density {src.numel() / (n_q * n_k):.3f}, {src.numel() / n_q:.2f} edges per query"
+            f"density {density:.3f}{' of the causal triangle' if stage == 'dd' else ''}, {src.numel() / n_q:.2f} edges per query"
         )
         if max(n_q, n_k) > max_width:
             click.echo(f"  (grid not printed: wider than --max-width {max_width})")
