@@ -124,8 +124,10 @@ def resolve_device(name: str) -> torch.device:
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
+    defaults = {f"train.{k}": str(v) for k, v in getattr(task_entry.obj, "train_defaults", {}).items()}
+    given = {key.rpartition(".")[2] for key in config.settings}
     cfg = build_configs(
-        config.settings,
+        {**{k: v for k, v in defaults.items() if k.rpartition(".")[2] not in given}, **config.settings},
         {"model": (config.model, model_entry.config), "task": (config.task, task_entry.config), "train": ("train", TrainConfig)},
     )
     chosen = parse_pattern(config.pattern)

@@ -88,11 +88,14 @@ class Task:
         eos: the target ends with <eos> (False: fixed-length targets, e.g. one class token); seq2seq.
         beam: the decoding used for test metrics is beam search of this width (1 = greedy).
         cache: generated data is cached on disk under ``cache_dir()``, keyed by the config.
+        train_defaults: training settings this task needs other defaults for (``TrainConfig``
+            fields, e.g. a long-context task's ``batch_size``); ``--set`` still overrides them.
     """
 
     form = "seq2seq"
     eos = True
     cache = True
+    train_defaults: dict = {}
 
     def __init__(self, name: str, config):
         self.name, self.config = name, config

@@ -24,6 +24,7 @@ class Config:
 class Counting(Task):
     """Count up modulo 5; every other prediction scored, in two groups."""
     form = "lm"
+    train_defaults = {"batch_size": 4, "warmup": 7}
 
     def generate(self):
         n = self.config.length
@@ -176,3 +177,17 @@ def test_vocab_of_an_lm_task_is_shared():
     task = Letters("letters", None)
     task.splits()
     assert task.src_vocab is task.tgt_vocab and isinstance(task.src_vocab, Vocab)
+
+
+def test_task_train_defaults_apply_under_the_users_settings(plugin_dir, tmp_path):
+    import json
+
+    from gtx.results import load
+
+    folder = plugin_dir(counting=LM_TASK)
+    for extra, batch_size in (([], 4), (["--batch-size", "3"], 3), (["--set", "train.batch_size=2"], 2)):
+        out = tmp_path / str(batch_size)
+        result = gtx_run("--task", "counting", "--model", "lm", "--plugins-dir", str(folder), "--max-steps", "1", "--results", str(out), *extra)
+        assert result.exit_code == 0, result.output
+        train = json.loads(load(out).config.iloc[0])["train"]
+        assert train["batch_size"] == batch_size and train["warmup"] == 7
