@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import click
+import pandas as pd
 
 from gtx import __version__
 from gtx.errors import GtxError
@@ -197,7 +198,10 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
     rows = run_experiment(config, progress=progress, log=log)
     last = rows[(rows.epoch == rows.epoch.max())]
     cols = ["split", "epoch", "loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "act_mean_steps"]
-    click.echo(format_table(last[cols]))
+    # the task's own scalar metrics (bpc, query_acc, bleu, ...) beside the common columns
+    metrics = pd.DataFrame([{k: v for k, v in json.loads(m).items() if isinstance(v, float) and k != "decode_s"} for m in last.metrics],
+                           index=last.index)
+    click.echo(format_table(pd.concat([last[cols], metrics.drop(columns=[c for c in metrics if c in cols])], axis=1)))
     click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
 
 
@@ -278,7 +282,7 @@ def bench_calibrate(device, heads, head_dim):
 @bench.command(name="train")
 @click.option("--task", default="copy", show_default=True)
 @click.option("--model", default="transformer", show_default=True)
-@click.option("--pattern", default="full", show_default=True)
+@click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable: one table).")
 @click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
 @click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
@@ -286,18 +290,23 @@ def bench_calibrate(device, heads, head_dim):
     "--rounds", type=click.IntRange(min=1), default=3, show_default=True,
     help="Interleaved rounds of --steps per variant; rows report the median round.",
 )
-@click.option("--baseline/--no-baseline", default=True, show_default=True, help="Also time torch.nn.Transformer (transformer only).")
+@click.option(
+    "--baseline/--no-baseline", default=True, show_default=True,
+    help="Also time the model's plain-torch references (transformer: torch.nn.Transformer; lm: torch SDPA is_causal, and with each pattern's bool mask).",
+)
 @click.option("--bound/--no-bound", default=True, show_default=True, help="Also time the model with attention skipped: the ceiling for any backend.")
+@click.option("--memory/--no-memory", default=True, show_default=True, help="Also measure each row's peak memory, each in a fresh process.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-@plugins_dir_option
-def bench_train(task, model, pattern, backends, steps, rounds, settings, baseline, bound, device, fmt, results_dir):
-    """Training tokens/s per backend on the same batches, and torch.nn.Transformer for reference."""
+@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
+def bench_train(task, model, patterns, backends, steps, rounds, settings, baseline, bound, memory, device, fmt, results_dir, plugins_dirs):
+    """Training tokens/s and peak memory per (pattern, backend) on the same batches, beside plain-torch references."""
     from gtx import bench as gtx_bench
 
-    df = gtx_bench.bench_train(task, model, pattern, _csv_list(backends), steps, settings=settings, device=device,
-                               baseline=baseline, bound=bound, rounds=rounds, log=lambda s: click.echo(s, err=True))
+    load_plugins(dirs=plugins_dirs)
+    df = gtx_bench.bench_train(task, model, patterns, _csv_list(backends), steps, settings=settings, device=device, baseline=baseline,
+                               bound=bound, rounds=rounds, memory=memory, plugins_dirs=plugins_dirs, log=lambda s: click.echo(s, err=True))
     path = gtx_bench.save(df, results_dir, "train")
     click.echo(format_table(df.drop(columns=["choice"]), fmt))
     click.echo(f"table: {path}", err=True)
