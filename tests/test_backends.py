@@ -208,3 +208,151 @@ def test_dgl_compat_shims():
         gb.ItemSampler  # noqa: B018 - the attribute access is what raises
     g = dgl.graph((torch.tensor([0, 1]), torch.tensor([1, 1])))
     assert g.num_edges() == 2
+
+
+# --- plain attention (every sample complete or causal): the flash path ------------------------------
+
+
+def reference_attention(q, k, v, edges):
+    """Independent of every backend: masked softmax over the edges in float64 math (no SDPA)."""
+    adj = torch.zeros(edges.n_dst, edges.n_src, dtype=torch.bool)
+    adj[edges.dst, edges.src] = True
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * q.shape[-1] ** -0.5
+    weights = torch.softmax(scores.masked_fill(~adj, float("-inf")), -1).nan_to_num(0.0)  # no edge: zeros
+    return torch.einsum("hqk,khd->qhd", weights, v.double()).to(q.dtype)
+
+
+def assert_matches_reference(backend, edges, heads=2, dim=4, dim_v=3, seed=0):
+    """Outputs and q, k, v gradients of ``backend`` equal the reference's."""
+    got = attention_and_grads(backend, edges, heads, dim, dim_v, seed)
+
+    class Reference(Backend):
+        def __call__(self, q, k, v, edges):
+            return reference_attention(q * q.shape[-1] ** 0.5, k, v, edges)  # undo propagate_attention's scaling
+
+    want = attention_and_grads(Reference(), edges, heads, dim, dim_v, seed)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{what}")
+
+
+def plain_attention_sets():
+    """(id, edge set, structure): single sequences, cross attention, batches of equal and unequal lengths."""
+    full, causal = parse_pattern("full"), parse_pattern("causal")
+    one = build_graph(full, [9], [6]).edges
+    equal = build_graph(causal, [5, 5, 5], [4, 4, 4]).edges
+    unequal = build_graph(full, [7, 1, 12, 7, 3], [5, 9, 1, 5, 2]).edges
+    return [
+        ("complete", one["ee"], "complete"),
+        ("causal", one["dd"], "causal"),
+        ("cross", one["ed"], "complete"),  # 6 queries, 9 keys
+        ("equal-causal", equal["ee"], "causal"),
+        ("equal-cross", equal["ed"], "complete"),
+        ("unequal-complete", unequal["ee"], "complete"),
+        ("unequal-causal", unequal["dd"], "causal"),
+        ("unequal-cross", unequal["ed"], "complete"),
+        ("no-lens-complete", EdgeSet(*reversed(torch.ones(11, 7).nonzero(as_tuple=True)), 7, 11), "complete"),  # one sample
+    ]
+
+
+PLAIN = plain_attention_sets()
+
+
+@pytest.mark.parametrize("call_work", [0, 2**10, 2**50])  # a bucket per shape .. everything padded into one
+@pytest.mark.parametrize("name", ["dense", "auto"])
+@pytest.mark.parametrize("case", PLAIN, ids=[c[0] for c in PLAIN])
+def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_work, monkeypatch):
+    from gtx.backends import flash
+
+    _, edges, structure = case
+    monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
+    edges = EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)  # no plans yet
+    assert flash.flash_structure(edges) == structure
+    assert_matches_reference(get_backend(name), edges)
+    if name == "auto":
+        for auto in ("auto", "auto-tuned"):
+            assert get_backend(auto).choose(edges, 2, 4, torch.device("cpu")) == f"flash-{structure}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    spec=st.sampled_from(["full", "causal"]),
+    src_lens=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+    tgt_lens=st.lists(st.integers(1, 12), min_size=8, max_size=8),
+    call_work=st.sampled_from([0, 2**10, 2**18]),
+)
+def test_flash_matches_the_reference_on_batches(spec, src_lens, tgt_lens, call_work):
+    from gtx.backends import flash
+
+    old = flash.CALL_WORK["cpu"]
+    flash.CALL_WORK["cpu"] = call_work
+    try:
+        g = build_graph(parse_pattern(spec), src_lens, tgt_lens[: len(src_lens)])
+        for stage, edges in g.edges.items():
+            causal = (stage == "dd" or spec == "causal" and stage == "ee") and max(edges.q_lens) > 1  # n=1: both, complete
+            assert flash.flash_structure(edges) == ("causal" if causal else "complete")
+            assert_matches_reference(get_backend("dense"), edges, heads=2, dim=8, dim_v=8)
+    finally:
+        flash.CALL_WORK["cpu"] = old
+
+
+def _without(edges, drop, add=None):
+    """The edge set less edge number ``drop``, plus edge ``add`` = (src, dst) if given; sorted, same lengths."""
+    keep = torch.arange(edges.num_edges) != drop
+    src, dst = edges.src[keep], edges.dst[keep]
+    if add is not None:
+        src, dst = torch.cat([src, torch.tensor([add[0]])]), torch.cat([dst, torch.tensor([add[1]])])
+    order = torch.argsort(dst * edges.n_src + src)
+    return EdgeSet(src[order], dst[order], edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)
+
+
+def test_near_plain_attention_is_not_taken_for_it_and_stays_correct():
+    from gtx.backends.flash import flash_structure
+
+    g = build_graph(parse_pattern("full"), [6, 6], [5, 5])
+    complete, causal = g.edges["ee"], g.edges["dd"]
+    assert flash_structure(complete) == "complete" and flash_structure(causal) == "causal"
+    near = [
+        _without(complete, 7),  # one edge missing
+        _without(complete, 7, add=(7, 0)),  # the count of a complete batch, one edge across samples
+        _without(causal, 4, add=(4, 1)),  # the count of a causal batch, one key after its query
+        _without(causal, 4, add=(7, 3)),  # ... and one key of the next sample
+        _without(build_graph(parse_pattern("causal"), [6]).edges["ee"], 4, add=(4, 1)),  # one sequence, one key after its query
+    ]
+    for edges in near:
+        assert flash_structure(edges) is None
+        for name in ("dense", "auto"):
+            assert_matches_reference(get_backend(name), edges)
+        assert not get_backend("auto").choose(edges, 2, 4, torch.device("cpu")).startswith("flash")
+    duplicated = EdgeSet(complete.src.repeat_interleave(2)[:-2], complete.dst.repeat_interleave(2)[:-2], 12, 12, "ee", (12,), (12,))
+    assert duplicated.num_edges == 142 and flash_structure(duplicated) is None  # not unique: a count proves nothing
+
+
+@pytest.mark.parametrize("name", ["dense", "auto"])
+def test_act_subsets_of_plain_attention_match_the_reference(name):
+    from gtx.backends.flash import flash_structure
+
+    causal = build_graph(parse_pattern("causal"), [9, 4, 9]).edges["ee"]
+    complete = build_graph(parse_pattern("full"), [9, 4, 9]).edges["ee"]
+    for edges in (causal, complete):
+        keep = torch.arange(edges.n_dst) % 3 != 1
+        sub = edges.filter_dst(keep).filter_dst(torch.arange(edges.n_dst) < 17)  # a subset of a subset
+        assert flash_structure(sub) is None and flash_structure(edges) is not None
+        assert_matches_reference(get_backend(name), sub)
+        out = attention_and_grads(get_backend(name), sub)[0]
+        assert (out[~sub.keep] == 0).all()
+        if name == "auto":
+            auto = get_backend("auto")
+            auto.reset_choices()
+            attention_and_grads(auto, sub)
+            assert auto.reset_choices() == {"ee": {f"flash-{flash_structure(edges)}": 1}}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_buckets_cover_every_sample_once(causal):
+    from gtx.backends.flash import buckets
+
+    shapes = sorted([(n, n) for n in (3, 3, 5, 9, 9, 9, 40)], key=lambda s: (s[1], s[0]))
+    for call_pairs, want in [(0, [2, 3, 6, 7]), (2**40, [7])]:
+        assert buckets(shapes, causal, call_pairs) == want
+    runs = buckets(shapes, causal, 100)
+    assert runs == sorted(runs) and runs[-1] == len(shapes) and 6 in runs  # 40 is never padded with the 9s

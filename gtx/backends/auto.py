@@ -1,6 +1,9 @@
 """auto: per edge set, the backend a cost model predicts to be fastest; the default backend.
 
-Candidates: ``dense`` and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
+An edge set that is plain attention (every sample complete or causal) runs as SDPA's own kernels
+(``gtx.backends.flash``), chosen before any model (no candidate beats them); its choice reads
+``flash-complete`` or ``flash-causal``. Other sets choose among the candidates: ``dense`` (the
+masked kernel) and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
 CPU and ``torch``; ``flex`` on CUDA. The model predicts forward+backward time from the edge set's
 structure (sizes, edges, active blocks) with per-device constants fitted by ``gtx bench
 calibrate`` (see docs/benchmarks.md). A plan is made once per edge set and kept with it; an ACT
@@ -31,6 +34,7 @@ import torch
 
 from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs
+from gtx.backends.flash import flash_attention, flash_structure
 from gtx.graph import EdgeSet
 
 # Seconds per unit of work and per call, forward + backward, float32: the built-in calibration,
@@ -44,6 +48,7 @@ COSTS = {
     "cuda": {"dense": (2.0e-13, 5e-5), "blocksparse": (4.0e-13, 3e-4), "flex": (1.0e-13, 2e-4), "torch": (2.0e-12, 2e-4)},
 }
 BLOCKS = (16, 32, 64)
+FLASH = "flash-"  # choice prefix: plain attention, run by gtx.backends.flash
 MEASURE_WITHIN = 1.5  # candidates predicted within this factor of the best are timed, once per shape class
 
 
@@ -97,7 +102,8 @@ def estimate(edges: EdgeSet, heads: int, dim: int, device: torch.device, kinds: 
 class AutoBackend(Backend):
     """Per edge set, the kernel a calibrated cost model predicts fastest (reproducible).
 
-    Chooses among dense, blocksparse, dgl, torch and flex; with ``measure`` (``auto-tuned``) the
+    Plain attention (every sample complete or causal) runs as SDPA's own kernels; other sets choose
+    among dense, blocksparse, dgl, torch and flex; with ``measure`` (``auto-tuned``) the
     candidates predicted close to the best are timed once per shape class."""
 
     name = "auto"
@@ -114,12 +120,13 @@ class AutoBackend(Backend):
 
     def candidates(self, device: torch.device) -> dict[str, Backend]:
         from gtx.backends.blocksparse import BlockSparseBackend
+        from gtx.backends.dense import DenseBackend
         from gtx.plugins import BACKENDS
 
         key = str(device)
         if key not in self._backends:
-            usable = {}
-            for name in ("dense", "dgl", "torch", "flex"):
+            usable = {"dense": DenseBackend(flash=False)}  # plain attention never gets this far
+            for name in ("dgl", "torch", "flex"):
                 if name in BACKENDS.names() and BACKENDS.get(name).obj.available(device) is None:
                     usable[name] = BACKENDS.get(name).obj
             for b in BLOCKS:
@@ -128,9 +135,11 @@ class AutoBackend(Backend):
         return self._backends[key]
 
     def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None) -> str:
-        """The candidate for this edge set; ``inputs`` (q, k, v) allow timing close candidates."""
-        if edges.num_edges == edges.n_dst * edges.n_src:
-            return "dense"  # a complete edge set is plain attention: the dense kernel runs it unmasked
+        """The candidate for this edge set (or ``flash-<structure>``); ``inputs`` (q, k, v) allow
+        timing close candidates."""
+        structure = flash_structure(edges)
+        if structure is not None:
+            return f"{FLASH}{structure}"
         # Batches of one task differ edge by edge but not in shape: decide once per shape class
         # (sizes and edges per query to within ~20%), not for every new batch.
         shape = (edges.stage, str(device), heads, dim, round(4 * math.log2(edges.n_dst)), round(4 * math.log2(edges.n_src)),
@@ -154,6 +163,8 @@ class AutoBackend(Backend):
         root = edges.parent or edges
         name = root.plan(("auto", q.device, q.shape[1], q.shape[2]), lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v)))
         self.choices[edges.stage or "?"][name] += 1
+        if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
+            return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
         return self.candidates(q.device)[name](q, k, v, edges)
 
     def reset_choices(self) -> dict[str, dict[str, int]]:

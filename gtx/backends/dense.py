@@ -1,19 +1,20 @@
 """dense: scaled_dot_product_attention with a boolean (n_dst, n_src) mask built from the edges.
 
-The reference every other backend is tested against. O(n_dst * n_src) time and memory.
+The reference every other backend is tested against. O(n_dst * n_src) time and memory. Edge sets
+that are plain attention (every sample complete or causal, ``gtx.backends.flash``) run unmasked
+instead, as SDPA's fastest kernels; an ACT subset of one too.
 """
 
 import torch
 import torch.nn.functional as F
 
 from gtx.backends import Backend
+from gtx.backends.flash import flash_attention, flash_structure
 from gtx.graph import EdgeSet
 
 
-def _mask(edges: EdgeSet) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The attention mask (None for a complete edge set: SDPA's unmasked kernel) and the rows to keep."""
-    if edges.num_edges == edges.n_dst * edges.n_src:
-        return None, None
+def _mask(edges: EdgeSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention mask and the rows to keep (None: all)."""
     adj = edges.dense()
     empty = edges.in_degree() == 0
     if not empty.any():
@@ -22,14 +23,27 @@ def _mask(edges: EdgeSet) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return adj, (~empty)[:, None, None].to(torch.float32)
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
+    """The backend contract computed with a dense boolean mask, whatever the structure."""
+    mask, keep = edges.plan(("dense", q.device), lambda: _mask(edges))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=1.0
+    ).transpose(0, 1)  # (H, n_dst, Dv) -> (n_dst, H, Dv)
+    return out if keep is None else out * keep.to(out.dtype)
+
+
 class DenseBackend(Backend):
-    """SDPA over a dense boolean mask: the reference."""
+    """SDPA over a dense boolean mask (the reference); plain attention runs unmasked.
+
+    ``flash=False`` always masks: ``auto``'s candidate, whose cost model describes the masked kernel."""
 
     name = "dense"
 
+    def __init__(self, flash: bool = True):
+        self.flash = flash
+
     def __call__(self, q, k, v, edges):
-        mask, keep = edges.plan(("dense", q.device), lambda: _mask(edges))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=1.0
-        ).transpose(0, 1)  # (H, n_dst, Dv) -> (n_dst, H, Dv)
-        return out if keep is None else out * keep.to(out.dtype)
+        structure = flash_structure(edges.parent or edges) if self.flash else None
+        if structure is not None:
+            return flash_attention(q, k, v, edges, structure)
+        return masked_attention(q, k, v, edges)
