@@ -232,7 +232,8 @@ def _csv_list(value: str) -> list[str]:
 @bench.command(name="attention")
 @click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
 @click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Sequence lengths, comma-separated.")
-@click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True, help="Backends, comma-separated.")
+@click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True,
+              help="Backends, comma-separated; sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask), for reference.")
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
@@ -250,7 +251,8 @@ def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, devic
     names = _csv_list(backends)
     dev = resolve_device(device)
     for name in names:
-        BACKENDS.get(name)
+        if name != gtx_bench.SDPA:  # plain torch, for reference: not a gtx backend
+            BACKENDS.get(name)
     specs = [parse_pattern(p).spec for p in patterns]
     sizes = [int(n) for n in _csv_list(lengths)]
     df = gtx_bench.bench_attention(specs, sizes, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
