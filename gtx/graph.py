@@ -8,7 +8,7 @@ type it reads: ``ee`` enc->enc, ``dd`` dec->dec, ``ed`` enc (keys) -> dec (queri
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,34 +17,55 @@ from gtx.pattern import STAGES, Pattern
 STAGE_TYPES = {"ee": ("enc", "enc"), "dd": ("dec", "dec"), "ed": ("enc", "dec")}  # (key type, query type)
 
 
-@dataclass(eq=False)
 class EdgeSet:
     """One stage's edges over a batch: ``src`` (E,) key ids in [0, n_src), ``dst`` (E,) query ids in
-    [0, n_dst), int64, sorted by (dst, src). ``plan`` caches what backends derive from it."""
+    [0, n_dst), int64, sorted by (dst, src). ``plan`` caches what backends derive from it.
 
-    src: torch.Tensor
-    dst: torch.Tensor
-    n_src: int
-    n_dst: int
-    stage: str = ""  # ee, dd or ed where known: lets backends report per-stage choices
-    #: per-sample query and key counts when the set is a disjoint union of samples (``batch_edges``):
-    #: sample i's queries and keys are the i-th consecutive runs of q_lens[i] and k_lens[i] ids.
-    #: Lets backends see structure per sample (a batch of complete or causal samples); None: unknown.
-    q_lens: tuple[int, ...] | None = None
-    k_lens: tuple[int, ...] | None = None
-    #: for a subset made by ``filter_dst``: the full edge set and the kept queries, so that backends
-    #: can reuse the full set's plan instead of planning again (ACT filters every step)
-    parent: EdgeSet | None = field(default=None, repr=False)
-    keep: torch.Tensor | None = field(default=None, repr=False)
-    _plans: dict = field(default_factory=dict, repr=False)
+    ``q_lens``/``k_lens``: per-sample query and key counts when the set is a disjoint union of
+    samples (``batch_edges``): sample i's queries and keys are the i-th consecutive runs of q_lens[i]
+    and k_lens[i] ids; None: unknown. ``structure``: ``"complete"`` or ``"causal"`` when every
+    sample is known to be (from the pattern), so that plain attention can run without reading a
+    single edge; the edges of such a set are built only when something reads ``src`` or ``dst``
+    (``build``). ``parent``/``keep``: for a subset made by ``filter_dst``, the full edge set and the
+    kept queries, so that backends can reuse the full set's plan (ACT filters every step)."""
+
+    def __init__(self, src: torch.Tensor | None, dst: torch.Tensor | None, n_src: int, n_dst: int, stage: str = "",
+                 q_lens: tuple[int, ...] | None = None, k_lens: tuple[int, ...] | None = None, parent: EdgeSet | None = None,
+                 keep: torch.Tensor | None = None, *, structure: str | None = None,
+                 build: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None, num_edges: int | None = None,
+                 device: torch.device | str = "cpu"):
+        self._edges = None if src is None else (src, dst)
+        self._build, self._num_edges = build, num_edges
+        self._device = torch.device(device) if src is None else src.device
+        self.n_src, self.n_dst, self.stage = n_src, n_dst, stage
+        self.q_lens, self.k_lens, self.structure = q_lens, k_lens, structure
+        self.parent, self.keep = parent, keep
+        self._plans: dict = {}
+
+    def _built(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._edges is None:
+            src, dst = self._build()
+            self._edges = (src.to(self._device), dst.to(self._device))
+        return self._edges
+
+    @property
+    def src(self) -> torch.Tensor:
+        return self._built()[0]
+
+    @property
+    def dst(self) -> torch.Tensor:
+        return self._built()[1]
 
     @property
     def num_edges(self) -> int:
-        return int(self.src.numel())
+        return int(self.src.numel()) if self._num_edges is None else self._num_edges
 
     @property
     def device(self) -> torch.device:
-        return self.src.device
+        return self._device
+
+    def __repr__(self) -> str:
+        return f"EdgeSet(stage={self.stage!r}, n_src={self.n_src}, n_dst={self.n_dst}, num_edges={self.num_edges}, structure={self.structure})"
 
     def plan(self, key, build: Callable[[], object]):
         """Build once per key (backend, device, ...) and keep it with the edges."""
@@ -59,7 +80,10 @@ class EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
-        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, self.q_lens, self.k_lens)
+        same = {"q_lens": self.q_lens, "k_lens": self.k_lens, "structure": self.structure}
+        if self._edges is None:
+            return EdgeSet(None, None, self.n_src, self.n_dst, self.stage, build=self._build, num_edges=self._num_edges, device=device, **same)
+        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, **same)
 
     def filter_dst(self, keep: torch.Tensor) -> EdgeSet:
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
@@ -118,14 +142,29 @@ class TokenGraph:
 
 
 def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Sequence[int]) -> EdgeSet:
-    """The disjoint union of per-sample edge sets (each cached by the pattern per lengths)."""
-    parts = [pattern.edges(stage, nq, nk) for nq, nk in zip(q_lens, k_lens)]
-    counts = torch.tensor([p[0].numel() for p in parts])
-    q_off = torch.repeat_interleave(_offsets(torch.as_tensor(q_lens)), counts)
-    k_off = torch.repeat_interleave(_offsets(torch.as_tensor(k_lens)), counts)
-    src = torch.cat([p[0] for p in parts]) + k_off
-    dst = torch.cat([p[1] for p in parts]) + q_off
-    return EdgeSet(src, dst, int(sum(k_lens)), int(sum(q_lens)), stage, tuple(map(int, q_lens)), tuple(map(int, k_lens)))
+    """The disjoint union of per-sample edge sets (each cached by the pattern per lengths). When
+    every sample is complete or every one causal (``Pattern.structure``), the batch's edges are
+    built only if a backend reads them: plain attention runs from the lengths alone."""
+    q_lens, k_lens = tuple(map(int, q_lens)), tuple(map(int, k_lens))
+    # a 1x1 sample is complete and causal at once: it does not decide the batch's structure
+    structures = {pattern.structure(stage, nq, nk) for nq, nk in zip(q_lens, k_lens) if (nq, nk) != (1, 1)}
+    structures = structures or {pattern.structure(stage, 1, 1)}
+    structure = structures.pop() if len(structures) == 1 else None
+
+    def build():
+        parts = [pattern.edges(stage, nq, nk) for nq, nk in zip(q_lens, k_lens)]
+        if len(parts) == 1:
+            return parts[0]
+        counts = torch.tensor([p[0].numel() for p in parts])
+        q_off = torch.repeat_interleave(_offsets(torch.as_tensor(q_lens)), counts)
+        k_off = torch.repeat_interleave(_offsets(torch.as_tensor(k_lens)), counts)
+        return torch.cat([p[0] for p in parts]) + k_off, torch.cat([p[1] for p in parts]) + q_off
+
+    sizes = (sum(k_lens), sum(q_lens), stage, q_lens, k_lens)
+    if structure is None:
+        return EdgeSet(*build(), *sizes)
+    count = sum(nq * nk if structure == "complete" else nq * (nq + 1) // 2 for nq, nk in zip(q_lens, k_lens))
+    return EdgeSet(None, None, *sizes, structure=structure, build=build, num_edges=count)
 
 
 def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequence[int] | None = None) -> TokenGraph:

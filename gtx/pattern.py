@@ -108,6 +108,20 @@ class Pattern:
             self._cache[key] = (src, dst)
         return self._cache[key]
 
+    def structure(self, stage: str, n_q: int, n_k: int) -> str | None:
+        """``"complete"`` (every key), ``"causal"`` (n_q == n_k, keys at or before the query) or
+        None, for one sample's validated edges; cached."""
+        key = ("structure", stage, n_q, n_k)
+        if key not in self._cache:
+            src, dst = self.edges(stage, n_q, n_k)
+            if src.numel() == n_q * n_k:
+                self._cache[key] = "complete"  # validated edges are unique and in range: all of them
+            elif n_q == n_k and src.numel() == n_q * (n_q + 1) // 2 and not bool((src > dst).any()):
+                self._cache[key] = "causal"
+            else:
+                self._cache[key] = None
+        return self._cache[key]
+
     def _raw_edges(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:
             if stage in self.edge_fns:

@@ -356,3 +356,21 @@ def test_buckets_cover_every_sample_once(causal):
         assert buckets(shapes, causal, call_pairs) == want
     runs = buckets(shapes, causal, 100)
     assert runs == sorted(runs) and runs[-1] == len(shapes) and 6 in runs  # 40 is never padded with the 9s
+
+
+@pytest.mark.parametrize("spec,stage,lens,structure", [
+    ("full", "ee", [5, 1, 3], "complete"), ("full", "dd", [4, 1, 6], "causal"), ("causal", "ee", [3, 3], "causal"),
+    ("full", "dd", [1, 1], "complete"), ("local:w=1", "dd", [4, 2], None), ("local:w=1", "dd", [2, 1], "causal"),
+])
+def test_plain_attention_batches_know_their_structure_without_building_edges(spec, stage, lens, structure):
+    from gtx.graph import batch_edges
+
+    pattern = parse_pattern(spec)
+    lazy = batch_edges(pattern, stage, lens, lens)
+    assert lazy.structure == structure and lazy.num_edges == sum(pattern.edges(stage, n, n)[0].numel() for n in lens)
+    if structure is not None:
+        assert lazy._edges is None  # nothing built yet: flash runs from the lengths
+    offsets = [sum(lens[:i]) for i in range(len(lens))]
+    src = torch.cat([pattern.edges(stage, n, n)[0] + o for n, o in zip(lens, offsets)])
+    dst = torch.cat([pattern.edges(stage, n, n)[1] + o for n, o in zip(lens, offsets)])
+    assert torch.equal(lazy.src, src) and torch.equal(lazy.dst, dst)

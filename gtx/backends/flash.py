@@ -78,6 +78,8 @@ def _structure(edges: EdgeSet) -> str | None:
     """``flash_structure``, uncached: an O(samples) count, then one O(edges) check when it fits."""
     if edges.parent is not None:
         return None
+    if edges.structure is not None:  # known from the pattern (``batch_edges``): no edge to read
+        return edges.structure
     q_lens, k_lens = sample_lens(edges)
     if edges.n_dst == 0 or any(nq and not nk for nq, nk in zip(q_lens, k_lens)):
         return None  # queries without keys: no softmax to run (dense zeroes them)
