@@ -3,7 +3,9 @@
 Each attention cell runs in a fresh subprocess so that its peak memory (CPU: growth of the
 process's peak RSS; CUDA: peak allocated) belongs to that cell alone, and cells do not warm each
 other's caches. Times are medians of ``repeats`` after ``warmup`` calls, forward + backward; the
-first call, which builds the backend's plan for the edge set, is reported as ``first_ms``.
+first call, which builds the backend's plan for the edge set, is reported as ``first_ms``. The
+pseudo-backend ``sdpa`` (``SDPA``) is plain torch for reference: scaled_dot_product_attention on
+(1, H, n, D) tensors, ``is_causal``, unmasked or with a bool mask, whichever the pattern needs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from gtx.backends import Backend
 from gtx.errors import GtxError
 
 ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
-TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "step_ms", "attention_ms", "data_ms", "steps", "rounds", "device", "choice"]
+TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "vs_reference", "ceiling_share", "step_ms", "attention_ms",
+                 "data_ms", "peak_mem_mb", "steps", "rounds", "device", "choice"]
 
 
 @dataclass
@@ -53,52 +55,100 @@ def _peak_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_attention_cell(cell: AttentionCell) -> dict:
-    """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
-    one sequence of n tokens."""
+SDPA = "sdpa"  # bench attention's plain-torch row (not a gtx backend): what a user would write instead
+
+
+def sdpa_mode(edges) -> str:
+    """How plain torch runs a one-sequence edge set (unique edges, as patterns give): "is_causal"
+    when it is exactly causal (key <= query), "unmasked" when complete, else "bool mask"."""
+    n_q, n_k, e = edges.n_dst, edges.n_src, edges.num_edges
+    if e == n_q * n_k:
+        return "unmasked"
+    if n_q == n_k and e == n_q * (n_q + 1) // 2 and bool((edges.src <= edges.dst).all()):
+        return "is_causal"
+    return "bool mask"
+
+
+def _gtx_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
+    """(step, choice): forward + backward of ``propagate_attention`` with the cell's backend on
+    (n, H, D) inputs, and what the backend chose (called after the steps)."""
     from gtx.backends import get_backend
     from gtx.engine import propagate_attention
     from gtx.graph import EdgeSet
-    from gtx.pattern import parse_pattern
-    from gtx.plugins import load_plugins
 
-    load_plugins(dirs=cell.plugins_dirs)
-    device = torch.device(cell.device)
     backend = get_backend(cell.backend, device)
-    src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
-    edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
-    gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
     grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
     # one tiny call first: libraries the backend imports lazily must not count as its memory
     tiny = EdgeSet(torch.arange(4, device=device), torch.arange(4, device=device), 4, 4, "ee")
     propagate_attention(*(torch.randn(4, cell.heads, cell.head_dim, device=device) for _ in range(3)), tiny, backend)
     backend.reset_choices()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    base = _peak_mb(device) if device.type == "cpu" else 0.0
 
     def step():
         q.grad = k.grad = v.grad = None
         propagate_attention(q, k, v, edges, backend).backward(grad)
-        _sync(device)
 
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(cell.warmup):
-        step()
-    times = []
-    for _ in range(cell.repeats):
+    def choice():
+        counts = backend.reset_choices().get("ee", {})
+        return max(counts, key=counts.get) if counts else ""
+
+    return step, choice
+
+
+def _sdpa_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
+    """(step, choice) of the ``sdpa`` row: torch's scaled_dot_product_attention called directly on
+    (1, H, n, D) inputs, ``is_causal``, unmasked or with the (n, n) bool mask (built by the first
+    step, as dense builds its own) by ``sdpa_mode``."""
+    import torch.nn.functional as F
+
+    mode = sdpa_mode(edges)
+    shape = (1, cell.heads, cell.n, cell.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, generator=gen).to(device)
+    tiny = torch.randn(1, cell.heads, 4, cell.head_dim, device=device)
+    F.scaled_dot_product_attention(tiny, tiny, tiny, is_causal=True)
+    mask = []
+
+    def step():
+        if mode == "bool mask" and not mask:
+            mask.append(edges.dense())
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, is_causal=mode == "is_causal").backward(grad)
+
+    return step, lambda: mode
+
+
+def run_attention_cell(cell: AttentionCell) -> dict:
+    """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
+    one sequence of n tokens; backend ``sdpa`` (``SDPA``) is plain torch for reference."""
+    from gtx.graph import EdgeSet
+    from gtx.pattern import parse_pattern
+    from gtx.plugins import load_plugins
+
+    load_plugins(dirs=cell.plugins_dirs)
+    device = torch.device(cell.device)
+    src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
+    edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    step, choice = (_sdpa_cell if cell.backend == SDPA else _gtx_cell)(cell, edges, device, gen)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = _peak_mb(device) if device.type == "cpu" else 0.0
+
+    def timed():
         t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    counts = backend.reset_choices().get("ee", {})
-    choice = max(counts, key=counts.get) if counts else ""
+        _sync(device)
+        return time.perf_counter() - t0
+
+    first = timed()
+    for _ in range(cell.warmup):
+        timed()
+    times = [timed() for _ in range(cell.repeats)]
     return {
         "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
         "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
-        "peak_mem_mb": _peak_mb(device) - base, "choice": choice, "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
+        "peak_mem_mb": _peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
     }
 
 
@@ -128,44 +178,6 @@ def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5
     return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
 
 
-class TorchTransformerBaseline(torch.nn.Module):
-    """What a user would pick instead: torch.nn.Transformer over padded batches with masks,
-    the same sizes, pre-norm, embeddings + sinusoidal positions and a tied output projection."""
-
-    def __init__(self, vocab_src: int, vocab_tgt: int, layers: int, heads: int, dim: int, dim_ff: int, dropout: float):
-        super().__init__()
-        from gtx.model import PositionalEncoding
-
-        self.src, self.tgt = torch.nn.Embedding(vocab_src, dim), torch.nn.Embedding(vocab_tgt, dim)
-        self.pos = PositionalEncoding(dim)
-        with warnings.catch_warnings():  # "enable_nested_tensor ... norm_first": nested tensors need post-norm
-            warnings.simplefilter("ignore", UserWarning)
-            self.net = torch.nn.Transformer(dim, heads, layers, layers, dim_ff, dropout, batch_first=True, norm_first=True)
-        self.out = torch.nn.Linear(dim, vocab_tgt)
-
-    def forward(self, src, tgt, src_pad, tgt_pad):
-        n = tgt.shape[1]
-        causal = torch.nn.Transformer.generate_square_subsequent_mask(n, device=tgt.device, dtype=torch.bool)
-        pos_s, pos_t = torch.arange(src.shape[1], device=src.device), torch.arange(n, device=tgt.device)
-        h = self.net(self.src(src) + self.pos(pos_s), self.tgt(tgt) + self.pos(pos_t), tgt_mask=causal,
-                     src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
-        return self.out(h)
-
-
-def _padded(batch):
-    """Flat node tensors -> padded (B, T) tensors and padding masks."""
-    from torch.nn.utils.rnn import pad_sequence
-
-    def split(flat, lens):
-        return pad_sequence(list(torch.split(flat, lens.tolist())), batch_first=True)
-
-    src_lens, tgt_lens = batch.graph.src_lens, batch.graph.tgt_lens
-    src, tgt_in, tgt_out = split(batch.src, src_lens), split(batch.tgt_in, tgt_lens), split(batch.targets, tgt_lens)
-    src_pad = torch.arange(src.shape[1])[None] >= src_lens[:, None]
-    tgt_pad = torch.arange(tgt_in.shape[1])[None] >= tgt_lens[:, None]
-    return src, tgt_in, tgt_out, src_pad, tgt_pad
-
-
 class SkipAttention(Backend):
     """Not a registered backend: an O(n) stand-in for attention that still sends gradients to q, k
     and v, so that a training step keeps every other cost. Its tokens/s bound what any attention
@@ -177,83 +189,105 @@ class SkipAttention(Backend):
         return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
 
 
-def bench_train(task="copy", model="transformer", pattern="full", backends=("auto",), steps=30, warmup_steps=3,
-                settings=None, device="cpu", baseline=True, bound=True, rounds=3, log=lambda s: None) -> pd.DataFrame:
-    """Training tokens/s per backend on the same batches (target tokens per second of wall time,
-    graph building included), and the same model as torch.nn.Transformer with padded dense masks.
+@dataclass
+class _Variant:
+    """One row of ``bench_train``, built and timed in this process."""
 
-    Every variant is built first, then timed in ``rounds`` interleaved rounds of ``steps`` steps
-    (a variant's round runs after every other variant's previous round), so that a slow spell of a
-    shared machine hits all of them alike; a row reports the median round. ``bound`` adds the model
-    with attention skipped (``SkipAttention``): the ceiling for every backend. ``data_ms`` is the
-    part of a step spent building batches and graphs; ``attention_ms`` is the step minus the
-    bound's step."""
-    import torch.nn.functional as F
+    cell: object  # its gtx.reference.TrainCell
+    fields: dict  # the row's model, pattern and backend columns
+    group: str  # the model variant it is compared within
+    role: str  # gtx, bound or reference
+    trainer: object
+    backend: Backend | None
+    run: object  # its ``Resolved``: task, device and the pattern its batches are built under
 
-    from gtx.backends import get_backend
-    from gtx.runner import RunConfig, resolve
-    from gtx.task import batches
-    from gtx.train import Trainer
 
-    # (row fields, step function, resolved run, backend or None)
-    variants = []
-    extras = [{}, {"act": "false"}] if model == "ut" else [{}]  # ut: also with halting disabled, same max depth
-    names = [(b, extra) for extra in extras for b in [*backends, *([SkipAttention.name] if bound else [])]]
-    for backend, extra in names:
-        r = resolve(RunConfig(task=task, model=model, pattern=pattern, backend="auto", device=device, settings={**(settings or {}), **extra}))
-        torch.manual_seed(0)
-        be = SkipAttention() if backend == SkipAttention.name else get_backend(backend, r.device)
-        net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, be).to(r.device)
-        trainer = Trainer(net, r.train, getattr(r.model_config, "dim", 128), r.device)
-        fields = {"model": model + ("[act=false]" if extra else ""), "pattern": r.chosen.spec, "backend": backend}
-        variants.append((fields, lambda b, trainer=trainer: trainer.train_epoch([b]), r, be))
-    if baseline and model == "transformer":
-        c = r.model_config
-        torch.manual_seed(0)
-        net = TorchTransformerBaseline(len(r.task.src_vocab), len(r.task.tgt_vocab), c.layers, c.heads, c.dim, c.dim_ff, c.dropout).to(r.device)
-        net.out.weight = net.tgt.weight
-        opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
+def bench_train(task="copy", model="transformer", patterns=("full",), backends=("auto",), steps=30, warmup_steps=3,
+                settings=None, device="cpu", baseline=True, bound=True, rounds=3, memory=False, memory_steps=3,
+                plugins_dirs=(), timeout_s=900, log=lambda s: None) -> pd.DataFrame:
+    """Training tokens/s (target tokens per second of wall time, graph building included) per
+    pattern (a spec or several) and backend, on the same batches, beside plain-torch references.
 
-        def baseline_step(batch, r=r):
-            src, tgt_in, tgt_out, src_pad, tgt_pad = (t.to(r.device) for t in _padded(batch))
-            logits = net(src, tgt_in, src_pad, tgt_pad)
-            loss = F.cross_entropy(logits[~tgt_pad], tgt_out[~tgt_pad], label_smoothing=r.train.label_smoothing)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
+    Rows per model variant (ut: also with halting off): each pattern x backend; with ``bound`` the
+    model with attention skipped (``SkipAttention``, graphs under NO_EDGES): the ceiling for any
+    backend; with ``baseline`` the model's plain-torch references (``gtx.reference.references``:
+    transformer: torch.nn.Transformer; lm: SDPA is_causal, and SDPA with the bool mask of each
+    pattern but full/causal). Every variant is built first, then timed in ``rounds`` interleaved
+    rounds of ``steps`` steps (a variant's round runs after every other variant's previous round),
+    so that a slow spell of a shared machine hits all alike; a row reports its median round.
 
-        net.train()
-        variants.append(({"model": "torch.nn.Transformer", "pattern": "full (padded, masked)", "backend": "torch.nn"}, baseline_step, r, None))
+    ``vs_reference``: tokens/s over the first reference's; ``ceiling_share``: the part of the
+    possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both or
+    where the bound is not faster; ``data_ms``: the part of a step spent building batches and
+    graphs; ``attention_ms``: the step minus the bound's (rows of the bound's model);
+    ``peak_mem_mb`` (``memory``): ``gtx.reference.train_cell_memory`` over ``memory_steps``
+    steps, each variant in a fresh subprocess after the timed rounds (NaN without ``memory``)."""
+    from collections import Counter
 
-    # the training split again and again when it holds fewer batches than the steps asked for
-    data = list(_take((b for epoch in range(steps + warmup_steps) for b in batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=epoch)),
-                      steps + warmup_steps))
+    from gtx.pattern import parse_pattern
+    from gtx.reference import NO_EDGES, TORCH_TRANSFORMER, TrainCell, first_batches, memory_in_subprocess, references
+    from gtx.runner import resolve_device
+
+    specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
+    dev, dirs = str(resolve_device(device)), tuple(map(str, plugins_dirs))
+    variants: list[_Variant] = []
+
+    def add(cell, fields, group, role):
+        r = cell.resolve()
+        variants.append(_Variant(cell, {**fields, "backend": cell.backend}, group, role, *cell.build(r), r))
+
+    for label, extra in [("", {}), ("[act=false]", {"act": "false"})] if model == "ut" else [("", {})]:
+        group, sets = model + label, {**(settings or {}), **extra}
+        for spec in specs:
+            for b in backends:
+                add(TrainCell(task, model, spec, b, sets, dev, dirs), {"model": group, "pattern": spec}, group, "gtx")
+        if bound:
+            add(TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev, dirs), {"model": group, "pattern": "-"}, group, "bound")
+        if baseline:
+            mine = [v.run for v in variants if v.group == group]
+            config = (mine[0] if mine else TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev).resolve()).model_config
+            for kind, spec in references(model, config, specs):
+                fields = {"model": group, "pattern": spec}
+                if kind == TORCH_TRANSFORMER:  # another implementation, not the bound's model: no attention_ms
+                    fields = {"model": "torch.nn.Transformer", "pattern": "full (padded, masked)"}
+                add(TrainCell(task, model, spec, kind, sets, dev, dirs), fields, group, "reference")
+
+    if not variants:
+        raise GtxError("bench train: nothing to time; give --backends, or keep --bound or --baseline")
+    data = first_batches(variants[0].run, steps + warmup_steps)
     timings = [[] for _ in variants]  # per variant: (tokens, wall_s, data_s) per round
+    choices = [{} for _ in variants]
     for round_ in range(rounds):
-        for (fields, step, run, be), times in zip(variants, timings):
-            if be is not None and round_ == 0:
-                be.reset_choices()
-            times.append(_time_steps(step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, run))
+        for v, times, chosen in zip(variants, timings, choices):
+            if v.backend is not None:
+                v.backend.reset_choices()  # one backend object serves every variant that names it
+            step = lambda b, trainer=v.trainer: trainer.train_epoch([b])  # noqa: E731
+            times.append(_time_steps(step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, v.run))
+            for stage, counts in (v.backend.reset_choices() if v.backend is not None else {}).items():
+                chosen.setdefault(stage, Counter()).update(counts)
             tokens, wall, _ = times[-1]
-            log(f"round {round_ + 1}/{rounds}  {fields['model']:<20} {fields['backend']:<16} {tokens / wall:10,.0f} tokens/s")
+            log(f"round {round_ + 1}/{rounds}  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {tokens / wall:10,.0f} tokens/s")
     rows = []
-    for (fields, _, run, be), times in zip(variants, timings):
+    for v, times, chosen in zip(variants, timings, choices):
         tokens, wall, data_s = sorted(times, key=lambda t: t[1])[len(times) // 2]
         n = len(data) - warmup_steps
-        rows.append({"task": task, **fields, "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / n, "data_ms": 1000 * data_s / n,
-                     "steps": n, "rounds": rounds, "device": str(run.device), "choice": json.dumps(be.reset_choices()) if be else ""})
+        rows.append({"task": task, **v.fields, "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / n, "data_ms": 1000 * data_s / n,
+                     "peak_mem_mb": float("nan"), "steps": n, "rounds": rounds, "device": str(v.run.device),
+                     "choice": json.dumps(chosen) if v.backend is not None else ""})
+    for group in dict.fromkeys(v.group for v in variants):
+        members = [(v, row) for v, row in zip(variants, rows) if v.group == group]
+        ref, top = (next((row["tokens_per_s"] for v, row in members if v.role == role), float("nan")) for role in ("reference", "bound"))
+        for _, row in members:
+            row["vs_reference"] = row["tokens_per_s"] / ref
+            row["ceiling_share"] = (row["tokens_per_s"] - ref) / (top - ref) if top > ref else float("nan")
+    if memory:
+        for v, row in zip(variants, rows):
+            row["peak_mem_mb"], why = memory_in_subprocess(v.cell, memory_steps, timeout_s)
+            log(f"memory  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {row['peak_mem_mb']:9.1f} MB  {why}")
     df = pd.DataFrame(rows)
     floor = df[df.backend == SkipAttention.name].set_index("model").step_ms
     df["attention_ms"] = df.step_ms - df.model.map(floor)
     return df.reindex(columns=TRAIN_COLUMNS)
-
-
-def _take(iterator, n):
-    for i, item in enumerate(iterator):
-        if i >= n:
-            return
-        yield item
 
 
 def _time_steps(step, data, warmup_steps, r):

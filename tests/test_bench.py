@@ -1,6 +1,7 @@
 """Benchmarks produce their tables (tiny sizes here); the auto backend's choices are sensible."""
 
 import json
+import random
 
 import pandas as pd
 import pytest
@@ -13,6 +14,9 @@ from gtx.backends.auto import estimate, work
 from gtx.cli import cli
 from gtx.graph import build_graph
 from gtx.pattern import parse_pattern
+from gtx.plugins import MODELS
+from gtx.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
+from gtx.task import SPLITS, Task, make_batch
 
 
 def test_bench_attention_cli_writes_a_table(tmp_path):
@@ -25,6 +29,12 @@ def test_bench_attention_cli_writes_a_table(tmp_path):
     assert list(df.columns) == bench.ATTENTION_COLUMNS and len(df) == 2
     assert df.ms.notna().all() and (df.edges > 0).all()
     assert set(df[df.backend == "auto"].choice) <= {"dense", "blocksparse:16", "blocksparse:32", "blocksparse:64", "dgl", "torch"}
+
+
+def test_bench_attention_has_a_plain_torch_sdpa_row():
+    df = bench.bench_attention(["causal", "full", "local:w=2"], [48], [bench.SDPA], repeats=1)
+    assert list(df.backend) == ["sdpa"] * 3 and df.ms.notna().all()
+    assert list(df.choice) == ["is_causal", "unmasked", "bool mask"]
 
 
 def test_bench_attention_reports_a_failing_cell_instead_of_stopping():
@@ -40,6 +50,7 @@ def test_bench_train_compares_backends_and_torch_transformer():
     assert (df.steps == 2).all() and (df.rounds == 2).all()
     assert json.loads(df.choice.iloc[0])  # auto's choices per stage
     assert df.attention_ms.iloc[2] == 0 and df.attention_ms.iloc[:2].notna().all() and df.attention_ms.isna().iloc[3]
+    assert df.vs_reference.iloc[3] == 1 and df.peak_mem_mb.isna().all()  # torch.nn.Transformer is the reference; memory off
     ut_settings = {**{k: v for k, v in settings.items() if k != "layers"}, "max_depth": "2"}
     ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
     assert list(ut.model) == ["ut", "ut", "ut[act=false]", "ut[act=false]"]
@@ -51,10 +62,79 @@ def test_bench_train_cli_writes_a_table(tmp_path, monkeypatch):
     monkeypatch.setenv("GTX_CACHE_DIR", str(tmp_path / "cache"))
     sets = [a for kv in ("n_train=32", "n_valid=8", "n_test=8", "layers=1", "dim=16", "heads=2", "dim_ff=16", "batch_size=16") for a in ("--set", kv)]
     result = CliRunner().invoke(cli, ["bench", "train", "--backends", "auto", "--steps", "1", "--rounds", "1", "--no-baseline",
-                                      "--results", str(tmp_path), *sets])
+                                      "--no-memory", "--results", str(tmp_path), *sets])
     assert result.exit_code == 0, result.output
     (path,) = (tmp_path / "bench").glob("train-*.csv")
     assert list(pd.read_csv(path).backend) == ["auto", "(no attention)"]
+
+
+def tiny_text(tmp_path, context):
+    """Settings of a tiny ``text`` lm run over a file of random letters."""
+    rng = random.Random(0)
+    path = tmp_path / "letters.txt"
+    path.write_text("".join(rng.choice("abcdefghij \n") for _ in range(12_000)))
+    return {"data_file": str(path), "context": str(context), "batch_size": "4", "layers": "1", "dim": "16", "heads": "2", "dim_ff": "16"}
+
+
+class Letters(Task):
+    form = "lm"
+    cache = False
+
+    def generate(self):
+        seqs = [[chr(97 + (i * j) % 7) for j in range(10 + i)] for i in range(6)]
+        return {split: [(s, []) for s in seqs] for split in SPLITS}
+
+
+@pytest.mark.parametrize("spec, masked", [("causal", False), ("causal", True), ("full", False), ("local:w=2", True), ("strided:l=3", True)])
+def test_torch_lm_computes_gtx_lm_with_the_same_weights(spec, masked):
+    """The plain-torch reference is the same model: gtx's lm weights load into it by name, and it
+    gives the same logits (eval mode) on a batch of unequal lengths (padding) and of equal ones."""
+    task = Letters("letters", None)
+    task.splits()
+    entry = MODELS.get("lm")
+    config = entry.config(layers=2, heads=2, dim=16, dim_ff=32)
+    gtx_lm = entry.obj(config, task.src_vocab, task.tgt_vocab, get_backend("auto")).eval()
+    ref = reference_model(SDPA_MASK if masked else SDPA_CAUSAL, config, task, spec).eval()
+    state = gtx_lm.state_dict()
+    assert torch.equal(state.pop("embed.src.weight"), state["embed.tgt.weight"])  # one shared table
+    ref.load_state_dict(state)  # strict: the same parameters, names and shapes
+    for index in ([0, 3, 5], [2, 2]):
+        batch = make_batch(task, "train", index, parse_pattern(spec))
+        torch.testing.assert_close(ref(batch).logits, gtx_lm(batch).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_references_per_model():
+    lm_config = MODELS.get("lm").config()
+    assert references("lm", lm_config, ["full", "local:w=4", "causal"]) == [(SDPA_CAUSAL, "causal"), (SDPA_MASK, "local:w=4")]
+    assert references("lm", MODELS.get("lm").config(universal=True), ["full"]) == []  # no ACT in plain torch
+    assert references("transformer", None, ["local:w=4"]) == [("torch.nn", "full")] and references("ut", None, ["full"]) == []
+
+
+def test_bench_train_cli_repeats_pattern_and_compares_lm_with_sdpa(tmp_path):
+    sets = [a for kv in tiny_text(tmp_path, 32).items() for a in ("--set", "=".join(kv))]
+    result = CliRunner().invoke(cli, ["bench", "train", "--task", "text", "--model", "lm", "--pattern", "full", "--pattern", "local:w=2",
+                                      "--backends", "auto", "--steps", "2", "--rounds", "2", "--no-memory", "--format", "csv",
+                                      "--results", str(tmp_path), *sets])
+    assert result.exit_code == 0, result.output
+    (path,) = (tmp_path / "bench").glob("train-*.csv")
+    df = pd.read_csv(path)
+    assert list(df.columns) == bench.TRAIN_COLUMNS
+    assert list(zip(df.pattern, df.backend)) == [("full", "auto"), ("local:w=2", "auto"), ("-", "(no attention)"),
+                                                 ("causal", "torch SDPA is_causal"), ("local:w=2", "torch SDPA bool mask")]
+    assert (df.model == "lm").all() and (df.tokens_per_s > 0).all() and (df.steps == 2).all() and df.peak_mem_mb.isna().all()
+    ref, top = df.tokens_per_s.iloc[3], df.tokens_per_s.iloc[2]
+    assert df.vs_reference.tolist() == pytest.approx((df.tokens_per_s / ref).tolist())
+    share = (df.tokens_per_s - ref) / (top - ref) if top > ref else df.tokens_per_s * float("nan")
+    assert df.ceiling_share.tolist() == pytest.approx(share.tolist(), nan_ok=True)
+    assert df.attention_ms.iloc[2] == 0 and df.attention_ms.notna().all()  # the SDPA rows are the bound's model too
+
+
+def test_bench_train_memory_pass_measures_each_row_in_a_fresh_process(tmp_path):
+    df = bench.bench_train("text", "lm", ["full"], ["dense"], steps=1, warmup_steps=0, settings=tiny_text(tmp_path, 256), rounds=1,
+                           bound=False, memory=True, memory_steps=2)
+    assert list(df.backend) == ["dense", SDPA_CAUSAL]
+    mem = df.set_index("backend").peak_mem_mb
+    assert (mem > 0).all() and mem["dense"] > mem[SDPA_CAUSAL]  # (n, n) scores per head against SDPA's flash kernel
 
 
 def test_skip_attention_has_the_output_shape_and_sends_gradients_to_q_k_v():
@@ -77,11 +157,13 @@ def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     auto.costs.cache_clear()
 
 
-def test_auto_chooses_dense_for_complete_and_blocks_for_long_local():
+def test_auto_chooses_flash_for_plain_attention_and_blocks_for_long_local():
     auto = get_backend("auto")
     full = build_graph(parse_pattern("full"), [256]).edges["ee"]
+    causal = build_graph(parse_pattern("causal"), [64] * 8).edges["ee"]
     local = build_graph(parse_pattern("local:w=32"), [8192]).edges["ee"]
-    assert auto.choose(full, 4, 32, torch.device("cpu")) == "dense"
+    assert auto.choose(full, 4, 32, torch.device("cpu")) == "flash-complete"
+    assert auto.choose(causal, 4, 32, torch.device("cpu")) == "flash-causal"
     assert auto.choose(local, 4, 32, torch.device("cpu")).startswith("blocksparse")
     predicted = estimate(local, 4, 32, torch.device("cpu"), {"dense", "blocksparse", "dgl", "torch"})
     assert predicted["dense"] > 10 * min(predicted.values())
