@@ -19,9 +19,10 @@ import pandas as pd
 from gtx import __version__
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
+from gtx.model import model_forms
 from gtx.pattern import STAGE_NAMES, STAGES, describe_params, is_modifier, parse_pattern
 from gtx.plugins import BACKENDS, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
-from gtx.results import format_table
+from gtx.results import format_table, scalar_metrics
 from gtx.runner import DEFAULT_BACKEND
 from gtx.train import TrainConfig
 
@@ -141,7 +142,7 @@ def _list_registry(registry, form) -> None:
 @plugins_dir_option
 def models():
     """List models, the task forms they serve and their settings."""
-    _list_registry(MODELS, lambda cls: ",".join(getattr(cls, "forms", ("seq2seq",))))
+    _list_registry(MODELS, lambda cls: ",".join(model_forms(cls)))
 
 
 @cli.command()
@@ -199,8 +200,7 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
     last = rows[(rows.epoch == rows.epoch.max())]
     cols = ["split", "epoch", "loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "act_mean_steps"]
     # the task's own scalar metrics (bpc, query_acc, bleu, ...) beside the common columns
-    metrics = pd.DataFrame([{k: v for k, v in json.loads(m).items() if isinstance(v, float) and k != "decode_s"} for m in last.metrics],
-                           index=last.index)
+    metrics = pd.DataFrame([scalar_metrics(json.loads(m)) for m in last.metrics], index=last.index)
     click.echo(format_table(pd.concat([last[cols], metrics.drop(columns=[c for c in metrics if c in cols])], axis=1)))
     click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
 

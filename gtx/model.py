@@ -172,7 +172,7 @@ class DecoderLayer(nn.Module):
 class GraphModel(nn.Module):
     """Base class of model plugins: holds the backend; ``forward(batch) -> Output``."""
 
-    #: the task forms (``gtx.task.FORMS``) the model serves
+    #: the task forms (``seq2seq``, ``lm``, ``classify``: ``gtx.task``) the model serves
     forms: tuple[str, ...] = ("seq2seq",)
     #: a modifier pattern the runner wraps around the chosen one (ACT), or None; see ``modifier``
     dynamic_pattern: str | None = None
@@ -193,6 +193,12 @@ class GraphModel(nn.Module):
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+
+
+def model_forms(model_cls) -> tuple[str, ...]:
+    """The task forms a model class serves; seq2seq for a plugin that does not say (models need
+    not subclass ``GraphModel``)."""
+    return getattr(model_cls, "forms", ("seq2seq",))
 
 
 class Seq2SeqModel(GraphModel):

@@ -176,5 +176,10 @@ def _cell(v) -> str:
     return str(v)
 
 
+def scalar_metrics(metrics: dict) -> dict[str, float]:
+    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode timing left out."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and k != "decode_s"}
+
+
 def metrics_json(d: dict) -> str:
     return json.dumps(d, sort_keys=True)

@@ -22,9 +22,10 @@ import torch
 import gtx
 from gtx.backends import get_backend
 from gtx.errors import GtxError
+from gtx.model import model_forms
 from gtx.pattern import Pattern, parse_pattern
 from gtx.plugins import MODELS, TASKS
-from gtx.results import SCHEMA_VERSION, metrics_json, write_run
+from gtx.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
 from gtx.task import Task, batches, make_batch
 from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
 from gtx.values import parse_scalar
@@ -137,9 +138,8 @@ def resolve(config: RunConfig) -> Resolved:
     device = resolve_device(config.device)
     get_backend(config.backend, device)
     task = task_entry.obj(config.task, cfg["task"])
-    forms = getattr(model_entry.obj, "forms", ("seq2seq",))
-    if task.form not in forms:
-        fit = sorted(name for name, e in MODELS.entries().items() if task.form in getattr(e.obj, "forms", ("seq2seq",)))
+    if task.form not in model_forms(model_entry.obj):
+        fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
         raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
     task.splits()  # generates or loads the data: a missing data_dir fails here
     max_len = getattr(cfg["model"], "max_len", None)
@@ -229,10 +229,9 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
                          decode_limit=r.train.decode_valid)
         record("valid", valid)
         write_run(results_dir, run_id, rows)
-        scalars = {k: v for k, v in valid.extra.items() if isinstance(v, float) and k not in ("decode_s",)}
         log(f"epoch {epoch}: train loss {stats.row()['loss']:.4f} acc {stats.row()['token_acc']:.4f} "
             f"({stats.row()['tokens_per_s']:,.0f} tokens/s) | valid acc {valid.row()['token_acc']:.4f} "
-            + " ".join(f"{k} {v:.4f}" for k, v in scalars.items()))
+            + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
         if trainer.done:
             break
     beam = getattr(r.task_config, "beam", 1)

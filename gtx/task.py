@@ -33,7 +33,6 @@ from gtx.pattern import Pattern
 
 PAD, SOS, EOS, UNK = "<pad>", "<sos>", "<eos>", "<unk>"
 SPLITS = ("train", "valid", "test")
-FORMS = ("seq2seq", "lm", "classify")
 IGNORE = -100  # a target left out of the loss and the accuracy (cross_entropy's ignore_index)
 Example = tuple[Sequence[str], Sequence[str]]  # per form: (source, target), (tokens, groups) or (tokens, [label])
 
