@@ -18,9 +18,9 @@ import pandas as pd
 from gtx.errors import GtxError
 from gtx.task import SPLITS, atomic_write_text
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: columns added since version 1, with the value older files get on load
-ADDED = {"context_len": pd.NA, "density": float("nan")}
+ADDED = {"context_len": pd.NA, "density": float("nan"), "cell": pd.NA, "eval_of": pd.NA}
 
 #: name -> pandas dtype, in column order
 COLUMNS: dict[str, str] = {
@@ -33,6 +33,8 @@ COLUMNS: dict[str, str] = {
     "backend": "string",
     "device": "string",
     "seed": "int64",
+    "cell": "string",  # the experiment's key (runner.cell_key): runs of one configuration and seed share it; <NA> before schema 3
+    "eval_of": "string",  # `gtx eval` rows: the run whose checkpoint was evaluated; <NA> for training runs
     "epoch": "int64",  # 1-based; test rows carry the last epoch
     "split": "string",  # train | valid | test
     "loss": "float64",  # mean cross-entropy (nats) per scored target, teacher forced, no label smoothing

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import os
 import typing
@@ -63,6 +64,7 @@ class Resolved:
     chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
     device: torch.device
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
+    cell: str  # Configs.key(): the results' ``cell`` column
 
     def as_dict(self) -> dict:
         return {
@@ -122,8 +124,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve(config: RunConfig) -> Resolved:
-    """Check everything a run needs, in the order a user fixes it; writes nothing."""
+@dataclass
+class Configs:
+    """A run's configs and patterns, resolved without touching data: cheap enough for every cell of a sweep."""
+
+    config: RunConfig
+    task_entry: object
+    model_entry: object
+    model: object
+    task: object
+    train: TrainConfig
+    chosen: Pattern
+    pattern: Pattern
+
+    def key(self) -> str:
+        """The experiment's identity: task, model, chosen pattern, backend, seed and every resolved
+        setting (``--epochs 4`` and ``--set train.epochs=4`` give one key); not the device or folder."""
+        c = self.config
+        ident = {"task": c.task, "model": c.model, "pattern": self.chosen.spec, "backend": c.backend, "seed": c.seed,
+                 **{k: dataclasses.asdict(getattr(self, k)) for k in ("model", "task", "train")}}
+        return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def resolve_configs(config: RunConfig) -> Configs:
+    """Names, settings and the pattern spec checked and resolved; no data generated, nothing written."""
     task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
     defaults = {f"train.{k}": str(v) for k, v in getattr(task_entry.obj, "train_defaults", {}).items()}
     given = {key.rpartition(".")[2] for key in config.settings}
@@ -135,21 +159,32 @@ def resolve(config: RunConfig) -> Resolved:
     model_cls = model_entry.obj
     wrap = model_cls.modifier(cfg["model"]) if hasattr(model_cls, "modifier") else getattr(model_cls, "dynamic_pattern", None)
     pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
+    return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
+
+
+def cell_key(config: RunConfig) -> str:
+    """``Configs.key`` of a run configuration: what a sweep looks for in the results' ``cell`` column."""
+    return resolve_configs(config).key()
+
+
+def resolve(config: RunConfig) -> Resolved:
+    """Check everything a run needs, in the order a user fixes it; writes nothing."""
+    c = resolve_configs(config)
     device = resolve_device(config.device)
     get_backend(config.backend, device)
-    task = task_entry.obj(config.task, cfg["task"])
-    if task.form not in model_forms(model_entry.obj):
+    task = c.task_entry.obj(config.task, c.task)
+    if task.form not in model_forms(c.model_entry.obj):
         fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
         raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
     task.splits()  # generates or loads the data: a missing data_dir fails here
-    max_len = getattr(cfg["model"], "max_len", None)
+    max_len = getattr(c.model, "max_len", None)
     if max_len is not None and task.context_len() > max_len:
         raise GtxError(f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
                        f"for {max_len}; raise --set max_len={task.context_len()} or shorten the task's sequences")
     probe = PhaseStats()
-    probe.graph_only(make_batch(task, "train", [0], chosen))  # builds and checks the pattern's edges: a leak fails here
+    probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
-    return Resolved(config, task, model_entry.obj, cfg["model"], cfg["task"], cfg["train"], pattern, chosen, device, density)
+    return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, c.key())
 
 
 def complete_note(r: Resolved) -> str | None:
@@ -199,7 +234,7 @@ def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | 
     run_id = f"{started:%Y%m%d-%H%M%S}-{config.task}-{config.model}-{uuid.uuid4().hex[:6]}"
     common = {
         "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
-        "task": config.task, "model": config.model, "pattern": r.chosen.spec,
+        "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell, "eval_of": None,
         "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": n_params,
         "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
     }

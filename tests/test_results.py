@@ -14,7 +14,7 @@ from gtx.results import COLUMNS, compare, load, validate, write_run
 def row(run_id="r1", pattern="full", split="valid", epoch=1, acc=0.5, seq=0.25, tps=1000.0, **kw):
     base = {c: None for c in COLUMNS}
     base.update(
-        schema_version=2, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
+        schema_version=3, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
         pattern=pattern, backend="dgl", device="cpu", seed=0, epoch=epoch, split=split, loss=1.0, token_acc=acc,
         seq_acc=seq, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, context_len=16, density=0.5, edges_per_query_ee=3.0, edges_per_query_dd=2.0,
         edges_per_query_ed=3.0, act_mean_steps=np.nan, n_params=10, metrics="{}", backend_plan="{}", config="{}",
@@ -95,11 +95,12 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
         compare(validate(pd.DataFrame(rows)), ["nope"])
 
 
-def test_schema_1_files_load_with_the_added_columns_missing(tmp_path):
-    write_run(tmp_path, "new", [row(run_id="new")])
-    old = pd.DataFrame([row(run_id="old", schema_version=1)]).drop(columns=["context_len", "density"])
+def test_older_files_load_with_the_added_columns_missing(tmp_path):
+    write_run(tmp_path, "new", [row(run_id="new", cell="abc")])
+    old = pd.DataFrame([row(run_id="old", schema_version=1)]).drop(columns=["context_len", "density", "cell", "eval_of"])
     old.to_csv(tmp_path / "runs" / "old.csv", index=False)
+    pd.DataFrame([row(run_id="two", schema_version=2)]).drop(columns=["cell", "eval_of"]).to_csv(tmp_path / "runs" / "two.csv", index=False)
     df = load(tmp_path).set_index("run_id")
-    assert df.context_len["new"] == 16 and df.density["new"] == 0.5
-    assert pd.isna(df.context_len["old"]) and np.isnan(df.density["old"])
-    assert compare(df.reset_index(), ["task", "context_len"]).runs.sum() == 2
+    assert df.context_len["new"] == 16 and df.density["new"] == 0.5 and df.cell["new"] == "abc"
+    assert pd.isna(df.context_len["old"]) and np.isnan(df.density["old"]) and pd.isna(df.cell["two"]) and pd.isna(df.eval_of["old"])
+    assert compare(df.reset_index(), ["task", "context_len"]).runs.sum() == 3

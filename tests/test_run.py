@@ -127,3 +127,13 @@ def test_translation_end_to_end_with_beam_and_bleu(tmp_path):
     test = load(tmp_path / "res").query("split == 'test'").iloc[0]
     metrics = json.loads(test.metrics)
     assert metrics["beam"] == 3 and 0 <= metrics["bleu"] <= 100
+
+
+def test_cell_key_names_the_experiment_not_how_it_was_spelled():
+    from gtx.runner import RunConfig, cell_key
+
+    key = cell_key(RunConfig(pattern="local", settings={"epochs": "4", "dim": "16"}))
+    assert key == cell_key(RunConfig(pattern="local:w=4", settings={"train.epochs": "4", "model.dim": "16"}))
+    assert key != cell_key(RunConfig(pattern="local", seed=1, settings={"epochs": "4", "dim": "16"}))
+    assert key != cell_key(RunConfig(pattern="local", settings={"epochs": "3", "dim": "16"}))
+    assert key == cell_key(RunConfig(pattern="local", device="cpu", results_dir="elsewhere", settings={"epochs": "4", "dim": "16"}))
