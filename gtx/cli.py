@@ -17,6 +17,8 @@ import click
 import pandas as pd
 
 from gtx import __version__
+from gtx.cli_bench import bench
+from gtx.cli_common import CliError, GtxGroup, key_value, plugins_dir_option
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
 from gtx.model import model_forms
@@ -25,41 +27,6 @@ from gtx.plugins import BACKENDS, MODELS, PATTERNS, TASKS, call_each, label_of, 
 from gtx.results import format_table, scalar_metrics
 from gtx.runner import DEFAULT_BACKEND
 from gtx.train import TrainConfig
-
-
-class CliError(click.ClickException):
-    """Printed as one line, ``Error: ...``, exit code 2."""
-
-    exit_code = 2
-
-
-class GtxGroup(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except GtxError as e:
-            raise CliError(str(e)) from None
-
-
-def plugins_dir_option(f):
-    """``--plugins-dir DIR`` on every command: load that folder's ``*.py`` plugins first."""
-
-    def load(ctx, param, value):
-        try:
-            load_plugins(dirs=value)
-        except GtxError as e:
-            raise CliError(str(e)) from None
-        return value
-
-    return click.option(
-        "--plugins-dir",
-        multiple=True,
-        type=click.Path(file_okay=False, path_type=Path),
-        callback=load,
-        expose_value=False,
-        is_eager=True,
-        help="Folder of plugin .py files to load (repeatable; also GTX_PLUGINS_DIR).",
-    )(f)
 
 
 @click.group(cls=GtxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -152,16 +119,6 @@ def tasks():
     _list_registry(TASKS, lambda cls: cls.form)
 
 
-def _key_value(ctx, param, values):
-    out = {}
-    for item in values:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise click.BadParameter(f"{item!r}: write key=value, e.g. --set dim=64", ctx=ctx, param=param)
-        out[key.strip()] = value.strip()
-    return out
-
-
 @cli.command()
 @click.option("--task", default="copy", show_default=True, help="Task name (gtx tasks).")
 @click.option("--model", default="transformer", show_default=True, help="Model name (gtx models).")
@@ -177,11 +134,17 @@ def _key_value(ctx, param, values):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder for the results tables.")
-@click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Any model, task or training setting (repeatable).")
+@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Any model, task or training setting (repeatable).")
+@click.option("--log", "loggers", multiple=True, metavar="NAME", help="Also log to NAME (repeatable): tensorboard, or a plugin's logger.")
+@click.option("--resume", metavar="RUN_ID", help="Continue a killed run from its last checkpoint under --results; its own configuration is used.")
 @click.option("--quiet", is_flag=True, help="No progress bar or per-epoch lines.")
 @plugins_dir_option
-def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, heads, dim, dim_ff, seed, device, results_dir, settings, quiet):
-    """Train and evaluate one model under one pattern; append the results."""
+def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, heads, dim, dim_ff, seed, device, results_dir, settings, loggers, resume, quiet):
+    """Train and evaluate one model under one pattern; append the results.
+
+    Each epoch writes a checkpoint under <results>/checkpoints/<run_id>/ (last.pt, and best.pt for
+    the lowest valid loss). Under `torchrun --nproc-per-node N gtx run ...` the batches are split
+    over N processes (data parallel)."""
     from tqdm import tqdm
 
     from gtx.runner import RunConfig
@@ -189,129 +152,67 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
 
     shortcuts = {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "layers": layers, "heads": heads, "dim": dim, "dim_ff": dim_ff}
     settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
-    config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, seed=seed, results_dir=results_dir, settings=settings)
+    config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, seed=seed, results_dir=results_dir,
+                       settings=settings, loggers=list(loggers))
 
     def progress(description, total):
         bar = tqdm(total=total, desc=description, leave=False, disable=quiet or None, unit="batch")
         return lambda: bar.update() if bar.n + 1 < total else bar.close()
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
-    rows = run_experiment(config, progress=progress, log=log)
-    last = rows[(rows.epoch == rows.epoch.max())]
+    rows = run_experiment(config, progress=progress, log=log, resume=resume)
+    _summary(rows[(rows.epoch == rows.epoch.max())], results_dir)
+
+
+def _summary(rows: pd.DataFrame, results_dir: str) -> None:
+    """The common columns and the task's own scalar metrics (bpc, query_acc, bleu, ...) of some rows."""
     cols = ["split", "epoch", "loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "act_mean_steps"]
-    # the task's own scalar metrics (bpc, query_acc, bleu, ...) beside the common columns
-    metrics = pd.DataFrame([scalar_metrics(json.loads(m)) for m in last.metrics], index=last.index)
-    click.echo(format_table(pd.concat([last[cols], metrics.drop(columns=[c for c in metrics if c in cols])], axis=1)))
+    metrics = pd.DataFrame([scalar_metrics(json.loads(m)) for m in rows.metrics], index=rows.index)
+    click.echo(format_table(pd.concat([rows[cols], metrics.drop(columns=[c for c in metrics if c in cols])], axis=1)))
     click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
+
+
+@cli.command(name="eval")
+@click.argument("checkpoint")
+@click.option("--split", type=click.Choice(["train", "valid", "test"]), default="test", show_default=True)
+@click.option("--beam", type=click.IntRange(min=1), help="Beam width for decoding (seq2seq) [default: the task's].")
+@click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
+@click.option("--backend", help="Attention backend [default: the run's].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Folder to append to [default: the checkpoint's].")
+@plugins_dir_option
+def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_dir):
+    """Evaluate a trained model: CHECKPOINT is a .pt file or a run id (its best.pt under --results).
+
+    The rows are appended as a run of their own whose eval_of column names the trained run."""
+    from gtx.runner import evaluate_checkpoint
+
+    rows = evaluate_checkpoint(checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device)
+    trained = json.loads(rows.config.iloc[0])["trained_pattern"]
+    click.echo(f"run {rows.eval_of.iloc[0]} (trained with {trained}) evaluated under {rows.pattern.iloc[0]} on {split}:", err=True)
+    _summary(rows, json.loads(rows.config.iloc[0])["results_dir"])
 
 
 @cli.command()
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder of results tables.")
 @click.option("--by", default="task,model,pattern,backend", show_default=True, help="Columns to group runs by (comma-separated).")
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option(
+    "--metric", default="best_valid_token_acc", show_default=True,
+    help="The accuracy for the 95% interval (ci95), Welch's t-test against full (vs_full at p < 0.05) and the Pareto front against "
+         "train tokens/s: best_valid_seq_acc, test_seq_acc, or a task's own metric such as bpc (lower is better for loss, bpc, per).",
+)
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True,
+              help="csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.")
 @plugins_dir_option
-def compare(results_dir, by, fmt):
-    """Compare runs: best accuracy against training speed, relative to the full pattern."""
+def compare(results_dir, by, metric, fmt):
+    """Compare runs over seeds: accuracy (mean ± std, 95% interval) against training speed, tested against the full pattern."""
     from gtx import results
 
     df = results.load(results_dir)
     if df.empty:
         raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
-    click.echo(results.format_table(results.compare(df, [c.strip() for c in by.split(",") if c.strip()]), fmt))
-
-
-@cli.group()
-def bench():
-    """Benchmarks: attention kernels, and training throughput. Tables land under <results>/bench/."""
-
-
-def _csv_list(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-@bench.command(name="attention")
-@click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
-@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Sequence lengths, comma-separated.")
-@click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True,
-              help="Backends, comma-separated; sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask), for reference.")
-@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG (needs matplotlib).")
-@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
-def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs):
-    """Forward + backward time and peak memory per (pattern, length, backend)."""
-    from gtx import bench as gtx_bench
-    from gtx.runner import resolve_device
-
-    load_plugins(dirs=plugins_dirs)
-    names = _csv_list(backends)
-    dev = resolve_device(device)
-    for name in names:
-        if name != gtx_bench.SDPA:  # plain torch, for reference: not a gtx backend
-            BACKENDS.get(name)
-    specs = [parse_pattern(p).spec for p in patterns]
-    sizes = [int(n) for n in _csv_list(lengths)]
-    df = gtx_bench.bench_attention(specs, sizes, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
-                                   log=lambda s: click.echo(s, err=True))
-    path = gtx_bench.save(df, results_dir, "attention")
-    click.echo(format_table(df, fmt))
-    click.echo(f"table: {path}", err=True)
-    if plot:
-        try:
-            click.echo(f"plot: {gtx_bench.plot_attention(df, path.with_suffix('.png'))}", err=True)
-        except GtxError as e:
-            click.echo(f"no plot: {e}", err=True)
-
-
-@bench.command(name="calibrate")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
-def bench_calibrate(device, heads, head_dim):
-    """Measure the auto backend's cost constants on this machine and save them for auto to use."""
-    from gtx import bench as gtx_bench
-    from gtx.runner import resolve_device
-
-    fitted = gtx_bench.calibrate(str(resolve_device(device)), heads, head_dim, log=lambda s: click.echo(s, err=True))
-    for kind, (a, o) in sorted(fitted.items()):
-        click.echo(f"{kind:<12} {a:.3e} s per unit of work + {1000 * o:.3f} ms per call")
-
-
-@bench.command(name="train")
-@click.option("--task", default="copy", show_default=True)
-@click.option("--model", default="transformer", show_default=True)
-@click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable: one table).")
-@click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
-@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
-@click.option("--set", "settings", multiple=True, callback=_key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
-@click.option(
-    "--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-    help="Interleaved rounds of --steps per variant; rows report the median round.",
-)
-@click.option(
-    "--baseline/--no-baseline", default=True, show_default=True,
-    help="Also time the model's plain-torch references (transformer: torch.nn.Transformer; lm: torch SDPA is_causal, and with each pattern's bool mask).",
-)
-@click.option("--bound/--no-bound", default=True, show_default=True, help="Also time the model with attention skipped: the ceiling for any backend.")
-@click.option("--memory/--no-memory", default=True, show_default=True, help="Also measure each row's peak memory, each in a fresh process.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
-def bench_train(task, model, patterns, backends, steps, rounds, settings, baseline, bound, memory, device, fmt, results_dir, plugins_dirs):
-    """Training tokens/s and peak memory per (pattern, backend) on the same batches, beside plain-torch references."""
-    from gtx import bench as gtx_bench
-
-    load_plugins(dirs=plugins_dirs)
-    df = gtx_bench.bench_train(task, model, patterns, _csv_list(backends), steps, settings=settings, device=device, baseline=baseline,
-                               bound=bound, rounds=rounds, memory=memory, plugins_dirs=plugins_dirs, log=lambda s: click.echo(s, err=True))
-    path = gtx_bench.save(df, results_dir, "train")
-    click.echo(format_table(df.drop(columns=["choice"]), fmt))
-    click.echo(f"table: {path}", err=True)
+    table = results.compare(df, [c.strip() for c in by.split(",") if c.strip()], metric)
+    click.echo(results.format_compare(table, fmt))
 
 
 @cli.command(name="plugins")
@@ -330,6 +231,10 @@ def plugins_list(show_all):
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
         out.append({"name": label, "hooks": hooks})
     click.echo(json.dumps(out, indent=2))
+
+
+for command in (bench,):  # commands with modules of their own
+    cli.add_command(command)
 
 
 def main(argv=None):

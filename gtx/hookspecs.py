@@ -49,3 +49,15 @@ def register_tasks(register):
 @hookspec
 def register_commands(cli):
     """Add commands to the click group ``cli``, e.g. ``gtx mycommand ...``."""
+
+
+@hookspec
+def register_loggers(register):
+    """Register run loggers: ``register(name, logger_cls)``; ``gtx run --log NAME`` (repeatable) uses one.
+
+    ``logger_cls(run_id, results_dir)`` is a ``gtx.loggers.Logger``: ``start(config)`` before the
+    first epoch (``config``: the run's resolved configuration, a JSON-ready dict), ``epoch_end(epoch,
+    rows)`` after each epoch's rows are written (``rows``: that epoch's train and valid rows, dicts
+    in the results schema), ``end(rows, status)`` once, with every row of the run and ``status``
+    ``"finished"``, ``"failed"`` or ``"interrupted"``. Only the main process of a data-parallel run logs.
+    """

@@ -43,7 +43,7 @@ def _builtin_dirs() -> tuple[Path, Path]:
 
 
 BUILTIN_DIRS = _builtin_dirs()
-DEFAULT_PLUGINS = ("gtx.backends",)
+DEFAULT_PLUGINS = ("gtx.backends", "gtx.loggers")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
 
 pm = pluggy.PluginManager("gtx")
@@ -226,3 +226,4 @@ PATTERNS = Registry("pattern", "register_patterns")
 BACKENDS = Registry("backend", "register_backends")
 MODELS = Registry("model", "register_models")
 TASKS = Registry("task", "register_tasks")
+LOGGERS = Registry("logger", "register_loggers")

@@ -1,200 +1,46 @@
-"""The runner: resolve a run's configuration, train and evaluate, append results. Knows nothing of click.
+"""The runner: train and evaluate a run, checkpoint it, resume it, evaluate a checkpoint; append
+results. Knows nothing of click.
 
     from gtx.runner import RunConfig, run
     table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
+
+A run writes, after every epoch, its checkpoint (``gtx.checkpoint``) and then its rows: a run
+killed at any moment leaves a checkpoint holding at least the rows on disk, so ``resume`` never
+duplicates or loses an epoch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import os
-import typing
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 import gtx
-from gtx.backends import get_backend
+from gtx import checkpoint, distributed
+from gtx.backends import Backend, get_backend
+from gtx.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
 from gtx.errors import GtxError
-from gtx.model import model_forms
-from gtx.pattern import Pattern, parse_pattern
-from gtx.plugins import MODELS, TASKS
+from gtx.loggers import Loggers
 from gtx.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
-from gtx.task import Task, batches, make_batch
-from gtx.train import PhaseStats, TrainConfig, Trainer, evaluate
-from gtx.values import parse_scalar
+from gtx.task import SPLITS, batches
+from gtx.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
 
-DEFAULT_BACKEND = "auto"
-NEARLY_COMPLETE = 0.99  # density from which a pattern counts as full attention (complete_note)
+__all__ = ["DEFAULT_BACKEND", "RunConfig", "RunInterrupted", "cell_key", "evaluate_checkpoint", "resolve", "resolve_configs", "resolve_device", "run"]
 
-
-@dataclass
-class RunConfig:
-    """One experiment. ``settings`` are ``key=value`` strings for the model, task or training
-    configs (``dim=64``; prefix ``model.``, ``task.`` or ``train.`` where a key is ambiguous)."""
-
-    task: str = "copy"
-    model: str = "transformer"
-    pattern: str = "full"
-    backend: str = DEFAULT_BACKEND
-    device: str = "auto"
-    seed: int = 0
-    results_dir: str = "results"
-    settings: dict[str, str] = field(default_factory=dict)
+Progress = Callable[[str, int], Callable[[], None]]
 
 
-@dataclass
-class Resolved:
-    """Everything a run needs, checked before anything is written."""
+class RunInterrupted(GtxError):
+    """Ctrl-C: what was done is written; the message says how to continue."""
 
-    config: RunConfig
-    task: Task
-    model_cls: type
-    model_config: object
-    task_config: object
-    train: TrainConfig
-    pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
-    chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
-    device: torch.device
-    density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
-    cell: str  # Configs.key(): the results' ``cell`` column
-
-    def as_dict(self) -> dict:
-        return {
-            **dataclasses.asdict(self.config),
-            "pattern": self.pattern.spec,
-            "device": str(self.device),
-            "model_config": dataclasses.asdict(self.model_config),
-            "task_config": dataclasses.asdict(self.task_config),
-            "train": dataclasses.asdict(self.train),
-        }
-
-
-def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
-    """Convert a ``--set`` string to a config field's type; errors name the key and the type."""
-    base = typing.get_origin(typ) or typ
-    if base in (bool, int, float, str):
-        try:
-            return parse_scalar(raw, base)
-        except ValueError:
-            raise GtxError(f"--set {key}={raw}: {kind} {name!r} expects {base.__name__} for {key}") from None
-    raise GtxError(f"--set {key}: {kind} {name!r} field has unsupported type {typ}")
-
-
-def build_configs(settings: dict[str, str], targets: dict[str, tuple[str, type]]) -> dict[str, object]:
-    """Split ``settings`` among dataclasses: ``targets`` maps model/task/train -> (name, config class)."""
-    fields = {k: {f.name: f for f in dataclasses.fields(cls)} for k, (_, cls) in targets.items()}
-    hints = {k: typing.get_type_hints(cls) for k, (_, cls) in targets.items()}
-    values: dict[str, dict] = {k: {} for k in targets}
-    for key, raw in settings.items():
-        scope, _, short = key.rpartition(".")
-        owners = [scope] if scope else [k for k in targets if short in fields[k]]
-        if scope and scope not in targets:
-            raise GtxError(f"--set {key}: unknown prefix {scope!r}; use model., task. or train.")
-        if not owners or short not in fields[owners[0]]:
-            listing = "; ".join(f"{k} {targets[k][0]}: {', '.join(fields[k])}" for k in (owners or targets))
-            raise GtxError(f"--set {key}: no such setting; known settings: {listing}")
-        if len(owners) > 1:
-            raise GtxError(f"--set {key}: both {' and '.join(owners)} have {short!r}; write {owners[0]}.{short}=...")
-        kind, name = owners[0], targets[owners[0]][0]
-        values[kind][short] = parse_value(kind, name, key, raw, hints[kind][short])
-    out = {}
-    for kind, (name, cls) in targets.items():
-        try:
-            out[kind] = cls(**values[kind])
-        except (TypeError, ValueError) as e:
-            raise GtxError(f"bad settings for {kind} {name!r}: {e}") from None
-    return out
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise GtxError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
-    if name not in ("cpu", "cuda"):
-        raise GtxError(f"--device {name}: choose cpu, cuda or auto")
-    return torch.device(name)
-
-
-@dataclass
-class Configs:
-    """A run's configs and patterns, resolved without touching data: cheap enough for every cell of a sweep."""
-
-    config: RunConfig
-    task_entry: object
-    model_entry: object
-    model: object
-    task: object
-    train: TrainConfig
-    chosen: Pattern
-    pattern: Pattern
-
-    def key(self) -> str:
-        """The experiment's identity: task, model, chosen pattern, backend, seed and every resolved
-        setting (``--epochs 4`` and ``--set train.epochs=4`` give one key); not the device or folder."""
-        c = self.config
-        ident = {"task": c.task, "model": c.model, "pattern": self.chosen.spec, "backend": c.backend, "seed": c.seed,
-                 **{k: dataclasses.asdict(getattr(self, k)) for k in ("model", "task", "train")}}
-        return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def resolve_configs(config: RunConfig) -> Configs:
-    """Names, settings and the pattern spec checked and resolved; no data generated, nothing written."""
-    task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
-    defaults = {f"train.{k}": str(v) for k, v in getattr(task_entry.obj, "train_defaults", {}).items()}
-    given = {key.rpartition(".")[2] for key in config.settings}
-    cfg = build_configs(
-        {**{k: v for k, v in defaults.items() if k.rpartition(".")[2] not in given}, **config.settings},
-        {"model": (config.model, model_entry.config), "task": (config.task, task_entry.config), "train": ("train", TrainConfig)},
-    )
-    chosen = parse_pattern(config.pattern)
-    model_cls = model_entry.obj
-    wrap = model_cls.modifier(cfg["model"]) if hasattr(model_cls, "modifier") else getattr(model_cls, "dynamic_pattern", None)
-    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
-    return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
-
-
-def cell_key(config: RunConfig) -> str:
-    """``Configs.key`` of a run configuration: what a sweep looks for in the results' ``cell`` column."""
-    return resolve_configs(config).key()
-
-
-def resolve(config: RunConfig) -> Resolved:
-    """Check everything a run needs, in the order a user fixes it; writes nothing."""
-    c = resolve_configs(config)
-    device = resolve_device(config.device)
-    get_backend(config.backend, device)
-    task = c.task_entry.obj(config.task, c.task)
-    if task.form not in model_forms(c.model_entry.obj):
-        fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
-        raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
-    task.splits()  # generates or loads the data: a missing data_dir fails here
-    max_len = getattr(c.model, "max_len", None)
-    if max_len is not None and task.context_len() > max_len:
-        raise GtxError(f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
-                       f"for {max_len}; raise --set max_len={task.context_len()} or shorten the task's sequences")
-    probe = PhaseStats()
-    probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
-    density = {stage: probe.density(stage) for stage in probe.edges}
-    return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, c.key())
-
-
-def complete_note(r: Resolved) -> str | None:
-    """A warning when a pattern other than full or causal is (nearly) full attention at the task's
-    lengths: its results would be full attention's under another name."""
-    if r.chosen.spec in ("full", "causal") or not r.density or min(r.density.values()) < NEARLY_COMPLETE:
-        return None
-    stages = ", ".join(f"{s} {d:.3f}" for s, d in r.density.items())
-    return (f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "
-            "it measures full attention here: use longer sequences or a sparser setting")
+    exit_code = 130  # the shell's code for a process stopped by SIGINT
 
 
 def _versions() -> dict[str, str]:
@@ -207,70 +53,171 @@ def _versions() -> dict[str, str]:
     return {"gtx_version": gtx.__version__, "torch_version": torch.__version__, "dgl_version": dgl_version}
 
 
-def run(config: RunConfig, progress: Callable[[str, int], Callable[[], None]] | None = None,
-        log: Callable[[str], None] = lambda s: None) -> pd.DataFrame:
-    """Train and evaluate one run; append its rows under ``config.results_dir``; return them.
-
-    ``progress(description, total)`` may return a per-batch callback (the CLI's progress bar)."""
-    r = resolve(config)
-    torch.manual_seed(config.seed)
-    backend = get_backend(config.backend, r.device)
-    try:
-        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend).to(r.device)
-    except ValueError as e:
-        raise GtxError(f"bad settings for model {config.model!r}: {e}") from None
-    results_dir = Path(config.results_dir)
+def _results_dir(name: str) -> Path:
+    results_dir = Path(name)
     try:
         results_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise GtxError(f"--results {results_dir}: cannot create the folder ({e.strerror}); choose another") from None
     if not os.access(results_dir, os.W_OK):
         raise GtxError(f"--results {results_dir}: not writable; choose another folder")
+    return results_dir
 
-    n_params = sum(p.numel() for p in model.parameters())
-    dim = getattr(r.model_config, "dim", 128)
-    trainer = Trainer(model, r.train, dim, r.device, r.task)
+
+def _build_model(r, backend: Backend) -> torch.nn.Module:
+    try:
+        return r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend).to(r.device)
+    except ValueError as e:
+        raise GtxError(f"bad settings for model {r.config.model!r}: {e}") from None
+
+
+def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]:
     started = dt.datetime.now(dt.timezone.utc)
-    run_id = f"{started:%Y%m%d-%H%M%S}-{config.task}-{config.model}-{uuid.uuid4().hex[:6]}"
-    common = {
-        "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
-        "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell, "eval_of": None,
-        "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": n_params,
-        "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
-    }
-    log(f"run {run_id}: task {config.task}, model {config.model} ({n_params:,} parameters), pattern {r.pattern.spec}, "
-        f"backend {config.backend}, device {r.device}")
+    return f"{started:%Y%m%d-%H%M%S}-{task}-{model}{kind}-{uuid.uuid4().hex[:6]}", started
+
+
+def _row(common: dict, epoch: int, split: str, stats: PhaseStats, backend: Backend) -> dict:
+    extra = dict(stats.extra)
+    return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
+            "metrics": metrics_json(extra), "backend_plan": json.dumps(backend.reset_choices(), sort_keys=True)}
+
+
+def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
+    """The last checkpoint of an unfinished run, and its configuration (writing into ``results_dir``)."""
+    path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
+    if not path.is_file():
+        known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
+        raise GtxError(f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'}; "
+                       f"runs there: {', '.join(known[-5:]) or '(none)'}; pass the run's --results folder")
+    state = checkpoint.load(path)
+    if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
+        raise GtxError(f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}")
+    return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
+
+
+def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str], None] = lambda s: None,
+        resume: str | None = None) -> pd.DataFrame:
+    """Train and evaluate one run; append its rows under ``config.results_dir``; return them.
+
+    ``resume``: a run id under ``config.results_dir`` to continue from its last checkpoint (its
+    configuration comes from the checkpoint). ``progress(description, total)`` may return a
+    per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
+    """
+    state = None
+    if resume:
+        state, config = _resume_state(resume, config.results_dir)
+    r = resolve(config)
+    world, r.device = distributed.setup(r.device)
+    torch.manual_seed(config.seed)
+    backend = get_backend(config.backend, r.device)
+    model = _build_model(r, backend)
+    results_dir = _results_dir(config.results_dir)
+    trainer = Trainer(model, r.train, getattr(r.model_config, "dim", 128), r.device, r.task, world)
+    if state:
+        checkpoint.check_vocab(state, r.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST)
+        trainer.load_state_dict(state)
+        torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
+        common, rows, start, best = json.loads(state["common"]), checkpoint.rows_of(state), state["epoch"] + 1, state["best_valid_loss"]
+        run_id = common["run_id"]
+    else:
+        if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
+            torch.manual_seed(config.seed * 100_003 + world.rank)
+        run_id, started = world.broadcast(_new_run_id(config.task, config.model))
+        common = {
+            "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
+            "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell, "eval_of": None,
+            "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": sum(p.numel() for p in model.parameters()),
+            "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
+        }
+        rows, start, best = [], 1, float("inf")
+    say = log if world.main else (lambda s: None)
+    ckpt_dir = checkpoint.checkpoint_dir(results_dir, run_id)
+    loggers = Loggers(config.loggers if world.main else [], run_id, results_dir)
+    say(f"run {run_id}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, model {config.model} "
+        f"({common['n_params']:,} parameters), pattern {r.pattern.spec}, backend {config.backend}, device {r.device}"
+        + (f", {world.size} processes" if world.size > 1 else ""))
     note = complete_note(r)
     if note:
-        log(note)
-    rows: list[dict] = []
-    n_train = len(r.task.splits()["train"])
-    steps_per_epoch = -(-n_train // r.train.batch_size)
-    epoch = 0
-
-    def record(split: str, stats: PhaseStats) -> None:
-        extra = dict(stats.extra)
-        rows.append({
-            **common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
-            "metrics": metrics_json(extra), "backend_plan": json.dumps(backend.reset_choices(), sort_keys=True),
-        })
-
+        say(note)
+    loggers.call("start", json.loads(common["config"]))
+    steps_per_epoch = -(-len(r.task.splits()["train"]) // r.train.batch_size)
+    part = (world.rank, world.size)
+    epoch = start - 1
+    status = "failed"
     backend.reset_choices()
-    for epoch in range(1, r.train.epochs + 1):
-        tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress else (lambda: None)
-        stats = trainer.train_epoch(batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch), tick)
-        record("train", stats)
-        valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
-                         decode_limit=r.train.decode_valid)
-        record("valid", valid)
-        write_run(results_dir, run_id, rows)
-        log(f"epoch {epoch}: train loss {stats.row()['loss']:.4f} acc {stats.row()['token_acc']:.4f} "
-            f"({stats.row()['tokens_per_s']:,.0f} tokens/s) | valid acc {valid.row()['token_acc']:.4f} "
-            + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
-        if trainer.done:
-            break
-    beam = getattr(r.task_config, "beam", 1)
-    test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
-    record("test", test)
-    write_run(results_dir, run_id, rows)
+    try:
+        for epoch in range(start, r.train.epochs + 1):
+            if trainer.done:
+                break
+            tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress and world.main else (lambda: None)
+            shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
+            new = [_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), backend)]
+            # every rank evaluates the whole split: no coordination, and every rank's model is the same
+            valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
+                             decode_limit=r.train.decode_valid)
+            new.append(_row(common, epoch, "valid", valid, backend))
+            rows += new
+            best_now = new[1]["loss"] < best
+            best = min(best, new[1]["loss"])
+            rng = world.gather(torch.get_rng_state())
+            if world.main:
+                snapshot = {**trainer.state_dict(), "run_config": dataclasses.asdict(config), "common": json.dumps(common), "epoch": epoch,
+                            "rows": json.dumps(rows), "best_valid_loss": best, "rng": rng,
+                            "vocab": {"src": r.task.src_vocab.itos, "tgt": r.task.tgt_vocab.itos}}
+                checkpoint.save(ckpt_dir / checkpoint.LAST, snapshot)
+                if best_now:
+                    checkpoint.save(ckpt_dir / checkpoint.BEST, snapshot)
+                write_run(results_dir, run_id, rows)
+                loggers.call("epoch_end", epoch, new)
+            say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s) | "
+                f"valid acc {new[1]['token_acc']:.4f} " + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
+        beam = getattr(r.task_config, "beam", 1)
+        test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
+        rows.append(_row(common, epoch, "test", test, backend))
+        if world.main:
+            checkpoint.save(ckpt_dir / checkpoint.LAST, {**checkpoint.load(ckpt_dir / checkpoint.LAST), "rows": json.dumps(rows)})  # finished
+            write_run(results_dir, run_id, rows)
+        status = "finished"
+    except NonFiniteLoss as e:
+        kept = f"epochs up to {epoch - 1} and their checkpoint are kept under {results_dir}" if epoch > start else "nothing new was written"
+        raise GtxError(f"run {run_id} stopped: training loss is {e.value} at epoch {epoch}, step {e.step}; {kept}; "
+                       "lower --set lr_factor, or raise --set warmup") from None
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise RunInterrupted(f"run {run_id} interrupted in epoch {epoch}: epochs up to {epoch - 1} are written; "
+                             f"continue with: gtx run --resume {run_id} --results {results_dir}") from None
+    finally:
+        loggers.call("end", rows, status)
+    return pd.DataFrame(rows)
+
+
+def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "test", beam: int | None = None, pattern: str | None = None,
+                        backend: str | None = None, device: str = "auto") -> pd.DataFrame:
+    """Evaluate a trained model (a checkpoint path, or a run id under ``results_dir``) on one split,
+    under its own pattern or another; append the rows as a new run whose ``eval_of`` names the source."""
+    if split not in SPLITS:
+        raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
+    path = checkpoint.find(ref, results_dir or "results")
+    state = checkpoint.load(path)
+    trained = RunConfig(**state["run_config"])
+    results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
+    config = dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend or trained.backend, device=device,
+                                 results_dir=results_dir, loggers=[])
+    r = resolve(config)
+    checkpoint.check_vocab(state, r.task, path)
+    attention = get_backend(config.backend, r.device)
+    model = _build_model(r, attention)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}") from None
+    source = json.loads(state["common"])
+    stats = evaluate(model, r.task, batches(r.task, split, r.pattern, r.train.eval_batch_size), r.pattern, r.device,
+                     beam=beam or getattr(r.task_config, "beam", 1))
+    run_id, started = _new_run_id(config.task, config.model, "-eval")
+    setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"]}
+    common = {**source, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"), "pattern": r.chosen.spec, "cell": None,
+              "eval_of": source["run_id"], "backend": config.backend, "device": str(r.device), "config": json.dumps(setup, sort_keys=True), **_versions()}
+    rows = [_row(common, state["epoch"], split, stats, attention)]
+    write_run(_results_dir(results_dir), run_id, rows)
     return pd.DataFrame(rows)

@@ -233,14 +233,20 @@ def _groups(groups: list[Sequence[str]], lens: list[int]) -> tuple[torch.Tensor 
     return torch.tensor(ids, dtype=torch.long), names
 
 
-def batches(task: Task, split: str, pattern: Pattern, batch_size: int, shuffle_seed: int | None = None) -> Iterator[Batch]:
-    """Batches of ``batch_size`` examples; shuffled by ``shuffle_seed`` (None keeps the order)."""
+def batches(task: Task, split: str, pattern: Pattern, batch_size: int, shuffle_seed: int | None = None,
+            part: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
+    """Batches of ``batch_size`` examples; shuffled by ``shuffle_seed`` (None keeps the order).
+    ``part=(r, n)``: examples r, r + n, ... of each batch (data-parallel rank r of n); a last batch
+    with fewer than n examples is left out then, since every rank must take a step."""
     data = task.splits()[split]
     order = list(range(len(data)))
     if shuffle_seed is not None:
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+    rank, size = part
     for i in range(0, len(order), batch_size):
-        yield make_batch(task, split, order[i : i + batch_size], pattern)
+        chunk = order[i : i + batch_size]
+        if len(chunk) >= size:
+            yield make_batch(task, split, chunk[rank::size], pattern)
 
 
 def disjoint_splits(draw, sizes: dict[str, int], max_tries: int = 100) -> dict[str, list[Example]]:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from gtx.decode import decode
+from gtx.distributed import World
+from gtx.errors import GtxError
 from gtx.graph import possible_edges
 from gtx.model import GraphModel
 from gtx.pattern import STAGES, Pattern
@@ -103,6 +105,23 @@ class PhaseStats:
             **{f"edges_per_query_{stage}": self.edges_per_query(stage) for stage in STAGES},
         }
 
+    @classmethod
+    def merged(cls, parts: list[PhaseStats]) -> PhaseStats:
+        """One phase's statistics from its ranks' parts: sums added; wall time and memory the slowest rank's."""
+        if len(parts) == 1:
+            return parts[0]
+        out = cls()
+        for p in parts:
+            for name in ("loss_sum", "correct", "tokens", "steps_sum", "nodes", "processed"):
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+            out.context_len = max(out.context_len, p.context_len)
+            for table, src in ((out.edges, p.edges), (out.groups, p.groups)):
+                for key, values in src.items():
+                    table[key] = [a + b for a, b in zip(table.get(key, [0] * len(values)), values)]
+        out.wall_s = max(p.wall_s for p in parts)
+        out.peak_mem_mb = max(p.peak_mem_mb for p in parts)
+        return out
+
     def density(self, stage: str) -> float:
         """Edges over the edges the stage allows (``possible_edges``): 1.0 is full attention."""
         edges, _, possible = self.edges.get(stage, (0, 0, 0))
@@ -139,11 +158,20 @@ class Meter:
         self.wall_s = time.perf_counter() - self.t0
 
 
-class Trainer:
-    """Owns the optimiser and step counter of one run."""
+class NonFiniteLoss(GtxError):
+    """The training loss became NaN or infinite at optimizer step ``step`` (the runner adds the epoch)."""
 
-    def __init__(self, model: GraphModel, config: TrainConfig, dim: int, device: torch.device, task: Task | None = None):
-        self.model, self.config, self.dim, self.device, self.task = model, config, dim, device, task
+    def __init__(self, step: int, value: float):
+        self.step, self.value = step, value
+        super().__init__(f"training loss is {value} at step {step}")
+
+
+class Trainer:
+    """Owns the optimiser and step counter of one run (of this rank, under data parallelism)."""
+
+    def __init__(self, model: GraphModel, config: TrainConfig, dim: int, device: torch.device, task: Task | None = None, world: World | None = None):
+        self.model, self.config, self.dim, self.device, self.task, self.world = model, config, dim, device, task, world or World()
+        self.forward = self.world.wrap(model)
         self.opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)  # one kernel for all parameters (CPU and CUDA)
         self.step = 0
 
@@ -152,16 +180,20 @@ class Trainer:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
 
     def train_epoch(self, batches: Iterable[Batch], on_batch: Callable[[], None] = lambda: None) -> PhaseStats:
+        """One pass; raises NonFiniteLoss before stepping on a NaN or infinite loss (on every rank).
+        The returned statistics are summed over ranks."""
         c, stats = self.config, PhaseStats()
-        self.model.train()
+        self.forward.train()
         with Meter(self.device) as meter:
             for batch in batches:
                 batch = batch.to(self.device)
-                out = self.model(batch)
-                nll = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE)
-                loss = nll
-                if c.label_smoothing:
-                    loss = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing)
+                out = self.forward(batch)
+                # sum over this rank's scored targets / the global count (x ranks: DDP averages): the global mean's gradient
+                loss = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing, reduction="sum")
+                count, bad = self.world.sum(torch.stack([(batch.targets != IGNORE).sum(), (~loss.isfinite()).long()]).cpu()).tolist()
+                if bad:
+                    raise NonFiniteLoss(self.step + 1, float(loss.detach()))
+                loss = loss * (self.world.size / max(count, 1))
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 self.opt.zero_grad(set_to_none=True)
@@ -172,13 +204,23 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = noam_lr(self.step, self.dim, c.lr_factor, c.warmup)
                 self.opt.step()
-                stats.add(out, batch, nll.detach())
+                with torch.no_grad():
+                    stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE))
                 on_batch()
                 if self.done:
                     break
         stats.wall_s, stats.peak_mem_mb = meter.wall_s, meter.peak_mb
+        stats = PhaseStats.merged(self.world.gather(stats))
         stats.extra = stats.task_metrics(self.task) if self.task else {}
         return stats
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step = state["step"]
 
 
 @torch.no_grad()

@@ -1,0 +1,177 @@
+"""Checkpoints, resume, gtx eval, and runs that fail well (NaN loss, Ctrl-C, SIGKILL)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gtx import checkpoint
+from gtx.cli import cli
+from gtx.results import load
+
+TINY = ["--set", "n_train=64", "--set", "n_valid=16", "--set", "n_test=16", "--set", "mean_len=5", "--layers", "1",
+        "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]
+FIGURES = ["epoch", "split", "loss", "token_acc", "seq_acc"]
+
+
+def gtx(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def figures(results_dir, run_id=None) -> pd.DataFrame:
+    df = load(results_dir)
+    if run_id:
+        df = df[df.run_id == run_id]
+    return df[FIGURES].sort_values(["epoch", "split"]).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 4-epoch run: the figures a resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", out, *TINY)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_every_epoch_writes_last_and_best_checkpoints(reference):
+    run_id = load(reference).run_id.iloc[0]
+    folder = checkpoint.checkpoint_dir(reference, run_id)
+    last, best = (checkpoint.load(folder / name) for name in (checkpoint.LAST, checkpoint.BEST))
+    valid = load(reference).query("split == 'valid'")
+    assert last["epoch"] == 4 and best["epoch"] == int(valid.epoch[valid.loss.idxmin()])
+    assert len(checkpoint.rows_of(last)) == 9 and json.loads(last["common"])["run_id"] == run_id
+    assert not list(folder.glob(".*"))  # no temporary file left behind
+
+
+def test_ctrl_c_keeps_what_is_done_and_resume_reproduces_the_uninterrupted_run(reference, tmp_path, monkeypatch):
+    from gtx import train
+
+    calls = {"n": 0}
+    real = train.Trainer.train_epoch
+
+    def interrupted_in_epoch_3(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(train.Trainer, "train_epoch", interrupted_in_epoch_3)
+    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
+    assert result.exit_code == 130 and "interrupted in epoch 3: epochs up to 2 are written" in result.output
+    run_id = load(tmp_path).run_id.iloc[0]
+    assert len(load(tmp_path)) == 4 and f"gtx run --resume {run_id}" in result.output
+    monkeypatch.undo()
+    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert set(load(tmp_path).run_id) == {run_id}
+    pd.testing.assert_frame_equal(figures(tmp_path), figures(reference), rtol=1e-5)
+
+
+def test_sigkill_after_epoch_2_then_resume_gives_the_same_figures(reference, tmp_path):
+    cmd = [sys.executable, "-m", "gtx.cli", "run", "--epochs", "4", "--seed", "3", "--results", str(tmp_path), *TINY]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = tmp_path / "runs"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        files = list(runs.glob("*.csv"))
+        if files and len(pd.read_csv(files[0])) >= 4:  # epochs 1 and 2 written
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    df = load(tmp_path)
+    assert "test" not in set(df.split), "the run finished before it could be killed"
+    run_id = df.run_id.iloc[0]
+    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    assert result.exit_code == 0, result.output
+    after = figures(tmp_path)
+    assert len(after) == 9 and not after.duplicated(["epoch", "split"]).any()
+    pd.testing.assert_frame_equal(after, figures(reference), rtol=1e-5)
+
+
+def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp_path):
+    run_id = load(reference).run_id.iloc[0]
+    results = tmp_path / "evals"
+    own = gtx("eval", run_id, "--results", reference)
+    assert own.exit_code == 0, own.output
+    df = load(reference)
+    ev = df[df.eval_of.notna()]
+    assert len(ev) == 1 and ev.eval_of.iloc[0] == run_id and ev.split.iloc[0] == "test"
+    trained_test = df[(df.run_id == run_id) & (df.split == "test")]
+    assert np.isclose(ev.token_acc.iloc[0], trained_test.token_acc.iloc[0])  # same weights, same data: same figures
+    path = checkpoint.checkpoint_dir(reference, run_id) / checkpoint.BEST
+    other = gtx("eval", path, "--pattern", "local:w=1", "--split", "valid", "--results", results)
+    assert other.exit_code == 0, other.output
+    assert "evaluated under local:w=1 on valid" in other.output
+    row = load(results).iloc[0]
+    assert row.pattern == "local:w=1" and json.loads(row.config)["trained_pattern"] == "full" and row.edges_per_query_ee < 3
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: (d / "x.pt").write_bytes(b"not a checkpoint"), "truncated or not a gtx checkpoint"),
+        (lambda d: torch.save({"weights": torch.zeros(2)}, d / "x.pt"), "not a gtx checkpoint"),
+    ],
+)
+def test_eval_of_a_bad_checkpoint_is_one_line(tmp_path, make, message):
+    make(tmp_path)
+    result = gtx("eval", tmp_path / "x.pt", "--results", tmp_path)
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_eval_of_a_truncated_checkpoint_and_of_another_vocabulary(reference, tmp_path):
+    run_id = load(reference).run_id.iloc[0]
+    good = (checkpoint.checkpoint_dir(reference, run_id) / checkpoint.LAST).read_bytes()
+    (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
+    result = gtx("eval", tmp_path / "cut.pt", "--results", tmp_path)
+    assert result.exit_code == 2 and "truncated" in result.output
+    state = checkpoint.load(checkpoint.checkpoint_dir(reference, run_id) / checkpoint.LAST)
+    state["vocab"]["src"] = state["vocab"]["src"] + ["extra"]
+    checkpoint.save(tmp_path / "vocab.pt", state)
+    result = gtx("eval", tmp_path / "vocab.pt", "--results", tmp_path)
+    assert result.exit_code == 2 and "src vocabulary of" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
+    run_id = load(reference).run_id.iloc[0]
+    before = sorted(p.read_bytes() for p in reference.rglob("*.csv"))
+    unknown = gtx("run", "--resume", "nope", "--results", reference)
+    assert unknown.exit_code == 2 and "no checkpoint of that run" in unknown.output and run_id in unknown.output
+    finished = gtx("run", "--resume", run_id, "--results", reference)
+    assert finished.exit_code == 2 and "that run is finished" in finished.output
+    assert sorted(p.read_bytes() for p in reference.rglob("*.csv")) == before
+
+
+def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_path, monkeypatch):
+    from gtx import train
+
+    real = torch.nn.functional.cross_entropy
+    calls = {"n": 0}
+
+    def nan_from_step_10(*a, **kw):
+        out = real(*a, **kw)
+        if kw.get("reduction") == "sum":  # the training loss
+            calls["n"] += 1
+            if calls["n"] >= 10:
+                return out * float("nan")
+        return out
+
+    monkeypatch.setattr(train.F, "cross_entropy", nan_from_step_10)
+    result = gtx("run", "--epochs", 3, "--results", tmp_path, *TINY)  # 8 steps per epoch: step 10 is in epoch 2
+    assert result.exit_code == 2, result.output
+    assert "training loss is nan at epoch 2, step 10" in result.output and "epochs up to 1 and their checkpoint are kept" in result.output
+    df = load(tmp_path)
+    assert sorted(df.epoch) == [1, 1]
+    assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
