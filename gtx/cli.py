@@ -19,6 +19,7 @@ import pandas as pd
 from gtx import __version__
 from gtx.cli_bench import bench
 from gtx.cli_common import CliError, GtxGroup, key_value, plugins_dir_option
+from gtx.distributed import is_main_process
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
 from gtx.model import model_forms
@@ -161,7 +162,8 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
     rows = run_experiment(config, progress=progress, log=log, resume=resume)
-    _summary(rows[(rows.epoch == rows.epoch.max())], results_dir)
+    if is_main_process():
+        _summary(rows[(rows.epoch == rows.epoch.max())], results_dir)
 
 
 def _summary(rows: pd.DataFrame, results_dir: str) -> None:

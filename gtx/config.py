@@ -14,7 +14,7 @@ from gtx.backends import get_backend
 from gtx.errors import GtxError
 from gtx.model import model_forms
 from gtx.pattern import Pattern, parse_pattern
-from gtx.plugins import MODELS, TASKS
+from gtx.plugins import LOGGERS, MODELS, TASKS
 from gtx.task import Task, make_batch
 from gtx.train import PhaseStats, TrainConfig
 from gtx.values import parse_scalar
@@ -138,6 +138,8 @@ class Configs:
 def resolve_configs(config: RunConfig) -> Configs:
     """Names, settings and the pattern spec checked and resolved; no data generated, nothing written."""
     task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
+    for name in config.loggers:
+        LOGGERS.get(name)
     defaults = {f"train.{k}": str(v) for k, v in getattr(task_entry.obj, "train_defaults", {}).items()}
     given = {key.rpartition(".")[2] for key in config.settings}
     cfg = build_configs(

@@ -62,6 +62,11 @@ class World:
         return torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, find_unused_parameters=True)
 
 
+def is_main_process() -> bool:
+    """Rank 0, or no torchrun at all: the process that prints and writes."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def setup(device: torch.device) -> tuple[World, torch.device]:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), if any;
     returns the world and this rank's device (CUDA: the local rank's GPU)."""
