@@ -21,6 +21,7 @@ from functools import lru_cache
 
 import torch
 
+from gtx import checks
 from gtx.errors import GtxError, PatternError, PluginError
 from gtx.values import parse_scalar
 
@@ -123,10 +124,11 @@ class Pattern:
         return self._cache[key]
 
     def _raw_edges(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        who = f"pattern {self.spec!r} ({stage} edges for n_q={n_q}, n_k={n_k})"
         try:
             if stage in self.edge_fns:
-                return sort_edges(*self.edge_fns[stage](n_q, n_k), n_k)
-            return grid_edges(self.rule(stage), n_q, n_k)
+                return sort_edges(*checks.edge_pair(who, self.edge_fns[stage](n_q, n_k)), n_k)
+            return grid_edges(self.rule(stage), n_q, n_k, who)
         except GtxError:
             raise
         except Exception as e:
@@ -141,14 +143,14 @@ class Pattern:
         return _combine(self, other, "&", torch.logical_and, _intersect_keys)
 
 
-def grid_edges(rule: Rule, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grid_edges(rule: Rule, n_q: int, n_k: int, who: str = "rule") -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluate a predicate on the (n_q, n_k) grid in row chunks; (src, dst) sorted by (dst, src)."""
     rows = max(1, _GRID_CHUNK // max(n_k, 1))
     k = torch.arange(n_k)[None, :]
     srcs, dsts = [], []
     for q0 in range(0, n_q, rows):
         q = torch.arange(q0, min(q0 + rows, n_q))[:, None]
-        m = torch.broadcast_to(rule(q, k, n_q, n_k), (q.shape[0], n_k))
+        m = checks.rule_mask(who, rule(q, k, n_q, n_k), (q.shape[0], n_k))
         d, s = m.nonzero(as_tuple=True)
         srcs.append(s)
         dsts.append(d + q0)

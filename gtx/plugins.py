@@ -13,6 +13,7 @@ misspelled hooks. A packaged plugin declares::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -191,6 +192,8 @@ class Registry:
                     raise PluginError(
                         f"{self.kind} {name!r} is registered twice: by {entries[name].plugin} and by {_label}; rename one"
                     )
+                if config is not None and not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+                    raise PluginError(f"plugin {_label} registered {self.kind} {name!r} with config={config!r}; pass a dataclass (or no config)")
                 entries[name] = Entry(name, obj, _label, config)
 
             call_hook(impl, label, register=register)

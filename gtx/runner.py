@@ -26,8 +26,9 @@ import gtx
 from gtx import checkpoint, distributed
 from gtx.backends import Backend, get_backend
 from gtx.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
-from gtx.errors import GtxError
+from gtx.errors import GtxError, PluginError
 from gtx.loggers import Loggers
+from gtx.plugins import MODELS
 from gtx.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
 from gtx.task import SPLITS, batches
 from gtx.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
@@ -65,10 +66,19 @@ def _results_dir(name: str) -> Path:
 
 
 def _build_model(r, backend: Backend) -> torch.nn.Module:
+    who = f"model {r.config.model!r} ({MODELS.get(r.config.model).plugin})"
     try:
-        return r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend).to(r.device)
+        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend)
     except ValueError as e:
         raise GtxError(f"bad settings for model {r.config.model!r}: {e}") from None
+    except GtxError:
+        raise
+    except Exception as e:
+        raise PluginError(f"{who} raised while being built: {type(e).__name__}: {e}") from e
+    if not isinstance(model, torch.nn.Module):
+        raise PluginError(f"{who} built a {type(model).__name__}; expected a torch.nn.Module")
+    model.plugin_label = who  # what checks.model_output names
+    return model.to(r.device)
 
 
 def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]:

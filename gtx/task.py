@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from gtx.errors import GtxError
+from gtx import checks
+from gtx.errors import GtxError, PluginError
 from gtx.graph import TokenGraph, build_graph, positions
 from gtx.pattern import Pattern
 
@@ -110,6 +111,11 @@ class Task:
                 self._splits = self._load_or_generate()
             except ValueError as e:
                 raise GtxError(f"bad settings for task {self.name!r}: {e}") from None
+            except GtxError:
+                raise
+            except Exception as e:
+                raise PluginError(f"task {self.name!r} raised while making its data: {type(e).__name__}: {e}") from e
+            checks.examples(f"task {self.name!r}", self._splits)
             for split in SPLITS:
                 if not self._splits.get(split):
                     raise GtxError(f"task {self.name!r} produced no {split} examples; check its settings")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from gtx import checks
 from gtx.decode import decode
 from gtx.distributed import World
 from gtx.errors import GtxError
@@ -129,7 +130,7 @@ class PhaseStats:
 
     def task_metrics(self, task: Task) -> dict:
         groups = {g: tuple(v) for g, v in self.groups.items()}
-        return task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups)
+        return checks.metrics(f"task {task.name!r} phase_metrics", task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups))
 
     def edges_per_query(self, stage: str) -> float:
         edges, queries, _ = self.edges.get(stage, (0, 0, 0))
@@ -188,6 +189,8 @@ class Trainer:
             for batch in batches:
                 batch = batch.to(self.device)
                 out = self.forward(batch)
+                if self.task:  # plain-torch references in benchmarks train without a task
+                    checks.model_output(self.model, out, len(batch.targets), len(self.task.tgt_vocab))
                 # sum over this rank's scored targets / the global count (x ranks: DDP averages): the global mean's gradient
                 loss = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing, reduction="sum")
                 count, bad = self.world.sum(torch.stack([(batch.targets != IGNORE).sum(), (~loss.isfinite()).long()]).cpu()).tolist()
@@ -238,6 +241,7 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
         for batch in batches:
             batch = batch.to(device)
             out = model(batch)
+            checks.model_output(model, out, len(batch.targets), len(task.tgt_vocab))
             stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE))
             if decode_limit < 0 or len(hyps) < decode_limit:
                 t0 = time.perf_counter()
@@ -251,5 +255,6 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
     if decode_limit:
         if decode_limit > 0:
             hyps, refs = hyps[:decode_limit], refs[:decode_limit]
-        stats.extra.update(seq_acc=task.seq_acc(hyps, refs), **task.metrics(hyps, refs), decoded=len(hyps), decode_s=decode_s, beam=beam)
+        decoded = checks.metrics(f"task {task.name!r} metrics", {"seq_acc": task.seq_acc(hyps, refs), **task.metrics(hyps, refs)})
+        stats.extra.update(**decoded, decoded=len(hyps), decode_s=decode_s, beam=beam)
     return stats

@@ -59,7 +59,7 @@ def register_loggers(register):
 '''
 
 
-def test_a_plugin_logger_sees_start_epochs_and_end(tmp_path, plugin_dir):
+def test_hook_register_loggers(tmp_path, plugin_dir):
     folder = plugin_dir(my_logger=LOGGER)
     result = gtx("run", "--plugins-dir", folder, "--log", "recorder", "--results", tmp_path, *TINY)
     assert result.exit_code == 0, result.output
