@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
+from gtx.stats import pareto_front, summarize, verdict, welch_p
 from gtx.task import SPLITS, atomic_write_text
 
 SCHEMA_VERSION = 3
@@ -102,55 +103,138 @@ def load(results_dir: str | Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "backend")) -> pd.DataFrame:
-    """One row per group of runs: accuracy against speed.
+#: compare()'s per-run metrics before the task's own (``best_valid_<name>``) and the speed
+RUN_METRICS = ["best_valid_token_acc", "best_valid_seq_acc", "best_valid_loss", "test_seq_acc"]
+SPEED = "train_tokens_per_s"
+DEFAULT_METRIC = "best_valid_token_acc"
+#: last words of metric names that improve downwards: losses, bits per character, error rates
+LOWER_IS_BETTER = {"loss", "bpc", "per", "wer", "cer", "ppl"}
 
-    Per run: best valid token/sequence accuracy and loss over epochs, train tokens/s of its last
-    epoch, its test sequence accuracy and its density (edges over those the stages allow: 1.0 is
-    full attention); then the mean over the group's runs. ``speed_vs_full`` divides
-    train tokens/s by that of the ``full`` pattern in the group with the same other ``by`` values.
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a metric improves downwards, by its last word: best_valid_loss, best_valid_bpc, best_valid_per.
+    Any other metric (accuracies, bleu, a plugin's own) counts as higher-is-better."""
+    return metric.rsplit("_", 1)[-1] in LOWER_IS_BETTER
+
+
+def _per_run(rows: pd.DataFrame) -> dict:
+    train, valid, test = (rows[rows.split == s] for s in SPLITS)
+    last_train = train[train.epoch == train.epoch.max()]
+    task = pd.DataFrame([scalar_metrics(json.loads(m)) for m in valid.metrics.dropna()])
+    return {
+        "best_valid_token_acc": valid.token_acc.max(),
+        "best_valid_seq_acc": valid.seq_acc.max(),
+        "best_valid_loss": valid.loss.min(),
+        "test_seq_acc": test.seq_acc.iloc[-1] if len(test) else np.nan,
+        # the task's own metrics, each at its best valid epoch; seq_acc and the like are columns already
+        **{f"best_valid_{k}": v.min() if lower_is_better(k) else v.max() for k, v in task.items() if k not in COLUMNS},
+        SPEED: last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
+        "density": rows.density.mean(),
+        "finished": len(test) > 0,
+        "started_at": rows.started_at.iloc[0],
+        "cell": rows.cell.iloc[0],
+    }
+
+
+def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "backend"), metric: str = DEFAULT_METRIC) -> pd.DataFrame:
+    """One row per group of runs (seeds): accuracy against speed, as numbers (``format_compare`` renders them).
+
+    Per run: best valid token/sequence accuracy and loss over epochs, its test sequence accuracy, the
+    task's own scalar metrics of the valid rows (``best_valid_bpc``, ``best_valid_query_acc``, ...: the
+    best epoch's, min for ``lower_is_better`` metrics, else max), train tokens/s of its last epoch
+    and its density. Rows of ``gtx eval`` (``eval_of`` set) are left out; runs sharing a ``cell`` (same
+    configuration and seed) count once, the latest finished one, as a repeat is no new seed.
+
+    Columns: the ``by`` keys; ``runs`` (n); for each metric ``M`` above and ``train_tokens_per_s``:
+    ``M_mean``, ``M_std`` (sample std, ddof=1; NaN for one run), ``M_ci_low`` and ``M_ci_high`` (95%
+    Student-t interval of the mean over the runs; NaN for one run); ``density`` (mean edges over those
+    the stages allow: 1.0 is full attention). Grouped by ``pattern``, each row is compared with the
+    ``full`` row of the same other ``by`` values (same task, model, backend, ...):
+    ``speed_vs_full`` (mean train tokens/s over full's), ``p_vs_full`` (Welch's t-test, unequal
+    variances, two-sided, of ``metric`` over the runs; NaN for full, or when either side has fewer
+    than 2 runs), ``vs_full`` ("better", "worse" at p < 0.05, else "same"; "-" untested) and
+    ``pareto`` (True on the front of mean ``metric`` against mean train tokens/s among those rows:
+    no other row is at least as good in both and better in one). ``attrs["metric"]`` names ``metric``,
+    which is one of the metric names, its ``best_valid_`` prefix optional (``bpc``).
     """
     by = list(by)
     unknown = [c for c in by if c not in COLUMNS]
     if unknown:
         raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(COLUMNS)}")
+    df = df[df.eval_of.isna()]
     if df.empty:
         return pd.DataFrame(columns=[*by, "runs"])
-    per_run = []
-    for run_id, rows in df.groupby("run_id", sort=False):
-        train, valid, test = (rows[rows.split == s] for s in SPLITS)
-        last_train = train[train.epoch == train.epoch.max()] if len(train) else train
-        per_run.append(
-            {
-                **{c: rows[c].iloc[0] for c in by},
-                "run_id": run_id,
-                "best_valid_token_acc": valid.token_acc.max(),
-                "best_valid_seq_acc": valid.seq_acc.max(),
-                "best_valid_loss": valid.loss.min(),
-                "test_seq_acc": test.seq_acc.iloc[-1] if len(test) else np.nan,
-                "train_tokens_per_s": last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
-                "density": rows.density.mean(),
-            }
-        )
-    runs = pd.DataFrame(per_run)
-    table = runs.groupby(by, sort=True, dropna=False).agg(
-        runs=("run_id", "count"),
-        best_valid_token_acc=("best_valid_token_acc", "mean"),
-        best_valid_seq_acc=("best_valid_seq_acc", "mean"),
-        best_valid_loss=("best_valid_loss", "mean"),
-        test_seq_acc=("test_seq_acc", "mean"),
-        train_tokens_per_s=("train_tokens_per_s", "mean"),
-        density=("density", "mean"),
-    ).reset_index()
+    runs = pd.DataFrame([{**{c: rows[c].iloc[0] for c in by}, "run_id": run_id, **_per_run(rows)} for run_id, rows in df.groupby("run_id", sort=False)])
+    runs = runs.sort_values(["finished", "started_at"], kind="stable")
+    runs = runs[runs.cell.isna() | ~runs.duplicated("cell", keep="last")]
+    task_metrics = sorted(c for c in runs.columns if c.startswith("best_valid_") and c not in RUN_METRICS)
+    metrics = RUN_METRICS + task_metrics
+    if metric not in metrics:
+        metric = f"best_valid_{metric}"
+    if metric not in metrics:
+        raise GtxError(f"unknown metric {metric.removeprefix('best_valid_')!r}; metrics of these runs: {', '.join(metrics)}")
+    rows, samples = [], []
+    for keys, group in runs.groupby(by, sort=True, dropna=False):
+        row = {**dict(zip(by, keys)), "runs": len(group)}
+        for m in [*metrics, SPEED]:
+            s = summarize(group[m])
+            row.update({f"{m}_mean": s.mean, f"{m}_std": s.std, f"{m}_ci_low": s.ci_low, f"{m}_ci_high": s.ci_high})
+        rows.append({**row, "density": group.density.mean()})
+        samples.append(group[metric].to_numpy(dtype=float))
+    table = pd.DataFrame(rows)
     if "pattern" in by:
-        others = [c for c in by if c != "pattern"]
-        full = table[table.pattern == "full"].set_index(others)["train_tokens_per_s"] if others else None
-        if others:
-            ref = table.set_index(others).index.map(lambda k: full.get(k, np.nan))
-        else:
-            ref = table.loc[table.pattern == "full", "train_tokens_per_s"].mean()
-        table["speed_vs_full"] = table["train_tokens_per_s"] / ref
+        table = _against_full(table, samples, [c for c in by if c != "pattern"], metric)
+    table.attrs["metric"] = metric
     return table
+
+
+def _against_full(table: pd.DataFrame, samples: list[np.ndarray], others: list[str], metric: str) -> pd.DataFrame:
+    """``compare``'s speed_vs_full, p_vs_full, vs_full and pareto, within each group of the ``others`` keys."""
+    sign = -1.0 if lower_is_better(metric) else 1.0  # oriented so that higher is better
+    table = table.assign(speed_vs_full=np.nan, p_vs_full=np.nan, vs_full="-", pareto=False)
+    key = table[others].astype(str).agg("|".join, axis=1) if others else pd.Series("", index=table.index)
+    for idx in table.groupby(key, sort=False).groups.values():
+        group = table.loc[idx]
+        table.loc[idx, "pareto"] = pareto_front(sign * group[f"{metric}_mean"], group[f"{SPEED}_mean"])
+        full = group.index[group.pattern == "full"]
+        if not len(full):
+            continue
+        f = full[0]
+        table.loc[idx, "speed_vs_full"] = group[f"{SPEED}_mean"] / group.at[f, f"{SPEED}_mean"]
+        for i in idx.drop(f):
+            p = welch_p(samples[i], samples[f])
+            table.loc[i, ["p_vs_full", "vs_full"]] = p, verdict(p, sign * (group.at[i, f"{metric}_mean"] - group.at[f, f"{metric}_mean"]))
+    return table
+
+
+def format_compare(table: pd.DataFrame, fmt: str = "table") -> str:
+    """Render ``compare()``'s table. CSV: its numeric columns as they are. Table and markdown, to stay
+    readable: ``mean ± std`` per metric (just the mean for one run), the chosen metric first with its
+    95% interval beside it (``ci95``), metrics no run has and ``best_valid_loss`` (unless chosen: the
+    accuracies and bpc say it) left out, ``welch_p`` for ``p_vs_full`` and ``*`` marking the front."""
+    if fmt == "csv" or "runs" not in table.columns:
+        return format_table(table, fmt)
+    metric = table.attrs.get("metric", DEFAULT_METRIC)
+    names = [c.removesuffix("_mean") for c in table.columns if c.endswith("_mean")]
+    shown = sorted((m for m in names if table[f"{m}_mean"].notna().any() and (m != "best_valid_loss" or m == metric)), key=lambda m: m != metric)
+    view = table.loc[:, :"runs"].copy()
+    for m in shown:
+        view[m] = [_pm(mean, std) for mean, std in zip(table[f"{m}_mean"], table[f"{m}_std"])]
+        if m == metric:
+            view["ci95"] = ["-" if np.isnan(lo) else f"[{_cell(lo)}, {_cell(hi)}]" for lo, hi in zip(table[f"{m}_ci_low"], table[f"{m}_ci_high"])]
+    view["density"] = table.density
+    if "pareto" in table.columns:
+        view["speed_vs_full"] = table.speed_vs_full
+        view["welch_p"] = ["-" if np.isnan(p) else "<0.001" if p < 0.001 else f"{p:.3f}" for p in table.p_vs_full]
+        view["vs_full"] = table.vs_full
+        view["pareto"] = np.where(table.pareto, "*", "")
+    return format_table(view, fmt)
+
+
+def _pm(mean: float, std: float) -> str:
+    if np.isnan(std):
+        return _cell(mean)
+    return f"{_cell(mean)} ± {f'{std:.4f}' if abs(mean) < 10 else f'{std:,.0f}'}"  # std to the mean's precision
 
 
 def format_table(df: pd.DataFrame, fmt: str = "table") -> str:

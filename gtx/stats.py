@@ -1,0 +1,77 @@
+"""Statistics over seeds for ``gtx compare``: small pure functions on plain numbers.
+
+NaN stands for a run that lacks the value (an unfinished run has no test row): every function
+drops NaNs first, so ``n`` counts the runs that have the value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+
+@dataclass(frozen=True)
+class Summary:
+    n: int  # values, NaNs left out
+    mean: float  # NaN for n = 0
+    std: float  # sample standard deviation (ddof=1); NaN for n < 2
+    ci_low: float  # confidence interval of the mean (Student t); NaN for n < 2
+    ci_high: float
+
+
+def _values(values) -> np.ndarray:
+    a = np.asarray(values, dtype=float).ravel()
+    return a[~np.isnan(a)]
+
+
+def summarize(values, level: float = 0.95) -> Summary:
+    """Mean, sample std and the ``level`` confidence interval of the mean, ``mean ± t_{(1+level)/2, n-1} * std / sqrt(n)``:
+    the runs are taken as independent draws (one seed each) of a normal variable."""
+    a = _values(values)
+    n = len(a)
+    mean = float(a.mean()) if n else math.nan
+    if n < 2:
+        return Summary(n, mean, math.nan, math.nan, math.nan)
+    std = float(a.std(ddof=1))
+    half = float(sps.t.ppf((1 + level) / 2, n - 1)) * std / math.sqrt(n)
+    return Summary(n, mean, std, mean - half, mean + half)
+
+
+def welch_p(a, b) -> float:
+    """Two-sided p-value of Welch's t-test (unequal variances) that ``a`` and ``b`` have the same mean.
+
+    NaN when either holds fewer than 2 values. Both constant: 1.0 if they are equal, else 0.0 (the
+    t statistic is 0/0 or infinite; seeds that all reach accuracy 1.0 are the common case)."""
+    a, b = _values(a), _values(b)
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    if a.std() == 0 and b.std() == 0:
+        return 1.0 if a.mean() == b.mean() else 0.0
+    return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def verdict(p: float, gain: float, alpha: float = 0.05) -> str:
+    """``"better"`` or ``"worse"`` (the sign of ``gain``, a difference oriented so that positive is better)
+    when ``p < alpha``, else ``"same"``; ``"-"`` when ``p`` is NaN (too few runs to test)."""
+    if math.isnan(p):
+        return "-"
+    if p >= alpha:
+        return "same"
+    return "better" if gain > 0 else "worse"
+
+
+def pareto_front(x, y) -> np.ndarray:
+    """Bool mask of the points (x[i], y[i]) on the Pareto front, both coordinates to maximise: no other
+    point is >= in both and > in one. Equal points are all on it; a point with a NaN is neither on it
+    nor dominates another. Negate a coordinate to minimise it."""
+    p = np.column_stack([np.asarray(x, dtype=float), np.asarray(y, dtype=float)])
+    ok = ~np.isnan(p).any(axis=1)
+    candidates = p[ok]
+    front = ok.copy()
+    for i in np.flatnonzero(ok):
+        dominated = (candidates >= p[i]).all(axis=1) & (candidates > p[i]).any(axis=1)
+        front[i] = not dominated.any()
+    return front
