@@ -372,29 +372,6 @@ def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
     return path
 
 
-def plot_attention(df: pd.DataFrame, path: Path) -> Path:
-    """Time against length per backend, log-log, one panel per pattern (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise GtxError("plotting needs matplotlib: pip install -e '.[plot]' (the CSV was written)") from None
-    patterns = list(dict.fromkeys(df.pattern))
-    fig, axes = plt.subplots(1, len(patterns), figsize=(5 * len(patterns), 4), squeeze=False)
-    for ax, pattern in zip(axes[0], patterns):
-        for backend, rows in df[df.pattern == pattern].groupby("backend"):
-            rows = rows.dropna(subset=["ms"]).sort_values("n")
-            ax.plot(rows.n, rows.ms, marker="o", label=backend)
-        ax.set(xscale="log", yscale="log", xlabel="tokens n", ylabel="forward + backward (ms)", title=pattern)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 if __name__ == "__main__":  # one attention cell, for bench_attention's subprocesses
     fields = json.loads(sys.argv[1])
     fields["plugins_dirs"] = tuple(fields["plugins_dirs"])

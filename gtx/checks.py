@@ -7,7 +7,7 @@ expected. Edge *invariants* (duplicates, a query without keys, a future edge) ar
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -43,13 +43,20 @@ def rule_mask(who: str, value, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def examples(who: str, splits) -> None:
-    """A task's data: each split a non-empty list of (source, target) pairs of token sequences."""
+    """A task's data: each split a sized, indexable collection (a list, or a lazy view such as
+    text's windows) of (source, target) pairs of token sequences; its first and last examples are
+    checked, so that a lazy split is not materialised."""
     if not isinstance(splits, Mapping):
         raise PluginError(f"{who} returned {_kind(splits)}; expected a dict of split name -> list of (source, target) examples")
     for split, data in splits.items():
-        if not isinstance(data, Sequence) or isinstance(data, str):
-            raise PluginError(f"{who}: split {split!r} is {_kind(data)}; expected a list of (source, target) examples")
-        for i, ex in enumerate(data):
+        try:
+            if isinstance(data, (str, bytes, Mapping, torch.Tensor)):
+                raise TypeError
+            n = len(data)
+            ends = [data[i] for i in sorted({0, n - 1})] if n else []
+        except Exception:
+            raise PluginError(f"{who}: split {split!r} is {_kind(data)}; expected a list of (source, target) examples") from None
+        for i, ex in zip(sorted({0, n - 1}), ends):
             pair = isinstance(ex, (tuple, list)) and len(ex) == 2
             if not pair or not all(isinstance(s, (list, tuple, str)) for s in ex) or not all(isinstance(t, str) for s in ex for t in s[:1]):
                 raise PluginError(f"{who}: {split} example {i} is {ex!r:.80}; expected (source, target): two sequences of string tokens")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from gtx.cli_common import GtxGroup, csv_list, key_value
-from gtx.errors import GtxError
 from gtx.pattern import parse_pattern
 from gtx.plugins import BACKENDS, load_plugins
 from gtx.results import format_table
@@ -27,7 +26,7 @@ def bench():
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG (needs matplotlib).")
+@click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG.")
 @click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
 def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs):
     """Forward + backward time and peak memory per (pattern, length, backend)."""
@@ -48,10 +47,9 @@ def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, devic
     click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)
     if plot:
-        try:
-            click.echo(f"plot: {gtx_bench.plot_attention(df, path.with_suffix('.png'))}", err=True)
-        except GtxError as e:
-            click.echo(f"no plot: {e}", err=True)
+        from gtx import plot as gtx_plot
+
+        click.echo(f"plot: {gtx_plot.save(gtx_plot.attention_bench(df), path.with_suffix('.png'))}", err=True)
 
 
 @bench.command(name="calibrate")

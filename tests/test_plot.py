@@ -1,0 +1,275 @@
+"""gtx plot and gtx report: the drawn adjacency is the pattern's, long sequences are binned, the
+results figure and the HTML report render from a results folder, and bad input is one line, exit 2."""
+
+import base64
+import io
+import json
+import os
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import matplotlib.image as mpimg
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gtx import plot
+from gtx.cli import cli
+from gtx.errors import GtxError
+from gtx.pattern import STAGES, parse_pattern
+from gtx.report import write_report
+from gtx.results import COLUMNS, load, write_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def gtx(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def image_of(path_or_bytes) -> np.ndarray:
+    """RGB(A) floats of a PNG; asserts it is one and is not blank."""
+    data = path_or_bytes if isinstance(path_or_bytes, bytes) else open(path_or_bytes, "rb").read()
+    assert data.startswith(PNG_MAGIC)
+    pixels = mpimg.imread(io.BytesIO(data), format="png")
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels[..., :3].var() > 0
+    return pixels
+
+
+def dense_from_edges(spec, stage, n_q, n_k) -> np.ndarray:
+    src, dst = parse_pattern(spec).edges(stage, n_q, n_k)
+    adj = torch.zeros(n_q, n_k, dtype=torch.bool)
+    adj[dst, src] = True
+    return adj.numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Patterns
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["local:w=1", "local:w=1|strided:l=3", "bigbird"])
+def test_pattern_grid_is_the_mask_of_the_edges(spec):
+    for stage in STAGES:
+        n_q, n_k = plot.stage_lengths(stage, 8, 6)
+        assert np.array_equal(plot.pattern_grid(spec, stage, n_q, n_k), dense_from_edges(spec, stage, n_q, n_k)), stage
+
+
+def test_edge_cells_are_drawn_dark_and_the_others_light():
+    fig = plot.pattern("local:w=1", 8)
+    image_of(fig._repr_png_())  # what a notebook shows inline
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].mean(axis=2)
+    height = pixels.shape[0]
+    assert len(fig.axes) == 3 and "dd: decoder self-attention" in fig.axes[1].get_title()
+    for ax, stage in zip(fig.axes, STAGES):
+        mask = dense_from_edges("local:w=1", stage, 8, 8)
+        for q in range(8):
+            for k in range(8):
+                x, y = ax.transData.transform((k, q))  # position k, q: the centre of its cell
+                shade = pixels[int(height - y), int(x)]
+                assert (shade < 64) if mask[q, k] else (shade > 192), (stage, q, k, shade)
+
+
+def test_long_sequences_are_binned_into_a_band():
+    grid = plot.pattern_grid("local:w=32", "dd", 4096, 4096)
+    assert grid.shape == (512, 512)  # blocks of 8x8 positions
+    i, j = np.indices(grid.shape)
+    assert (grid[i == j] > 0).all() and (grid[j > i] == 0).all()  # the diagonal, nothing above it (causal)
+    assert (grid[i - j > 32 // 8 + 1] == 0).all()  # nothing beyond the window's blocks
+    src, _ = parse_pattern("local:w=32").edges("dd", 4096, 4096)
+    assert grid.sum() * 64 == pytest.approx(src.numel())  # fractions x block area = every edge once
+
+
+def test_a_short_last_block_counts_only_its_positions():
+    grid = plot.pattern_grid("full", "ee", 10, 10, max_cells=4)  # blocks of 3: 3, 3, 3 and 1 positions
+    assert grid.shape == (4, 4) and np.allclose(grid, 1.0)
+
+
+def test_more_than_1e5_positions_is_an_error():
+    with pytest.raises(GtxError, match="cannot plot 100,001 positions; the limit is 100,000 per side"):
+        plot.pattern("local:w=1", 100_001)
+    result = gtx("plot", "pattern", "local:w=1", "--tgt-len", 100_001, "--stages", "dd")
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "limit is 100,000" in result.output
+
+
+def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = gtx("plot", "pattern", "local:w=1", "--src-len", 8, "--tgt-len", 6)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "pattern-local-w-1.png"
+    image_of(tmp_path / "pattern-local-w-1.png")
+    result = gtx("plot", "pattern", "local:w=2", "--stages", "dd", "-o", tmp_path / "new" / "deeper" / "p.svg")
+    assert result.exit_code == 0, result.output
+    assert "<svg" in (tmp_path / "new" / "deeper" / "p.svg").read_text()  # missing parents are created
+    result = gtx("plot", "pattern", "full", "--src-len", 4, "-o", tmp_path / "p", "--format", "pdf")
+    assert result.exit_code == 0 and (tmp_path / "p.pdf").read_bytes().startswith(b"%PDF")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--format", "bmp"], "unknown format 'bmp'; use png, svg or pdf"),
+        (["-o", "x.jpg"], "cannot tell the format of x.jpg"),
+        (["--stages", "ee,xx"], "unknown stage(s) xx; stages are ee, dd, ed"),
+        (["-o", "a-file/p.png"], "cannot write a-file/p.png"),
+    ],
+)
+def test_bad_plot_input_is_one_line_exit_2(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    result = gtx("plot", "pattern", "local:w=1", "--src-len", 4, *args)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert message in result.output
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_an_error(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        result = gtx("plot", "pattern", "local:w=1", "--src-len", 4, "-o", folder / "p.png")
+        assert result.exit_code == 2 and "cannot write" in result.output
+    finally:
+        folder.chmod(0o700)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results and the report
+# ---------------------------------------------------------------------------------------------
+
+
+def row(run_id, pattern, seed, split, epoch, acc, tps=1000.0, **kw):
+    base = {c: None for c in COLUMNS}
+    base.update(
+        schema_version=3, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
+        pattern=pattern, backend="dgl", device="cpu", seed=seed, epoch=epoch, split=split, loss=1.0 - acc, token_acc=acc,
+        seq_acc=np.nan if split == "train" else acc / 2, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, context_len=12, density=0.5,
+        edges_per_query_ee=3.0, edges_per_query_dd=2.0, edges_per_query_ed=3.0, act_mean_steps=np.nan, n_params=10, metrics="{}",
+        backend_plan="{}", config=json.dumps({"pattern": pattern, "seed": seed, "dim": 16}), gtx_version="0", torch_version="0",
+        dgl_version="0",
+    )
+    base.update(kw)
+    return base
+
+
+def fake_results(folder) -> None:
+    """2 patterns x 2 seeds x 2 epochs: full is slower and more accurate than local:w=1."""
+    for pattern, acc, tps in (("full", 0.8, 1000.0), ("local:w=1", 0.6, 3000.0)):
+        for seed in (0, 1):
+            run_id = f"{pattern.replace(':', '-')}-s{seed}"
+            rows = []
+            for epoch in (1, 2):
+                a = acc * epoch / 2 + 0.02 * seed
+                rows += [row(run_id, pattern, seed, "train", epoch, a, tps + 100 * seed), row(run_id, pattern, seed, "valid", epoch, a)]
+            rows.append(row(run_id, pattern, seed, "test", 2, acc))
+            write_run(folder, run_id, rows)
+
+
+def test_run_table_holds_each_runs_best_and_speed(tmp_path):
+    fake_results(tmp_path)
+    runs = plot.run_table(load(tmp_path), ["task", "model"], "best_valid_token_acc").set_index("run_id")
+    assert runs.loc["full-s1", "value"] == pytest.approx(0.82) and runs.loc["full-s1", "tokens_per_s"] == 1100.0
+    assert plot.run_table(load(tmp_path), [], "best_valid_loss").set_index("run_id").loc["full-s0", "value"] == pytest.approx(0.2)
+    with pytest.raises(GtxError, match="metric 'best_valid_bleu' has no values"):
+        plot.run_table(load(tmp_path), [], "best_valid_bleu")
+    # a repeat of a cell (same configuration and seed) is no new seed: the latest finished run counts, as in gtx compare
+    write_run(tmp_path, "again", [row("again", "full", 0, "valid", 1, 0.1, cell="c0", started_at="2026-01-02T00:00:00+00:00"),
+                                  row("again", "full", 0, "test", 1, 0.1, cell="c0", started_at="2026-01-02T00:00:00+00:00")])
+    write_run(tmp_path, "first", [row("first", "full", 0, "valid", 1, 0.9, cell="c0"), row("first", "full", 0, "test", 1, 0.9, cell="c0")])
+    assert "first" not in set(plot.run_table(load(tmp_path), [], "best_valid_token_acc").run_id)
+
+
+def test_task_metrics_come_from_the_metrics_json(tmp_path):
+    rows = [row("r", "full", 0, "train", 1, 0.5), row("r", "full", 0, "valid", 1, 0.5, metrics='{"bpc": 2.5}'),
+            row("r", "full", 0, "valid", 2, 0.6, metrics='{"bpc": 2.0}')]
+    write_run(tmp_path, "r", rows)
+    assert plot.run_table(load(tmp_path), [], "bpc").value.tolist() == [2.0]  # lower is better: the minimum
+
+
+def test_results_figure_and_command(tmp_path):
+    fake_results(tmp_path)
+    fig = plot.results(load(tmp_path))
+    assert len(fig.axes) == 2 and fig.axes[0].get_title() == "task=copy, model=transformer"
+    assert {t.get_text() for t in fig.axes[0].get_legend().get_texts()} == {"full (n=2)", "local:w=1 (n=2)", "Pareto front"}
+    front = next(line for line in fig.axes[0].get_lines() if line.get_label() == "Pareto front")
+    assert list(front.get_xdata()) == [1050.0, 3050.0]  # mean tokens/s: full is slower but better, so both are on it
+    result = gtx("plot", "results", "--results", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(tmp_path / "plots" / "results.png")
+    image_of(tmp_path / "plots" / "results.png")
+    result = gtx("plot", "results", "--results", tmp_path, "--by", "task,pattern", "--metric", "test_seq_acc", "-o", tmp_path / "r.svg")
+    assert result.exit_code == 0 and "<svg" in (tmp_path / "r.svg").read_text()
+
+
+def test_no_runs_is_one_line_exit_2(tmp_path):
+    for args in (["plot", "results"], ["report"]):
+        result = gtx(*args, "--results", tmp_path / "empty")
+        assert result.exit_code == 2 and result.output.count("\n") == 1 and "no runs under" in result.output
+
+
+class Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.images, self.text = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        assert tag not in ("script", "link"), "the report must be self-contained"
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_report_is_one_self_contained_page(tmp_path):
+    fake_results(tmp_path)
+    result = gtx("report", "--results", tmp_path)
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "report.html"
+    assert result.output.strip() == str(path)
+    page = Page()
+    page.feed(path.read_text())
+    text = "".join(page.text)
+    assert page.tags.count("details") == 4 and '"dim": 16' in text  # one configuration per run
+    assert "table" in page.tags and "best_valid_token_acc" in text and "local:w=1" in text
+    assert len(page.images) == 3  # the results figure, one picture per pattern
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        image_of(base64.b64decode(src.split(",", 1)[1]))
+    assert write_report(tmp_path, tmp_path / "sub" / "r.html").exists()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium to render the report")
+def test_report_renders_in_a_headless_browser(tmp_path):
+    fake_results(tmp_path)
+    path = write_report(tmp_path)
+    shot = tmp_path / "report.png"
+    subprocess.run(["chromium", "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}", "--window-size=1200,2000",
+                    path.resolve().as_uri()], check=True, capture_output=True, timeout=120)
+    rgb = image_of(shot)[..., :3]
+    assert (rgb.mean(axis=2) < 0.5).mean() > 0.01  # text, tables and figures, not an empty page
+    # the page's text is black and grey: coloured pixels come from the embedded results figure's markers
+    assert (np.abs(rgb[..., 0] - rgb[..., 2]) > 0.3).sum() > 50
+
+
+def test_real_runs_plot_and_report(tmp_path):
+    tiny = ["--layers", "1", "--epochs", "2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet",
+            "--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5"]
+    for pattern in ("full", "local:w=1"):
+        result = gtx("run", "--pattern", pattern, "--results", tmp_path, *tiny)
+        assert result.exit_code == 0, result.output
+    assert gtx("plot", "results", "--results", tmp_path).exit_code == 0
+    image_of(tmp_path / "plots" / "results.png")
+    assert gtx("report", "--results", tmp_path).exit_code == 0
+    assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 3
+
+
+def test_bench_attention_figure(tmp_path):
+    df = pd.DataFrame({"pattern": ["local:w=32"] * 4, "backend": ["dense", "dense", "dgl", "dgl"], "n": [1024, 2048] * 2, "ms": [1.0, 4.0, 2.0, 3.0]})
+    image_of(plot.save(plot.attention_bench(df), tmp_path / "bench.png"))
