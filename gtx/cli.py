@@ -20,6 +20,7 @@ from gtx import __version__
 from gtx.cli_bench import bench
 from gtx.cli_common import CliError, GtxGroup, key_value, plugins_dir_option
 from gtx.cli_plot import plot, report
+from gtx.cli_sweep import sweep
 from gtx.distributed import is_main_process
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
@@ -236,7 +237,7 @@ def plugins_list(show_all):
     click.echo(json.dumps(out, indent=2))
 
 
-for command in (bench, plot, report):  # commands with modules of their own
+for command in (bench, plot, report, sweep):  # commands with modules of their own
     cli.add_command(command)
 
 
