@@ -26,7 +26,7 @@ from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
 from gtx.model import model_forms
 from gtx.pattern import STAGE_NAMES, STAGES, describe_params, is_modifier, parse_pattern
-from gtx.plugins import BACKENDS, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
+from gtx.plugins import BACKENDS, BIASES, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
 from gtx.results import format_table, scalar_metrics
 from gtx.runner import DEFAULT_BACKEND
 from gtx.train import TrainConfig
@@ -46,11 +46,13 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 @cli.command()
 @plugins_dir_option
 def patterns():
-    """List attention patterns with their parameters."""
+    """List attention patterns and score biases (P+bias) with their parameters."""
     rows = [("NAME", "PARAMETERS", "DESCRIPTION")]
     for name, entry in sorted(PATTERNS.entries().items()):
         shown = f"{name}(PATTERN)" if is_modifier(entry.obj) else name
         rows.append((shown, describe_params(entry.obj) or "-", entry.description))
+    for name, entry in sorted(BIASES.entries().items()):
+        rows.append((f"+{name}", describe_params(entry.obj, skip="heads") or "-", entry.description))
     click.echo(_table(rows))
 
 
@@ -72,9 +74,19 @@ def backends():
 @click.option("--max-width", type=click.IntRange(min=1), default=120, show_default=True, help="Largest grid printed.")
 @plugins_dir_option
 def show_pattern(pattern, src_len, tgt_len, max_width):
-    """Print each stage's adjacency (rows: queries, columns: keys; '#' = edge)."""
+    """Print each stage's adjacency (rows: queries, columns: keys; '#' = edge); per head group for heads(...)."""
     p = parse_pattern(pattern)
     click.echo(f"pattern {p.spec}   src_len={src_len} tgt_len={tgt_len}   (row = query, column = key, # = edge)")
+    if p.select is not None:
+        click.echo("(edges chosen at run time from queries and keys: shown are the candidates)")
+    groups = p.heads or (p,)
+    for i, group in enumerate(groups):
+        if len(groups) > 1:
+            click.echo(f"\n== head group {i + 1} of {len(groups)}: {group.spec}")
+        _show_stages(group, src_len, tgt_len, max_width)
+
+
+def _show_stages(p, src_len, tgt_len, max_width):
     sizes = {"ee": (src_len, src_len), "dd": (tgt_len, tgt_len), "ed": (tgt_len, src_len)}
     for stage in STAGES:
         n_q, n_k = sizes[stage]

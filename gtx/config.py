@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gtx.attention import check_budget, check_pattern
 from gtx.backends import get_backend
 from gtx.errors import GtxError
 from gtx.model import model_forms
@@ -162,7 +163,7 @@ def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
     device = resolve_device(config.device)
-    get_backend(config.backend, device)
+    check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     if task.form not in model_forms(c.model_entry.obj):
         fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
@@ -175,6 +176,7 @@ def resolve(config: RunConfig) -> Resolved:
     probe = PhaseStats()
     probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
+    check_budget(c.chosen, list(probe.edges), task.context_len())
     return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, c.key())
 
 

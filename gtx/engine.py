@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 
+from gtx.attention import Attention
 from gtx.backends import Backend
 from gtx.graph import STAGE_TYPES, EdgeSet
 
@@ -28,6 +29,8 @@ def propagate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges
     Returns:
         (n_dst, H, Dv); zeros for a query without incoming edges.
     """
+    if edges.pattern is not None and not edges.pattern.plain and not isinstance(backend, Attention):
+        backend = Attention(backend)  # a model built with a bare backend: head groups, fixed biases and selections still apply
     return backend(q * q.shape[-1] ** -0.5, k, v, edges)
 
 

@@ -10,7 +10,8 @@ class UnknownNameError(GtxError, KeyError):
 
     def __init__(self, kind: str, name: str, known):
         self.kind, self.name, self.known = kind, name, sorted(known)
-        super().__init__(f"unknown {kind} {name!r}; known {kind}s: {', '.join(self.known) or '(none)'}")
+        plural = kind + ("es" if kind.endswith("s") else "s")
+        super().__init__(f"unknown {kind} {name!r}; known {plural}: {', '.join(self.known) or '(none)'}")
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.args[0]

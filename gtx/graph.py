@@ -41,6 +41,8 @@ class EdgeSet:
         self.q_lens, self.k_lens, self.structure = q_lens, k_lens, structure
         self.parent, self.keep = parent, keep
         self._plans: dict = {}
+        self.pattern: Pattern | None = None  # the pattern that made the set (batch_edges): what gtx.attention reads at run time
+        self.groups: list[EdgeSet] = []  # a head-grouped pattern's edge set per group (``heads(a,b)``)
 
     def _built(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._edges is None:
@@ -80,17 +82,35 @@ class EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
-        same = {"q_lens": self.q_lens, "k_lens": self.k_lens, "structure": self.structure}
+        same = {"q_lens": self.q_lens, "k_lens": self.k_lens, "structure": self.structure, "num_edges": self._num_edges}
         if self._edges is None:
-            return EdgeSet(None, None, self.n_src, self.n_dst, self.stage, build=self._build, num_edges=self._num_edges, device=device, **same)
-        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, **same)
+            out = EdgeSet(None, None, self.n_src, self.n_dst, self.stage, build=self._build, device=device, **same)
+        else:
+            out = EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, **same)
+        return out._like(self, [g.to(device) for g in self.groups])
+
+    def _like(self, other: EdgeSet, groups: list[EdgeSet]) -> EdgeSet:
+        """This set, made from ``other``: the same pattern, these groups."""
+        self.pattern, self.groups = other.pattern, groups
+        return self
 
     def filter_dst(self, keep: torch.Tensor) -> EdgeSet:
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
         mask = keep[self.dst]
         root = self.parent or self
         kept = keep if self.keep is None else keep & self.keep
-        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst, self.stage, parent=root, keep=kept)
+        groups = [g.filter_dst(keep) for g in self.groups]
+        count = sum(g.num_edges for g in groups) // len(groups) if groups else None
+        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst, self.stage, parent=root, keep=kept, num_edges=count)._like(self, groups)
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each edge's query and key position within its sample, (E,) int64 each (score biases read them)."""
+        root = self.parent or self
+
+        def within(ids, lens, n):
+            return ids if lens is None else positions(torch.as_tensor(lens, device=ids.device))[ids]
+
+        return self.plan("positions", lambda: (within(self.dst, root.q_lens, root.n_dst), within(self.src, root.k_lens, root.n_src)))
 
     def dense(self) -> torch.Tensor:
         """(n_dst, n_src) bool adjacency: row = query, column = key."""
@@ -162,9 +182,16 @@ def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Seq
 
     sizes = (sum(k_lens), sum(q_lens), stage, q_lens, k_lens)
     if structure is None:
-        return EdgeSet(*build(), *sizes)
-    count = sum(nq * nk if structure == "complete" else nq * (nq + 1) // 2 for nq, nk in zip(q_lens, k_lens))
-    return EdgeSet(None, None, *sizes, structure=structure, build=build, num_edges=count)
+        out = EdgeSet(*build(), *sizes)
+    else:
+        count = sum(nq * nk if structure == "complete" else nq * (nq + 1) // 2 for nq, nk in zip(q_lens, k_lens))
+        out = EdgeSet(None, None, *sizes, structure=structure, build=build, num_edges=count)
+    out.pattern = pattern
+    if pattern.heads:  # attended group by group; the set itself is their union, counted as what one head attends to
+        out.groups = [batch_edges(g, stage, q_lens, k_lens) for g in pattern.heads]
+        out._num_edges = round(sum(g.num_edges for g in out.groups) / len(out.groups))
+        out.structure = None
+    return out
 
 
 def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequence[int] | None = None) -> TokenGraph:

@@ -25,6 +25,19 @@ def register_patterns(register):
 
 
 @hookspec
+def register_biases(register):
+    """Register score biases: ``register(name, bias_cls)``; ``P+name:key=value`` adds one to a pattern.
+
+    ``bias_cls(heads, **params)`` is a ``torch.nn.Module`` (its parameters train with the model,
+    shared by all layers) whose ``forward(q_pos, k_pos, stage, heads) -> (E, len(heads))`` gives the
+    additive score of each edge for the given head indices, from the query and key positions within
+    their sample ((E,) int64 each), or None to leave ``stage`` unbiased. Keyword parameters with
+    type annotations and defaults are the command-line parameters; the docstring's first line is
+    what ``gtx patterns`` shows.
+    """
+
+
+@hookspec
 def register_backends(register):
     """Register attention backends: ``register(name, backend)``.
 

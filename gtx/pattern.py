@@ -66,6 +66,11 @@ class Pattern:
     spec: str = ""
     edge_fns: Mapping[str, EdgeFn] = field(default_factory=dict)
     filter: Callable | None = None
+    # What a pattern does at run time, beyond fixed edges (gtx.attention executes it):
+    heads: tuple[Pattern, ...] = ()  # head groups, ``heads(a,b)``: the heads split evenly, in order; the rules above are their union
+    bias: tuple[str, tuple] | None = None  # a registered score bias and its parameters, ``P+alibi``: (name, ((key, value), ...))
+    select: Callable | None = None  # ``select(q, k, edges) -> Selection``: per head, a subset of this pattern's edges
+    budget: int | None = None  # most keys a selection keeps per query: a run checks it is below the candidates
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -85,6 +90,11 @@ class Pattern:
     @property
     def dynamic(self) -> bool:
         return self.filter is not None
+
+    @property
+    def plain(self) -> bool:
+        """Fixed edges alike for every head, no bias: what every backend computes directly."""
+        return not self.heads and self.bias is None and self.select is None
 
     def rule(self, stage: str) -> Rule:
         if stage not in STAGES:
@@ -176,6 +186,10 @@ def _intersect_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(a: Pattern, b: Pattern, op: str, logical, merge) -> Pattern:
+    for p in (a, b):
+        if not p.plain:
+            raise PatternError(f"pattern {p.spec!r} splits heads, biases scores or selects edges at run time: it cannot be combined with "
+                               f"'{op}'; combine fixed patterns inside it instead, e.g. topk(local:w=8|strided:l=8) or (a|b)+alibi")
     def stage_rule(stage):
         ra, rb = a.rule(stage), b.rule(stage)
         return lambda q, k, n_q, n_k: logical(ra(q, k, n_q, n_k), rb(q, k, n_q, n_k))
@@ -259,7 +273,9 @@ def check_prefix(spec: str, stage: str, n_q: int, n_k: int, src, dst, shorter) -
 # Specs: "local:w=4|strided:l=8", "(a|b)&c", modifiers such as "act(local:w=4)".
 # ---------------------------------------------------------------------------------------------
 
-_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_-]*)|(?P<op>[|&():]))")
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_-]*)|(?P<op>[|&():,+]))")
+# parameters run to the next operator; a comma continues them only before another key=value
+_PARAMS = re.compile(r"(?:[^|&()+,]|,(?=\s*[A-Za-z_][A-Za-z0-9_-]*\s*=))*")
 
 
 def parse_pattern(spec: str) -> Pattern:
@@ -274,15 +290,15 @@ def _parse_cached(spec: str, generation: int) -> Pattern:
     if not spec:
         raise PatternError("empty pattern spec; give a name such as 'full' or 'local:w=4' (see `gtx patterns`)")
     parser = _Parser(spec)
-    pattern = parser.expr()
+    pattern = parser.biased()
     if parser.pos != len(spec):
-        raise PatternError(f"cannot parse pattern {spec!r} at {spec[parser.pos:]!r}; expected '|', '&' or the end")
+        raise PatternError(f"cannot parse pattern {spec!r} at {spec[parser.pos:]!r}; expected '|', '&', '+' or the end")
     return pattern
 
 
 class _Parser:
-    """expr := term ('|' term)* ; term := atom ('&' atom)* ;
-    atom := '(' expr ')' | NAME ['(' expr ')'] [':' key=value (',' key=value)*]"""
+    """biased := expr ('+' NAME [':' params])* ; expr := term ('|' term)* ; term := atom ('&' atom)* ;
+    atom := '(' biased ')' | NAME ['(' biased (',' biased)* ')'] [':' key=value (',' key=value)*]"""
 
     def __init__(self, spec: str):
         self.spec, self.pos = spec, 0
@@ -299,6 +315,22 @@ class _Parser:
             raise PatternError(f"cannot parse pattern {self.spec!r}: expected {what!r} at {rest!r}")
         self.pos = m.end()
         return m.group("name") or m.group("op")
+
+    def biased(self) -> Pattern:
+        p = self.expr()
+        while self.peek() == "+":
+            self.take("+")
+            name = self.take("name")
+            p = add_bias(p, name, self.params(name))
+        return p
+
+    def params(self, name: str) -> dict[str, str]:
+        if self.peek() != ":":
+            return {}
+        self.take(":")
+        m = _PARAMS.match(self.spec, self.pos)
+        self.pos = m.end()
+        return _split_params(name, m.group(0))
 
     def expr(self) -> Pattern:
         p = self.term()
@@ -317,22 +349,20 @@ class _Parser:
     def atom(self) -> Pattern:
         if self.peek() == "(":
             self.take("(")
-            p = self.expr()
+            p = self.biased()
             self.take(")")
             return p
         name = self.take("name")
         inner = None
         if self.peek() == "(":
             self.take("(")
-            inner = self.expr()
+            inner = [self.biased()]
+            while self.peek() == ",":
+                self.take(",")
+                inner.append(self.biased())
             self.take(")")
-        params = {}
-        if self.peek() == ":":
-            self.take(":")
-            m = re.compile(r"[^|&()]*").match(self.spec, self.pos)
-            self.pos = m.end()
-            params = _split_params(name, m.group(0))
-        return build_pattern(name, params, inner)
+            inner = inner[0] if len(inner) == 1 else tuple(inner)
+        return build_pattern(name, self.params(name), inner)
 
 
 def _split_params(name: str, text: str) -> dict[str, str]:
@@ -345,9 +375,9 @@ def _split_params(name: str, text: str) -> dict[str, str]:
     return params
 
 
-def pattern_params(factory: Callable) -> dict[str, inspect.Parameter]:
-    """A factory's command-line parameters (everything but the inner pattern of a modifier)."""
-    return {n: p for n, p in inspect.signature(factory).parameters.items() if n != "inner"}
+def pattern_params(factory: Callable, skip: str = "inner") -> dict[str, inspect.Parameter]:
+    """A factory's command-line parameters (everything but the inner pattern of a modifier, or a bias's ``heads``)."""
+    return {n: p for n, p in inspect.signature(factory).parameters.items() if n != skip}
 
 
 def is_modifier(factory: Callable) -> bool:
@@ -355,9 +385,9 @@ def is_modifier(factory: Callable) -> bool:
     return "inner" in inspect.signature(factory).parameters
 
 
-def describe_params(factory: Callable) -> str:
+def describe_params(factory: Callable, skip: str = "inner") -> str:
     parts = []
-    for n, p in pattern_params(factory).items():
+    for n, p in pattern_params(factory, skip).items():
         typ = getattr(p.annotation, "__name__", p.annotation)
         parts.append(f"{n}: {typ} = {p.default!r}" if p.default is not p.empty else f"{n}: {typ}")
     return ", ".join(parts)
@@ -371,22 +401,43 @@ def _convert(name: str, key: str, value: str, annotation) -> object:
         raise PatternError(f"parameter {key} of pattern {name!r} must be {typ.__name__}, got {value!r}") from None
 
 
-def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | None = None) -> Pattern:
-    """Build a registered pattern from string parameters; errors name the pattern and the fix."""
+def _kwargs(kind: str, name: str, factory: Callable, raw: Mapping[str, str], skip: str = "inner") -> dict:
+    known = pattern_params(factory, skip)
+    for key in raw:
+        if key not in known:
+            listing = describe_params(factory, skip) or "none"
+            raise PatternError(f"{kind} {name!r} has no parameter {key!r}; its parameters: {listing}")
+    return {k: _convert(name, k, v, known[k].annotation) for k, v in raw.items()}
+
+
+def add_bias(pattern: Pattern, name: str, raw: Mapping[str, str]) -> Pattern:
+    """``pattern+name:params``: the registered score bias ``name`` on every edge of the pattern."""
+    from gtx.plugins import BIASES
+
+    if pattern.bias is not None:
+        raise PatternError(f"pattern {pattern.spec!r} already has the bias {pattern.bias[0]!r}; give one bias per pattern")
+    factory = BIASES.get(name).obj
+    kwargs = _kwargs("bias", name, factory, raw, skip="heads")
+    resolved = {n: kwargs.get(n, p.default) for n, p in pattern_params(factory, "heads").items()}
+    args = ",".join(f"{k}={_fmt(v)}" for k, v in resolved.items())
+    return replace(pattern, bias=(name, tuple(kwargs.items())), spec=f"{pattern.spec}+{name}{':' + args if args else ''}", _cache={})
+
+
+def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | tuple[Pattern, ...] | None = None) -> Pattern:
+    """Build a registered pattern from string parameters; errors name the pattern and the fix.
+    ``inner``: the wrapped pattern of a modifier (a tuple where several are given: ``heads(a,b)``)."""
     from gtx.plugins import PATTERNS
 
     entry = PATTERNS.get(name)
     factory = entry.obj
     known = pattern_params(factory)
-    for key in raw:
-        if key not in known:
-            listing = describe_params(factory) or "none"
-            raise PatternError(f"pattern {name!r} has no parameter {key!r}; its parameters: {listing}")
-    kwargs = {k: _convert(name, k, v, known[k].annotation) for k, v in raw.items()}
+    kwargs = _kwargs("pattern", name, factory, raw)
     if is_modifier(factory):
-        if inner is None:
+        needs = inspect.signature(factory).parameters["inner"].default is inspect.Parameter.empty
+        if inner is None and needs:
             raise PatternError(f"pattern {name!r} wraps another pattern: write {name}(full) or {name}(local:w=4)")
-        kwargs["inner"] = inner
+        if inner is not None:
+            kwargs["inner"] = inner
     elif inner is not None:
         raise PatternError(f"pattern {name!r} does not wrap another pattern; remove the parentheses after {name}")
     try:
@@ -401,7 +452,8 @@ def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | None = Non
         raise PatternError(f"pattern {name!r} from {entry.plugin} returned {type(pattern).__name__}, not a gtx Pattern")
     resolved = {n: kwargs.get(n, p.default) for n, p in known.items()}
     args = ",".join(f"{k}={_fmt(v)}" for k, v in resolved.items())
-    spec = f"{name}({inner.spec})" if inner is not None else name
+    inners = inner if isinstance(inner, tuple) else (inner,) if inner is not None else ()
+    spec = f"{name}({','.join(p.spec for p in inners)})" if inners else name
     return replace(pattern, spec=f"{spec}:{args}" if args else spec, _cache={})
 
 

@@ -24,7 +24,8 @@ import torch
 
 import gtx
 from gtx import checkpoint, distributed
-from gtx.backends import Backend, get_backend
+from gtx.attention import Attention
+from gtx.backends import get_backend
 from gtx.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
 from gtx.errors import GtxError, PluginError
 from gtx.loggers import Loggers
@@ -65,10 +66,15 @@ def _results_dir(name: str) -> Path:
     return results_dir
 
 
-def _build_model(r, backend: Backend) -> torch.nn.Module:
+def _attention(r, backend: str) -> Attention:
+    """The run's backend, with its pattern's run-time parts (head groups, biases, selections)."""
+    return Attention(get_backend(backend, r.device), r.pattern, getattr(r.model_config, "heads", None))
+
+
+def _build_model(r, attention: Attention) -> torch.nn.Module:
     who = f"model {r.config.model!r} ({MODELS.get(r.config.model).plugin})"
     try:
-        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, backend)
+        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
     except ValueError as e:
         raise GtxError(f"bad settings for model {r.config.model!r}: {e}") from None
     except GtxError:
@@ -86,10 +92,12 @@ def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime
     return f"{started:%Y%m%d-%H%M%S}-{task}-{model}{kind}-{uuid.uuid4().hex[:6]}", started
 
 
-def _row(common: dict, epoch: int, split: str, stats: PhaseStats, backend: Backend) -> dict:
+def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
     extra = dict(stats.extra)
+    for stage, share in attention.reset_usage().items():  # a selecting pattern attended to this share of its candidate edges
+        stats.edges[stage][0] *= share
     return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
-            "metrics": metrics_json(extra), "backend_plan": json.dumps(backend.reset_choices(), sort_keys=True)}
+            "metrics": metrics_json(extra), "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True)}
 
 
 def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
@@ -119,8 +127,8 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     r = resolve(config)
     world, r.device = distributed.setup(r.device)
     torch.manual_seed(config.seed)
-    backend = get_backend(config.backend, r.device)
-    model = _build_model(r, backend)
+    attention = _attention(r, config.backend)
+    model = _build_model(r, attention)
     results_dir = _results_dir(config.results_dir)
     trainer = Trainer(model, r.train, getattr(r.model_config, "dim", 128), r.device, r.task, world)
     if state:
@@ -154,18 +162,18 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     part = (world.rank, world.size)
     epoch = start - 1
     status = "failed"
-    backend.reset_choices()
+    attention.reset_choices(), attention.reset_usage()
     try:
         for epoch in range(start, r.train.epochs + 1):
             if trainer.done:
                 break
             tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress and world.main else (lambda: None)
             shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
-            new = [_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), backend)]
+            new = [_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), attention)]
             # every rank evaluates the whole split: no coordination, and every rank's model is the same
             valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
                              decode_limit=r.train.decode_valid)
-            new.append(_row(common, epoch, "valid", valid, backend))
+            new.append(_row(common, epoch, "valid", valid, attention))
             rows += new
             best_now = new[1]["loss"] < best
             best = min(best, new[1]["loss"])
@@ -183,7 +191,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                 f"valid acc {new[1]['token_acc']:.4f} " + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
         beam = getattr(r.task_config, "beam", 1)
         test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
-        rows.append(_row(common, epoch, "test", test, backend))
+        rows.append(_row(common, epoch, "test", test, attention))
         if world.main:
             checkpoint.save(ckpt_dir / checkpoint.LAST, {**checkpoint.load(ckpt_dir / checkpoint.LAST), "rows": json.dumps(rows)})  # finished
             write_run(results_dir, run_id, rows)
@@ -215,7 +223,7 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
                                  results_dir=results_dir, loggers=[])
     r = resolve(config)
     checkpoint.check_vocab(state, r.task, path)
-    attention = get_backend(config.backend, r.device)
+    attention = _attention(r, config.backend)
     model = _build_model(r, attention)
     try:
         model.load_state_dict(state["model"])

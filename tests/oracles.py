@@ -70,3 +70,7 @@ def bigbird_deterministic(b):
         return abs(i // b - j // b) <= 1 or i // b == 0 or j // b == 0
 
     return from_rule(rule, decoder_rule)
+
+
+def union(a, b):
+    return lambda stage, i, j, n_q, n_k: a(stage, i, j, n_q, n_k) or b(stage, i, j, n_q, n_k)

@@ -44,3 +44,23 @@ def test_every_hook_is_documented_with_its_signature():
         if name.startswith("register_"):
             args = ", ".join(inspect.signature(fn).parameters)
             assert f"## {name}({args})" in text, name
+
+
+def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
+    from gtx import plugins
+    from gtx.results import load
+
+    text = (DOCS / "writing-patterns.md").read_text()
+    folder = tmp_path / "content"
+    folder.mkdir()
+    (folder / "near_max.py").write_text(re.search(r"<!-- content-example -->\s*```python\n(.*?)```", text, re.S).group(1))
+    try:
+        args = ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8",
+                "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--quiet", "--results", str(tmp_path / "res"), "--plugins-dir", str(folder)]
+        for pattern in ("full", "near_max:margin=1"):
+            result = CliRunner().invoke(cli, [*args, "--pattern", pattern])
+            assert result.exit_code == 0, result.output
+        valid = load(tmp_path / "res").query("split == 'valid'").set_index("pattern")
+        assert valid.edges_per_query_dd["near_max:margin=1.0"] < valid.edges_per_query_dd["full"]
+    finally:
+        plugins.unload_dir(folder)

@@ -30,6 +30,14 @@ CASES = {
         lambda a: (f"dilated:w={a[0]},d={a[1]}", oracles.dilated(*a))
     ),
     "act": st.integers(0, 4).map(lambda w: (f"act(local:w={w})", oracles.local(w))),
+    # head groups: the set's own edges are the union of its groups' (each group is attended to alone: test_attention.py)
+    "heads": st.tuples(st.integers(0, 4), st.integers(1, 5)).map(
+        lambda a: (f"heads(local:w={a[0]},strided:l={a[1]})", oracles.union(oracles.local(a[0]), oracles.strided(a[1])))
+    ),
+    # content-selected patterns: their fixed edges are the candidates they select from (selection: test_attention.py)
+    "topk": st.integers(1, 8).map(lambda k: (f"topk:k={k}", oracles.full())),
+    "moba": st.tuples(st.integers(1, 8), st.integers(0, 3)).map(lambda a: (f"moba:b={a[0]},k={a[1]}", oracles.full())),
+    "lsh": st.sampled_from([2, 4, 8]).map(lambda b: (f"lsh:buckets={b}", oracles.full())),
 }
 
 

@@ -2,7 +2,8 @@
 
 Contract for every backend: ``backend(q, k, v, edges)`` with q (n_dst, H, D) already scaled by
 1/sqrt(D), k (n_src, H, D), v (n_src, H, Dv) returns (n_dst, H, Dv): for each query the softmax of
-q.k over its incoming edges (numerically stable: max-subtracted) weighting the values. A query with
+q.k over its incoming edges (numerically stable: max-subtracted) weighting the values. A backend
+with ``supports_bias`` also takes ``bias=`` (E, H), added to each edge's score before the softmax. A query with
 no incoming edge (a halted ACT node) gets zeros. All backends compute the same function, forward
 and gradients, to float tolerance; ``dense`` is the reference.
 """
@@ -20,6 +21,7 @@ class Backend:
     """Base class: subclasses set ``name`` and implement ``__call__``; ``available`` says why not."""
 
     name = "?"
+    supports_bias = False  # True: ``__call__(q, k, v, edges, bias=...)`` adds bias (E, H) to each edge's score
 
     def available(self, device: torch.device | str = "cpu") -> str | None:
         """None when usable on ``device``, else a one-line reason."""

@@ -134,38 +134,42 @@ class AutoBackend(Backend):
             self._backends[key] = usable
         return self._backends[key]
 
-    def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None) -> str:
+    def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None, biased: bool = False) -> str:
         """The candidate for this edge set (or ``flash-<structure>``); ``inputs`` (q, k, v) allow
-        timing close candidates."""
-        structure = flash_structure(edges)
+        timing close candidates; ``biased``: only candidates that add score biases."""
+        structure = None if biased else flash_structure(edges)
         if structure is not None:
             return f"{FLASH}{structure}"
         # Batches of one task differ edge by edge but not in shape: decide once per shape class
         # (sizes and edges per query to within ~20%), not for every new batch.
         shape = (edges.stage, str(device), heads, dim, round(4 * math.log2(edges.n_dst)), round(4 * math.log2(edges.n_src)),
-                 round(4 * math.log2(edges.num_edges + 1)))
+                 round(4 * math.log2(edges.num_edges + 1)), biased)
         if shape not in self._by_shape:
-            self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs)
+            self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs, biased)
         return self._by_shape[shape]
 
-    def _best(self, shape, edges, heads, dim, device, inputs) -> str:
-        usable = self.candidates(device)
+    def _best(self, shape, edges, heads, dim, device, inputs, biased) -> str:
+        usable = {n: b for n, b in self.candidates(device).items() if b.supports_bias or not biased}
         kinds = {n.split(":")[0] for n in usable}
         predicted = {n: t for n, t in estimate(edges, heads, dim, device, kinds).items() if n in usable}
         best = min(predicted.values())
         close = sorted((n for n, t in predicted.items() if t <= MEASURE_WITHIN * best), key=predicted.get)
         if len(close) == 1 or inputs is None or not self.measure:
             return close[0]
-        self.measured[shape] = time_candidates({n: usable[n] for n in close}, inputs, edges)
+        self.measured[shape] = time_candidates({n: usable[n] for n in close}, inputs, edges, biased)
         return min(self.measured[shape], key=self.measured[shape].get)
 
-    def __call__(self, q, k, v, edges):
-        root = edges.parent or edges
-        name = root.plan(("auto", q.device, q.shape[1], q.shape[2]), lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v)))
+    supports_bias = True  # routed to the candidates that take biases
+
+    def __call__(self, q, k, v, edges, bias=None):
+        root, biased = edges.parent or edges, bias is not None
+        name = root.plan(("auto", q.device, q.shape[1], q.shape[2], biased),
+                         lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased))
         self.choices[edges.stage or "?"][name] += 1
         if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
             return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
-        return self.candidates(q.device)[name](q, k, v, edges)
+        backend = self.candidates(q.device)[name]
+        return backend(q, k, v, edges, bias=bias) if biased else backend(q, k, v, edges)
 
     def reset_choices(self) -> dict[str, dict[str, int]]:
         """The choices counted since the last reset, per stage, then start counting afresh."""
@@ -174,15 +178,16 @@ class AutoBackend(Backend):
         return out
 
 
-def time_candidates(backends: dict[str, Backend], inputs, edges: EdgeSet, rounds: int = 3) -> dict[str, float]:
+def time_candidates(backends: dict[str, Backend], inputs, edges: EdgeSet, biased: bool = False, rounds: int = 3) -> dict[str, float]:
     """Seconds per call of each backend on copies of ``inputs`` (q, k, v), backward included when
     gradients are on: the fastest of ``rounds`` calls, taken in turns so that a slow spell of a shared
     machine hits every candidate; a first untimed call builds each backend's plan for the edges."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    q, k, v = (t.detach().requires_grad_(grad) for t in inputs)
+    bias = inputs[3].detach() if biased else None  # timing must not add gradient to learned biases
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3])
+    q, k, v = (t.detach().requires_grad_(grad) for t in inputs[:3])
 
     def call(backend):
-        out = backend(q, k, v, edges)
+        out = backend(q, k, v, edges, bias=bias) if biased else backend(q, k, v, edges)
         if grad:
             out.sum().backward()
         if q.device.type == "cuda":

@@ -23,9 +23,16 @@ def _mask(edges: EdgeSet) -> tuple[torch.Tensor, torch.Tensor | None]:
     return adj, (~empty)[:, None, None].to(torch.float32)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
-    """The backend contract computed with a dense boolean mask, whatever the structure."""
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The backend contract computed with a dense boolean mask, whatever the structure; with
+    ``bias`` (E, H), a float mask holding each edge's additive score (-inf off the edges)."""
     mask, keep = edges.plan(("dense", q.device), lambda: _mask(edges))
+    if bias is not None:
+        scores = torch.full((q.shape[1], *mask.shape), float("-inf"), dtype=q.dtype, device=q.device)
+        scores[:, edges.dst, edges.src] = bias.t().to(q.dtype)
+        if keep is not None:
+            scores[:, ~keep.view(-1).bool(), 0] = 0.0  # rows without edges: any finite row, output zeroed below
+        mask = scores
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=1.0
     ).transpose(0, 1)  # (H, n_dst, Dv) -> (n_dst, H, Dv)
@@ -38,12 +45,13 @@ class DenseBackend(Backend):
     ``flash=False`` always masks: ``auto``'s candidate, whose cost model describes the masked kernel."""
 
     name = "dense"
+    supports_bias = True
 
     def __init__(self, flash: bool = True):
         self.flash = flash
 
-    def __call__(self, q, k, v, edges):
-        structure = flash_structure(edges.parent or edges) if self.flash else None
+    def __call__(self, q, k, v, edges, bias=None):
+        structure = flash_structure(edges.parent or edges) if self.flash and bias is None else None
         if structure is not None:
             return flash_attention(q, k, v, edges, structure)
-        return masked_attention(q, k, v, edges)
+        return masked_attention(q, k, v, edges, bias)

@@ -20,6 +20,7 @@ class DGLBackend(Backend):
     """dgl built-ins: u_dot_v scores, edge_softmax (stable), u_mul_e_sum aggregation."""
 
     name = "dgl"
+    supports_bias = True
 
     def available(self, device="cpu"):
         err = dgl_error()
@@ -33,12 +34,14 @@ class DGLBackend(Backend):
                 return f"this dgl build cannot use {device} ({type(e).__name__}: {e}); install a CUDA build of dgl"
         return None
 
-    def __call__(self, q, k, v, edges):
+    def __call__(self, q, k, v, edges, bias=None):
         dgl = import_dgl()
         from dgl.nn.functional import edge_softmax
 
         g = edges.plan(("dgl", q.device), lambda: bipartite_graph(edges, q.device))
         score = dgl.ops.u_dot_v(g, k, q)  # (E, H, 1)
+        if bias is not None:
+            score = score + bias[..., None]
         weight = edge_softmax(g, score)
         return dgl.ops.u_mul_e_sum(g, v, weight)  # (n_dst, H, Dv); empty queries sum to 0
 
@@ -65,6 +68,7 @@ class DGLSeedBackend(DGLBackend):
     """The seeds' formulation: apply_edges score and exp (UDFs), send_and_recv of weighted values and of scores, wv / z."""
 
     name = "dgl-seed"
+    supports_bias = False  # the seeds' formulation, kept as it was
 
     def __call__(self, q, k, v, edges):
         """The tutorial's ``propagate_attention``, kept to measure the speed-up over the seeds in the

@@ -12,11 +12,14 @@ class TorchBackend(Backend):
     """Edge-wise softmax attention with gather/scatter in plain torch."""
 
     name = "torch"
+    supports_bias = True
 
-    def __call__(self, q, k, v, edges):
+    def __call__(self, q, k, v, edges, bias=None):
         src, dst = edges.src, edges.dst
         n_dst, heads = q.shape[0], q.shape[1]
         score = (q[dst] * k[src]).sum(-1)  # (E, H)
+        if bias is not None:
+            score = score + bias
         # Shifting every score of a query by the same constant leaves the softmax unchanged, so the
         # max needs no gradient.
         top = torch.full((n_dst, heads), float("-inf"), dtype=score.dtype, device=score.device)

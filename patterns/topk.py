@@ -1,0 +1,35 @@
+"""topk: per query and head, the k candidate keys with the highest score (exact top-k attention)."""
+
+from dataclasses import replace
+
+from gtx import hookimpl
+from gtx.errors import PatternError
+from gtx.pattern import Pattern, parse_pattern
+from gtx.selection import top_per_query
+
+
+def topk(inner: Pattern = None, k: int = 32) -> Pattern:
+    """Top-k: per query and head, the k candidates with the highest q.k (default candidates: full).
+
+    Note:
+        ``topk:k=32`` or ``topk(local:w=256):k=32``. Exact: it scores every candidate edge (as
+        many as the candidate pattern has, n(n+1)/2 per sample for causal), so it saves attention
+        work, not scoring. The choice itself has no gradient; the kept edges' attention does.
+        Queries with at most k candidates keep them all.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    candidates = inner or parse_pattern("full")
+    if not candidates.plain:
+        raise PatternError(f"topk selects among fixed candidates; {candidates.spec!r} is not one (write topk(P) with P a fixed pattern)")
+
+    def select(q, keys, edges):
+        score = (q[edges.dst] * keys[edges.src]).sum(-1)  # (E, H)
+        return top_per_query(score, edges.dst, edges.n_dst, k)
+
+    return replace(candidates, select=select, budget=k)
+
+
+@hookimpl
+def register_patterns(register):
+    register("topk", topk)

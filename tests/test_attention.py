@@ -1,0 +1,226 @@
+"""Beyond fixed masks: head groups, score biases and content-selected edges agree with the dense
+reference on values and gradients, stay within their candidates, and fail one line at a time."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gtx.attention import Attention
+from gtx.backends import get_backend
+from gtx.cli import cli
+from gtx.errors import GtxError, PluginError
+from gtx.graph import EdgeSet, build_graph
+from gtx.pattern import parse_pattern
+from gtx.selection import BlockSelection, attend_blocks
+
+SPECS = ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "full+relbias:buckets=8,max_distance=16", "topk:k=2", "lsh:buckets=4",
+         "topk(local:w=3):k=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "moba:b=4,k=1"]
+BACKENDS = ["torch", "dgl", "auto", "blocksparse"]
+
+
+def inputs(n_q, n_k, heads, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, heads, dim, generator=g, requires_grad=True) for n in (n_q, n_k, n_k)]
+
+
+def run(attention, q, k, v, edges):
+    out = attention(q, k, v, edges)
+    params = list(attention.parameters())
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [q, k, v, *params], materialize_grads=True)
+    return out, grads
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=st.sampled_from(SPECS), lens=st.lists(st.integers(1, 11), min_size=1, max_size=3), stage=st.sampled_from(["ee", "dd"]),
+       heads=st.sampled_from([2, 4]), seed=st.integers(0, 10))
+def test_every_backend_agrees_with_dense_on_values_and_gradients(spec, lens, stage, heads, seed):
+    pattern = parse_pattern(spec)
+    graph = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None)
+    edges = graph.edges[stage]
+    q, k, v = inputs(edges.n_dst, edges.n_src, heads, seed=seed)
+    reference = Attention(get_backend("dense"), pattern, heads)
+    for table in reference.parameters():  # learned biases: away from zero, so that their gradients are tested
+        table.data = torch.randn(table.shape, generator=torch.Generator().manual_seed(seed))
+    want, want_grads = run(reference, q, k, v, edges)
+    for name in BACKENDS:
+        attention = Attention(get_backend(name), pattern, heads)
+        attention.load_state_dict(reference.state_dict())
+        try:
+            got, grads = run(attention, q, k, v, edges)
+        except GtxError as e:
+            assert name == "blocksparse" and "cannot apply score biases" in str(e)
+            continue
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def explicit_edges(sel: BlockSelection, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edges a block selection means for one head, listed one by one."""
+    src, dst, offset = [], [], 0
+    for b, n in enumerate(sel.lens):
+        for qi in range(n):
+            qb = qi // sel.block
+            for slot, kb in enumerate(sel.key_blocks[b, head, qb].tolist()):
+                if not sel.valid[b, head, qb, slot]:
+                    continue
+                for ki in range(kb * sel.block, min((kb + 1) * sel.block, n)):
+                    if ki <= qi and (slot == 0 or ki < qb * sel.block):
+                        src.append(offset + ki)
+                        dst.append(offset + qi)
+        offset += n
+    order = sorted(range(len(src)), key=lambda i: (dst[i], src[i]))
+    return torch.tensor([src[i] for i in order]), torch.tensor([dst[i] for i in order])
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), b=st.integers(1, 6), k=st.integers(0, 3), seed=st.integers(0, 10))
+def test_moba_is_causal_attention_over_the_blocks_it_names(lens, b, k, seed):
+    pattern = parse_pattern(f"moba:b={b},k={k}")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    q, keys, v = inputs(edges.n_dst, edges.n_src, 2, seed=seed)
+    sel = pattern.select(q.detach(), keys.detach(), edges)
+    assert sel.valid[..., 0].all() and (sel.valid.sum(-1) <= k + 1).all()
+    out = attend_blocks(q, keys, v, edges, sel)
+    dense = get_backend("dense")
+    for h in range(2):
+        src, dst = explicit_edges(sel, h)
+        assert (src <= dst).all()  # never a future key
+        sub = EdgeSet(src, dst, edges.n_src, edges.n_dst, "dd", edges.q_lens, edges.k_lens)
+        want = dense(q[:, h:h + 1], keys[:, h:h + 1], v[:, h:h + 1], sub)
+        torch.testing.assert_close(out[:, h:h + 1], want, atol=1e-5, rtol=1e-5)
+    gq, = torch.autograd.grad(out.sum(), q)
+    assert torch.isfinite(gq).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(spec=st.sampled_from(["topk:k=1", "topk:k=3", "lsh:buckets=2", "lsh:buckets=6", "topk(local:w=2):k=1"]),
+       lens=st.lists(st.integers(2, 12), min_size=1, max_size=3), stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 20))
+def test_selections_keep_a_subset_of_candidates_and_every_query(spec, lens, stage, seed):
+    pattern = parse_pattern(spec)
+    edges = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
+    q, k, _ = inputs(edges.n_dst, edges.n_src, 3, seed=seed)
+    keep = pattern.select(q.detach(), k.detach(), edges)
+    assert keep.dtype == torch.bool and keep.shape == (edges.num_edges, 3)  # a mask over the candidates: a subset by construction
+    per_query = torch.zeros(edges.n_dst, 3, dtype=torch.long).index_add_(0, edges.dst, keep.long())
+    assert (per_query >= 1).all()
+    if spec.startswith("topk"):
+        k_ = int(spec.split("k=")[1])
+        assert (per_query <= k_).all()
+        score = (q[edges.dst] * k[edges.src]).sum(-1).detach()
+        for qi in range(edges.n_dst):  # the kept edges are each query's best
+            mine = edges.dst == qi
+            for h in range(3):
+                kept, dropped = score[mine & keep[:, h], h], score[mine & ~keep[:, h], h]
+                assert not len(dropped) or kept.min() >= dropped.max()
+
+
+def test_t5_buckets_match_the_reference_formula():
+    from importlib import util
+    from pathlib import Path
+
+    spec = util.spec_from_file_location("biases", Path(__file__).parent.parent / "patterns" / "biases.py")
+    biases = util.module_from_spec(spec)
+    spec.loader.exec_module(biases)
+    rel = torch.tensor([-200, -20, -9, -1, 0, 1, 5, 8, 100])
+    # T5 (bidirectional, 32 buckets, max distance 128): 8 exact buckets per direction, then log-spaced
+    assert biases.t5_bucket(rel, True, 32, 128).tolist() == [15, 10, 8, 1, 0, 17, 21, 24, 31]
+    assert biases.t5_bucket(rel, False, 32, 128).tolist() == [31, 17, 9, 1, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pattern", "heads(local:w=8,topk:k=8)", "--heads", "3", "--dim", "33"], "splits the heads into 2 groups but the model has 3 heads"),
+        (["--pattern", "local+alibi", "--backend", "blocksparse"], "backend 'blocksparse' cannot apply score biases"),
+        (["--pattern", "local+nope"], "unknown bias 'nope'; known biases: alibi, relbias"),
+        (["--pattern", "local|topk:k=2"], "cannot be combined with '|'"),
+        (["--pattern", "topk:k=64"], "keeps up to 64 keys per query, but its candidates have at most 63"),
+        (["--pattern", "local+alibi+relbias"], "already has the bias 'alibi'"),
+    ],
+)
+def test_bad_patterns_are_one_line(tmp_path, args, message):
+    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=16", "--set", "n_valid=4",
+                                      "--set", "n_test=4", "--epochs", "1", "--quiet", "--results", str(tmp_path), *args])
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda e: torch.ones(e.num_edges, 2), "selected torch.float32"),
+        (lambda e: torch.ones(e.num_edges, 3, dtype=torch.bool), "expected a bool mask"),
+        (lambda e: torch.zeros(e.num_edges, 2, dtype=torch.bool), "left query 0 without an edge in head 0"),
+        (lambda e: [True] * e.num_edges, "selected list"),
+    ],
+)
+def test_a_selection_of_the_wrong_kind_names_the_pattern(bad, message):
+    from dataclasses import replace
+
+    pattern = replace(parse_pattern("causal"), select=lambda q, k, e: bad(e), spec="mine")
+    edges = build_graph(pattern, None, [5]).edges["dd"]
+    q, k, v = inputs(5, 5, 2)
+    with pytest.raises(PluginError, match=message) as info:
+        Attention(get_backend("dense"))(q, k, v, edges)
+    assert "pattern 'mine'" in str(info.value)
+
+
+def test_specs_round_trip_and_list_their_groups():
+    for spec in SPECS:
+        canonical = parse_pattern(spec).spec
+        assert parse_pattern(canonical).spec == canonical
+    p = parse_pattern("heads(bigbird:b=2,r=1,local:w=1)+alibi")
+    assert [g.spec for g in p.heads] == ["bigbird:b=2,r=1,seed=0", "local:w=1"] and p.bias == ("alibi", ())
+    shown = CliRunner().invoke(cli, ["show-pattern", "heads(local:w=1,strided:l=3)", "--src-len", "6", "--tgt-len", "4"])
+    assert shown.exit_code == 0 and "head group 2 of 2: strided:l=3" in shown.output
+
+
+def test_lm_trains_with_groups_biases_and_selection_and_checkpoints_the_learned_bias(tmp_path):
+    from gtx import checkpoint
+    from gtx.results import load
+
+    spec = "heads(local:w=4,topk:k=4)+relbias:buckets=8,max_distance=32"
+    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--set", "seq_len=64", "--set", "n_train=32",
+                                      "--set", "n_valid=8", "--set", "n_test=8", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1",
+                                      "--quiet", "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    df = load(tmp_path)
+    state = checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)
+    tables = [k for k in state["model"] if "biases" in k]
+    assert tables and any(state["model"][k].abs().sum() > 0 for k in tables)  # trained, saved
+    valid = df[df.split == "valid"].iloc[0]
+    assert 2 < valid.edges_per_query_dd < 5  # the mean over groups of at most 4+1 and 4 selected keys
+
+
+def test_hook_register_biases(plugin_dir, tmp_path):
+    folder = plugin_dir(sinks='''
+        import torch
+        from gtx import hookimpl
+
+        class Sinks(torch.nn.Module):
+            """Sinks: a learned extra score for attending to the first n positions."""
+
+            def __init__(self, heads: int, n: int = 4):
+                super().__init__()
+                self.n, self.score = n, torch.nn.Parameter(torch.ones(heads))
+
+            def forward(self, q_pos, k_pos, stage, heads):
+                return (k_pos < self.n).float()[:, None] * self.score[heads]
+
+        @hookimpl
+        def register_biases(register):
+            register("sinks", Sinks)
+    ''')
+    listed = CliRunner().invoke(cli, ["patterns", "--plugins-dir", str(folder)])
+    assert "sinks" in listed.output and "n: int = 4" in listed.output
+    pattern = parse_pattern("local:w=2+sinks:n=2")
+    edges = build_graph(pattern, [9], None).edges["ee"]
+    q, k, v = inputs(9, 9, 2)
+    want, want_grads = run(Attention(get_backend("dense"), pattern, 2), q, k, v, edges)
+    got, grads = run(Attention(get_backend("torch"), pattern, 2), q, k, v, edges)
+    torch.testing.assert_close(got, want)
+    assert grads[3].abs().sum() > 0  # the learned score trains
+    torch.testing.assert_close(grads[3], want_grads[3])
