@@ -12,6 +12,7 @@ from gtx import plot as gtx_plot
 from gtx.cli_common import GtxGroup, csv_list, plugins_dir_option
 from gtx.errors import GtxError
 from gtx.pattern import parse_pattern
+from gtx.task import SPLITS
 
 RESULTS_HELP = "Folder of results tables (gtx run --results)."
 FORMAT_HELP = "png, svg or pdf [default: the suffix of -o, else png]."
@@ -19,7 +20,8 @@ FORMAT_HELP = "png, svg or pdf [default: the suffix of -o, else png]."
 
 @click.group(cls=GtxGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def plot():
-    """Figures: a pattern's adjacency, and accuracy against speed across runs. Each command prints the file it wrote."""
+    """Figures: a pattern's adjacency, accuracy against speed across runs, a trained model's attention
+    weights and ACT steps. Each command prints the file it wrote."""
 
 
 @plot.command(name="pattern")
@@ -59,6 +61,59 @@ def plot_results(results_dir, by, metric, output, fmt):
     df = _load(results_dir)
     fig = gtx_plot.results(df, by=csv_list(by), metric=metric)
     click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"results.{fmt or 'png'}", fmt))
+
+
+CHECKPOINT_HELP = "Where a run id's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
+
+
+@plot.command(name="attention")
+@click.argument("checkpoint")
+@click.option("--example", type=int, default=0, show_default=True, help="Index of the example in --split.")
+@click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
+@click.option("--layer", type=int, help="Layer to draw, 0-based (ACT models: step) [default: the last].")
+@click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./attention-<run_id>-<split>-<example>.png].")
+@click.option("--format", "fmt", help=FORMAT_HELP)
+@plugins_dir_option
+def plot_attention(checkpoint, example, split, layer, head, results_dir, output, fmt):
+    """Draw a trained model's attention weights on one example, per stage: queries on rows, keys on
+    columns, token labels; cells that are not edges of the pattern are light grey.
+
+    CHECKPOINT is a .pt file or a run id under --results. The decoder is teacher forced.
+
+    \b
+    Example:
+      gtx plot attention results/checkpoints/<run_id>/best.pt --example 3 --head 0"""
+    fig = gtx_plot.attention(checkpoint, example, split, layer, head, results_dir=str(results_dir))
+    click.echo(gtx_plot.save(fig, output or Path(f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}"), fmt))
+
+
+@plot.command(name="act")
+@click.argument("checkpoint")
+@click.option("--example", "examples", type=int, multiple=True, default=[0], show_default=True, help="Example index in --split (repeatable).")
+@click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./act-<run_id>-<split>.png].")
+@click.option("--format", "fmt", help=FORMAT_HELP)
+@plugins_dir_option
+def plot_act(checkpoint, examples, split, results_dir, output, fmt):
+    """Draw an ACT model's steps per token of some examples, and their distribution over the split
+    (ut, or lm/encoder with --set universal=true).
+
+    \b
+    Example:
+      gtx plot act <run_id> --example 0 --example 1"""
+    fig = gtx_plot.act(checkpoint, examples, split, results_dir=str(results_dir))
+    click.echo(gtx_plot.save(fig, output or Path(f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}"), fmt))
+
+
+def _run_name(ref: str, results_dir: Path) -> str:
+    """The run id of a checkpoint under <results>/checkpoints/<run_id>/, else the file's stem."""
+    from gtx.checkpoint import find
+
+    path = find(ref, results_dir)
+    return path.parent.name if path.parent.parent.name == "checkpoints" else path.stem
 
 
 @click.command()

@@ -182,8 +182,10 @@ def resolve(config: RunConfig) -> Resolved:
 
 def complete_note(r: Resolved) -> str | None:
     """A warning when a pattern other than full or causal is (nearly) full attention at the task's
-    lengths: its results would be full attention's under another name."""
-    if r.chosen.spec in ("full", "causal") or not r.density or min(r.density.values()) < NEARLY_COMPLETE:
+    lengths: its results would be full attention's under another name. (Head groups and selections
+    are judged by what they attend to at run time, not by their union or candidates.)"""
+    fixed = r.chosen.select is None and not r.chosen.heads
+    if r.chosen.spec.split("+")[0] in ("full", "causal") or not fixed or not r.density or min(r.density.values()) < NEARLY_COMPLETE:
         return None
     stages = ", ".join(f"{s} {d:.3f}" for s, d in r.density.items())
     return (f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "

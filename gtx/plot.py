@@ -1,4 +1,5 @@
-"""Figures: attention patterns as adjacency images, and accuracy against speed across runs.
+"""Figures: attention patterns as adjacency images, accuracy against speed across runs, and a trained
+model's attention weights and ACT steps (``attention``, ``act``: drawn by ``gtx.plot_model``).
 
 Every figure function returns a ``matplotlib.figure.Figure`` on an Agg canvas, made without pyplot:
 a notebook shows it inline, a script or the CLI writes it with ``save``, and nothing here changes
@@ -340,4 +341,23 @@ def attention_bench(df: pd.DataFrame) -> Figure:
     return fig
 
 
-__all__ = ["pattern", "pattern_grid", "results", "run_table", "curve_table", "save", "attention_bench"]
+# ---------------------------------------------------------------------------------------------
+# Trained models: drawn by gtx.plot_model (imported on use: it loads checkpoints and models)
+# ---------------------------------------------------------------------------------------------
+
+
+def attention(ref: str, example: int = 0, split: str = "test", layer: int | None = None, head: int | None = None, **kwargs) -> Figure:
+    """A checkpoint's attention weights on one example, per stage: ``gtx.plot_model.attention``."""
+    from gtx.plot_model import attention
+
+    return attention(ref, example, split, layer, head, **kwargs)
+
+
+def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", **kwargs) -> Figure:
+    """A checkpoint's ACT steps per token and over a split: ``gtx.plot_model.act``."""
+    from gtx.plot_model import act
+
+    return act(ref, examples, split, **kwargs)
+
+
+__all__ = ["act", "attention", "pattern", "pattern_grid", "results", "run_table", "curve_table", "save", "attention_bench"]

@@ -47,7 +47,8 @@ def references(model: str, model_config, specs: list[str]) -> list[tuple[str, st
     if model == "transformer":
         return [(TORCH_TRANSFORMER, "full")]
     if model == "lm" and not getattr(model_config, "universal", False):
-        return [(SDPA_CAUSAL, "causal"), *((SDPA_MASK, s) for s in specs if s not in COMPLETE)]
+        # a mask stands for fixed patterns only: a selecting or biased one has no single mask
+        return [(SDPA_CAUSAL, "causal"), *((SDPA_MASK, s) for s in specs if s not in COMPLETE and parse_pattern(s).plain)]
     return []
 
 
@@ -221,6 +222,7 @@ class TrainCell:
 
     def build(self, r):
         """(``Trainer`` of the cell's model for the resolved run ``r``, its attention backend or None), seeded alike."""
+        from gtx.attention import Attention
         from gtx.backends import get_backend
         from gtx.bench import SkipAttention
         from gtx.train import Trainer
@@ -229,7 +231,8 @@ class TrainCell:
         be = None
         if self.gtx or self.backend == SkipAttention.name:
             be = get_backend(self.backend, r.device) if self.gtx else SkipAttention()
-            net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, be)
+            attention = Attention(be, r.pattern, getattr(r.model_config, "heads", None)) if self.gtx else be
+            net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
         else:
             net = reference_model(self.backend, r.model_config, r.task, self.pattern)
         return Trainer(net.to(r.device), r.train, getattr(r.model_config, "dim", 128), r.device), be

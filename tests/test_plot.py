@@ -273,3 +273,198 @@ def test_real_runs_plot_and_report(tmp_path):
 def test_bench_attention_figure(tmp_path):
     df = pd.DataFrame({"pattern": ["local:w=32"] * 4, "backend": ["dense", "dense", "dgl", "dgl"], "n": [1024, 2048] * 2, "ms": [1.0, 4.0, 2.0, 3.0]})
     image_of(plot.save(plot.attention_bench(df), tmp_path / "bench.png"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained models: attention weights and ACT steps
+# ---------------------------------------------------------------------------------------------
+
+TINY_RUN = ["--task", "copy", "--epochs", 1, "--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
+            "--dim", 16, "--heads", 2, "--dim-ff", 16, "--batch-size", 8, "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Checkpoints of two tiny runs, trained once: a transformer under local:w=1 and a ut with ACT."""
+    folder = tmp_path_factory.mktemp("trained")
+    for args in (["--model", "transformer", "--pattern", "local:w=1", "--layers", 2], ["--model", "ut", "--pattern", "local:w=1", "--set", "max_depth=3"]):
+        result = gtx("run", *TINY_RUN, *args, "--results", folder)
+        assert result.exit_code == 0, result.output
+    found = {p.parent.name.split("-")[3]: p for p in folder.glob("checkpoints/*/best.pt")}
+    return {"transformer": found["transformer"], "ut": found["ut"], "results": folder}
+
+
+class Spy:
+    """A backend recording what it returned, to check the recorded weights against."""
+
+    name, supports_bias = "spy", True
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __call__(self, q, k, v, edges, bias=None):
+        out = self.inner(q, k, v, edges) if bias is None else self.inner(q, k, v, edges, bias=bias)
+        self.seen.append((q, k, v, out))
+        return out
+
+
+def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
+    from gtx import probe
+
+    model, r, _ = probe.load_model(trained["transformer"])
+    spy = model.backend.backend = Spy(model.backend.backend)
+    seen = probe.run_example(model, r, "test", 1)
+    assert [(c.stage, c.index) for c in seen.calls] == [("ee", 0), ("ee", 1), ("dd", 0), ("ed", 0), ("dd", 1), ("ed", 1)]
+    assert model.backend.backend is spy  # the recorder is gone afterwards
+    for call, (q, k, v, out) in zip(seen.calls, spy.seen):
+        (part,) = call.parts
+        sums = torch.zeros(call.n_q, call.heads).index_add(0, part.dst, part.weights)
+        torch.testing.assert_close(sums, torch.ones(call.n_q, call.heads))  # every query has an edge under local:w=1
+        mixed = torch.zeros_like(out).index_add(0, part.dst, part.weights[..., None] * v[part.src])
+        torch.testing.assert_close(mixed, out, atol=1e-5, rtol=1e-5)  # they weight the values into the backend's output
+        dense = torch.full((call.n_q, call.n_k, call.heads), float("-inf"))  # the softmax of q.k over the row's edges, densely
+        dense[part.dst, part.src] = (q[part.dst] * k[part.src]).sum(-1)
+        torch.testing.assert_close(dense.softmax(1)[part.dst, part.src], part.weights)
+
+
+@pytest.mark.parametrize("spec", ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16"])
+def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
+    from types import SimpleNamespace
+
+    from gtx import probe
+    from gtx.attention import Attention
+    from gtx.backends import get_backend
+    from gtx.graph import build_graph
+
+    edges = build_graph(parse_pattern(spec), [7]).edges["ee"]
+    q, k, v = (torch.randn(7, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    attention = Attention(get_backend("torch"), parse_pattern(spec), 4)
+    with probe.recording(SimpleNamespace(backend=attention)) as calls:
+        out = attention(q, k, v, edges)
+    (call,) = calls
+    assert call.heads == 4 and call.covered() == 4
+    for head in range(4):  # every head's weights mix its values into its column of the output
+        src, dst, w = call.weights(head)
+        torch.testing.assert_close(torch.zeros(7, 8).index_add(0, dst, w[:, None] * v[src, head]), out[:, head], atol=1e-5, rtol=1e-5)
+    src, dst, w = call.weights()
+    assert torch.zeros(7).index_add(0, dst, w).allclose(torch.ones(7))  # the mean over heads still sums to 1 per query
+
+
+def test_block_selections_are_an_error():
+    from types import SimpleNamespace
+
+    from gtx import probe
+    from gtx.attention import Attention
+    from gtx.backends import get_backend
+    from gtx.graph import build_graph
+
+    pattern = parse_pattern("moba:b=2,k=1")
+    edges = build_graph(pattern, None, [8]).edges["dd"]
+    q = torch.randn(8, 2, 4)
+    attention = Attention(get_backend("torch"), pattern, 2)
+    with pytest.raises(GtxError, match="cannot be recorded"), probe.recording(SimpleNamespace(backend=attention)):
+        attention(q, q, q, edges)
+
+
+def cell_colours(fig, ax, n_q, n_k) -> np.ndarray:
+    """(n_q, n_k, 3) RGB bytes at the centre of each drawn cell."""
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    out = np.zeros((n_q, n_k, 3), dtype=int)
+    for q in range(n_q):
+        for k in range(n_k):
+            x, y = ax.transData.transform((k, q))
+            out[q, k] = pixels[int(pixels.shape[0] - y), int(x)]
+    return out
+
+
+def test_non_edges_are_grey_exactly_where_the_pattern_has_none(trained):
+    from gtx import plot_model, probe
+
+    model, r, _ = probe.load_model(trained["transformer"])
+    seen = probe.run_example(model, r, "test", 0)
+    fig = plot_model.attention_figure(seen)
+    image_of(fig._repr_png_())
+    assert [ax.get_title().split(":")[0] for ax in fig.axes[:3]] == ["ee", "dd", "ed"]  # then their colour bars
+    assert "layer 1 (layers 0-1), mean over heads" in fig.axes[0].get_title()
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == seen.src and seen.src[-1] == "<eos>"
+    grey = round(plot_model.MASKED[0] * 255)
+    for ax, stage in zip(fig.axes, STAGES):
+        call = seen.stage(stage)[-1]
+        edge = dense_from_edges("local:w=1", stage, call.n_q, call.n_k)
+        grid = plot_model.attention_grid(call)[0]
+        assert np.array_equal(np.isnan(grid), ~edge), stage
+        colours = cell_colours(fig, ax, call.n_q, call.n_k)
+        is_grey = (np.abs(colours - grey) <= 1).all(-1)
+        assert np.array_equal(is_grey, ~edge), stage  # viridis has no grey: an edge of weight ~0 is dark purple
+
+
+def test_act_attention_is_one_call_per_step(trained):
+    from gtx import probe
+
+    model, r, _ = probe.load_model(trained["ut"])
+    seen = probe.run_example(model, r, "test", 0)
+    for stage, side in (("ee", "enc"), ("dd", "dec"), ("ed", "dec")):
+        calls, steps = seen.stage(stage), seen.steps[side]
+        assert len(calls) == int(steps.max())
+        for t, call in enumerate(calls):  # queries still running at step t, and only they, have edges
+            src, dst, _ = call.weights()
+            assert set(dst.tolist()) == set((steps > t).nonzero().flatten().tolist()), (stage, t)
+
+
+def test_act_figure_shows_the_models_step_counts(trained):
+    from gtx import plot_model, probe
+    from gtx.task import make_batch
+
+    model, r, _ = probe.load_model(trained["ut"])
+    fig = plot.act(trained["ut"], examples=[0, 2])
+    image_of(fig._repr_png_())
+    for row, index in enumerate([0, 2]):
+        batch = make_batch(r.task, "test", [index], r.pattern)
+        with torch.no_grad():
+            steps = model(batch).steps
+        for col, want in enumerate(steps):
+            ax = fig.axes[row * 2 + col]
+            assert [p.get_height() for p in ax.patches] == want.tolist()
+    totals = probe.split_steps(model, r, "test")
+    histogram = fig.axes[-1]  # decoder: nodes per step count, all of them
+    assert sum(p.get_height() for p in histogram.patches) == len(totals["dec"]) == sum(len(y) + 1 for _, y in r.task.splits()["test"])
+    assert plot_model.act_figure  # the drawing half of plot.act
+
+
+def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_id = trained["transformer"].parent.name
+    result = gtx("plot", "attention", run_id, "--results", trained["results"], "--example", 2, "--layer", 0, "--head", 1)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"attention-{run_id}-test-2.png"
+    image_of(tmp_path / f"attention-{run_id}-test-2.png")
+    result = gtx("plot", "attention", trained["ut"], "--split", "valid", "-o", tmp_path / "a.svg")
+    assert result.exit_code == 0 and "<svg" in (tmp_path / "a.svg").read_text()
+    result = gtx("plot", "act", trained["ut"], "--example", 0, "--example", 1)
+    assert result.exit_code == 0, result.output
+    image_of(tmp_path / f"act-{trained['ut'].parent.name}-test.png")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["act", "transformer"], "model 'transformer' does not use adaptive computation time; train ut or --set universal=true"),
+        (["attention", "transformer", "--example", 12], "example 12 is out of range: the test split has 10 examples (0-9)"),
+        (["act", "ut", "--example", -1], "example -1 is out of range"),
+        (["attention", "transformer", "--layer", 2], "layer 2 is out of range: the model has 2 layers (0-1)"),
+        (["attention", "ut", "--layer", 3], "step 3 is out of range: the model has 3 steps (0-2)"),
+        (["attention", "transformer", "--head", 2], "head 2 is out of range: the model has 2 heads (0-1)"),
+        (["attention", "missing.pt"], "checkpoint missing.pt does not exist"),
+        (["attention", "foreign.pt"], "checkpoint foreign.pt is truncated or not a gtx checkpoint"),
+        (["act", "no-such-run"], "no checkpoint no-such-run"),
+    ],
+)
+def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "foreign.pt").write_text("not a checkpoint")
+    command, ref, *rest = args
+    ref = trained.get(ref, ref)
+    result = gtx("plot", command, ref, *rest, "--results", trained["results"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert message in result.output
