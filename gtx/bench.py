@@ -122,8 +122,8 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
     one sequence of n tokens; backend ``sdpa`` (``SDPA``) is plain torch for reference."""
     from gtx.graph import EdgeSet
-    from gtx.pattern import parse_pattern
     from gtx.plugins import load_plugins
+    from gtx.spec import parse_pattern
 
     load_plugins(dirs=cell.plugins_dirs)
     device = torch.device(cell.device)
@@ -224,9 +224,9 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
     steps, each variant in a fresh subprocess after the timed rounds (NaN without ``memory``)."""
     from collections import Counter
 
-    from gtx.pattern import parse_pattern
     from gtx.reference import NO_EDGES, TORCH_TRANSFORMER, TrainCell, first_batches, memory_in_subprocess, references
     from gtx.runner import resolve_device
+    from gtx.spec import parse_pattern
 
     specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
     dev, dirs = str(resolve_device(device)), tuple(map(str, plugins_dirs))
@@ -324,7 +324,7 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
     from gtx.backends.auto import AutoBackend, costs, costs_path, work
     from gtx.engine import propagate_attention
     from gtx.graph import build_graph
-    from gtx.pattern import parse_pattern
+    from gtx.spec import parse_pattern
     from gtx.task import atomic_write_text
 
     dev = torch.device(device)

@@ -25,10 +25,11 @@ from gtx.distributed import is_main_process
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
 from gtx.model import model_forms
-from gtx.pattern import STAGE_NAMES, STAGES, describe_params, is_modifier, parse_pattern
+from gtx.pattern import STAGE_NAMES, STAGES
 from gtx.plugins import BACKENDS, BIASES, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
 from gtx.results import format_table, scalar_metrics
 from gtx.runner import DEFAULT_BACKEND
+from gtx.spec import describe_params, is_modifier, parse_pattern
 from gtx.train import TrainConfig
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import click
 
 from gtx.cli_common import GtxGroup, csv_list, key_value
-from gtx.pattern import parse_pattern
 from gtx.plugins import BACKENDS, load_plugins
 from gtx.results import format_table
+from gtx.spec import parse_pattern
 
 
 @click.group(cls=GtxGroup)

@@ -11,7 +11,7 @@ import click
 from gtx import plot as gtx_plot
 from gtx.cli_common import GtxGroup, csv_list, plugins_dir_option
 from gtx.errors import GtxError
-from gtx.pattern import parse_pattern
+from gtx.spec import parse_pattern
 from gtx.task import SPLITS
 
 RESULTS_HELP = "Folder of results tables (gtx run --results)."

@@ -14,8 +14,9 @@ from gtx.attention import check_budget, check_pattern
 from gtx.backends import get_backend
 from gtx.errors import GtxError
 from gtx.model import model_forms
-from gtx.pattern import Pattern, parse_pattern
+from gtx.pattern import Pattern
 from gtx.plugins import LOGGERS, MODELS, TASKS
+from gtx.spec import parse_pattern
 from gtx.task import Task, make_batch
 from gtx.train import PhaseStats, TrainConfig
 from gtx.values import parse_scalar

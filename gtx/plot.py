@@ -27,8 +27,9 @@ from matplotlib.ticker import MaxNLocator
 
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
-from gtx.pattern import STAGE_NAMES, STAGES, Pattern, parse_pattern
+from gtx.pattern import STAGE_NAMES, STAGES, Pattern
 from gtx.results import lower_is_better
+from gtx.spec import parse_pattern
 from gtx.stats import pareto_front
 
 MAX_POSITIONS = 100_000  # per side: beyond this the edge lists alone outgrow a workstation

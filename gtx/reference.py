@@ -33,7 +33,8 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from gtx.model import Dropout, FeedForward, Output, PositionalEncoding
-from gtx.pattern import Pattern, parse_pattern
+from gtx.pattern import Pattern
+from gtx.spec import parse_pattern
 from gtx.task import batches, make_batch
 
 SDPA_CAUSAL, SDPA_MASK, TORCH_TRANSFORMER = "torch SDPA is_causal", "torch SDPA bool mask", "torch.nn"

@@ -15,7 +15,7 @@ def causal() -> Pattern:
     def left(q, k, n_q, n_k):
         return k <= q
 
-    return Pattern(ee=left, dd=left, ed=everything)
+    return Pattern(ee=left, dd=left, ed=everything, structures={"ee": "causal", "dd": "causal", "ed": "complete"})
 
 
 @hookimpl

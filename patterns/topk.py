@@ -4,8 +4,9 @@ from dataclasses import replace
 
 from gtx import hookimpl
 from gtx.errors import PatternError
-from gtx.pattern import Pattern, parse_pattern
+from gtx.pattern import Pattern
 from gtx.selection import top_per_query
+from gtx.spec import parse_pattern
 
 
 def topk(inner: Pattern = None, k: int = 32) -> Pattern:

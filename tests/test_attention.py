@@ -12,8 +12,8 @@ from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import GtxError, PluginError
 from gtx.graph import EdgeSet, build_graph
-from gtx.pattern import parse_pattern
 from gtx.selection import BlockSelection, attend_blocks
+from gtx.spec import parse_pattern
 
 SPECS = ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "full+relbias:buckets=8,max_distance=16", "topk:k=2", "lsh:buckets=4",
          "topk(local:w=3):k=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "moba:b=4,k=1"]

@@ -10,8 +10,8 @@ from gtx.backends.dgl_compat import GraphboltUnavailable, import_dgl
 from gtx.engine import propagate_attention
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, build_graph
-from gtx.pattern import parse_pattern
 from gtx.plugins import BACKENDS
+from gtx.spec import parse_pattern
 
 BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None and n != "dense"]
 

@@ -13,9 +13,9 @@ from gtx.backends import get_backend
 from gtx.backends.auto import estimate, work
 from gtx.cli import cli
 from gtx.graph import build_graph
-from gtx.pattern import parse_pattern
 from gtx.plugins import MODELS
 from gtx.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
+from gtx.spec import parse_pattern
 from gtx.task import SPLITS, Task, make_batch
 
 

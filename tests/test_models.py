@@ -5,8 +5,8 @@ import torch
 
 from gtx.backends import get_backend
 from gtx.decode import decode
-from gtx.pattern import parse_pattern
 from gtx.plugins import BACKENDS, MODELS
+from gtx.spec import parse_pattern
 from gtx.task import Vocab, batches
 
 BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None]

@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gtx.errors import PatternError, UnknownNameError
-from gtx.pattern import STAGES, Pattern, check_edges, parse_pattern
+from gtx.pattern import STAGES, Pattern, check_edges
 from gtx.plugins import PATTERNS
+from gtx.spec import parse_pattern
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 lengths = st.integers(1, 40)
@@ -220,3 +221,16 @@ def test_act_filters_edges_into_halted_queries():
     assert set(kept.dst.tolist()) == {0, 2, 3, 5, 6}
     assert kept.num_edges == sum(int(d in {0, 2, 3, 5, 6}) for d in g.edges["ee"].dst.tolist())
     assert p.filter(g.edges["ee"], torch.ones(7, dtype=torch.bool)).num_edges == g.edges["ee"].num_edges
+
+
+@pytest.mark.parametrize("name", ["full", "causal"])
+def test_declared_structures_are_what_the_edges_say(name):
+    from dataclasses import replace
+
+    declared = parse_pattern(name)
+    assert declared.structures
+    counted = replace(declared, structures={}, _cache={})  # judged from its edges instead
+    for stage in STAGES:
+        for n_q in range(1, 9):
+            n_k = n_q if stage != "ed" else n_q + 3
+            assert declared.structure(stage, n_q, n_k) == counted.structure(stage, n_q, n_k), (stage, n_q, n_k)

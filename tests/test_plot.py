@@ -19,9 +19,10 @@ from click.testing import CliRunner
 from gtx import plot
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.pattern import STAGES, parse_pattern
+from gtx.pattern import STAGES
 from gtx.report import write_report
 from gtx.results import COLUMNS, load, write_run
+from gtx.spec import parse_pattern
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

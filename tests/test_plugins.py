@@ -4,8 +4,8 @@ import pytest
 
 from gtx import hookspecs, plugins
 from gtx.errors import PluginError, UnknownNameError
-from gtx.pattern import parse_pattern
 from gtx.plugins import MODELS, PATTERNS, TASKS
+from gtx.spec import parse_pattern
 
 NEW_PATTERN = """
     from gtx import hookimpl

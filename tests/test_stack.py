@@ -7,8 +7,8 @@ from click.testing import CliRunner
 
 from gtx.backends import get_backend
 from gtx.cli import cli
-from gtx.pattern import parse_pattern
 from gtx.plugins import MODELS
+from gtx.spec import parse_pattern
 from gtx.task import IGNORE, Task, Vocab, make_batch
 
 TINY = dict(layers=2, heads=2, dim=16, dim_ff=16, max_depth=3)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from gtx.errors import GtxError
-from gtx.pattern import parse_pattern
 from gtx.plugins import TASKS
+from gtx.spec import parse_pattern
 from gtx.task import SPLITS, Vocab, batches, cache_dir, edit_distance
 
 

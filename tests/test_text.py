@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.pattern import parse_pattern
 from gtx.plugins import TASKS
 from gtx.results import load
+from gtx.spec import parse_pattern
 from gtx.task import SPLITS, UNK, make_batch
 
 
