@@ -24,7 +24,7 @@ import torch
 from gtx.backends import Backend
 from gtx.errors import GtxError, PluginError
 from gtx.graph import EdgeSet
-from gtx.selection import BlockSelection, attend_blocks
+from gtx.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
 
 
 def _bias_modules(pattern, out: dict) -> dict:
@@ -132,6 +132,10 @@ class Attention(torch.nn.Module):
             chosen = pattern.select(q.detach(), k.detach(), edges)
         if chosen is None:  # this stage keeps its candidates
             return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
+        if isinstance(chosen, KeySelection) and bias:
+            chosen = chosen.as_mask(edges)  # biases are applied per edge: list the kept edges
+        elif isinstance(chosen, KeySelection):
+            return attend_keys(q, k, v, edges, chosen), chosen.edges_per_head()
         if isinstance(chosen, BlockSelection):
             if bias:
                 raise GtxError(f"pattern {pattern.spec!r} selects blocks: score biases are not supported on it; drop the bias")

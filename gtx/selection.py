@@ -107,3 +107,59 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: Edge
     out = out.view(batch, heads, length, v.shape[-1]).transpose(1, 2)  # (B, length, H, Dv)
     rows = torch.cat([out[i, :n] for i, n in enumerate(lens)]) if len(lens) > 1 or lens[0] != length else out[0]
     return rows if edges.keep is None else rows * edges.keep[:, None, None].to(rows.dtype)
+
+
+@dataclass
+class KeySelection:
+    """Per query and head, the keys it attends to: ``keys`` (n_dst, H, K) key ids, ``valid`` (n_dst, H, K)
+    (a query with fewer candidates than K leaves slots invalid). Made from complete or causal
+    candidates without listing their edges (``topk``)."""
+
+    keys: torch.Tensor
+    valid: torch.Tensor
+
+    def edges_per_head(self) -> float:
+        return float(self.valid.sum()) / self.valid.shape[1]
+
+    def as_mask(self, edges: EdgeSet) -> torch.Tensor:
+        """The same choice as a keep mask (E, H) over the candidate edges."""
+        hit = (self.keys[edges.dst] == edges.src[:, None, None]) & self.valid[edges.dst]  # (E, H, K)
+        return hit.any(-1)
+
+
+def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512) -> KeySelection:
+    """The ``count`` best keys by q.k per query and head, for complete or causal candidates
+    (``edges.structure``), scored sample by sample in blocks of query rows: the n x n scores of one
+    block exist at a time, never an edge list."""
+    root = edges.parent or edges
+    causal = root.structure == "causal"
+    q_lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
+    k_lens = list(root.k_lens) if root.k_lens is not None else [root.n_src]
+    heads = q.shape[1]
+    keys = torch.zeros(q.shape[0], heads, count, dtype=torch.long, device=q.device)
+    valid = torch.zeros(q.shape[0], heads, count, dtype=torch.bool, device=q.device)
+    q_off = k_off = 0
+    for nq, nk in zip(q_lens, k_lens):
+        kk = k[k_off:k_off + nk].transpose(0, 1)  # (H, nk, D)
+        for r0 in range(0, nq, rows):
+            r1 = min(r0 + rows, nq)
+            score = q[q_off + r0:q_off + r1].transpose(0, 1) @ kk.transpose(1, 2)  # (H, rows, nk)
+            if causal:
+                later = torch.arange(nk, device=q.device)[None, :] > torch.arange(r0, r1, device=q.device)[:, None]
+                score = score.masked_fill(later, float("-inf"))
+            top = score.topk(min(count, nk), dim=-1)  # (H, rows, K)
+            width = top.indices.shape[-1]
+            keys[q_off + r0:q_off + r1, :, :width] = top.indices.permute(1, 0, 2) + k_off
+            valid[q_off + r0:q_off + r1, :, :width] = top.values.permute(1, 0, 2) > float("-inf")
+        q_off, k_off = q_off + nq, k_off + nk
+    return KeySelection(keys, valid)
+
+
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection) -> torch.Tensor:
+    """Attention of each query and head over its selected keys: (n, H, D) in and out."""
+    heads = q.shape[1]
+    rows = (sel.keys * heads + torch.arange(heads, device=q.device)[None, :, None]).flatten()  # (key, head) rows of k viewed (n_src * H, D)
+    ks, vs = (x.reshape(-1, x.shape[-1]).index_select(0, rows).view(*sel.keys.shape, x.shape[-1]) for x in (k, v))  # (n_dst, H, K, D)
+    score = torch.einsum("nhd,nhkd->nhk", q, ks).masked_fill(~sel.valid, float("-inf"))  # batched matmuls: no (n, H, K, D) product
+    out = torch.einsum("nhk,nhkd->nhd", torch.softmax(score, -1), vs)
+    return out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)

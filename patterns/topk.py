@@ -5,7 +5,7 @@ from dataclasses import replace
 from gtx import hookimpl
 from gtx.errors import PatternError
 from gtx.pattern import Pattern
-from gtx.selection import top_per_query
+from gtx.selection import top_keys, top_per_query
 from gtx.spec import parse_pattern
 
 
@@ -25,6 +25,8 @@ def topk(inner: Pattern = None, k: int = 32) -> Pattern:
         raise PatternError(f"topk selects among fixed candidates; {candidates.spec!r} is not one (write topk(P) with P a fixed pattern)")
 
     def select(q, keys, edges):
+        if (edges.parent or edges).structure is not None:  # complete or causal candidates: score in blocks, list no edge
+            return top_keys(q, keys, edges, k)
         score = (q[edges.dst] * keys[edges.src]).sum(-1)  # (E, H)
         return top_per_query(score, edges.dst, edges.n_dst, k)
 

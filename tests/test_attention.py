@@ -12,7 +12,7 @@ from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import GtxError, PluginError
 from gtx.graph import EdgeSet, build_graph
-from gtx.selection import BlockSelection, attend_blocks
+from gtx.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
 from gtx.spec import parse_pattern
 
 SPECS = ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "full+relbias:buckets=8,max_distance=16", "topk:k=2", "lsh:buckets=4",
@@ -96,6 +96,22 @@ def test_moba_is_causal_attention_over_the_blocks_it_names(lens, b, k, seed):
 
 
 @settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), count=st.integers(1, 6), stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 10))
+def test_topk_without_edges_is_dense_attention_over_the_keys_it_names(lens, count, stage, seed):
+    pattern = parse_pattern(f"topk:k={count}")
+    edges = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
+    q, keys, v = inputs(edges.n_dst, edges.n_src, 2, seed=seed)
+    sel = pattern.select(q.detach(), keys.detach(), edges)
+    assert isinstance(sel, KeySelection) and edges._edges is None  # no edge was listed to choose
+    out = attend_keys(q, keys, v, edges, sel)
+    keep = sel.as_mask(edges)
+    for h in range(2):
+        sub = EdgeSet(edges.src[keep[:, h]], edges.dst[keep[:, h]], edges.n_src, edges.n_dst, stage, edges.q_lens, edges.k_lens)
+        torch.testing.assert_close(out[:, h:h + 1], get_backend("dense")(q[:, h:h + 1], keys[:, h:h + 1], v[:, h:h + 1], sub), atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(torch.autograd.grad(out.sum(), q)[0]).all()
+
+
+@settings(max_examples=25, deadline=None)
 @given(spec=st.sampled_from(["topk:k=1", "topk:k=3", "lsh:buckets=2", "lsh:buckets=6", "topk(local:w=2):k=1"]),
        lens=st.lists(st.integers(2, 12), min_size=1, max_size=3), stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 20))
 def test_selections_keep_a_subset_of_candidates_and_every_query(spec, lens, stage, seed):
@@ -103,6 +119,8 @@ def test_selections_keep_a_subset_of_candidates_and_every_query(spec, lens, stag
     edges = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
     q, k, _ = inputs(edges.n_dst, edges.n_src, 3, seed=seed)
     keep = pattern.select(q.detach(), k.detach(), edges)
+    if isinstance(keep, KeySelection):  # complete or causal candidates: chosen without listing edges
+        keep = keep.as_mask(edges)
     assert keep.dtype == torch.bool and keep.shape == (edges.num_edges, 3)  # a mask over the candidates: a subset by construction
     per_query = torch.zeros(edges.n_dst, 3, dtype=torch.long).index_add_(0, edges.dst, keep.long())
     assert (per_query >= 1).all()
