@@ -134,7 +134,8 @@ def test_bench_train_memory_pass_measures_each_row_in_a_fresh_process(tmp_path):
                            bound=False, memory=True, memory_steps=2)
     assert list(df.backend) == ["dense", SDPA_CAUSAL]
     mem = df.set_index("backend").peak_mem_mb
-    assert (mem > 0).all() and mem["dense"] > mem[SDPA_CAUSAL]  # (n, n) scores per head against SDPA's flash kernel
+    # full on dense runs SDPA's own causal kernel and lists no edges: plain torch's memory, measured apart
+    assert (mem > 0).all() and abs(mem["dense"] / mem[SDPA_CAUSAL] - 1) < 0.25
 
 
 def test_skip_attention_has_the_output_shape_and_sends_gradients_to_q_k_v():
