@@ -148,12 +148,14 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
     lengths = [n for s in stages for n in stage_lengths(s, src_len, tgt_len)]
     _check_lengths(*lengths)
     binned = max(lengths) > max_cells
-    fig = _figure(4.2 * len(stages) + 1.2 * binned, 4.6)
-    axes = fig.subplots(1, len(stages), squeeze=False)[0]
+    groups = p.heads or (p,)  # heads(a,b): a row of panels per group of heads
+    fig = _figure(4.2 * len(stages) + 1.2 * binned, 4.6 * len(groups))
+    grid_axes = fig.subplots(len(groups), len(stages), squeeze=False)
+    axes = grid_axes.flatten()
     blocks = set()
-    for ax, stage in zip(axes, stages):
+    for ax, (group, stage) in zip(axes, [(g, s) for g in groups for s in stages]):
         n_q, n_k = stage_lengths(stage, src_len, tgt_len)
-        src, dst = p.edges(stage, n_q, n_k)
+        src, dst = group.edges(stage, n_q, n_k)
         grid, bq, bk = bin_edges(src, dst, n_q, n_k, max_cells)
         density, per_query = stage_stats(stage, src, dst, n_q, n_k)
         # integer positions at cell centres; block j covers keys j*bk .. (j+1)*bk - 1 and the limits clip a
@@ -171,7 +173,8 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
             ax.grid(which="minor", color="0.7", linewidth=0.5)
             ax.tick_params(which="minor", length=0)
         causal = " of the causal triangle" if stage == "dd" else ""
-        ax.set_title(f"{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query", fontsize=9)
+        head = f"heads {groups.index(group) + 1}/{len(groups)}: {group.spec}\n" if len(groups) > 1 else ""
+        ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query", fontsize=9)
         ax.set(xlabel="key position", ylabel="query position")
         blocks.add((bq, bk))
     note = ""
@@ -179,7 +182,8 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
         fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of edges in the block (sqrt scale)")
         note = "\nblocks of " + ", ".join(f"{bq}x{bk}" for bq, bk in sorted(blocks)) + " positions, shaded by the fraction of edges"
     shown = [f"src_len={src_len}"] * bool({"ee", "ed"} & set(stages)) + [f"tgt_len={tgt_len}"] * bool({"dd", "ed"} & set(stages))
-    fig.suptitle(f"{p.spec}   {' '.join(shown)}{note}", fontsize=10)
+    chosen = "\ncandidate edges: the pattern chooses among them per head at run time" if any(g.select for g in groups) else ""
+    fig.suptitle(f"{p.spec}   {' '.join(shown)}{note}{chosen}", fontsize=10)
     return fig
 
 

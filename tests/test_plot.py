@@ -469,3 +469,9 @@ def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch,
     result = gtx("plot", command, ref, *rest, "--results", trained["results"])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert message in result.output
+
+
+def test_head_groups_get_a_row_of_panels_each():
+    fig = plot.pattern("heads(local:w=1,strided:l=3)", src_len=8)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 6 and titles[0].startswith("heads 1/2: local:w=1") and titles[3].startswith("heads 2/2: strided:l=3")
