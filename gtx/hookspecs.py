@@ -50,7 +50,10 @@ def register_backends(register):
 def register_models(register):
     """Register models: ``register(name, model_cls, config=ConfigDataclass)``.
 
-    ``model_cls(config, vocab)`` is a ``torch.nn.Module`` written as ``update_graph`` calls.
+    ``model_cls(config, src_vocab, tgt_vocab, attention)`` is a ``torch.nn.Module`` written as
+    ``update_graph`` calls; ``attention`` (a ``gtx.attention.Attention``: the chosen backend plus the
+    pattern's head groups, biases and selections, a module whose parameters the model owns) is what
+    it passes to ``update_graph`` / ``propagate_attention``.
     """
 
 
