@@ -1,9 +1,13 @@
 """gtx command line: a thin click layer over the runner and the registries.
 
     gtx run --pattern local --model ut      train and evaluate; results appended under results/
-    gtx compare                             accuracy against speed, across runs
+    gtx eval RUN_ID --pattern local:w=2      a trained model under any pattern
+    gtx compare                             accuracy against speed, across runs, over seeds
     gtx patterns | models | tasks | backends
     gtx show-pattern local:w=2 --src-len 8 --tgt-len 6
+
+Commands with modules of their own: ``gtx sweep`` (cli_sweep.py), ``gtx plot`` and ``gtx report``
+(cli_plot.py), ``gtx bench`` (cli_bench.py).
 """
 
 from __future__ import annotations
