@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from gtx import hookimpl
-from gtx.errors import GtxError, PluginError
+from gtx.errors import GtxError, plugin_code
 from gtx.results import scalar_metrics
 
 SCALARS = ("loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "density", "act_mean_steps")
@@ -80,12 +80,8 @@ class Loggers:
 
     @staticmethod
     def _call(entry, fn):
-        try:
+        with plugin_code(f"logger {entry.name!r} (plugin {entry.plugin})"):
             return fn()
-        except GtxError:
-            raise
-        except Exception as e:
-            raise PluginError(f"logger {entry.name!r} (plugin {entry.plugin}) raised: {type(e).__name__}: {e}") from e
 
     def call(self, method: str, *args) -> None:
         """``logger.method(*args)`` for each logger: ``start``, ``epoch_end`` or ``end``."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gtx import checks
-from gtx.errors import GtxError, PatternError, PluginError
+from gtx.errors import PatternError, plugin_code
 
 STAGES = ("ee", "dd", "ed")
 STAGE_NAMES = {"ee": "encoder self-attention", "dd": "decoder self-attention", "ed": "encoder->decoder cross attention"}
@@ -136,16 +136,10 @@ class Pattern:
 
     def _raw_edges(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         who = f"pattern {self.spec!r} ({stage} edges for n_q={n_q}, n_k={n_k})"
-        try:
+        with plugin_code(f"pattern {self.spec!r}", f"while building {stage} edges for n_q={n_q}, n_k={n_k}"):
             if stage in self.edge_fns:
                 return sort_edges(*checks.edge_pair(who, self.edge_fns[stage](n_q, n_k)), n_k)
             return grid_edges(self.rule(stage), n_q, n_k, who)
-        except GtxError:
-            raise
-        except Exception as e:
-            raise PluginError(
-                f"pattern {self.spec!r} raised while building {stage} edges for n_q={n_q}, n_k={n_k}: {type(e).__name__}: {e}"
-            ) from e
 
     def __or__(self, other: Pattern) -> Pattern:
         return _combine(self, other, "|", torch.logical_or, _union_keys)

@@ -29,7 +29,7 @@ from typing import Any
 import pluggy
 
 from gtx import hookspecs
-from gtx.errors import GtxError, PluginError, UnknownNameError
+from gtx.errors import PluginError, UnknownNameError, plugin_code
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -211,12 +211,8 @@ class Registry:
 
 def call_hook(impl: pluggy.HookImpl, label: str, **kwargs: Any) -> Any:
     """Call one hook implementation with the arguments it asks for; name the plugin if it raises."""
-    try:
+    with plugin_code(f"plugin {label}", f"in {impl.function.__name__}"):
         return impl.function(**{a: kwargs[a] for a in impl.argnames})
-    except GtxError:
-        raise
-    except Exception as e:
-        raise PluginError(f"plugin {label} raised in {impl.function.__name__}: {type(e).__name__}: {e}") from e
 
 
 def call_each(hook: str, **kwargs: Any) -> None:

@@ -27,7 +27,7 @@ from gtx import checkpoint, distributed
 from gtx.attention import Attention
 from gtx.backends import get_backend
 from gtx.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
-from gtx.errors import GtxError, PluginError
+from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.loggers import Loggers
 from gtx.plugins import MODELS
 from gtx.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
@@ -73,14 +73,8 @@ def _attention(r, backend: str) -> Attention:
 
 def _build_model(r, attention: Attention) -> torch.nn.Module:
     who = f"model {r.config.model!r} ({MODELS.get(r.config.model).plugin})"
-    try:
+    with plugin_code(who, "while being built", settings=f"model {r.config.model!r}"):
         model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
-    except ValueError as e:
-        raise GtxError(f"bad settings for model {r.config.model!r}: {e}") from None
-    except GtxError:
-        raise
-    except Exception as e:
-        raise PluginError(f"{who} raised while being built: {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
         raise PluginError(f"{who} built a {type(model).__name__}; expected a torch.nn.Module")
     model.plugin_label = who  # what checks.model_output names

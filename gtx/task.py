@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from gtx import checks
-from gtx.errors import GtxError, PluginError
+from gtx.errors import GtxError, plugin_code
 from gtx.graph import TokenGraph, build_graph, positions
 from gtx.pattern import Pattern
 
@@ -107,14 +107,8 @@ class Task:
 
     def splits(self) -> dict[str, list[Example]]:
         if self._splits is None:
-            try:
+            with plugin_code(f"task {self.name!r}", "while making its data", settings=f"task {self.name!r}"):
                 self._splits = self._load_or_generate()
-            except ValueError as e:
-                raise GtxError(f"bad settings for task {self.name!r}: {e}") from None
-            except GtxError:
-                raise
-            except Exception as e:
-                raise PluginError(f"task {self.name!r} raised while making its data: {type(e).__name__}: {e}") from e
             checks.examples(f"task {self.name!r}", self._splits)
             for split in SPLITS:
                 if not self._splits.get(split):
