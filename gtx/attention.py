@@ -52,6 +52,7 @@ class Attention(torch.nn.Module):
         for key, bias in _bias_modules(pattern, {}).items():
             self.biases[key] = self._build_bias(bias, heads)
         self.usage: dict[str, list[float]] = {}  # stage -> [selected edges, candidate edges], per head, since reset
+        self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.probe records)
 
     @property
     def name(self) -> str:
@@ -132,7 +133,7 @@ class Attention(torch.nn.Module):
             chosen = pattern.select(q.detach(), k.detach(), edges)
         if chosen is None:  # this stage keeps its candidates
             return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
-        if isinstance(chosen, KeySelection) and bias:
+        if isinstance(chosen, KeySelection) and (bias or self.list_edges):
             chosen = chosen.as_mask(edges)  # biases are applied per edge: list the kept edges
         elif isinstance(chosen, KeySelection):
             return attend_keys(q, k, v, edges, chosen), chosen.edges_per_head()

@@ -154,8 +154,8 @@ class Recorder(Backend):
 def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
     """Record every attention sub-layer ``model`` runs inside the block, in call order. ``model.backend``
     must be a ``gtx.attention.Attention`` (models built by the runner are); its backend is wrapped by a
-    ``Recorder`` and restored afterwards. A call of Attention without ``heads`` starts a sub-layer
-    (head groups recurse with ``heads``)."""
+    ``Recorder`` and restored afterwards. Each call of the Attention module starts a sub-layer (head
+    groups and per-head selections are backend calls within it)."""
     attention = getattr(model, "backend", None)
     if not isinstance(attention, Attention):
         raise GtxError(f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.runner")
@@ -164,8 +164,6 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
 
     def start(module, args, kwargs):
         q, edges = args[0], args[3] if len(args) > 3 else kwargs["edges"]
-        if len(args) > 4 or kwargs.get("heads") is not None:  # a head group's recursion: same sub-layer
-            return
         finish()
         calls.append(AttentionCall(edges.stage, counts[edges.stage], edges.n_dst, edges.n_src, q.shape[1]))
         counts[edges.stage] += 1
@@ -177,12 +175,12 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
         recorder.parts.clear()
 
     hook = attention.register_forward_pre_hook(start, with_kwargs=True)
-    attention.backend = recorder
+    attention.backend, attention.list_edges = recorder, True
     try:
         yield calls
         finish()
     finally:
-        attention.backend = recorder.inner
+        attention.backend, attention.list_edges = recorder.inner, False
         hook.remove()
     for call in calls:
         if call.covered() != call.heads:  # block selections (moba) attend without the backend

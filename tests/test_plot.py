@@ -328,7 +328,7 @@ def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
         torch.testing.assert_close(dense.softmax(1)[part.dst, part.src], part.weights)
 
 
-@pytest.mark.parametrize("spec", ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16"])
+@pytest.mark.parametrize("spec", ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "topk:k=3"])
 def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
     from types import SimpleNamespace
 
