@@ -131,6 +131,7 @@ class Attention(torch.nn.Module):
         pattern = edges.pattern
         with torch.no_grad():
             chosen = pattern.select(q.detach(), k.detach(), edges)
+        check_selection(pattern.spec, chosen, edges, q.shape[1])
         if chosen is None:  # this stage keeps its candidates
             return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
         if isinstance(chosen, KeySelection) and (bias or self.list_edges):
@@ -203,3 +204,34 @@ def check_budget(pattern, stages, length: int) -> None:
             if p.budget >= most:
                 raise GtxError(f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
                                f"task's {length} tokens: it would attend to every candidate; choose a smaller budget (k, or b and k)")
+
+
+def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
+    """A selection that does not list edges must still name only candidates: each query's keys within
+    its own sample (and, for causal candidates, at or before it), block selections causal, slot 0 the
+    query's own block. A keep mask is checked by ``check_keep``. One PluginError line naming the pattern."""
+    def bad(what: str):
+        raise PluginError(f"pattern {spec!r} selected {what} ({edges.stage}); a selection must stay within its candidate edges")
+
+    if isinstance(chosen, KeySelection):
+        keys, valid = chosen.keys, chosen.valid
+        if keys.dtype != torch.long or valid.dtype != torch.bool or keys.shape != valid.shape or keys.shape[:2] != (edges.n_dst, heads):
+            bad(f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
+        root = edges.parent or edges
+        q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
+        k_lens = torch.as_tensor(root.k_lens if root.k_lens is not None else [root.n_src], device=keys.device)
+        sample = torch.repeat_interleave(torch.arange(len(q_lens), device=keys.device), q_lens)[:, None, None]
+        k_start = (torch.cumsum(k_lens, 0) - k_lens)[sample]
+        position = keys - k_start
+        outside = (position < 0) | (position >= k_lens[sample])
+        if root.structure == "causal":
+            outside |= position > (torch.arange(edges.n_dst, device=keys.device) - (torch.cumsum(q_lens, 0) - q_lens)[sample[:, 0, 0]])[:, None, None]
+        if (outside & valid).any():
+            q, h, j = (int(x) for x in (outside & valid).nonzero()[0])
+            bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
+    elif isinstance(chosen, BlockSelection):
+        n = chosen.key_blocks.shape[2]
+        own = chosen.key_blocks[..., 0] == torch.arange(n, device=chosen.key_blocks.device)
+        earlier = chosen.key_blocks[..., 1:] < torch.arange(n, device=chosen.key_blocks.device)[:, None]
+        if not bool(own.all()) or not bool((earlier | ~chosen.valid[..., 1:]).all()) or not bool(chosen.valid[..., 0].all()):
+            bad("a block other than the query's own in slot 0, or a later block")

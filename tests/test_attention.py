@@ -242,3 +242,22 @@ def test_hook_register_biases(plugin_dir, tmp_path):
     torch.testing.assert_close(got, want)
     assert grads[3].abs().sum() > 0  # the learned score trains
     torch.testing.assert_close(grads[3], want_grads[3])
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda e: KeySelection(torch.full((e.n_dst, 2, 1), 4), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "key 4 for query 0 in head 0"),
+        (lambda e: KeySelection(torch.zeros(e.n_dst, 2, 1), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "expected (5, 2, K) long / bool"),
+        (lambda e: BlockSelection(2, [5], torch.tensor([[[[0, 1], [1, 2], [2, 0]]] * 2]), torch.ones(1, 2, 3, 2, dtype=torch.bool)), "a later block"),
+    ],
+)
+def test_a_selection_outside_its_causal_candidates_is_named(bad, message):
+    from dataclasses import replace
+
+    pattern = replace(parse_pattern("causal"), select=lambda q, k, e: bad(e), spec="mine")
+    edges = build_graph(pattern, None, [5]).edges["dd"]
+    q, k, v = inputs(5, 5, 2)
+    with pytest.raises(PluginError, match="pattern 'mine' selected") as info:
+        Attention(get_backend("dense"))(q, k, v, edges)
+    assert message in str(info.value)
