@@ -23,7 +23,8 @@ from gtx.graph import EdgeSet
 class Layout:
     """A block plan. ``key_blocks`` (n_qb, K) lists each query block's key blocks (padding slots
     repeat block 0 and are masked); ``mask`` (n_qb, block, K*block) or None when every block is
-    full; ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros)."""
+    full; ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros); ``cell``
+    (E,) each edge's place in the flattened (n_qb, block, K*block) mask (where a score bias goes)."""
 
     block: int
     n_qb: int
@@ -32,11 +33,22 @@ class Layout:
     mask: torch.Tensor | None
     has_edge: torch.Tensor
     all_have_edges: bool
+    cell: torch.Tensor
 
     def rows(self, keep_rows: torch.Tensor) -> Layout:
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
-        return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges)
+        return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges, self.cell)
+
+    def scores(self, bias: torch.Tensor) -> torch.Tensor:
+        """(n_qb, H, block, K*block) additive mask: each edge's bias, -inf off the edges (a row
+        without edges gets one 0, its output zeroed like the boolean mask's)."""
+        k_width = self.key_blocks.shape[1] * self.block
+        out = torch.full((bias.shape[1], self.n_qb * self.block * k_width), float("-inf"), dtype=bias.dtype, device=bias.device)
+        out[:, self.cell] = bias.t()
+        out = out.view(-1, self.n_qb, self.block, k_width).transpose(0, 1)
+        empty = ~F.pad(self.has_edge, (0, self.n_qb * self.block - len(self.has_edge))).view(self.n_qb, self.block)
+        return out.masked_fill(empty[:, None, :, None] & (torch.arange(k_width, device=bias.device) == 0), 0.0)
 
 
 def block_pairs(edges: EdgeSet, block: int) -> tuple[torch.Tensor, int]:
@@ -62,14 +74,15 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
     key_blocks[row, slot] = col
     edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
+    cell = ((dst // block) * block + dst % block) * (k_max * block) + edge_slot * block + src % block
     mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
-    mask[dst // block, dst % block, edge_slot * block + src % block] = True
+    mask.view(-1)[cell] = True
     has_edge = torch.zeros(n_qb * block, dtype=torch.bool, device=device)
     has_edge[dst] = True
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
     has_edge = has_edge[: edges.n_dst]
     mask = None if bool(mask.all()) else mask
-    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()))
+    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell)
 
 
 def gather_blocks(x: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -81,8 +94,10 @@ def gather_blocks(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros);
+    ``bias`` (E, H) is added to each edge's score."""
     n_dst, heads, dim = q.shape
     b = layout.block
     qp = _pad_rows(q, layout.n_qb * b).view(layout.n_qb, b, heads, dim)
@@ -91,6 +106,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, ro
     qb = qp.transpose(1, 2)  # (rows, H, b, D)
     kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)  # (rows, H, K*b, D)
     mask = None if layout.mask is None else layout.mask[:, None]
+    if bias is not None:
+        mask = layout.scores(bias.to(q.dtype))
+        mask = mask if rows is None else mask.index_select(0, rows)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0).transpose(1, 2)  # (rows, b, H, Dv)
     if rows is not None:
         full = out.new_zeros(layout.n_qb, b, heads, v.shape[-1])
@@ -107,6 +125,7 @@ class BlockSparseBackend(Backend):
     """Block-sparse: dense SDPA per query block over the key blocks that hold edges."""
 
     name = "blocksparse"
+    supports_bias = True
 
     def __init__(self, block: int = 64):
         self.block = block
@@ -114,11 +133,11 @@ class BlockSparseBackend(Backend):
     def layout(self, edges: EdgeSet) -> Layout:
         return edges.plan(("blocksparse", self.block, edges.device), lambda: plan(edges, self.block))
 
-    def __call__(self, q, k, v, edges):
-        if edges.parent is not None:  # an ACT subset: reuse the full plan on the blocks with kept queries
+    def __call__(self, q, k, v, edges, bias=None):
+        if edges.parent is not None and bias is None:  # an ACT subset: reuse the full plan on the blocks with kept queries
             layout = self.layout(edges.parent)
             keep = edges.keep
             rows = torch.nonzero(F.pad(keep, (0, layout.n_qb * layout.block - len(keep))).view(layout.n_qb, -1).any(1)).squeeze(1)
             out = attend(q, k, v, layout.rows(rows), rows)
             return out * keep[:, None, None].to(out.dtype)
-        return attend(q, k, v, self.layout(edges))
+        return attend(q, k, v, self.layout(edges), bias=bias)  # a biased subset: its own plan, as its bias is per its edges
