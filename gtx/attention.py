@@ -124,7 +124,7 @@ class Attention(torch.nn.Module):
         if scores is None:
             return self.backend(q, k, v, edges)
         if not getattr(self.backend, "supports_bias", False):
-            raise GtxError(f"backend {self.backend.name!r} cannot apply score biases (pattern {spec!r}); use --backend auto, dense, torch or dgl")
+            raise GtxError(f"backend {self.backend.name!r} cannot apply score biases (pattern {spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
         return self.backend(q, k, v, edges, bias=scores)
 
     def _selected(self, q, k, v, edges, heads, bias):
@@ -184,7 +184,7 @@ def check_pattern(pattern, backend: Backend, heads: int | None) -> None:
     """What a run can check before it starts: head groups divide the model's heads, and a score
     bias meets a backend that applies biases."""
     if pattern.bias is not None and not getattr(backend, "supports_bias", False):
-        raise GtxError(f"backend {backend.name!r} cannot apply score biases (pattern {pattern.spec!r}); use --backend auto, dense, torch or dgl")
+        raise GtxError(f"backend {backend.name!r} cannot apply score biases (pattern {pattern.spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
     if pattern.heads:
         n = len(pattern.heads)
         if heads is not None and heads % n:
