@@ -28,7 +28,7 @@ from matplotlib.ticker import MaxNLocator
 from gtx.errors import GtxError
 from gtx.graph import EdgeSet, possible_edges
 from gtx.pattern import STAGE_NAMES, STAGES, Pattern
-from gtx.results import lower_is_better
+from gtx.results import lower_is_better, training_runs
 from gtx.spec import parse_pattern
 from gtx.stats import pareto_front
 
@@ -216,16 +216,11 @@ def metric_values(rows: pd.DataFrame, base: str) -> pd.Series:
 
 
 def _training_runs(df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
-    """The rows of the runs ``results.compare`` counts: no ``gtx eval`` rows (they re-score a run), and
-    of runs sharing a cell (same configuration and seed: a repeat is no new seed) the latest finished."""
+    """``results.training_runs``: the rows of the runs ``results.compare`` counts, after checking ``by``."""
     unknown = [c for c in by if c not in df.columns]
     if unknown:
         raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(df.columns)}")
-    df = df[df.eval_of.isna()]
-    runs = df.groupby("run_id", sort=False).agg(cell=("cell", "first"), started=("started_at", "first"),
-                                                finished=("split", lambda s: bool((s == "test").any())))
-    runs = runs.sort_values(["finished", "started"], kind="stable")
-    return df[df.run_id.isin(runs.index[runs.cell.isna() | ~runs.duplicated("cell", keep="last")])]
+    return training_runs(df)
 
 
 def run_table(df: pd.DataFrame, by: Sequence[str], metric: str) -> pd.DataFrame:

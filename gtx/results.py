@@ -130,10 +130,17 @@ def _per_run(rows: pd.DataFrame) -> dict:
         **{f"best_valid_{k}": v.min() if lower_is_better(k) else v.max() for k, v in task.items() if k not in COLUMNS},
         SPEED: last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
         "density": rows.density.mean(),
-        "finished": len(test) > 0,
-        "started_at": rows.started_at.iloc[0],
-        "cell": rows.cell.iloc[0],
     }
+
+
+def training_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the runs a comparison counts: no ``gtx eval`` rows (they re-score a run), and of
+    runs sharing a cell (same configuration and seed: a repeat is no new seed) the latest finished."""
+    df = df[df.eval_of.isna()]
+    runs = df.groupby("run_id", sort=False).agg(cell=("cell", "first"), started=("started_at", "first"),
+                                                finished=("split", lambda s: bool((s == "test").any())))
+    runs = runs.sort_values(["finished", "started"], kind="stable")
+    return df[df.run_id.isin(runs.index[runs.cell.isna() | ~runs.duplicated("cell", keep="last")])]
 
 
 def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "backend"), metric: str = DEFAULT_METRIC) -> pd.DataFrame:
@@ -161,12 +168,10 @@ def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "
     unknown = [c for c in by if c not in COLUMNS]
     if unknown:
         raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(COLUMNS)}")
-    df = df[df.eval_of.isna()]
+    df = training_runs(df)
     if df.empty:
         return pd.DataFrame(columns=[*by, "runs"])
     runs = pd.DataFrame([{**{c: rows[c].iloc[0] for c in by}, "run_id": run_id, **_per_run(rows)} for run_id, rows in df.groupby("run_id", sort=False)])
-    runs = runs.sort_values(["finished", "started_at"], kind="stable")
-    runs = runs[runs.cell.isna() | ~runs.duplicated("cell", keep="last")]
     task_metrics = sorted(c for c in runs.columns if c.startswith("best_valid_") and c not in RUN_METRICS)
     metrics = RUN_METRICS + task_metrics
     if metric not in metrics:
