@@ -325,7 +325,7 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
     from gtx.engine import propagate_attention
     from gtx.graph import build_graph
     from gtx.spec import parse_pattern
-    from gtx.task import atomic_write_text
+    from gtx.task import atomic_write
 
     dev = torch.device(device)
     auto = AutoBackend()
@@ -356,7 +356,7 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
         (a, o), *_ = np.linalg.lstsq(np.stack([w / t, 1 / t], 1), np.ones_like(t), rcond=None)
         fitted[kind] = (max(float(a), 1e-15), max(float(o), 0.0))
     path = costs_path(dev.type)
-    atomic_write_text(path, json.dumps(fitted, indent=1))
+    atomic_write(path, json.dumps(fitted, indent=1))
     costs.cache_clear()
     log(f"wrote {path}")
     return fitted
@@ -364,11 +364,11 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
 
 def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
     """Write a benchmark table under ``<results>/bench/`` (atomically) and return its path."""
-    from gtx.task import atomic_write_text
+    from gtx.task import atomic_write
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(results_dir) / "bench" / f"{kind}-{stamp}.csv"
-    atomic_write_text(path, df.to_csv(index=False))
+    atomic_write(path, df.to_csv(index=False))
     return path
 
 

@@ -10,16 +10,16 @@ run's configuration, its result rows so far (JSON) and both vocabularies.
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import pickle
-import tempfile
 import zipfile
 from pathlib import Path
 
 import torch
 
 from gtx.errors import GtxError
+from gtx.task import atomic_write
 
 FORMAT = "gtx-checkpoint/1"
 LAST, BEST = "last.pt", "best.pt"
@@ -30,16 +30,10 @@ def checkpoint_dir(results_dir: str | Path, run_id: str) -> Path:
 
 
 def save(path: Path, state: dict) -> None:
-    """Write ``state`` through a temporary file and rename: a kill leaves the previous file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Write ``state`` atomically (``task.atomic_write``): a kill leaves the previous file whole."""
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, **state}, buffer)
+    atomic_write(path, buffer.getvalue())
 
 
 def load(path: str | Path) -> dict:

@@ -17,7 +17,7 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.stats import pareto_front, summarize, verdict, welch_p
-from gtx.task import SPLITS, atomic_write_text
+from gtx.task import SPLITS, atomic_write
 
 SCHEMA_VERSION = 3
 #: columns added since version 1, with the value older files get on load
@@ -84,7 +84,7 @@ def write_run(results_dir: str | Path, run_id: str, rows: Sequence[dict]) -> Pat
     """Validate and (re)write one run's rows atomically; returns the file."""
     df = validate(pd.DataFrame(list(rows)))
     path = Path(results_dir) / "runs" / f"{run_id}.csv"
-    atomic_write_text(path, df.to_csv(index=False))
+    atomic_write(path, df.to_csv(index=False))
     return path
 
 

@@ -66,13 +66,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GTX_CACHE_DIR") or Path.home() / ".cache" / "gtx")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename: readers never see a partial file."""
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write through a temporary file in the same folder and rename: readers never see a partial
+    file, and a kill leaves the previous one whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -125,7 +126,7 @@ class Task:
             data = json.loads(path.read_text())
             return {s: [tuple(e) for e in data[s]] for s in SPLITS}
         data = self.generate()
-        atomic_write_text(path, json.dumps({"config": json.loads(key), **data}))
+        atomic_write(path, json.dumps({"config": json.loads(key), **data}))
         return data
 
     def vocabularies(self, train: list[Example]) -> tuple[Vocab, Vocab]:
