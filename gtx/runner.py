@@ -156,6 +156,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     part = (world.rank, world.size)
     epoch = start - 1
     status = "failed"
+    snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
     attention.reset_choices(), attention.reset_usage()
     try:
         for epoch in range(start, r.train.epochs + 1):
@@ -187,7 +188,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
         test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
         rows.append(_row(common, epoch, "test", test, attention))
         if world.main:
-            checkpoint.save(ckpt_dir / checkpoint.LAST, {**checkpoint.load(ckpt_dir / checkpoint.LAST), "rows": json.dumps(rows)})  # finished
+            checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
             write_run(results_dir, run_id, rows)
         status = "finished"
     except NonFiniteLoss as e:

@@ -192,11 +192,12 @@ class Trainer:
                 if self.task:  # plain-torch references in benchmarks train without a task
                     checks.model_output(self.model, out, len(batch.targets), len(self.task.tgt_vocab))
                 # sum over this rank's scored targets / the global count (x ranks: DDP averages): the global mean's gradient
-                loss = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing, reduction="sum")
-                count, bad = self.world.sum(torch.stack([(batch.targets != IGNORE).sum(), (~loss.isfinite()).long()]).cpu()).tolist()
+                summed = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing, reduction="sum")
+                scored = (batch.targets != IGNORE).sum()
+                count, bad = self.world.sum(torch.stack([scored, (~summed.isfinite()).long()]).cpu()).tolist()
                 if bad:
-                    raise NonFiniteLoss(self.step + 1, float(loss.detach()))
-                loss = loss * (self.world.size / max(count, 1))
+                    raise NonFiniteLoss(self.step + 1, float(summed.detach()))
+                loss = summed * (self.world.size / max(count, 1))
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 self.opt.zero_grad(set_to_none=True)
@@ -207,8 +208,9 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = noam_lr(self.step, self.dim, c.lr_factor, c.warmup)
                 self.opt.step()
-                with torch.no_grad():
-                    stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE))
+                with torch.no_grad():  # the statistics' loss is this rank's mean cross-entropy, without smoothing
+                    nll = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE) if c.label_smoothing else summed / scored.clamp_min(1)
+                    stats.add(out, batch, nll)
                 on_batch()
                 if self.done:
                     break
