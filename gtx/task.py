@@ -91,9 +91,13 @@ class Task:
         cache: generated data is cached on disk under ``cache_dir()``, keyed by the config.
         train_defaults: training settings this task needs other defaults for (``TrainConfig``
             fields, e.g. a long-context task's ``batch_size``); ``--set`` still overrides them.
+        metric: the valid-split metric that judges a run of this task (``gtx compare``'s default,
+            ``gtx runs``' column): a results column (``token_acc``, ``seq_acc``) or a key of
+            ``phase_metrics``/``metrics`` (``bpc``, ``query_acc``, ``bleu``).
     """
 
     form = "seq2seq"
+    metric = "token_acc"
     eos = True
     cache = True
     train_defaults: dict = {}

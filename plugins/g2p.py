@@ -43,6 +43,8 @@ def pronunciations(stress: bool) -> dict[str, list[str]]:
 class G2P(Task):
     """Grapheme to phoneme (CMUdict): letters in, ARPAbet phonemes out; word accuracy and PER."""
 
+    metric = "per"
+
     def generate(self):
         c = self.config
         words = sorted(pronunciations(c.stress).items(), key=lambda kv: stable_fraction(kv[0], c.seed + 1))

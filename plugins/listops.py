@@ -87,6 +87,8 @@ def tokens(tree) -> list[str]:
 class ListOps(Task):
     """ListOps (LRA): evaluate nested MIN/MAX/MED/SM lists of digits; 10 classes (--set form=classify: encoder)."""
 
+    metric = "seq_acc"
+
     eos = False
 
     def __init__(self, name, config):

@@ -136,6 +136,7 @@ class Recall(Task):
     Scored only at the queries; the module docstring gives the layout and the metrics."""
 
     form = "lm"
+    metric = "query_acc"
     # 128 sequences of up to 1024 tokens (the trainer's default) is a very long CPU step;
     # docs/long-context.md's runs used 32
     train_defaults = {"batch_size": 32, "eval_batch_size": 32}

@@ -139,6 +139,7 @@ class Text(Task):
     """Character/byte-level language modelling (default: the King James Bible); bits per character."""
 
     form = "lm"
+    metric = "bpc"
     cache = False  # reading the file is fast; megabytes of windows do not belong in a JSON cache
     # 128 windows of 512+ tokens (the trainer's default) is 64k+ tokens a step: minutes per step on a CPU
     train_defaults = {"batch_size": 16, "eval_batch_size": 16}

@@ -29,6 +29,8 @@ class TranslationConfig:
 class Translation(Task):
     """Translation: parallel text from data_dir (Multi30k layout); BLEU on test (sacrebleu)."""
 
+    metric = "bleu"
+
     cache = False  # the files are the data; tokenising them is cheap
 
     def tokenize(self, line: str) -> list[str]:
