@@ -216,24 +216,33 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
 
 @cli.command()
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder of results tables.")
-@click.option("--by", default="task,model,pattern,backend", show_default=True, help="Columns to group runs by (comma-separated).")
+@click.option("--by", default="task,model,pattern,backend", show_default=True,
+              help="Columns to group runs by (comma-separated); a group holds one experiment: runs that differ only by seed.")
 @click.option(
-    "--metric", default="best_valid_token_acc", show_default=True,
-    help="The accuracy for the 95% interval (ci95), Welch's t-test against full (vs_full at p < 0.05) and the Pareto front against "
-         "train tokens/s: best_valid_seq_acc, test_seq_acc, or a task's own metric such as bpc (lower is better for loss, bpc, per).",
+    "--metric", default=None,
+    help="The metric for the 95% interval (ci95), Welch's t-test against full (vs_full at p < 0.05) and the Pareto front against "
+         "train tokens/s: token_acc, seq_acc, test_seq_acc, loss, or a task's own such as bpc (lower is better for loss, bpc, per) "
+         "[default: each task's own: bpc for text, query_acc for recall, token_acc for copy, ...].",
 )
+@click.option("--evals", is_flag=True, help="Compare gtx eval runs instead: each checkpoint under another pattern beside the same "
+                                            "checkpoint under its training pattern (paired t-test over the runs).")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True,
               help="csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.")
 @plugins_dir_option
-def compare(results_dir, by, metric, fmt):
-    """Compare runs over seeds: accuracy (mean ± std, 95% interval) against training speed, tested against the full pattern."""
-    from gtx import results
+def compare(results_dir, by, metric, evals, fmt):
+    """Compare runs over seeds: accuracy (mean ± std, 95% interval) against training speed, tested against the full pattern.
 
-    df = results.load(results_dir)
+    Runs pool only when they are one experiment (everything but the seed equal); where the --by
+    columns leave several in one group, the group is split and a settings column says what differs."""
+    from gtx.compare import compare as compare_runs
+    from gtx.compare import compare_evals, format_compare
+    from gtx.results import load
+
+    df = load(results_dir)
     if df.empty:
         raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
-    table = results.compare(df, [c.strip() for c in by.split(",") if c.strip()], metric)
-    click.echo(results.format_compare(table, fmt))
+    table = (compare_evals if evals else compare_runs)(df, [by], metric)
+    click.echo(format_compare(table, fmt))
 
 
 @cli.command(name="plugins")

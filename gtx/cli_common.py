@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from gtx.errors import GtxError
-from gtx.plugins import TASKS, load_plugins
+from gtx.plugins import load_plugins, task_metrics  # noqa: F401  (task_metrics: for the commands)
 
 
 class CliError(click.ClickException):
@@ -62,7 +62,3 @@ def key_value(ctx, param, values):
 def csv_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
-
-def task_metrics() -> dict[str, str]:
-    """Each registered task's own metric (``Task.metric``: bpc for text, query_acc for recall)."""
-    return {name: getattr(entry.obj, "metric", "token_acc") for name, entry in TASKS.entries().items()}

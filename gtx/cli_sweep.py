@@ -86,6 +86,10 @@ def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, r
     cells = sw.plan(grid, results_dir)
     name = sw.sweep_name(grid_file, cells)
     counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
+    rekeyed = sum(c.rekeyed for c in cells)
+    if rekeyed and not quiet:
+        click.echo(f"sweep {name}: {rekeyed} of the complete cells are runs written before results schema 4, matched by keys recomputed "
+                   "from their stored settings (schema 3's keys could mix tasks)", err=True)
     if dry_run:
         for line in sw.dry_run_lines(cells, results_dir, plugins_dirs):
             click.echo(line)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import typing
 from dataclasses import dataclass, field
 
@@ -16,6 +14,7 @@ from gtx.errors import GtxError
 from gtx.model import model_forms
 from gtx.pattern import Pattern
 from gtx.plugins import LOGGERS, MODELS, TASKS
+from gtx.results import identity_keys
 from gtx.spec import parse_pattern
 from gtx.task import Task, make_batch
 from gtx.train import PhaseStats, TrainConfig
@@ -55,7 +54,8 @@ class Resolved:
     chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
     device: torch.device
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
-    cell: str  # Configs.key(): the results' ``cell`` column
+    cell: str  # Configs.keys(): the results' ``cell`` column
+    experiment: str  # ... and its ``experiment`` column (the cell without the seed)
 
     def as_dict(self) -> dict:
         return {
@@ -128,13 +128,13 @@ class Configs:
     chosen: Pattern
     pattern: Pattern
 
-    def key(self) -> str:
-        """The experiment's identity: task, model, chosen pattern, backend, seed and every resolved
-        setting (``--epochs 4`` and ``--set train.epochs=4`` give one key); not the device or folder."""
+    def keys(self) -> tuple[str, str]:
+        """``results.identity_keys``: the run's cell (task, model, chosen pattern, backend, seed and
+        every resolved setting: ``--epochs 4`` and ``--set train.epochs=4`` give one key; not the
+        device or folder) and its experiment (the same without the seed)."""
         c = self.config
-        ident = {"task": c.task, "model": c.model, "pattern": self.chosen.spec, "backend": c.backend, "seed": c.seed,
-                 **{k: dataclasses.asdict(getattr(self, k)) for k in ("model", "task", "train")}}
-        return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        configs = {"model_config": dataclasses.asdict(self.model), "task_config": dataclasses.asdict(self.task), "train": dataclasses.asdict(self.train)}
+        return identity_keys(c.task, c.model, self.chosen.spec, c.backend, configs, c.seed)
 
 
 def resolve_configs(config: RunConfig) -> Configs:
@@ -156,8 +156,8 @@ def resolve_configs(config: RunConfig) -> Configs:
 
 
 def cell_key(config: RunConfig) -> str:
-    """``Configs.key`` of a run configuration: what a sweep looks for in the results' ``cell`` column."""
-    return resolve_configs(config).key()
+    """The cell of a run configuration (``Configs.keys``): what a sweep looks for in the results' ``cell`` column."""
+    return resolve_configs(config).keys()[0]
 
 
 def resolve(config: RunConfig) -> Resolved:
@@ -178,7 +178,7 @@ def resolve(config: RunConfig) -> Resolved:
     probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
     check_budget(c.chosen, list(probe.edges), task.context_len())
-    return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, c.key())
+    return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys())
 
 
 def complete_note(r: Resolved) -> str | None:

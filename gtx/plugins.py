@@ -227,3 +227,8 @@ MODELS = Registry("model", "register_models")
 TASKS = Registry("task", "register_tasks")
 LOGGERS = Registry("logger", "register_loggers")
 BIASES = Registry("bias", "register_biases")
+
+
+def task_metrics() -> dict[str, str]:
+    """Each registered task's own metric (``Task.metric``: bpc for text, query_acc for recall)."""
+    return {name: getattr(entry.obj, "metric", "token_acc") for name, entry in TASKS.entries().items()}

@@ -16,9 +16,10 @@ from pathlib import Path
 import pandas as pd
 
 from gtx import plot
+from gtx.compare import compare, format_compare
 from gtx.errors import GtxError
 from gtx.pattern import STAGES
-from gtx.results import compare, format_compare, load
+from gtx.results import load
 
 DEFAULT_LEN = 64  # pattern pictures of runs without a recorded context_len
 MAX_LEN = 4096  # longer contexts are drawn at this length: building the edges of a longer one takes long
@@ -46,7 +47,7 @@ def _note(text: str) -> str:
 
 
 def comparison_html(df: pd.DataFrame) -> str:
-    """``gtx compare``'s table (``results.compare``, rendered by ``results.format_compare``) as an HTML
+    """``gtx compare``'s table (``gtx.compare.compare``, rendered by ``format_compare``) as an HTML
     table. The markdown rendering pads every column to a fixed width, so the separator line's '|' mark
     the column edges exactly, also around cells that hold a '|' themselves (``local:w=2|strided:l=4``)."""
     lines = format_compare(compare(df), "markdown").splitlines()

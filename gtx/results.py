@@ -7,21 +7,22 @@ epochs, intact; two runs writing into one folder never touch the same file. ``lo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from gtx.errors import GtxError
-from gtx.stats import pareto_front, summarize, verdict, welch_p
 from gtx.task import SPLITS, atomic_write
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: columns added since version 1, with the value older files get on load
-ADDED = {"context_len": pd.NA, "density": float("nan"), "cell": pd.NA, "eval_of": pd.NA}
+ADDED = {"context_len": pd.NA, "density": float("nan"), "cell": pd.NA, "experiment": pd.NA, "eval_of": pd.NA}
+#: the resolved configs an experiment's identity holds, as stored in the ``config`` column
+CONFIG_PARTS = ("model_config", "task_config", "train")
 
 #: name -> pandas dtype, in column order
 COLUMNS: dict[str, str] = {
@@ -34,7 +35,8 @@ COLUMNS: dict[str, str] = {
     "backend": "string",
     "device": "string",
     "seed": "int64",
-    "cell": "string",  # the experiment's key (runner.cell_key): runs of one configuration and seed share it; <NA> before schema 3
+    "cell": "string",  # identity_keys' cell: runs of one configuration and seed share it; <NA> for eval rows
+    "experiment": "string",  # identity_keys' experiment: the cell without the seed, what seeds of one experiment share
     "eval_of": "string",  # `gtx eval` rows: the run whose checkpoint was evaluated; <NA> for training runs
     "epoch": "int64",  # 1-based; test rows carry the last epoch
     "split": "string",  # train | valid | test
@@ -80,6 +82,30 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def identity_keys(task: str, model: str, pattern: str, backend: str, configs: dict[str, dict], seed: int) -> tuple[str, str]:
+    """The ``cell`` and ``experiment`` keys of a run: hashes of its task and model names, canonical
+    pattern, backend and every resolved setting (``configs``: the ``CONFIG_PARTS`` dicts), with and
+    without the seed. Names and settings live under separate keys, so nothing can overwrite anything
+    (schema 3 merged the task's settings over its name: two tasks with equal settings shared a key)."""
+    ident = {"names": {"task": task, "model": model, "pattern": pattern, "backend": backend}, **{k: configs[k] for k in CONFIG_PARTS}}
+
+    def digest(d: dict) -> str:
+        return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    return digest({**ident, "seed": seed}), digest(ident)
+
+
+def _rekey(df: pd.DataFrame) -> pd.DataFrame:
+    """Keys for a run file written before schema 4, recomputed from its stored settings (its own
+    ``cell`` may mix tasks or models); left missing where the file stored no settings."""
+    config = json.loads(df.config.iloc[0]) if df.config.notna().iloc[0] else {}
+    if not all(isinstance(config.get(k), dict) for k in CONFIG_PARTS):
+        return df.assign(cell=pd.NA, experiment=pd.NA)
+    first = df.iloc[0]
+    cell, experiment = identity_keys(first.task, first.model, first.pattern, first.backend, config, int(first.seed))
+    return df.assign(cell=cell if df.eval_of.isna().all() else pd.NA, experiment=experiment)
+
+
 def write_run(results_dir: str | Path, run_id: str, rows: Sequence[dict]) -> Path:
     """Validate and (re)write one run's rows atomically; returns the file."""
     df = validate(pd.DataFrame(list(rows)))
@@ -89,13 +115,15 @@ def write_run(results_dir: str | Path, run_id: str, rows: Sequence[dict]) -> Pat
 
 
 def load(results_dir: str | Path) -> pd.DataFrame:
-    """All runs under a results folder, validated; an empty frame with the schema if there are none."""
+    """All runs under a results folder, validated; an empty frame with the schema if there are none.
+    Files written before schema 4 get their ``cell`` and ``experiment`` recomputed (``_rekey``)."""
     files = sorted((Path(results_dir) / "runs").glob("*.csv"))  # temporary files start with '.'
     frames = []
     for f in files:
         try:
             df = pd.read_csv(f, dtype=str, keep_default_na=False, na_values=[""])
-            frames.append(validate(df.assign(**{c: v for c, v in ADDED.items() if c not in df.columns})))
+            df = validate(df.assign(**{c: v for c, v in ADDED.items() if c not in df.columns}))
+            frames.append(validate(_rekey(df)) if len(df) and df.schema_version.iloc[0] < 4 else df)
         except (ValueError, pd.errors.ParserError) as e:
             warnings.warn(f"skipping {f}: {e}", stacklevel=2)
     if not frames:
@@ -103,12 +131,10 @@ def load(results_dir: str | Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-#: compare()'s per-run metrics before the task's own (``best_valid_<name>``) and the speed
-RUN_METRICS = ["best_valid_token_acc", "best_valid_seq_acc", "best_valid_loss", "test_seq_acc"]
-SPEED = "train_tokens_per_s"
-DEFAULT_METRIC = "best_valid_token_acc"
 #: last words of metric names that improve downwards: losses, bits per character, error rates
 LOWER_IS_BETTER = {"loss", "bpc", "per", "wer", "cer", "ppl"}
+#: metrics stored as columns; any other is a key of a row's ``metrics`` JSON
+COLUMN_METRICS = {"loss", "token_acc", "seq_acc"}
 
 
 def lower_is_better(metric: str) -> bool:
@@ -117,20 +143,29 @@ def lower_is_better(metric: str) -> bool:
     return metric.rsplit("_", 1)[-1] in LOWER_IS_BETTER
 
 
-def _per_run(rows: pd.DataFrame) -> dict:
-    train, valid, test = (rows[rows.split == s] for s in SPLITS)
-    last_train = train[train.epoch == train.epoch.max()]
-    task = pd.DataFrame([scalar_metrics(json.loads(m)) for m in valid.metrics.dropna()])
-    return {
-        "best_valid_token_acc": valid.token_acc.max(),
-        "best_valid_seq_acc": valid.seq_acc.max(),
-        "best_valid_loss": valid.loss.min(),
-        "test_seq_acc": test.seq_acc.iloc[-1] if len(test) else np.nan,
-        # the task's own metrics, each at its best valid epoch; seq_acc and the like are columns already
-        **{f"best_valid_{k}": v.min() if lower_is_better(k) else v.max() for k, v in task.items() if k not in COLUMNS},
-        SPEED: last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
-        "density": rows.density.mean(),
-    }
+def metric_range(metric: str) -> tuple[float, float]:
+    """The values a metric can take, by its last word: accuracies [0, 1], BLEU [0, 100], losses,
+    error rates and speeds [0, inf); anything else unbounded. Confidence intervals are clipped to it."""
+    last = metric.rsplit("_", 1)[-1]
+    if last == "acc":
+        return 0.0, 1.0
+    if last == "bleu":
+        return 0.0, 100.0
+    if last in LOWER_IS_BETTER or metric.endswith("per_s"):
+        return 0.0, np.inf
+    return -np.inf, np.inf
+
+
+def metric_values(rows: pd.DataFrame, base: str) -> pd.Series:
+    """A metric per row, from its column or the row's ``metrics`` JSON (NaN where absent)."""
+    if base in COLUMN_METRICS:
+        return rows[base].astype(float)
+
+    def get(text):
+        v = json.loads(text).get(base) if isinstance(text, str) else None
+        return float(v) if isinstance(v, (int, float)) else np.nan
+
+    return rows["metrics"].map(get).astype(float)
 
 
 def training_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -143,110 +178,11 @@ def training_runs(df: pd.DataFrame) -> pd.DataFrame:
     return df[df.run_id.isin(runs.index[runs.cell.isna() | ~runs.duplicated("cell", keep="last")])]
 
 
-def compare(df: pd.DataFrame, by: Iterable[str] = ("task", "model", "pattern", "backend"), metric: str = DEFAULT_METRIC) -> pd.DataFrame:
-    """One row per group of runs (seeds): accuracy against speed, as numbers (``format_compare`` renders them).
-
-    Per run: best valid token/sequence accuracy and loss over epochs, its test sequence accuracy, the
-    task's own scalar metrics of the valid rows (``best_valid_bpc``, ``best_valid_query_acc``, ...: the
-    best epoch's, min for ``lower_is_better`` metrics, else max), train tokens/s of its last epoch
-    and its density. Rows of ``gtx eval`` (``eval_of`` set) are left out; runs sharing a ``cell`` (same
-    configuration and seed) count once, the latest finished one, as a repeat is no new seed.
-
-    Columns: the ``by`` keys; ``runs`` (n); for each metric ``M`` above and ``train_tokens_per_s``:
-    ``M_mean``, ``M_std`` (sample std, ddof=1; NaN for one run), ``M_ci_low`` and ``M_ci_high`` (95%
-    Student-t interval of the mean over the runs; NaN for one run); ``density`` (mean edges over those
-    the stages allow: 1.0 is full attention). Grouped by ``pattern``, each row is compared with the
-    ``full`` row of the same other ``by`` values (same task, model, backend, ...):
-    ``speed_vs_full`` (mean train tokens/s over full's), ``p_vs_full`` (Welch's t-test, unequal
-    variances, two-sided, of ``metric`` over the runs; NaN for full, or when either side has fewer
-    than 2 runs), ``vs_full`` ("better", "worse" at p < 0.05, else "same"; "-" untested) and
-    ``pareto`` (True on the front of mean ``metric`` against mean train tokens/s among those rows:
-    no other row is at least as good in both and better in one). ``attrs["metric"]`` names ``metric``,
-    which is one of the metric names, its ``best_valid_`` prefix optional (``bpc``).
-    """
-    by = list(by)
-    unknown = [c for c in by if c not in COLUMNS]
-    if unknown:
-        raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(COLUMNS)}")
-    df = training_runs(df)
-    if df.empty:
-        return pd.DataFrame(columns=[*by, "runs"])
-    runs = pd.DataFrame([{**{c: rows[c].iloc[0] for c in by}, "run_id": run_id, **_per_run(rows)} for run_id, rows in df.groupby("run_id", sort=False)])
-    task_metrics = sorted(c for c in runs.columns if c.startswith("best_valid_") and c not in RUN_METRICS)
-    metrics = RUN_METRICS + task_metrics
-    if metric not in metrics:
-        metric = f"best_valid_{metric}"
-    if metric not in metrics:
-        raise GtxError(f"unknown metric {metric.removeprefix('best_valid_')!r}; metrics of these runs: {', '.join(metrics)}")
-    rows, samples = [], []
-    for keys, group in runs.groupby(by, sort=True, dropna=False):
-        row = {**dict(zip(by, keys)), "runs": len(group)}
-        for m in [*metrics, SPEED]:
-            s = summarize(group[m])
-            row.update({f"{m}_mean": s.mean, f"{m}_std": s.std, f"{m}_ci_low": s.ci_low, f"{m}_ci_high": s.ci_high})
-        rows.append({**row, "density": group.density.mean()})
-        samples.append(group[metric].to_numpy(dtype=float))
-    table = pd.DataFrame(rows)
-    if "pattern" in by:
-        table = _against_full(table, samples, [c for c in by if c != "pattern"], metric)
-    table.attrs["metric"] = metric
-    return table
-
-
-def _against_full(table: pd.DataFrame, samples: list[np.ndarray], others: list[str], metric: str) -> pd.DataFrame:
-    """``compare``'s speed_vs_full, p_vs_full, vs_full and pareto, within each group of the ``others`` keys."""
-    sign = -1.0 if lower_is_better(metric) else 1.0  # oriented so that higher is better
-    table = table.assign(speed_vs_full=np.nan, p_vs_full=np.nan, vs_full="-", pareto=False)
-    key = table[others].astype(str).agg("|".join, axis=1) if others else pd.Series("", index=table.index)
-    for idx in table.groupby(key, sort=False).groups.values():
-        group = table.loc[idx]
-        table.loc[idx, "pareto"] = pareto_front(sign * group[f"{metric}_mean"], group[f"{SPEED}_mean"])
-        full = group.index[group.pattern == "full"]
-        if not len(full):
-            continue
-        f = full[0]
-        table.loc[idx, "speed_vs_full"] = group[f"{SPEED}_mean"] / group.at[f, f"{SPEED}_mean"]
-        for i in idx.drop(f):
-            p = welch_p(samples[i], samples[f])
-            table.loc[i, ["p_vs_full", "vs_full"]] = p, verdict(p, sign * (group.at[i, f"{metric}_mean"] - group.at[f, f"{metric}_mean"]))
-    return table
-
-
-def format_compare(table: pd.DataFrame, fmt: str = "table") -> str:
-    """Render ``compare()``'s table. CSV: its numeric columns as they are. Table and markdown, to stay
-    readable: ``mean ± std`` per metric (just the mean for one run), the chosen metric first with its
-    95% interval beside it (``ci95``), metrics no run has and ``best_valid_loss`` (unless chosen: the
-    accuracies and bpc say it) left out, ``welch_p`` for ``p_vs_full`` and ``*`` marking the front."""
-    if fmt == "csv" or "runs" not in table.columns:
-        return format_table(table, fmt)
-    metric = table.attrs.get("metric", DEFAULT_METRIC)
-    names = [c.removesuffix("_mean") for c in table.columns if c.endswith("_mean")]
-    shown = sorted((m for m in names if table[f"{m}_mean"].notna().any() and (m != "best_valid_loss" or m == metric)), key=lambda m: m != metric)
-    view = table.loc[:, :"runs"].copy()
-    for m in shown:
-        view[m] = [_pm(mean, std) for mean, std in zip(table[f"{m}_mean"], table[f"{m}_std"])]
-        if m == metric:
-            view["ci95"] = ["-" if np.isnan(lo) else f"[{_cell(lo)}, {_cell(hi)}]" for lo, hi in zip(table[f"{m}_ci_low"], table[f"{m}_ci_high"])]
-    view["density"] = table.density
-    if "pareto" in table.columns:
-        view["speed_vs_full"] = table.speed_vs_full
-        view["welch_p"] = ["-" if np.isnan(p) else "<0.001" if p < 0.001 else f"{p:.3f}" for p in table.p_vs_full]
-        view["vs_full"] = table.vs_full
-        view["pareto"] = np.where(table.pareto, "*", "")
-    return format_table(view, fmt)
-
-
-def _pm(mean: float, std: float) -> str:
-    if np.isnan(std):
-        return _cell(mean)
-    return f"{_cell(mean)} ± {f'{std:.4f}' if abs(mean) < 10 else f'{std:,.0f}'}"  # std to the mean's precision
-
-
 def format_table(df: pd.DataFrame, fmt: str = "table") -> str:
-    """Render a comparison as an aligned text table, GitHub markdown, or CSV."""
+    """Render a table as aligned text, GitHub markdown, or CSV (numbers by ``cell_text``)."""
     if fmt == "csv":
         return df.to_csv(index=False)
-    cells = [[_cell(v) for v in row] for row in df.itertuples(index=False)]
+    cells = [[cell_text(v) for v in row] for row in df.itertuples(index=False)]
     header = [str(c) for c in df.columns]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
     if fmt == "markdown":
@@ -259,7 +195,8 @@ def format_table(df: pd.DataFrame, fmt: str = "table") -> str:
     return "\n".join(lines)
 
 
-def _cell(v) -> str:
+def cell_text(v) -> str:
+    """A number for a table: 4 decimals below 10, else thousands separated; NaN as '-'."""
     if isinstance(v, (float, np.floating)):
         if np.isnan(v):
             return "-"

@@ -130,6 +130,8 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
         trainer.load_state_dict(state)
         torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
         common, rows, start, best = json.loads(state["common"]), checkpoint.rows_of(state), state["epoch"] + 1, state["best_valid_loss"]
+        keys = {"schema_version": SCHEMA_VERSION, "cell": r.cell, "experiment": r.experiment}  # a checkpoint from before schema 4 is rekeyed
+        common, rows = {**common, **keys}, [{**row, **keys} for row in rows]
         run_id = common["run_id"]
     else:
         if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
@@ -137,7 +139,8 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
         run_id, started = world.broadcast(_new_run_id(config.task, config.model))
         common = {
             "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
-            "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell, "eval_of": None,
+            "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell,
+            "experiment": r.experiment, "eval_of": None,
             "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": sum(p.numel() for p in model.parameters()),
             "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
         }
@@ -154,7 +157,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     loggers.call("start", json.loads(common["config"]))
     steps_per_epoch = -(-len(r.task.splits()["train"]) // r.train.batch_size)
     part = (world.rank, world.size)
-    epoch = start - 1
+    epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     status = "failed"
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
     attention.reset_choices(), attention.reset_usage()
@@ -182,11 +185,12 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                     checkpoint.save(ckpt_dir / checkpoint.BEST, snapshot)
                 write_run(results_dir, run_id, rows)
                 loggers.call("epoch_end", epoch, new)
+            last = epoch
             say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s) | "
                 f"valid acc {new[1]['token_acc']:.4f} " + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
         beam = getattr(r.task_config, "beam", 1)
         test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
-        rows.append(_row(common, epoch, "test", test, attention))
+        rows.append(_row(common, last, "test", test, attention))
         if world.main:
             checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
             write_run(results_dir, run_id, rows)
@@ -229,8 +233,9 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
                      beam=beam or getattr(r.task_config, "beam", 1))
     run_id, started = _new_run_id(config.task, config.model, "-eval")
     setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"]}
-    common = {**source, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"), "pattern": r.chosen.spec, "cell": None,
-              "eval_of": source["run_id"], "backend": config.backend, "device": str(r.device), "config": json.dumps(setup, sort_keys=True), **_versions()}
+    common = {**source, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
+              "pattern": r.chosen.spec, "cell": None, "experiment": r.experiment, "eval_of": source["run_id"], "backend": config.backend,
+              "device": str(r.device), "config": json.dumps(setup, sort_keys=True), **_versions()}
     rows = [_row(common, state["epoch"], split, stats, attention)]
     write_run(_results_dir(results_dir), run_id, rows)
     return pd.DataFrame(rows)

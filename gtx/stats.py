@@ -53,6 +53,19 @@ def welch_p(a, b) -> float:
     return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
 
 
+def paired_p(a, b) -> float:
+    """Two-sided p-value of the paired t-test that ``a - b`` has mean 0 (pairs with a NaN left out).
+
+    NaN for fewer than 2 pairs. Constant differences: 1.0 if all are 0, else 0.0 (as ``welch_p``)."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    d = d[~np.isnan(d)]
+    if len(d) < 2:
+        return math.nan
+    if d.std() == 0:
+        return 1.0 if d.mean() == 0 else 0.0
+    return float(sps.ttest_1samp(d, 0.0).pvalue)
+
+
 def verdict(p: float, gain: float, alpha: float = 0.05) -> str:
     """``"better"`` or ``"worse"`` (the sign of ``gain``, a difference oriented so that positive is better)
     when ``p < alpha``, else ``"same"``; ``"-"`` when ``p`` is NaN (too few runs to test)."""

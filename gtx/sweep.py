@@ -129,7 +129,8 @@ def read_grid_file(path: str | Path) -> dict:
 
 @dataclass
 class Cell:
-    """One run of the grid: ``action`` is ``skip`` (a complete run exists), ``resume`` (``run_id``) or ``run``."""
+    """One run of the grid: ``action`` is ``skip`` (a complete run exists), ``resume`` (``run_id``) or ``run``;
+    ``rekeyed``: skipped for a run written before schema 4, matched by the key recomputed from its settings."""
 
     index: int
     config: object  # runner.RunConfig
@@ -137,6 +138,7 @@ class Cell:
     label: str
     action: str = "run"
     run_id: str | None = None
+    rekeyed: bool = False
 
 
 def _label(config, swept: Iterable[str]) -> str:
@@ -144,16 +146,18 @@ def _label(config, swept: Iterable[str]) -> str:
     return f"task={config.task} model={config.model} pattern={config.pattern} backend={config.backend} seed={config.seed} {settings}".strip()
 
 
-def cell_states(results_dir: str | Path) -> dict[str, tuple[bool, str]]:
-    """cell key -> (has a complete run, run id of its latest run), from the training rows under ``results_dir``."""
-    from gtx.results import load
+def cell_states(results_dir: str | Path) -> dict[str, tuple[bool, str, bool]]:
+    """cell key -> (has a complete run, run id of its latest run, its complete runs predate schema 4),
+    from the training rows under ``results_dir`` (``results.load`` recomputes the older files' keys)."""
+    from gtx.results import SCHEMA_VERSION, load
 
     df = load(results_dir)
     df = df[df.eval_of.isna() & df.cell.notna()]
     states = {}
     for cell, rows in df.groupby("cell", sort=False):
         latest = rows.sort_values(["started_at", "run_id"]).run_id.iloc[-1]
-        states[cell] = (bool((rows.split == "test").any()), latest)
+        complete = rows[rows.run_id.isin(rows.run_id[rows.split == "test"])]
+        states[cell] = (len(complete) > 0, latest, len(complete) > 0 and bool((complete.schema_version < SCHEMA_VERSION).all()))
     return states
 
 
@@ -186,7 +190,7 @@ def plan(grid: Grid, results_dir: str | Path) -> list[Cell]:
             cells.append(Cell(len(cells), config, key, label))
     states = cell_states(results_dir)
     for cell in cells:
-        complete, latest = states.get(cell.key, (False, None))
+        complete, latest, cell.rekeyed = states.get(cell.key, (False, None, False))
         if complete:
             cell.action = "skip"
         elif latest and last_checkpoint(results_dir, latest).is_file():

@@ -137,3 +137,13 @@ def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     assert key != cell_key(RunConfig(pattern="local", seed=1, settings={"epochs": "4", "dim": "16"}))
     assert key != cell_key(RunConfig(pattern="local", settings={"epochs": "3", "dim": "16"}))
     assert key == cell_key(RunConfig(pattern="local", device="cpu", results_dir="elsewhere", settings={"epochs": "4", "dim": "16"}))
+    assert key != cell_key(RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"}))  # equal settings, other task
+
+
+def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp_path):
+    result = gtx("run", "--max-steps", "2", "--epochs", "3", "--layers", "1", "--results", str(tmp_path), *[a for a in TINY if a != "--quiet"])
+    assert result.exit_code == 0, result.output
+    df = load(tmp_path)
+    assert df[["split", "epoch"]].values.tolist() == [["train", 1], ["valid", 1], ["test", 1]]
+    summary = result.output[result.output.index("split"):].splitlines()
+    assert [line.split()[0] for line in summary[1:4]] == ["train", "valid", "test"]

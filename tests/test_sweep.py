@@ -1,5 +1,7 @@
 """gtx sweep: grid parsing, planning (skip, resume, restart), dry runs, bad input, and tiny sweeps end to end."""
 
+import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -13,8 +15,9 @@ from click.testing import CliRunner
 
 from gtx import sweep as sw
 from gtx.cli import cli
+from gtx.config import RunConfig, resolve_configs
 from gtx.errors import GtxError
-from gtx.results import COLUMNS, load, write_run
+from gtx.results import COLUMNS, SCHEMA_VERSION, load, write_run
 
 TINY = ["--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
         "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--layers", "1"]
@@ -49,11 +52,11 @@ def test_children_share_the_cores_unless_told():
     assert sw.child_env(2, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
 
 
-def fake_run(results, run_id, cell, splits, started, eval_of=None):
+def fake_run(results, run_id, cell, splits, started, eval_of=None, **kw):
     """A run file with the given splits, without training anything."""
     base = {c: 0 if t == "int64" else 0.0 if t == "float64" else None if t == "Int64" else "x" for c, t in COLUMNS.items()}
-    write_run(results, run_id, [{**base, "run_id": run_id, "started_at": started, "cell": cell, "eval_of": eval_of, "split": s, "epoch": 1}
-                                for s in splits])
+    write_run(results, run_id, [{**base, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started, "cell": cell,
+                                 "eval_of": eval_of, "split": s, "epoch": 1, **kw} for s in splits])
 
 
 def checkpoint(results, run_id):
@@ -102,6 +105,34 @@ def test_dry_run_prints_one_quoted_command_per_cell_and_writes_nothing(tmp_path)
     # a spelling of one experiment twice (local is local:w=4) is one cell
     twice = gtx("--pattern", "local", "--pattern", "local:w=4", "--results", res, "--dry-run", "--quiet")
     assert len(twice.output.splitlines()) == 1
+
+
+def test_every_task_and_model_is_a_cell_of_its_own(tmp_path):
+    res = tmp_path / "res"
+    result = gtx("--task", "copy,sort", "--model", "transformer,ut", "--pattern", "full", "--pattern", "local:w=4", "--seeds", "0-1",
+                 "--results", res, "--dry-run", "--quiet")
+    argvs = [shlex.split(line) for line in result.output.splitlines()]
+    cells = {tuple(a[a.index(f"--{o}") + 1] for o in ("task", "model", "pattern", "seed")) for a in argvs}
+    assert len(argvs) == 16 and len(cells) == 16  # copy and sort have equal settings: their names keep them apart
+
+
+def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are_rekeyed(tmp_path):
+    res = tmp_path / "res"
+    grid = sw.make_grid(task=["copy", "sort"])
+    copy, sort = sw.plan(grid, res)
+    fake_run(res, "c", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", task="copy")
+    assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
+    # a schema-3 file stored a key that task names could collide in: its key is recomputed from its stored settings
+    c = resolve_configs(RunConfig(task="sort"))
+    settings = json.dumps({"model_config": dataclasses.asdict(c.model), "task_config": dataclasses.asdict(c.task), "train": dataclasses.asdict(c.train)})
+    fake_run(res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, task="sort", model="transformer",
+             pattern="full", backend="auto", seed=0, config=settings)
+    assert load(res).drop_duplicates("run_id").set_index("run_id").cell.to_dict() == {"c": copy.key, "old": sort.key}
+    assert [(c.action, c.rekeyed) for c in sw.plan(grid, res)] == [("skip", False), ("skip", True)]
+    said = gtx("--task", "copy,sort", "--results", res, "--dry-run")
+    assert said.exit_code == 0 and "1 of the complete cells are runs written before results schema 4" in said.output
+    fake_run(res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, config="{}")  # no settings stored
+    assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
 
 
 GRID = """\
