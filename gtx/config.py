@@ -18,9 +18,10 @@ from gtx.results import identity_keys
 from gtx.spec import parse_pattern
 from gtx.task import Task, make_batch
 from gtx.train import PhaseStats, TrainConfig
-from gtx.values import parse_scalar
+from gtx.values import out_of_range, parse_scalar
 
 DEFAULT_BACKEND = "auto"
+MAX_SEED = 2**31 - 1  # seeds derived from it (per epoch, per rank) stay within torch's and numpy's 64-bit range
 NEARLY_COMPLETE = 0.99  # density from which a pattern counts as full attention (complete_note)
 
 
@@ -102,6 +103,11 @@ def build_configs(settings: dict[str, str], targets: dict[str, tuple[str, type]]
             out[kind] = cls(**values[kind])
         except (TypeError, ValueError) as e:
             raise GtxError(f"bad settings for {kind} {name!r}: {e}") from None
+        bad = out_of_range(out[kind])
+        if bad:
+            field_name, value, interval = bad
+            owner = "training" if kind == "train" else f"{kind} {name!r}"
+            raise GtxError(f"--set {field_name}={value}: {owner} needs {field_name} in {interval}")
     return out
 
 
@@ -139,6 +145,8 @@ class Configs:
 
 def resolve_configs(config: RunConfig) -> Configs:
     """Names, settings and the pattern spec checked and resolved; no data generated, nothing written."""
+    if not 0 <= config.seed <= MAX_SEED:
+        raise GtxError(f"--seed {config.seed}: choose a seed from 0 to {MAX_SEED}")
     task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
     for name in config.loggers:
         LOGGERS.get(name)

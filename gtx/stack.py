@@ -17,22 +17,23 @@ from torch import nn
 from gtx.act import AdaptiveComputation, Halting
 from gtx.engine import update_graph
 from gtx.model import Embeddings, EncoderLayer, GraphModel, PositionalEncoding
+from gtx.values import setting
 
 
 @dataclass
 class StackConfig:
-    layers: int = field(default=2, metadata={"help": "layers (universal: the most steps is max_depth instead)"})
-    heads: int = 4
-    dim: int = field(default=128, metadata={"help": "d_model"})
-    dim_ff: int = 512
-    dropout: float = 0.1
-    max_len: int = field(default=16384, metadata={"help": "positions the model has: the longest sequence it reads"})
+    layers: int = setting(2, "layers (universal: the most steps is max_depth instead)", "[1, inf)")
+    heads: int = setting(4, range="[1, inf)")
+    dim: int = setting(128, "d_model", "[1, inf)")
+    dim_ff: int = setting(512, range="[1, inf)")
+    dropout: float = setting(0.1, range="[0, 1)")
+    max_len: int = setting(16384, "positions the model has: the longest sequence it reads", "[1, inf)")
     universal: bool = field(default=False, metadata={"help": "one shared layer repeated per node with ACT halting (as ut)"})
-    max_depth: int = field(default=8, metadata={"help": "universal: most recurrent steps per node"})
-    threshold: float = field(default=0.99, metadata={"help": "universal: a node halts once its halting probabilities sum to this"})
-    act_loss_weight: float = 0.01
+    max_depth: int = setting(8, "universal: most recurrent steps per node", "[1, inf)")
+    threshold: float = setting(0.99, "universal: a node halts once its halting probabilities sum to this", "(0, 1]")
+    act_loss_weight: float = setting(0.01, range="[0, inf)")
     act: bool = field(default=True, metadata={"help": "universal: False runs every node max_depth steps"})
-    embed_scale: float = field(default=4.0, metadata={"help": "token embeddings are multiplied by this"})
+    embed_scale: float = setting(4.0, "token embeddings are multiplied by this", "(0, inf)")
 
 
 class SelfAttentionStack(AdaptiveComputation, GraphModel):

@@ -20,19 +20,20 @@ from gtx.graph import possible_edges
 from gtx.model import GraphModel
 from gtx.pattern import STAGES, Pattern
 from gtx.task import IGNORE, Batch, Task
+from gtx.values import setting
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = field(default=4, metadata={"help": "passes over the training split"})
-    max_steps: int = field(default=0, metadata={"help": "stop after this many optimizer steps (0: no limit)"})
-    batch_size: int = field(default=128, metadata={"help": "examples per batch"})
-    eval_batch_size: int = 256
-    lr_factor: float = field(default=0.5, metadata={"help": "Noam schedule factor"})
-    warmup: int = field(default=200, metadata={"help": "Noam warm-up steps"})
-    label_smoothing: float = 0.1
-    clip_norm: float = field(default=1.0, metadata={"help": "gradient norm clip (0: off)"})
-    decode_valid: int = field(default=-1, metadata={"help": "valid examples decoded per epoch for seq_acc (-1: all, 0: none)"})
+    epochs: int = setting(4, "passes over the training split", "[1, inf)")
+    max_steps: int = setting(0, "stop after this many optimizer steps (0: no limit)", "[0, inf)")
+    batch_size: int = setting(128, "examples per batch", "[1, inf)")
+    eval_batch_size: int = setting(256, range="[1, inf)")
+    lr_factor: float = setting(0.5, "Noam schedule factor", "(0, inf)")
+    warmup: int = setting(200, "Noam warm-up steps", "[1, inf)")
+    label_smoothing: float = setting(0.1, range="[0, 1)")
+    clip_norm: float = setting(1.0, "gradient norm clip (0: off)", "[0, inf)")
+    decode_valid: int = setting(-1, "valid examples decoded per epoch for seq_acc (-1: all, 0: none)", "[-1, inf)")
 
 
 def noam_lr(step: int, dim: int, factor: float, warmup: int) -> float:

@@ -7,6 +7,7 @@ import numpy as np
 
 from gtx import hookimpl
 from gtx.task import Task, Vocab, disjoint_splits
+from gtx.values import setting
 
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 DIGITS = [str(d) for d in range(10)]
@@ -14,11 +15,11 @@ DIGITS = [str(d) for d in range(10)]
 
 @dataclass
 class LetterConfig:
-    n_train: int = field(default=9000, metadata={"help": "training examples"})
-    n_valid: int = 1000
-    n_test: int = 1000
-    mean_len: float = field(default=15.0, metadata={"help": "lengths are int(N(mean_len, std_len)), at least 1"})
-    std_len: float = 3.0
+    n_train: int = setting(9000, "training examples", "[1, inf)")
+    n_valid: int = setting(1000, range="[1, inf)")
+    n_test: int = setting(1000, range="[1, inf)")
+    mean_len: float = setting(15.0, "lengths are int(N(mean_len, std_len)), at least 1", "[1, inf)")
+    std_len: float = setting(3.0, range="[0, inf)")
     seed: int = 0
 
 
@@ -58,11 +59,11 @@ class Sort(LetterTask):
 
 @dataclass
 class DigitConfig:
-    n_train: int = 9000
-    n_valid: int = 1000
-    n_test: int = 1000
-    train_len: int = field(default=20, metadata={"help": "train and valid lengths are uniform on 1..train_len"})
-    test_len: int = field(default=40, metadata={"help": "test lengths are uniform on train_len+1..test_len (generalisation)"})
+    n_train: int = setting(9000, range="[1, inf)")
+    n_valid: int = setting(1000, range="[1, inf)")
+    n_test: int = setting(1000, range="[1, inf)")
+    train_len: int = setting(20, "train and valid lengths are uniform on 1..train_len", "[1, inf)")
+    test_len: int = setting(40, "test lengths are uniform on train_len+1..test_len (generalisation)", "[1, inf)")
     generalise: bool = field(default=True, metadata={"help": "False: test lengths like train"})
     seed: int = 0
 

@@ -11,17 +11,18 @@ from functools import lru_cache
 
 from gtx import hookimpl
 from gtx.task import Task, edit_distance, stable_fraction
+from gtx.values import setting
 
 WORD = re.compile(r"[a-z']+\Z")
 
 
 @dataclass
 class G2PConfig:
-    valid_frac: float = 0.05
-    test_frac: float = 0.05
-    max_words: int = field(default=0, metadata={"help": "keep the first N words by hash (0 = all ~124k)"})
+    valid_frac: float = setting(0.05, range="(0, 1)")
+    test_frac: float = setting(0.05, range="(0, 1)")
+    max_words: int = setting(0, "keep the first N words by hash (0 = all ~124k)", "[0, inf)")
     stress: bool = field(default=False, metadata={"help": "keep vowel stress digits (AH0 vs AH)"})
-    beam: int = field(default=4, metadata={"help": "beam width for test decoding (1 = greedy)"})
+    beam: int = setting(4, "beam width for test decoding (1 = greedy)", "[1, inf)")
     seed: int = 0
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gtx import hookimpl
 from gtx.task import Task, Vocab
+from gtx.values import setting
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 CLOSE = "]"
@@ -21,13 +22,13 @@ CLOSE = "]"
 
 @dataclass
 class ListOpsConfig:
-    n_train: int = field(default=10000, metadata={"help": "LRA: 96000"})
-    n_valid: int = field(default=1000, metadata={"help": "LRA: 2000"})
-    n_test: int = field(default=1000, metadata={"help": "LRA: 2000"})
-    min_len: int = field(default=20, metadata={"help": "token length > min_len (LRA: 500)"})
-    max_len: int = field(default=100, metadata={"help": "token length < max_len (LRA: 2000)"})
-    max_depth: int = 10
-    max_args: int = 10
+    n_train: int = setting(10000, "LRA: 96000", "[1, inf)")
+    n_valid: int = setting(1000, "LRA: 2000", "[1, inf)")
+    n_test: int = setting(1000, "LRA: 2000", "[1, inf)")
+    min_len: int = setting(20, "token length > min_len (LRA: 500)", "[0, inf)")
+    max_len: int = setting(100, "token length < max_len (LRA: 2000)", "[1, inf)")
+    max_depth: int = setting(10, range="[1, inf)")
+    max_args: int = setting(10, range="[1, inf)")
     seed: int = 0
     form: str = field(default="seq2seq", metadata={"help": "seq2seq (transformer, ut) or classify (encoder)"})
     preset: str = field(default="", metadata={"help": "lra: the paper's lengths and sizes, for settings left at their defaults"})

@@ -55,6 +55,7 @@ import numpy as np
 
 from gtx import hookimpl
 from gtx.task import Task, Vocab, disjoint_splits
+from gtx.values import setting
 
 FIRST_BUCKET = 32  # distances 0..31 share the first bucket: within a local:w=32 window
 PLACEMENTS = ("power", "uniform")
@@ -70,16 +71,16 @@ def bucket(d: int, width: int = 4) -> str:
 
 @dataclass
 class RecallConfig:
-    seq_len: int = field(default=1024, metadata={"help": "tokens per valid/test sequence and the longest training one"})
+    seq_len: int = setting(1024, "tokens per valid/test sequence and the longest training one", "[1, inf)")
     n_pairs: int = field(default=4, metadata={"help": "key-value pairs at the start of each sequence"})
-    n_keys: int = field(default=16, metadata={"help": "key vocabulary (the keys of a sequence are distinct)"})
+    n_keys: int = setting(16, "key vocabulary (the keys of a sequence are distinct)", "[1, inf)")
     n_values: int = field(default=16, metadata={"help": "value vocabulary (chance accuracy is 1 / n_values)"})
     queries_per_key: int = field(default=4, metadata={"help": "times each key is queried in a sequence (Zoology: 1)"})
     placement: str = field(default="uniform", metadata={"help": "query slots: power (Zoology's power law, 1/(slot+1)) or uniform"})
     train_min_len: int = field(default=64, metadata={"help": "training lengths log-uniform on [train_min_len, seq_len], clipped to what fits (0: all seq_len)"})
-    n_train: int = 4000
-    n_valid: int = 200
-    n_test: int = 200
+    n_train: int = setting(4000, range="[1, inf)")
+    n_valid: int = setting(200, range="[1, inf)")
+    n_test: int = setting(200, range="[1, inf)")
     seed: int = 0
 
     def min_len(self) -> int:

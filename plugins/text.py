@@ -33,6 +33,7 @@ from pathlib import Path
 
 from gtx import hookimpl
 from gtx.task import Task, Vocab
+from gtx.values import setting
 
 BUILTIN = Path(__file__).resolve().parent / "data" / "kjv.txt.xz"
 PERCENT = (90, 95)  # the train/valid and valid/test boundaries, in percent of the text
@@ -41,7 +42,7 @@ BYTE_LEVEL = {"enwik8"}  # file stems read byte by byte under tokens=auto
 
 @dataclass
 class TextConfig:
-    context: int = field(default=512, metadata={"help": "tokens the model reads per example (windows of context+1, stride context)"})
+    context: int = setting(512, "tokens the model reads per example (windows of context+1, stride context)", "[1, inf)")
     data_file: str = field(default="", metadata={"help": "text file, enwik8, text8 (or their .zip); empty: the built-in King James Bible"})
     tokens: str = field(default="auto", metadata={"help": "char, byte, or auto (byte for enwik8, else char)"})
     train_tokens: int = field(default=0, metadata={"help": "train on the first N tokens of the train split (0 = all)"})

@@ -11,17 +11,18 @@ from torch import nn
 from gtx import hookimpl
 from gtx.engine import propagate_attention, update_graph
 from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
+from gtx.values import setting
 
 
 @dataclass
 class TransformerConfig:
-    layers: int = field(default=2, metadata={"help": "encoder and decoder layers"})
-    heads: int = 4
-    dim: int = field(default=128, metadata={"help": "d_model"})
-    dim_ff: int = 512
-    dropout: float = 0.1
+    layers: int = setting(2, "encoder and decoder layers", "[1, inf)")
+    heads: int = setting(4, range="[1, inf)")
+    dim: int = setting(128, "d_model", "[1, inf)")
+    dim_ff: int = setting(512, range="[1, inf)")
+    dropout: float = setting(0.1, range="[0, 1)")
     share_embeddings: bool = field(default=True, metadata={"help": "tie source/target embeddings and the output projection"})
-    embed_scale: float = field(default=4.0, metadata={"help": "token embeddings are multiplied by this (the seeds: sqrt(dim))"})
+    embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
 
 
 class Transformer(Seq2SeqModel):

@@ -12,6 +12,7 @@ from pathlib import Path
 from gtx import hookimpl
 from gtx.errors import GtxError
 from gtx.task import Task, Vocab
+from gtx.values import setting
 
 FILES = {"train": "train", "valid": "val", "test": "test"}
 
@@ -21,9 +22,9 @@ class TranslationConfig:
     data_dir: str = field(default="", metadata={"help": "folder with train/val/test .src and .tgt files"})
     tokens: str = field(default="word", metadata={"help": "word or char"})
     lowercase: bool = True
-    min_freq: int = field(default=1, metadata={"help": "rarer training tokens become <unk>"})
-    max_len: int = field(default=100, metadata={"help": "drop training pairs longer than this (tokens)"})
-    beam: int = field(default=4, metadata={"help": "beam width for test decoding (1 = greedy)"})
+    min_freq: int = setting(1, "rarer training tokens become <unk>", "[1, inf)")
+    max_len: int = setting(100, "drop training pairs longer than this (tokens)", "[1, inf)")
+    beam: int = setting(4, "beam width for test decoding (1 = greedy)", "[1, inf)")
 
 
 class Translation(Task):

@@ -12,20 +12,21 @@ from gtx import hookimpl
 from gtx.act import AdaptiveComputation, Halting
 from gtx.engine import apply_nodes, propagate_attention, update_graph
 from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
+from gtx.values import setting
 
 
 @dataclass
 class UTConfig:
-    heads: int = 4
-    dim: int = 128
-    dim_ff: int = 512
-    dropout: float = 0.1
-    max_depth: int = field(default=8, metadata={"help": "most recurrent steps per node"})
-    threshold: float = field(default=0.99, metadata={"help": "a node halts once its halting probabilities sum to this"})
-    act_loss_weight: float = 0.01
+    heads: int = setting(4, range="[1, inf)")
+    dim: int = setting(128, range="[1, inf)")
+    dim_ff: int = setting(512, range="[1, inf)")
+    dropout: float = setting(0.1, range="[0, 1)")
+    max_depth: int = setting(8, "most recurrent steps per node", "[1, inf)")
+    threshold: float = setting(0.99, "a node halts once its halting probabilities sum to this", "(0, 1]")
+    act_loss_weight: float = setting(0.01, range="[0, inf)")
     act: bool = field(default=True, metadata={"help": "False: no halting, every node runs max_depth steps"})
     share_embeddings: bool = True
-    embed_scale: float = field(default=4.0, metadata={"help": "token embeddings are multiplied by this (the seeds: sqrt(dim))"})
+    embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
 
 
 class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):

@@ -58,6 +58,15 @@ def test_mission_command_shape_ut_local(tmp_path):
         (["--dim", "10", "--heads", "3"], "bad settings for model 'transformer': d_model=10 must be divisible by heads=3"),
         (["--task", "reverse", "--set", "train_len=10", "--set", "test_len=5"],
          "bad settings for task 'reverse': need train_len >= 1 and test_len > train_len"),
+        # every setting checked against its declared range before anything runs
+        (["--set", "heads=-2"], "--set heads=-2: model 'transformer' needs heads in [1, inf)"),
+        (["--set", "dim=-1"], "--set dim=-1: model 'transformer' needs dim in [1, inf)"),
+        (["--set", "batch_size=0"], "--set batch_size=0: training needs batch_size in [1, inf)"),
+        (["--set", "warmup=0"], "--set warmup=0: training needs warmup in [1, inf)"),
+        (["--set", "lr_factor=-1"], "--set lr_factor=-1.0: training needs lr_factor in (0, inf)"),
+        (["--set", "dropout=nan"], "--set dropout=nan: model 'transformer' needs dropout in [0, 1)"),
+        (["--set", "mean_len=-3"], "--set mean_len=-3.0: task 'copy' needs mean_len in [1, inf)"),
+        (["--seed", str(2**70)], "--seed 1180591620717411303424: choose a seed from 0 to 2147483647"),
     ],
 )
 def test_bad_input_one_line_exit_2_writes_nothing(tmp_path, args, message):
