@@ -36,13 +36,14 @@ def save(path: Path, state: dict) -> None:
     atomic_write(path, buffer.getvalue())
 
 
-def load(path: str | Path) -> dict:
-    """Read a checkpoint on the CPU; a missing, truncated or foreign file is one GtxError line."""
+def load(path: str | Path, mmap: bool = False) -> dict:
+    """Read a checkpoint on the CPU; a missing, truncated or foreign file is one GtxError line.
+    ``mmap``: map the tensors instead of reading them, for a cheap look at the rest (its epoch, rows)."""
     path = Path(path)
     if not path.is_file():
         raise GtxError(f"checkpoint {path} does not exist; runs keep theirs under <results>/checkpoints/<run_id>/ ({LAST}, {BEST})")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         raise GtxError(f"checkpoint {path} is truncated or not a gtx checkpoint ({type(e).__name__}); use a file written by gtx run") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:

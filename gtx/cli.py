@@ -7,7 +7,7 @@
     gtx show-pattern local:w=2 --src-len 8 --tgt-len 6
 
 Commands with modules of their own: ``gtx sweep`` (cli_sweep.py), ``gtx plot`` and ``gtx report``
-(cli_plot.py), ``gtx bench`` (cli_bench.py).
+(cli_plot.py), ``gtx bench`` (cli_bench.py), ``gtx runs`` and ``gtx show RUN`` (cli_runs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from gtx import __version__
 from gtx.cli_bench import bench
 from gtx.cli_common import CliError, GtxGroup, key_value, plugins_dir_option
 from gtx.cli_plot import plot, report
+from gtx.cli_runs import runs, show
 from gtx.cli_sweep import sweep
 from gtx.distributed import is_main_process
 from gtx.errors import GtxError
@@ -263,7 +264,7 @@ def plugins_list(show_all):
     click.echo(json.dumps(out, indent=2))
 
 
-for command in (bench, plot, report, sweep):  # commands with modules of their own
+for command in (bench, plot, report, runs, show, sweep):  # commands with modules of their own
     cli.add_command(command)
 
 
