@@ -171,6 +171,12 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
     from gtx.runner import RunConfig
     from gtx.runner import run as run_experiment
 
+    if resume is not None:  # the checkpoint's configuration is the run's: an option given beside it would be ignored
+        ctx = click.get_current_context()
+        given = [p.opts[0] for p in ctx.command.params if p.name not in ("resume", "results_dir", "quiet", "plugins_dir")
+                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise CliError(f"--resume {resume} continues the run with its own settings; drop {', '.join(given)}, or start a new run with them")
     shortcuts = {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "layers": layers, "heads": heads, "dim": dim, "dim_ff": dim_ff}
     settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
     config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, seed=seed, results_dir=results_dir,

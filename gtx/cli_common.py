@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from gtx.distributed import is_main_process
 from gtx.errors import GtxError
 from gtx.plugins import load_plugins, task_metrics  # noqa: F401  (task_metrics: for the commands)
 
@@ -23,6 +24,8 @@ class GtxGroup(click.Group):
         try:
             return super().invoke(ctx)
         except GtxError as e:
+            if not is_main_process():  # under torchrun every rank meets the same error: rank 0 alone says it
+                ctx.exit(getattr(e, "exit_code", CliError.exit_code))
             error = CliError(str(e))
             error.exit_code = getattr(e, "exit_code", CliError.exit_code)
             raise error from None

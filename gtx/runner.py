@@ -55,14 +55,24 @@ def _versions() -> dict[str, str]:
     return {"gtx_version": gtx.__version__, "torch_version": torch.__version__, "dgl_version": dgl_version}
 
 
-def _results_dir(name: str) -> Path:
-    results_dir = Path(name)
+def writable_dir(path: Path, what: str = "--results") -> Path:
+    """``path`` created if missing and writable, else one line naming it: checked before work that would be lost."""
     try:
-        results_dir.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise GtxError(f"--results {results_dir}: cannot create the folder ({e.strerror}); choose another") from None
-    if not os.access(results_dir, os.W_OK):
-        raise GtxError(f"--results {results_dir}: not writable; choose another folder")
+        raise GtxError(f"{what} {path}: cannot create the folder ({e.strerror}); choose another --results folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise GtxError(f"{what} {path}: not writable; choose another --results folder")
+    return path
+
+
+def _results_dir(name: str, run_id: str | None = None) -> Path:
+    """The results folder with the places a run writes to (``runs/`` and, for ``run_id``, its
+    checkpoint folder) created and writable before the first step."""
+    results_dir = writable_dir(Path(name))
+    writable_dir(results_dir / "runs", "results folder")
+    if run_id:
+        writable_dir(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
     return results_dir
 
 
@@ -96,12 +106,17 @@ def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Att
 
 def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
     """The last checkpoint of an unfinished run, and its configuration (writing into ``results_dir``)."""
+    if not run_id.strip():
+        raise GtxError("--resume needs a run id; `gtx runs` lists the runs under --results")
     path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
     if not path.is_file():
         known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
         raise GtxError(f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'}; "
                        f"runs there: {', '.join(known[-5:]) or '(none)'}; pass the run's --results folder")
     state = checkpoint.load(path)
+    owner = json.loads(state["common"])["run_id"]
+    if owner != run_id:
+        raise GtxError(f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder")
     if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
         raise GtxError(f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}")
     return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
@@ -116,14 +131,13 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
     """
     state = None
-    if resume:
+    if resume is not None:
         state, config = _resume_state(resume, config.results_dir)
     r = resolve(config)
     world, r.device = distributed.setup(r.device)
     torch.manual_seed(config.seed)
     attention = _attention(r, config.backend)
     model = _build_model(r, attention)
-    results_dir = _results_dir(config.results_dir)
     trainer = Trainer(model, r.train, getattr(r.model_config, "dim", 128), r.device, r.task, world)
     if state:
         checkpoint.check_vocab(state, r.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST)
@@ -145,6 +159,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
             "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
         }
         rows, start, best = [], 1, float("inf")
+    results_dir = _results_dir(config.results_dir, run_id)  # every place this run writes, checked before it trains
     say = log if world.main else (lambda s: None)
     ckpt_dir = checkpoint.checkpoint_dir(results_dir, run_id)
     loggers = Loggers(config.loggers if world.main else [], run_id, results_dir)

@@ -151,7 +151,29 @@ def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
     assert unknown.exit_code == 2 and "no checkpoint of that run" in unknown.output and run_id in unknown.output
     finished = gtx("run", "--resume", run_id, "--results", reference)
     assert finished.exit_code == 2 and "that run is finished" in finished.output
+    empty = gtx("run", "--resume", "", "--results", reference)
+    assert empty.exit_code == 2 and "--resume needs a run id" in empty.output
+    settings = gtx("run", "--resume", run_id, "--results", reference, "--set", "dim=8", "--epochs", "2")
+    assert settings.exit_code == 2 and "continues the run with its own settings; drop --epochs, --set" in settings.output
     assert sorted(p.read_bytes() for p in reference.rglob("*.csv")) == before
+
+
+def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_path):
+    source = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST
+    state = checkpoint.load(source)
+    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])  # unfinished, so resumable
+    checkpoint.save(checkpoint.checkpoint_dir(tmp_path, "other-run") / checkpoint.LAST, state)
+    result = gtx("run", "--resume", "other-run", "--results", tmp_path)
+    assert result.exit_code == 2 and f"is a checkpoint of run {json.loads(state['common'])['run_id']}, not of other-run" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("blocked", ["runs", "checkpoints"])
+def test_an_unwritable_output_place_fails_before_training(tmp_path, blocked):
+    (tmp_path / blocked).write_text("a file where a folder goes")
+    result = gtx("run", "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and "cannot create the folder" in result.output and "Traceback" not in result.output
+    assert "epoch 1" not in result.output and (tmp_path / blocked).read_text() == "a file where a folder goes"
 
 
 def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_path, monkeypatch):
