@@ -18,7 +18,19 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.plugins import task_metrics as registered_task_metrics
-from gtx.results import COLUMNS, CONFIG_PARTS, cell_text, format_table, lower_is_better, metric_range, metric_values, scalar_metrics, training_runs
+from gtx.results import (
+    COLUMNS,
+    cell_text,
+    differing,
+    format_table,
+    lower_is_better,
+    metric_range,
+    metric_values,
+    scalar_metrics,
+    settings_of,
+    settings_text,
+    training_runs,
+)
 from gtx.stats import paired_p, pareto_front, summarize, verdict, welch_p
 
 #: compare()'s per-run metrics before the task's own (``best_valid_<name>``) and the speed
@@ -39,28 +51,8 @@ def check_by(by: Iterable[str], columns: Iterable[str] = COLUMNS) -> list[str]:
     return by
 
 
-def settings_of(rows: pd.DataFrame) -> dict[str, object]:
-    """A run's identity but the seed, flat: task, model, pattern, backend and ``model.X``, ``task.X``,
-    ``train.X`` from its stored configuration (``{}`` in files that stored none)."""
-    first = rows.iloc[0]
-    out: dict[str, object] = {c: first[c] for c in ("task", "model", "pattern", "backend")}
-    config = json.loads(first.config) if isinstance(first.config, str) else {}
-    for part in CONFIG_PARTS:
-        for k, v in sorted((config.get(part) or {}).items()):
-            out[f"{part.removesuffix('_config')}.{k}"] = json.dumps(v) if isinstance(v, (list, dict)) else v
-    return out
-
-
 def _signature(settings: dict, leave_out: Iterable[str] = ()) -> str:
     return json.dumps({k: v for k, v in settings.items() if k not in leave_out}, sort_keys=True, default=str)
-
-
-def differing(settings: list[dict]) -> list[str]:
-    """``key=value`` per entry for the keys whose values are not all equal, short names where unambiguous."""
-    keys = [k for k in dict.fromkeys(k for s in settings for k in s) if len({json.dumps(s.get(k), default=str) for s in settings}) > 1]
-    shorts = [k.rpartition(".")[2] for k in keys]
-    names = [short if shorts.count(short) == 1 else key for key, short in zip(keys, shorts)]
-    return [" ".join(f"{n}={s.get(k, '-')}" for k, n in zip(keys, names)) for s in settings]
 
 
 def _per_run(rows: pd.DataFrame) -> dict:
@@ -146,8 +138,9 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
     table = pd.DataFrame(rows)
     table.insert(len(by), "settings", "")
     for idx in table.groupby(by, sort=False, dropna=False).indices.values():
-        if len(idx) > 1:
-            table.loc[idx, "settings"] = differing(list(table.loc[idx, "_settings"]))
+        if len(idx) > 1:  # the names (model, pattern, ...) compared like settings: as if prefixed
+            named = [{k if "." in k else f"run.{k}": v for k, v in s.items()} for s in table.loc[idx, "_settings"]]
+            table.loc[idx, "settings"] = [settings_text(s) for s in differing(named)]
     table = _against_full(table, samples).drop(columns=["_settings", "_baseline"])
     table.attrs["metric"] = table.metric.iloc[0] if table.metric.nunique() == 1 else None
     return table

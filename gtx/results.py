@@ -168,6 +168,48 @@ def metric_values(rows: pd.DataFrame, base: str) -> pd.Series:
     return rows["metrics"].map(get).astype(float)
 
 
+def settings_of(rows: pd.DataFrame) -> dict[str, object]:
+    """A run's identity but the seed, flat: task, model, pattern, backend and ``model.X``, ``task.X``,
+    ``train.X`` from its stored configuration (``{}`` in files that stored none)."""
+    first = rows.iloc[0]
+    out: dict[str, object] = {c: first[c] for c in ("task", "model", "pattern", "backend")}
+    config = json.loads(first.config) if isinstance(first.config, str) else {}
+    for part in CONFIG_PARTS:
+        for k, v in sorted((config.get(part) or {}).items()):
+            out[f"{part.removesuffix('_config')}.{k}"] = json.dumps(v) if isinstance(v, (list, dict)) else v
+    return out
+
+
+def differing(settings: list[dict[str, object]], peers: list[dict[str, str]] | None = None) -> list[dict[str, object]]:
+    """Per run, only the settings whose value is not the same in all its peers' (a key some lack
+    counts as differing). ``peers``: per run, the scope each prefix is compared in (``{"model": "lm",
+    "task": "text"}``: a model's settings among runs of that model, a task's among that task's; a
+    prefix left out, among all runs). Keys lose their prefix (``epochs``) unless two groups share the name."""
+    peers = peers or [{} for _ in settings]
+    buckets: dict[tuple, list[int]] = {}
+    for i, (s, scope) in enumerate(zip(settings, peers)):
+        for prefix in {k.partition(".")[0] for k in s}:
+            buckets.setdefault((prefix, scope.get(prefix)), []).append(i)
+    varying = set()  # (prefix, scope, key)
+    for (prefix, scope), members in buckets.items():
+        keys = {k for i in members for k in settings[i] if k.startswith(f"{prefix}.")}
+        # json compares lists, nested dicts and NaN as written
+        varying |= {(prefix, scope, k) for k in keys if len({json.dumps(settings[i].get(k, "<absent>"), sort_keys=True) for i in members}) > 1}
+    leaves = pd.Series([k.partition(".")[2] for k in {k for s in settings for k in s}], dtype=str).value_counts()
+    name = {k: k.partition(".")[2] if leaves[k.partition(".")[2]] == 1 else k for _, _, k in varying}
+    return [{name[k]: v for k, v in sorted(s.items()) if (k.partition(".")[0], scope.get(k.partition(".")[0]), k) in varying}
+            for s, scope in zip(settings, peers)]
+
+
+def value_text(v: object) -> str:
+    """A setting's value as ``--set`` and TOML write it."""
+    return v if isinstance(v, str) else json.dumps(v)  # true, 0.1, [1, 2]: as --set and TOML write them
+
+
+def settings_text(settings: dict[str, object]) -> str:
+    return " ".join(f"{k}={value_text(v)}" for k, v in settings.items())
+
+
 def training_runs(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of the runs a comparison counts: no ``gtx eval`` rows (they re-score a run), and of
     runs sharing a cell (same configuration and seed: a repeat is no new seed) the latest finished."""

@@ -21,9 +21,8 @@ from pathlib import Path
 import pandas as pd
 
 from gtx import checkpoint
-from gtx.compare import settings_of
 from gtx.errors import GtxError
-from gtx.results import CONFIG_PARTS, format_table, lower_is_better, metric_values, scalar_metrics
+from gtx.results import CONFIG_PARTS, differing, format_table, lower_is_better, metric_values, scalar_metrics, settings_of, settings_text, value_text
 
 SUMMARY_COLUMNS = ["run_id", "task", "model", "pattern", "backend", "seed", "status", "epochs", "metric", "best", "settings"]
 
@@ -42,35 +41,6 @@ def config_of(rows: pd.DataFrame) -> dict:
 def flat_settings(rows: pd.DataFrame) -> dict[str, object]:
     """A run's resolved settings, flat: ``model.dim``, ``task.n_train``, ``train.epochs``, ... (its names are columns already)."""
     return {k: v for k, v in settings_of(rows).items() if "." in k}
-
-
-def differing(settings: list[dict[str, object]], peers: list[dict[str, str]] | None = None) -> list[dict[str, object]]:
-    """Per run, only the settings whose value is not the same in all its peers' (a key some lack
-    counts as differing). ``peers``: per run, the scope each prefix is compared in (``{"model": "lm",
-    "task": "text"}``: a model's settings among runs of that model, a task's among that task's; a
-    prefix left out, among all runs). Keys lose their prefix (``epochs``) unless two groups share the name."""
-    peers = peers or [{} for _ in settings]
-    buckets: dict[tuple, list[int]] = {}
-    for i, (s, scope) in enumerate(zip(settings, peers)):
-        for prefix in {k.partition(".")[0] for k in s}:
-            buckets.setdefault((prefix, scope.get(prefix)), []).append(i)
-    varying = set()  # (prefix, scope, key)
-    for (prefix, scope), members in buckets.items():
-        keys = {k for i in members for k in settings[i] if k.startswith(f"{prefix}.")}
-        # json compares lists, nested dicts and NaN as written
-        varying |= {(prefix, scope, k) for k in keys if len({json.dumps(settings[i].get(k, "<absent>"), sort_keys=True) for i in members}) > 1}
-    leaves = pd.Series([k.partition(".")[2] for k in {k for s in settings for k in s}], dtype=str).value_counts()
-    name = {k: k.partition(".")[2] if leaves[k.partition(".")[2]] == 1 else k for _, _, k in varying}
-    return [{name[k]: v for k, v in sorted(s.items()) if (k.partition(".")[0], scope.get(k.partition(".")[0]), k) in varying}
-            for s, scope in zip(settings, peers)]
-
-
-def _value(v: object) -> str:
-    return v if isinstance(v, str) else json.dumps(v)  # true, 0.1, [1, 2]: as --set and TOML write them
-
-
-def settings_text(settings: dict[str, object]) -> str:
-    return " ".join(f"{k}={_value(v)}" for k, v in settings.items())
 
 
 def status(rows: pd.DataFrame, results_dir: str | Path) -> str:
@@ -190,7 +160,7 @@ def describe(df: pd.DataFrame, run_id: str, results_dir: str | Path) -> str:
     body = [("--set", settings_text(given) or "(none: all defaults)")] if "settings" in config else []
     body += [(names[part], settings_text(config.get(part) or {}) or "-") for part in CONFIG_PARTS if part in config]
     shown = {*CONFIG_PARTS, "settings", "task", "model", "backend", "seed", "device"} | ({"pattern"} if config.get("pattern") == first.pattern else set())
-    body += [(k, _value(v)) for k, v in sorted(config.items()) if k not in shown]  # the pattern as the model ran it (ut: act(...)), eval's checkpoint
+    body += [(k, value_text(v)) for k, v in sorted(config.items()) if k not in shown]  # the pattern as the model ran it (ut: act(...)), eval's checkpoint
     out = _lines(head) + [""] + (_lines(body) if body else ["(no configuration stored)"]) + ["", format_table(rows_table(rows))]
     ckpts = checkpoints(results_dir, run_id)
     out += ["", format_table(ckpts) if len(ckpts) else f"no checkpoints under {checkpoint.checkpoint_dir(results_dir, run_id)}"]

@@ -83,7 +83,7 @@ def test_differing_keeps_a_prefix_where_two_groups_share_a_name():
     a = {"model.max_len": 64, "task.max_len": 64, "train.epochs": 1, "train.sizes": [1, 2]}
     b = {"model.max_len": 32, "task.max_len": 64, "train.epochs": 1, "train.sizes": [1, 3], "task.extra": True}
     assert runs.differing([a, b]) == [{"model.max_len": 64, "sizes": [1, 2]}, {"model.max_len": 32, "sizes": [1, 3], "extra": True}]
-    assert runs.settings_text(runs.differing([a, b])[1]) == "model.max_len=32 extra=true sizes=[1, 3]"
+    assert results.settings_text(results.differing([a, b])[1]) == "model.max_len=32 extra=true sizes=[1, 3]"
     assert runs.differing([a]) == [{}]
     # a model's settings are compared among runs of that model only: an lm and a transformer share none to differ in
     lm, ut = {"model.dim": 16, "train.epochs": 1}, {"model.dim": 64, "model.act": True, "train.epochs": 2}
