@@ -32,7 +32,7 @@ from gtx.graph import EdgeSet, possible_edges
 from gtx.model import model_forms
 from gtx.pattern import STAGE_NAMES, STAGES
 from gtx.plugins import BACKENDS, BIASES, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
-from gtx.results import format_table, scalar_metrics
+from gtx.results import format_table
 from gtx.runner import DEFAULT_BACKEND
 from gtx.spec import describe_params, is_modifier, parse_pattern
 from gtx.train import TrainConfig
@@ -193,10 +193,10 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
 
 
 def _summary(rows: pd.DataFrame, results_dir: str) -> None:
-    """The common columns and the task's own scalar metrics (bpc, query_acc, bleu, ...) of some rows."""
-    cols = ["split", "epoch", "loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "act_mean_steps"]
-    metrics = pd.DataFrame([scalar_metrics(json.loads(m)) for m in rows.metrics], index=rows.index)
-    click.echo(format_table(pd.concat([rows[cols], metrics.drop(columns=[c for c in metrics if c in cols])], axis=1)))
+    """Some rows as ``gtx show`` prints them (the task's own metrics beside the common columns), and their file."""
+    from gtx.runs import rows_table
+
+    click.echo(format_table(rows_table(rows)))
     click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
 
 
