@@ -11,6 +11,7 @@ import click
 from gtx import sweep as sw
 from gtx.cli_common import CliError
 from gtx.errors import GtxError
+from gtx.files import writable_dir
 
 # gtx run's shortcut options, here as comma lists: each is the --set key of the same name
 SHORTCUTS = ("epochs", "max_steps", "batch_size", "layers", "heads", "dim", "dim_ff")
@@ -22,9 +23,12 @@ def _settings(ctx, param, values) -> dict[str, list[str]]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise click.BadParameter(f"{item!r}: write key=value or key=v1,v2, e.g. --set dim=32,64", ctx=ctx, param=param)
-        out[key.strip()] = sw.split_list(value) if "," in value else [value.strip()]
-        if not out[key.strip()]:
+        if not value.strip():
             raise click.BadParameter(f"{item!r}: no values after '='", ctx=ctx, param=param)
+        try:
+            out[key.strip()] = sw.split_list(value, f"--set {key.strip()}=")
+        except GtxError as e:
+            raise click.BadParameter(str(e), ctx=ctx, param=param) from None
     return out
 
 
@@ -70,16 +74,17 @@ def sweep(grid_file, task, model, patterns, backend, seeds, settings, device, re
 
 
 def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, shortcuts):
-    from gtx.plugins import load_plugins
+    from gtx.plugins import PATTERNS, load_plugins
 
     load_plugins(dirs=plugins_dirs)
     given = sw.read_grid_file(grid_file) if grid_file else {}
     for key, value in (("task", task), ("model", model), ("backend", backend)):
         if value is not None:
-            given[key] = sw.split_list(value)
+            given[key] = sw.split_list(value, f"--{key}")
     if patterns:
-        given["pattern"] = list(patterns)
-    given["settings"] = {**given.get("settings", {}), **{k: sw.split_list(v) for k, v in shortcuts.items() if v is not None}, **settings}
+        given["pattern"] = [spec for text in patterns for spec in sw.split_patterns(text, PATTERNS.names())]
+    lists = {k: sw.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
+    given["settings"] = {**given.get("settings", {}), **lists, **settings}
     file_results, file_jobs = given.pop("results", None), given.pop("jobs", None)
     results_dir, jobs = results_dir or file_results or "results", jobs or file_jobs or 1
     grid = sw.make_grid(**{**given, **({"seeds": seeds} if seeds is not None else {}), **({"device": device} if device else {})})
@@ -115,12 +120,13 @@ def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, r
                    f"{f.returncode}: {f.message}; log: {f.log}", err=True)
 
     started = time.monotonic()
-    log_dir = Path(results_dir) / "sweeps" / name / "logs"
+    log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
     on_change(counts)
     failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure)
     if clear:
         click.echo(err=True)
-    click.echo(f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed "
+    other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""
+    click.echo(f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
                f"in {time.monotonic() - started:.1f} s; logs in {log_dir}")
     if failures:
         raise click.exceptions.Exit(1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from gtx.attention import Attention
 from gtx.backends import get_backend
 from gtx.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
 from gtx.errors import GtxError, PluginError, plugin_code
+from gtx.files import writable_dir
 from gtx.loggers import Loggers
 from gtx.plugins import MODELS
 from gtx.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
@@ -53,17 +53,6 @@ def _versions() -> dict[str, str]:
     except ImportError:
         dgl_version = "unavailable"
     return {"gtx_version": gtx.__version__, "torch_version": torch.__version__, "dgl_version": dgl_version}
-
-
-def writable_dir(path: Path, what: str = "--results") -> Path:
-    """``path`` created if missing and writable, else one line naming it: checked before work that would be lost."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GtxError(f"{what} {path}: cannot create the folder ({e.strerror}); choose another --results folder") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise GtxError(f"{what} {path}: not writable; choose another --results folder")
-    return path
 
 
 def _results_dir(name: str, run_id: str | None = None) -> Path:

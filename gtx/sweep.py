@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import itertools
+import math
 import os
 import re
 import shlex
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gtx import checkpoint
+from gtx import checkpoint, claims
 from gtx.errors import GtxError
 
 try:
@@ -38,6 +39,7 @@ AXES = ("task", "model", "pattern", "backend")
 DEFAULTS = {"task": "copy", "model": "transformer", "pattern": "full", "backend": "auto", "seeds": "0"}
 FILE_KEYS = {*AXES, "seeds", "set", "device", "results", "jobs"}
 SEEDS_RE = re.compile(r"(\d+)(?:-(\d+))?\Z")
+MAX_CELLS = 10_000  # a grid past this is a typo (--seeds 0-100000000), not a study: refused before it is expanded
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -47,13 +49,34 @@ def parse_seeds(text: str) -> list[int]:
         m = SEEDS_RE.match(item)
         if not m or (m[2] is not None and int(m[2]) < int(m[1])):
             raise GtxError(f"--seeds {text}: {item!r} is not a seed or a range; write 0-4, 0,2,5 or 0-2,7")
-        seeds.update(dict.fromkeys(range(int(m[1]), int(m[2] or m[1]) + 1)))
+        first, last = int(m[1]), int(m[2] or m[1])
+        if len(seeds) + last - first + 1 > MAX_CELLS:
+            raise GtxError(f"--seeds {text}: more than {MAX_CELLS:,} seeds; a sweep that large is split into several")
+        seeds.update(dict.fromkeys(range(first, last + 1)))
     return list(seeds)
 
 
-def split_list(text: str) -> list[str]:
-    """``a,b`` -> ``["a", "b"]``; blanks dropped."""
-    return [v.strip() for v in text.split(",") if v.strip()]
+def split_list(text: str, what: str = "value") -> list[str]:
+    """``a,b`` -> ``["a", "b"]``; an empty item (``1,,2``, ``1,``) is an error naming ``what``."""
+    items = [v.strip() for v in text.split(",")]
+    if not all(items):
+        raise GtxError(f"{what} {text!r}: an empty item between commas; write a,b")
+    return items
+
+
+def split_patterns(text: str, names: Iterable[str]) -> list[str]:
+    """Pattern specs from one ``--pattern``: a comma outside parentheses followed by a registered
+    pattern name (not ``name=``) starts a new spec (``full,local:w=4``); other commas separate a
+    pattern's parameters (``bigbird:b=2,r=1``) or sit inside ``heads(...)``."""
+    names, specs, depth, start = set(names), [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            m = re.match(r"\s*([A-Za-z_][\w-]*)\s*(=?)", text[i + 1:])
+            if m and m[1] in names and not m[2]:
+                specs.append(text[start:i].strip())
+                start = i + 1
+    return [*specs, text[start:].strip()]
 
 
 @dataclass
@@ -173,6 +196,9 @@ def plan(grid: Grid, results_dir: str | Path) -> list[Cell]:
 
     for name in grid.backend:
         BACKENDS.get(name)  # cell_key does not look at the backend; availability is the run's business
+    size = math.prod(len(v) for v in (grid.seeds, grid.task, grid.model, grid.pattern, grid.backend, *grid.settings.values()))
+    if size > MAX_CELLS:
+        raise GtxError(f"the grid has {size:,} cells, more than {MAX_CELLS:,}; split the sweep into several")
     swept = [k for k, v in grid.settings.items() if len(v) > 1]
     cells: list[Cell] = []
     seen: set[str] = set()
@@ -240,10 +266,12 @@ class Counts:
     done: int = 0
     running: int = 0
     failed: int = 0
+    elsewhere: int = 0  # cells another sweep on the same results folder had claimed
 
     def line(self) -> str:
+        other = f", {self.elsewhere} run by another sweep" if self.elsewhere else ""
         return (f"sweep {self.name}: {self.done}/{self.total - self.skipped} done, {self.running} running, "
-                f"{self.failed} failed, {self.skipped} skipped")
+                f"{self.failed} failed, {self.skipped} skipped{other}")
 
 
 @dataclass
@@ -265,7 +293,8 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
             plugins_dirs: Iterable[str | Path] = (), on_change: Callable[[Counts], None] = lambda c: None,
             on_failure: Callable[[Failure], None] = lambda f: None, poll_s: float = 0.1) -> list[Failure]:
     """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` with its
-    output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on."""
+    output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on. A
+    cell is claimed first (``gtx.claims``): one that another sweep holds is counted, not run."""
     queue = [c for c in cells if c.action != "skip"]
     env = child_env(jobs)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -275,6 +304,10 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
         while queue or running:
             while queue and len(running) < jobs:
                 cell = queue.pop(0)
+                if claims.claim(results_dir, cell.key) is not None:  # another sweep runs it: its run lands in the same folder
+                    counts.elsewhere += 1
+                    on_change(counts)
+                    continue
                 argv = [sys.executable, "-m", "gtx.cli", *run_args(cell, results_dir, plugins_dirs)]
                 log = log_dir / f"{cell.index}.log"
                 with open(log, "a") as f:  # appended: an earlier attempt's output stays readable
@@ -290,6 +323,7 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
             for item in [r for r in running if r[1].poll() is not None]:
                 running.remove(item)
                 cell, proc, log, offset = item
+                claims.release(results_dir, cell.key)
                 counts.running -= 1
                 if proc.returncode == 0:
                     counts.done += 1
@@ -301,6 +335,7 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
     finally:  # interrupted (Ctrl-C): stop the children rather than orphan them
         for _, proc, _, _ in running:
             proc.terminate()
-        for _, proc, _, _ in running:
+        for cell, proc, _, _ in running:
             proc.wait()
+            claims.release(results_dir, cell.key)
     return failures

@@ -185,16 +185,48 @@ def test_bad_grid_file_is_one_line_naming_the_file(tmp_path, text, message):
     (["--backend", "auto,nope"], "unknown backend 'nope'"),
     (["--set", "nope=1,2"], "seed=0 nope=1: --set nope: no such setting"),
     (["--seeds", "5-2"], "--seeds 5-2: '5-2' is not a seed or a range"),
-    (["--task", ","], "empty grid: task has no values"),
+    (["--task", ","], "--task ',': an empty item between commas"),
     (["--set", "dim"], "write key=value"),
+    (["--set", "epochs=1,,2"], "--set epochs= '1,,2': an empty item between commas"),
+    (["--seeds", "0-100000000"], "--seeds 0-100000000: more than 10,000 seeds"),
+    (["--seeds", "0-999", "--set", "epochs=1,2,3,4,5,6,7,8,9,10,11"], "the grid has 11,000 cells, more than 10,000"),
+    (["--results", "/dev/null"], "--results /dev/null: cannot create the folder"),
 ])
 def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
     res = tmp_path / "res"
-    result = gtx(*args, "--results", res)
+    result = gtx("--results", res, *args)  # a later --results wins
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert message in lines[-1] and lines[-1].startswith("Error: ") and (len(lines) == 1 or lines[0].startswith("Usage:"))  # click's own: usage too
     assert not res.exists()
+
+
+def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
+    names = ["full", "local", "strided", "bigbird", "heads"]
+    assert sw.split_patterns("full,local:w=4", names) == ["full", "local:w=4"]
+    assert sw.split_patterns("bigbird:b=2,r=1", names) == ["bigbird:b=2,r=1"]
+    assert sw.split_patterns("heads(local:w=2,strided:l=4),full", names) == ["heads(local:w=2,strided:l=4)", "full"]
+    assert sw.split_patterns("local:w=2|strided:l=4, full", names) == ["local:w=2|strided:l=4", "full"]
+    result = gtx("--pattern", "full,local:w=4", "--pattern", "bigbird:b=2,r=1", "--dry-run", "--quiet")
+    assert [shlex.split(line)[shlex.split(line).index("--pattern") + 1] for line in result.output.splitlines()] == ["full", "local:w=4", "bigbird:b=2,r=1"]
+
+
+def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path):
+    from gtx import claims
+
+    res = tmp_path / "res"
+    args = ["--epochs", "1", *TINY, "--results", res]
+    pairs = [v.split("=") if flag == "--set" else (flag[2:].replace("-", "_"), v) for flag, v in zip(TINY[::2], TINY[1::2])]
+    (cell,) = sw.plan(sw.make_grid(settings={k: [v] for k, v in [*pairs, ("epochs", "1")]}), res)
+    assert claims.claim(res, cell.key) is None  # held by this (living) process
+    result = gtx(*args)
+    assert result.exit_code == 0 and "0 done, 0 skipped, 0 failed, 1 run by another sweep" in result.output, result.output
+    assert not (res / "runs").exists() or not list((res / "runs").iterdir())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (claims.claim_dir(res) / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")  # its sweep was killed
+    result = gtx(*args)
+    assert result.exit_code == 0 and "1 done" in result.output and not (claims.claim_dir(res) / cell.key).exists(), result.output
 
 
 def test_sweep_runs_every_cell_once_then_skips_them(tmp_path):
