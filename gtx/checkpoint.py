@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -43,7 +44,9 @@ def load(path: str | Path, mmap: bool = False) -> dict:
     if not path.is_file():
         raise GtxError(f"checkpoint {path} does not exist; runs keep theirs under <results>/checkpoints/<run_id>/ ({LAST}, {BEST})")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # torch warns before some of the errors below; the one line says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         raise GtxError(f"checkpoint {path} is truncated or not a gtx checkpoint ({type(e).__name__}); use a file written by gtx run") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:

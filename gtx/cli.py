@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -274,8 +275,13 @@ for command in (bench, plot, report, runs, show, sweep):  # commands with module
     cli.add_command(command)
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # not the source file and line of the code that warned: the user did not write it
+
+
 def main(argv=None):
     """Console entry point: load plugins (so plugins can add commands), then run the CLI."""
+    warnings.formatwarning = _one_line
     try:
         load_plugins()
         call_each("register_commands", cli=cli)

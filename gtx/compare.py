@@ -266,4 +266,4 @@ def _p(p: float) -> str:
 def _pm(mean: float, std: float) -> str:
     if np.isnan(std):
         return cell_text(mean)
-    return f"{cell_text(mean)} ± {f'{std:.4f}' if abs(mean) < 10 else f'{std:,.0f}'}"  # std to the mean's precision
+    return f"{cell_text(mean)} ± {f'{std:.4f}' if abs(mean) < 10 else cell_text(std)}"  # std to the mean's precision

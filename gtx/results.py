@@ -238,11 +238,12 @@ def format_table(df: pd.DataFrame, fmt: str = "table") -> str:
 
 
 def cell_text(v) -> str:
-    """A number for a table: 4 decimals below 10, else thousands separated; NaN as '-'."""
+    """A number for a table: 4 decimals below 10, thousands separated below 1e12, else 4 significant
+    digits (1.000e+308); NaN as '-'."""
     if isinstance(v, (float, np.floating)):
         if np.isnan(v):
             return "-"
-        return f"{v:.4f}" if abs(v) < 10 else f"{v:,.0f}"
+        return f"{v:.4f}" if abs(v) < 10 else f"{v:,.0f}" if abs(v) < 1e12 else f"{v:.3e}"
     return str(v)
 
 

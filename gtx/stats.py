@@ -27,17 +27,32 @@ def _values(values) -> np.ndarray:
     return a[~np.isnan(a)]
 
 
+def _scale(*arrays: np.ndarray) -> float:
+    """The largest finite magnitude (1.0 for none): values divided by it stay far from overflow (1e308 squared)."""
+    finite = [np.abs(x[np.isfinite(x)]).max() for x in arrays if np.isfinite(x).any()]
+    return float(max(finite, default=0.0)) or 1.0
+
+
+def _scaled(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The arrays divided by one common ``_scale``: tests and intervals are scale-free, so computed on these."""
+    scale = _scale(*arrays)
+    return tuple(x / scale for x in arrays)
+
+
 def summarize(values, level: float = 0.95) -> Summary:
     """Mean, sample std and the ``level`` confidence interval of the mean, ``mean ± t_{(1+level)/2, n-1} * std / sqrt(n)``:
     the runs are taken as independent draws (one seed each) of a normal variable."""
     a = _values(values)
     n = len(a)
+    scale = _scale(a)
+    a = a / scale
     mean = float(a.mean()) if n else math.nan
     if n < 2:
-        return Summary(n, mean, math.nan, math.nan, math.nan)
+        return Summary(n, scale * mean, math.nan, math.nan, math.nan)
     std = float(a.std(ddof=1))
     half = float(sps.t.ppf((1 + level) / 2, n - 1)) * std / math.sqrt(n)
-    return Summary(n, mean, std, mean - half, mean + half)
+    with np.errstate(over="ignore"):  # an interval past the float range is infinite, as it should be
+        return Summary(n, scale * mean, scale * std, float(np.float64(scale) * (mean - half)), float(np.float64(scale) * (mean + half)))
 
 
 def welch_p(a, b) -> float:
@@ -48,6 +63,7 @@ def welch_p(a, b) -> float:
     a, b = _values(a), _values(b)
     if len(a) < 2 or len(b) < 2:
         return math.nan
+    a, b = _scaled(a, b)
     if a.std() == 0 and b.std() == 0:
         return 1.0 if a.mean() == b.mean() else 0.0
     return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
@@ -57,10 +73,12 @@ def paired_p(a, b) -> float:
     """Two-sided p-value of the paired t-test that ``a - b`` has mean 0 (pairs with a NaN left out).
 
     NaN for fewer than 2 pairs. Constant differences: 1.0 if all are 0, else 0.0 (as ``welch_p``)."""
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    a, b = _scaled(np.asarray(a, dtype=float), np.asarray(b, dtype=float))
+    d = a - b
     d = d[~np.isnan(d)]
     if len(d) < 2:
         return math.nan
+    (d,) = _scaled(d)
     if d.std() == 0:
         return 1.0 if d.mean() == 0 else 0.0
     return float(sps.ttest_1samp(d, 0.0).pvalue)

@@ -102,3 +102,15 @@ def test_console_script_main_reports_plugin_errors(plugin_dir, monkeypatch, caps
         main(["patterns"])
     assert info.value.code == 2
     assert "unknown hook 'register_tasc'" in capsys.readouterr().err
+
+
+def test_warnings_reach_the_user_as_one_line_without_a_source_path(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "bad.csv").write_text("garbage,x\n")
+    out = subprocess.run([sys.executable, "-m", "gtx.cli", "compare", "--results", str(tmp_path)], capture_output=True, text=True)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[0].startswith(f"warning: skipping {tmp_path / 'runs' / 'bad.csv'}: results do not match the schema")
+    assert len(lines) == 2 and lines[1].startswith("Error: no runs under") and ".py:" not in out.stderr

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gtx.stats import pareto_front, summarize, verdict, welch_p
+from gtx.stats import paired_p, pareto_front, summarize, verdict, welch_p
 
 
 def test_summary_mean_std_and_t_interval_by_hand():
@@ -59,3 +59,12 @@ def test_pareto_front_is_non_empty_and_undominated(pts):
         assert not any(x[j] >= x[i] and y[j] >= y[i] and (x[j] > x[i] or y[j] > y[i]) for j in range(len(pts)))
     for i in np.flatnonzero(~front):  # and every point off it is dominated
         assert any(x[j] >= x[i] and y[j] >= y[i] and (x[j] > x[i] or y[j] > y[i]) for j in range(len(pts)))
+
+
+def test_values_near_the_float_range_neither_overflow_nor_warn(recwarn):
+    s = summarize([1e308, 1.5e308, 0.5e308])
+    assert s.mean == pytest.approx(1e308) and s.std == pytest.approx(5e307) and s.ci_low == pytest.approx(1e308 * (1 - 4.302653 * 0.5 / 3**0.5))
+    assert s.ci_high == float("inf")  # the interval's end lies past the float range
+    assert welch_p([1e308, 1.5e308, 0.5e308], [1e308, 1.2e308, 0.9e308]) > 0.5
+    assert paired_p([1e308, 1.5e308], [0.9e308, 1.3e308]) < 1.0
+    assert not [w for w in recwarn if "overflow" in str(w.message)]
