@@ -16,10 +16,10 @@ from pathlib import Path
 import pandas as pd
 
 from gtx import plot
-from gtx.compare import compare, format_compare
+from gtx.compare import check_by, compare, format_compare
 from gtx.errors import GtxError
 from gtx.pattern import STAGES
-from gtx.results import load
+from gtx.results import load, training_runs
 
 DEFAULT_LEN = 64  # pattern pictures of runs without a recorded context_len
 MAX_LEN = 4096  # longer contexts are drawn at this length: building the edges of a longer one takes long
@@ -95,13 +95,15 @@ def configs_html(df: pd.DataFrame) -> str:
 
 def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str = "best_valid_token_acc") -> str:
     """The report page of a results frame (``gtx.results.load``) as an HTML string; ``source`` names
-    where the runs came from. ``by`` and ``metric`` go to ``gtx.plot.results``. GtxError if there are no runs."""
+    where the runs came from. ``by`` and ``metric`` go to ``gtx.plot.results``. GtxError if there are
+    no runs, or ``by`` or ``metric`` name nothing these runs have."""
     if df.empty:
         raise GtxError(f"no runs in {source or 'the results'}; run `gtx run` first")
-    try:
+    by = check_by(by, df.columns)  # a bad --by or --metric is the user's error, not a note inside the page
+    if training_runs(df).empty:
+        figure = _note("no results plot: these results hold only evaluations (gtx eval), no training runs")
+    else:
         figure = _img(plot.results(df, by=by, metric=metric), "accuracy against speed, and learning curves")
-    except GtxError as e:
-        figure = _note(f"no results plot: {e}")
     n_runs = df["run_id"].nunique()
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = f"gtx report: {source}" if source else "gtx report"

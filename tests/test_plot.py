@@ -21,7 +21,7 @@ from gtx.cli import cli
 from gtx.errors import GtxError
 from gtx.pattern import STAGES
 from gtx.report import write_report
-from gtx.results import COLUMNS, load, write_run
+from gtx.results import COLUMNS, SCHEMA_VERSION, load, write_run
 from gtx.spec import parse_pattern
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -147,7 +147,7 @@ def test_a_read_only_folder_is_an_error(tmp_path):
 def row(run_id, pattern, seed, split, epoch, acc, tps=1000.0, **kw):
     base = {c: None for c in COLUMNS}
     base.update(
-        schema_version=3, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
+        schema_version=SCHEMA_VERSION, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
         pattern=pattern, backend="dgl", device="cpu", seed=seed, epoch=epoch, split=split, loss=1.0 - acc, token_acc=acc,
         seq_acc=np.nan if split == "train" else acc / 2, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, context_len=12, density=0.5,
         edges_per_query_ee=3.0, edges_per_query_dd=2.0, edges_per_query_ed=3.0, act_mean_steps=np.nan, n_params=10, metrics="{}",
@@ -244,6 +244,14 @@ def test_report_is_one_self_contained_page(tmp_path):
         assert src.startswith("data:image/png;base64,")
         image_of(base64.b64decode(src.split(",", 1)[1]))
     assert write_report(tmp_path, tmp_path / "sub" / "r.html").exists()
+
+
+@pytest.mark.parametrize("args, message", [(["--metric", "nosuch"], "metric 'nosuch' has no values in these runs"),
+                                           (["--by", "nosuch"], "cannot group by ['nosuch']")])
+def test_report_with_a_bad_metric_or_grouping_is_one_line_and_writes_nothing(tmp_path, args, message):
+    fake_results(tmp_path)
+    result = gtx("report", "--results", tmp_path, *args)
+    assert result.exit_code == 2 and message in result.output and not (tmp_path / "report.html").exists()
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium to render the report")
