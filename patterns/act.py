@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
+from gtx.graph.pattern import Pattern
 
 
 def keep_active(edges, active):

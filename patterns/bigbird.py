@@ -5,7 +5,7 @@ from functools import lru_cache
 import torch
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
+from gtx.graph.pattern import Pattern
 
 
 @lru_cache(maxsize=1024)

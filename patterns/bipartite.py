@@ -1,7 +1,7 @@
 """bipartite: only cross attention mixes tokens; self-attention stages keep just the self-edge."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern, everything
+from gtx.graph.pattern import Pattern, everything
 
 
 def bipartite() -> Pattern:

@@ -1,7 +1,7 @@
 """causal: every self-attention stage sees only earlier-or-same positions; cross attention complete."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern, everything
+from gtx.graph.pattern import Pattern, everything
 
 
 def causal() -> Pattern:

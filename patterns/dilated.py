@@ -1,7 +1,7 @@
 """dilated: a dilated sliding window (Longformer's dilation)."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
+from gtx.graph.pattern import Pattern
 
 
 def dilated(w: int = 2, d: int = 2) -> Pattern:

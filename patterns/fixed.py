@@ -1,7 +1,7 @@
 """fixed: Sparse Transformer fixed attention (Child et al. 2019, arXiv:1904.10509)."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
+from gtx.graph.pattern import Pattern
 
 
 def fixed(l: int = 8, c: int = 2) -> Pattern:  # noqa: E741 - the paper's name for the block length

@@ -1,7 +1,7 @@
 """full: the classic Transformer: complete ``ee``, causal ``dd``, complete bipartite ``ed``."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern, causal, everything
+from gtx.graph.pattern import Pattern, causal, everything
 
 
 def full() -> Pattern:

@@ -3,7 +3,7 @@
 import torch
 
 from gtx import hookimpl
-from gtx.pattern import STAGES, Pattern
+from gtx.graph.pattern import STAGES, Pattern
 
 
 def heads(inner) -> Pattern:

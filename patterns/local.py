@@ -3,7 +3,7 @@
 import torch
 
 from gtx import hookimpl
-from gtx.pattern import Pattern, align
+from gtx.graph.pattern import Pattern, align
 
 
 def band(lo: int, hi: int, aligned: bool = False):

@@ -1,7 +1,7 @@
 """longformer: sliding window plus global tokens (Beltagy et al. 2020)."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
+from gtx.graph.pattern import Pattern
 
 
 def longformer(w: int = 4, g: int = 1) -> Pattern:

@@ -6,8 +6,8 @@ import torch
 
 from gtx import hookimpl
 from gtx.errors import PatternError
-from gtx.pattern import Pattern
-from gtx.spec import parse_pattern
+from gtx.graph.pattern import Pattern
+from gtx.graph.spec import parse_pattern
 
 
 def lsh(inner: Pattern = None, buckets: int = 8, seed: int = 0) -> Pattern:

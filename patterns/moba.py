@@ -5,9 +5,9 @@ from dataclasses import replace
 import torch
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
-from gtx.selection import BlockSelection, block_means, sample_lens
-from gtx.spec import parse_pattern
+from gtx.attention.selection import BlockSelection, block_means, sample_lens
+from gtx.graph.pattern import Pattern
+from gtx.graph.spec import parse_pattern
 
 
 def moba(b: int = 64, k: int = 3) -> Pattern:

@@ -1,7 +1,7 @@
 """strided: Sparse Transformer strided attention (Child et al. 2019, arXiv:1904.10509)."""
 
 from gtx import hookimpl
-from gtx.pattern import Pattern
+from gtx.graph.pattern import Pattern
 
 
 def strided(l: int = 4) -> Pattern:  # noqa: E741 - the paper's name for the stride

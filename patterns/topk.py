@@ -3,10 +3,10 @@
 from dataclasses import replace
 
 from gtx import hookimpl
+from gtx.attention.selection import top_keys, top_per_query
 from gtx.errors import PatternError
-from gtx.pattern import Pattern
-from gtx.selection import top_keys, top_per_query
-from gtx.spec import parse_pattern
+from gtx.graph.pattern import Pattern
+from gtx.graph.spec import parse_pattern
 
 
 def topk(inner: Pattern = None, k: int = 32) -> Pattern:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gtx import hookimpl
-from gtx.task import Task, Vocab, disjoint_splits
+from gtx.data.task import Task, Vocab, disjoint_splits
 from gtx.values import setting
 
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]

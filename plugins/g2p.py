@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from gtx import hookimpl
-from gtx.task import Task, edit_distance, stable_fraction
+from gtx.data.task import Task, edit_distance, stable_fraction
 from gtx.values import setting
 
 WORD = re.compile(r"[a-z']+\Z")

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from gtx import hookimpl
-from gtx.task import Task, Vocab
+from gtx.data.task import Task, Vocab
 from gtx.values import setting
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")

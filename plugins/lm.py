@@ -7,8 +7,8 @@ embedding.
 """
 
 from gtx import hookimpl
-from gtx.model import Output
-from gtx.stack import SelfAttentionStack, StackConfig
+from gtx.attention.model import Output
+from gtx.attention.stack import SelfAttentionStack, StackConfig
 
 
 class LanguageModel(SelfAttentionStack):

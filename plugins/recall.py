@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gtx import hookimpl
-from gtx.task import Task, Vocab, disjoint_splits
+from gtx.data.task import Task, Vocab, disjoint_splits
 from gtx.values import setting
 
 FIRST_BUCKET = 32  # distances 0..31 share the first bucket: within a local:w=32 window

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gtx import hookimpl
-from gtx.task import Task, Vocab
+from gtx.data.task import Task, Vocab
 from gtx.values import setting
 
 BUILTIN = Path(__file__).resolve().parent / "data" / "kjv.txt.xz"

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gtx import hookimpl
-from gtx.engine import propagate_attention, update_graph
-from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
+from gtx.attention.engine import propagate_attention, update_graph
+from gtx.attention.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
 from gtx.values import setting
 
 

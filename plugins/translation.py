@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gtx import hookimpl
+from gtx.data.task import Task, Vocab
 from gtx.errors import GtxError
-from gtx.task import Task, Vocab
 from gtx.values import setting
 
 FILES = {"train": "train", "valid": "val", "test": "test"}

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gtx import hookimpl
-from gtx.act import AdaptiveComputation, Halting
-from gtx.engine import apply_nodes, propagate_attention, update_graph
-from gtx.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
+from gtx.attention.act import AdaptiveComputation, Halting
+from gtx.attention.engine import apply_nodes, propagate_attention, update_graph
+from gtx.attention.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
 from gtx.values import setting
 
 

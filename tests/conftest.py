@@ -10,7 +10,7 @@ os.environ.pop("GTX_PLUGINS_DIR", None)
 # Generated task data goes to a throw-away cache, not ~/.cache/gtx.
 os.environ["GTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="gtx-test-cache-")
 
-from gtx import plugins  # noqa: E402
+from gtx.plugins import registry as plugins  # noqa: E402
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ TINY_MODEL = {"dim": "16", "heads": "2", "dim_ff": "16"}
 @pytest.fixture
 def tiny_task():
     """A small copy task, generated once per test."""
-    from gtx.plugins import TASKS
+    from gtx.plugins.registry import TASKS
 
     entry = TASKS.get("copy")
     task = entry.obj("copy", entry.config(n_train=48, n_valid=12, n_test=12, mean_len=5, std_len=2))

@@ -7,13 +7,13 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx.attention import Attention
+from gtx.attention.module import Attention
+from gtx.attention.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import PluginError
-from gtx.graph import EdgeSet, build_graph
-from gtx.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
-from gtx.spec import parse_pattern
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import EdgeSet, build_graph
 
 SPECS = ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "full+relbias:buckets=8,max_distance=16", "topk:k=2", "lsh:buckets=4",
          "topk(local:w=3):k=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "moba:b=4,k=1"]
@@ -195,8 +195,8 @@ def test_specs_round_trip_and_list_their_groups():
 
 
 def test_lm_trains_with_groups_biases_and_selection_and_checkpoints_the_learned_bias(tmp_path):
-    from gtx import checkpoint
-    from gtx.results import load
+    from gtx.experiments import checkpoint
+    from gtx.experiments.results import load
 
     spec = "heads(local:w=4,topk:k=4)+relbias:buckets=8,max_distance=32"
     result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--set", "seq_len=64", "--set", "n_train=32",

@@ -5,13 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gtx.attention.engine import propagate_attention
 from gtx.backends import Backend, get_backend
 from gtx.backends.dgl_compat import GraphboltUnavailable, import_dgl
-from gtx.engine import propagate_attention
 from gtx.errors import GtxError
-from gtx.graph import EdgeSet, build_graph
-from gtx.plugins import BACKENDS
-from gtx.spec import parse_pattern
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import EdgeSet, build_graph
+from gtx.plugins.registry import BACKENDS
 
 BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None and n != "dense"]
 
@@ -160,7 +160,7 @@ def test_hook_register_backends():
             return 2 * get_backend("dense")(q, k, v, edges)
 
     from gtx import hookimpl
-    from gtx.plugins import pm
+    from gtx.plugins.registry import pm
 
     class Plugin:
         @hookimpl
@@ -168,7 +168,7 @@ def test_hook_register_backends():
             register("doubled", Doubled())
 
     pm.register(Plugin(), name="test-doubled")
-    from gtx.plugins import _state
+    from gtx.plugins.registry import _state
 
     _state["generation"] += 1
     try:
@@ -188,7 +188,7 @@ def test_unavailable_backend_says_why():
         def available(self, device="cpu"):
             return "needs a device this machine lacks"
 
-    from gtx.plugins import Entry
+    from gtx.plugins.registry import Entry
 
     BACKENDS.entries()["never"] = Entry("never", Never(), "test")
     try:
@@ -363,7 +363,7 @@ def test_buckets_cover_every_sample_once(causal):
     ("full", "dd", [1, 1], "complete"), ("local:w=1", "dd", [4, 2], None), ("local:w=1", "dd", [2, 1], "causal"),
 ])
 def test_plain_attention_batches_know_their_structure_without_building_edges(spec, stage, lens, structure):
-    from gtx.graph import batch_edges
+    from gtx.graph.tokens import batch_edges
 
     pattern = parse_pattern(spec)
     lazy = batch_edges(pattern, stage, lens, lens)

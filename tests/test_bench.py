@@ -8,15 +8,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gtx import bench
 from gtx.backends import get_backend
 from gtx.backends.auto import estimate, work
 from gtx.cli import cli
-from gtx.graph import build_graph
-from gtx.plugins import MODELS
-from gtx.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
-from gtx.spec import parse_pattern
-from gtx.task import SPLITS, Task, make_batch
+from gtx.data.task import SPLITS, Task, make_batch
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import build_graph
+from gtx.measure import bench
+from gtx.measure.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
+from gtx.plugins.registry import MODELS
 
 
 def test_bench_attention_cli_writes_a_table(tmp_path):
@@ -173,7 +173,7 @@ def test_auto_chooses_flash_for_plain_attention_and_blocks_for_long_local():
 
 
 def test_runs_record_the_auto_plan(tmp_path):
-    from gtx.results import load
+    from gtx.experiments.results import load
 
     args = ["run", "--epochs", "1", "--results", str(tmp_path), "--quiet", "--dim", "16", "--heads", "2", "--dim-ff", "16",
             "--layers", "1", "--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8", "--pattern", "local:w=1"]

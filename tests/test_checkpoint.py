@@ -13,9 +13,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gtx import checkpoint
 from gtx.cli import cli
-from gtx.results import load
+from gtx.experiments import checkpoint
+from gtx.experiments.results import load
 
 TINY = ["--set", "n_train=64", "--set", "n_valid=16", "--set", "n_test=16", "--set", "mean_len=5", "--layers", "1",
         "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]
@@ -53,7 +53,7 @@ def test_every_epoch_writes_last_and_best_checkpoints(reference):
 
 
 def test_ctrl_c_keeps_what_is_done_and_resume_reproduces_the_uninterrupted_run(reference, tmp_path, monkeypatch):
-    from gtx import train
+    from gtx.experiments import train
 
     calls = {"n": 0}
     real = train.Trainer.train_epoch
@@ -177,7 +177,7 @@ def test_an_unwritable_output_place_fails_before_training(tmp_path, blocked):
 
 
 def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_path, monkeypatch):
-    from gtx import train
+    from gtx.experiments import train
 
     real = torch.nn.functional.cross_entropy
     calls = {"n": 0}

@@ -9,11 +9,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx import checks
+from gtx.attention.model import Output
 from gtx.cli import cli
 from gtx.errors import PluginError
-from gtx.model import Output
-from gtx.pattern import Pattern, check_edges
+from gtx.graph.pattern import Pattern, check_edges
+from gtx.plugins import checks
 
 DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool, torch.float32, torch.float64]
 
@@ -103,7 +103,7 @@ BAD_PLUGINS = {
     "float edges": ('''
         import torch
         from gtx import hookimpl
-        from gtx.pattern import Pattern
+        from gtx.graph.pattern import Pattern
 
         def floaty():
             """Edges as floats."""
@@ -116,7 +116,7 @@ BAD_PLUGINS = {
     ''', ["--pattern", "floaty"], "pattern 'floaty' (ee edges for n_q="),
     "string metric": ('''
         from gtx import hookimpl
-        from gtx.plugins import TASKS
+        from gtx.plugins.registry import TASKS
 
         COPY = TASKS.get("copy")
 
@@ -132,8 +132,8 @@ BAD_PLUGINS = {
     "wrong logits": ('''
         import torch
         from gtx import hookimpl
-        from gtx.model import Output
-        from gtx.plugins import MODELS
+        from gtx.attention.model import Output
+        from gtx.plugins.registry import MODELS
 
         TRANSFORMER = MODELS.get("transformer")
 
@@ -149,7 +149,7 @@ BAD_PLUGINS = {
     ''', ["--model", "short"], "model 'short' ("),
     "model raises": ('''
         from gtx import hookimpl
-        from gtx.plugins import MODELS
+        from gtx.plugins.registry import MODELS
 
         TRANSFORMER = MODELS.get("transformer")
 

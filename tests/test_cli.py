@@ -68,7 +68,7 @@ def test_plugins_json(plugin_dir):
 
 
 def test_hook_register_commands(plugin_dir):
-    from gtx import plugins
+    from gtx.plugins import registry as plugins
 
     folder = plugin_dir(
         hello="""

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 from rows import row, seeds, three_seeds
 
-from gtx import results
-from gtx.compare import compare, compare_evals, format_compare
 from gtx.errors import GtxError
-from gtx.results import validate
+from gtx.experiments import results
+from gtx.experiments.compare import compare, compare_evals, format_compare
+from gtx.experiments.results import validate
 
 
 def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):

@@ -7,9 +7,9 @@ import sys
 import pandas as pd
 import pytest
 
-from gtx.distributed import World
-from gtx.results import load
-from gtx.train import PhaseStats
+from gtx.experiments.distributed import World
+from gtx.experiments.results import load
+from gtx.experiments.train import PhaseStats
 
 ARGS = ["run", "--epochs", "2", "--seed", "1", "--set", "n_train=60", "--set", "n_valid=16", "--set", "n_test=16", "--set", "mean_len=5",
         "--layers", "1", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--set", "dropout=0", "--quiet"]

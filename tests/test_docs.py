@@ -6,8 +6,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from gtx import hookspecs
 from gtx.cli import cli
+from gtx.plugins import hookspecs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -18,7 +18,7 @@ def example_plugin() -> str:
 
 
 def test_documented_plugin_works_from_an_empty_folder(tmp_path):
-    from gtx import plugins
+    from gtx.plugins import registry as plugins
 
     folder = tmp_path / "my_patterns"
     folder.mkdir()
@@ -47,8 +47,8 @@ def test_every_hook_is_documented_with_its_signature():
 
 
 def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
-    from gtx import plugins
-    from gtx.results import load
+    from gtx.experiments.results import load
+    from gtx.plugins import registry as plugins
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "content"

@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.results import load
+from gtx.experiments.results import load
 
 TINY = ["--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8", "--set", "mean_len=5", "--layers", "1",
         "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet", "--epochs", "2"]
@@ -33,7 +33,7 @@ def test_tensorboard_event_file_holds_each_epoch(tmp_path):
 LOGGER = '''
 import json
 from gtx import hookimpl
-from gtx.loggers import Logger
+from gtx.experiments.loggers import Logger
 
 class Recorder(Logger):
     """Writes what it is told into calls.jsonl."""

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from gtx.attention.decode import decode
 from gtx.backends import get_backend
-from gtx.decode import decode
-from gtx.plugins import BACKENDS, MODELS
-from gtx.spec import parse_pattern
-from gtx.task import Vocab, batches
+from gtx.data.task import Vocab, batches
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import BACKENDS, MODELS
 
 BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None]
 TINY = {"transformer": dict(layers=2, heads=2, dim=16, dim_ff=16), "ut": dict(heads=2, dim=16, dim_ff=16, max_depth=4)}
@@ -128,7 +128,7 @@ def test_decoder_reads_no_future_position(tiny_task, model, spec):
 
 def test_a_leaking_decoder_pattern_would_be_caught(tiny_task):
     """The test above is not vacuous: with a dd edge from the future, outputs change."""
-    from gtx.graph import EdgeSet
+    from gtx.graph.tokens import EdgeSet
 
     m = build("transformer", tiny_task)
     m.eval()
@@ -160,13 +160,13 @@ def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, mo
     assert all(len(h) <= lim and Vocab.eos not in h and Vocab.sos not in h for h, lim in zip(hyps, limits))
     if beam > 1:
         return
-    from gtx.task import make_batch
+    from gtx.data.task import make_batch
 
     for i, h in enumerate(hyps):
         if len(h) >= limits[i]:
             continue  # stopped by the length limit, not by <eos>
         one = make_batch(tiny_task, "valid", [batch.index[i]], pattern)
-        from gtx.graph import build_graph, positions
+        from gtx.graph.tokens import build_graph, positions
 
         tgt_in = torch.tensor([Vocab.sos] + h)
         graph = build_graph(pattern, one.graph.src_lens.tolist(), [len(tgt_in)])
@@ -178,7 +178,7 @@ def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, mo
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
-    from gtx.model import Dropout
+    from gtx.attention.model import Dropout
 
     torch.manual_seed(0)
     drop = Dropout(p)
@@ -200,8 +200,8 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
 def test_incremental_decoding_gives_the_logits_of_the_whole_prefix(tiny_task, model, overrides, spec):
     """Feeding tokens one at a time through ``decode_next`` gives, at every position, the logits
     ``decode`` computes over the whole prefix (for the UT: with nodes halting at different steps)."""
-    from gtx.decode import latest_edges
-    from gtx.graph import build_graph, positions
+    from gtx.attention.decode import latest_edges
+    from gtx.graph.tokens import build_graph, positions
 
     m = build(model, tiny_task, seed=5, **overrides)
     m.eval()

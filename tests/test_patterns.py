@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gtx.errors import PatternError, UnknownNameError
-from gtx.pattern import STAGES, Pattern, check_edges
-from gtx.plugins import PATTERNS
-from gtx.spec import parse_pattern
+from gtx.graph.pattern import STAGES, Pattern, check_edges
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import PATTERNS
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 lengths = st.integers(1, 40)
@@ -212,7 +212,7 @@ def test_other_invariants_are_checked():
 
 
 def test_act_filters_edges_into_halted_queries():
-    from gtx.graph import build_graph
+    from gtx.graph.tokens import build_graph
 
     p = parse_pattern("act(local:w=1)")
     g = build_graph(p, [4, 3], [3, 2])

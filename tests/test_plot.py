@@ -16,13 +16,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gtx import plot
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.pattern import STAGES
-from gtx.report import write_report
-from gtx.results import COLUMNS, SCHEMA_VERSION, load, write_run
-from gtx.spec import parse_pattern
+from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.graph.pattern import STAGES
+from gtx.graph.spec import parse_pattern
+from gtx.pictures import plot
+from gtx.pictures.report import write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -318,7 +318,7 @@ class Spy:
 
 
 def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
-    from gtx import probe
+    from gtx.measure import probe
 
     model, r, _ = probe.load_model(trained["transformer"])
     spy = model.backend.backend = Spy(model.backend.backend)
@@ -340,10 +340,10 @@ def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
 def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
     from types import SimpleNamespace
 
-    from gtx import probe
-    from gtx.attention import Attention
+    from gtx.attention.module import Attention
     from gtx.backends import get_backend
-    from gtx.graph import build_graph
+    from gtx.graph.tokens import build_graph
+    from gtx.measure import probe
 
     edges = build_graph(parse_pattern(spec), [7]).edges["ee"]
     q, k, v = (torch.randn(7, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -362,10 +362,10 @@ def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
 def test_block_selections_are_an_error():
     from types import SimpleNamespace
 
-    from gtx import probe
-    from gtx.attention import Attention
+    from gtx.attention.module import Attention
     from gtx.backends import get_backend
-    from gtx.graph import build_graph
+    from gtx.graph.tokens import build_graph
+    from gtx.measure import probe
 
     pattern = parse_pattern("moba:b=2,k=1")
     edges = build_graph(pattern, None, [8]).edges["dd"]
@@ -388,7 +388,8 @@ def cell_colours(fig, ax, n_q, n_k) -> np.ndarray:
 
 
 def test_non_edges_are_grey_exactly_where_the_pattern_has_none(trained):
-    from gtx import plot_model, probe
+    from gtx.measure import probe
+    from gtx.pictures import plot_model
 
     model, r, _ = probe.load_model(trained["transformer"])
     seen = probe.run_example(model, r, "test", 0)
@@ -409,7 +410,7 @@ def test_non_edges_are_grey_exactly_where_the_pattern_has_none(trained):
 
 
 def test_act_attention_is_one_call_per_step(trained):
-    from gtx import probe
+    from gtx.measure import probe
 
     model, r, _ = probe.load_model(trained["ut"])
     seen = probe.run_example(model, r, "test", 0)
@@ -422,8 +423,9 @@ def test_act_attention_is_one_call_per_step(trained):
 
 
 def test_act_figure_shows_the_models_step_counts(trained):
-    from gtx import plot_model, probe
-    from gtx.task import make_batch
+    from gtx.data.task import make_batch
+    from gtx.measure import probe
+    from gtx.pictures import plot_model
 
     model, r, _ = probe.load_model(trained["ut"])
     fig = plot.act(trained["ut"], examples=[0, 2])

@@ -2,14 +2,15 @@
 
 import pytest
 
-from gtx import hookspecs, plugins
 from gtx.errors import PluginError, UnknownNameError
-from gtx.plugins import MODELS, PATTERNS, TASKS
-from gtx.spec import parse_pattern
+from gtx.graph.spec import parse_pattern
+from gtx.plugins import hookspecs
+from gtx.plugins import registry as plugins
+from gtx.plugins.registry import MODELS, PATTERNS, TASKS
 
 NEW_PATTERN = """
     from gtx import hookimpl
-    from gtx.pattern import Pattern
+    from gtx.graph.pattern import Pattern
 
     def diagonal() -> Pattern:
         '''Only the self-edge.'''
@@ -40,7 +41,7 @@ def test_duplicate_names_name_both_plugins(plugin_dir):
     folder = plugin_dir(
         dup="""
         from gtx import hookimpl
-        from gtx.pattern import Pattern
+        from gtx.graph.pattern import Pattern
 
         @hookimpl
         def register_patterns(register):
@@ -94,7 +95,7 @@ def test_pattern_raising_while_building_edges_is_named(plugin_dir):
     folder = plugin_dir(
         bad_rule="""
         from gtx import hookimpl
-        from gtx.pattern import Pattern
+        from gtx.graph.pattern import Pattern
 
         def bad():
             def rule(q, k, n_q, n_k):

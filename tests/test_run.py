@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.results import load
+from gtx.experiments.results import load
 
 TINY = ["--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
         "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]
@@ -139,7 +139,7 @@ def test_translation_end_to_end_with_beam_and_bleu(tmp_path):
 
 
 def test_cell_key_names_the_experiment_not_how_it_was_spelled():
-    from gtx.runner import RunConfig, cell_key
+    from gtx.experiments.runner import RunConfig, cell_key
 
     key = cell_key(RunConfig(pattern="local", settings={"epochs": "4", "dim": "16"}))
     assert key == cell_key(RunConfig(pattern="local:w=4", settings={"train.epochs": "4", "model.dim": "16"}))

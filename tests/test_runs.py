@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from gtx import checkpoint, results, runs
 from gtx.cli import cli
 from gtx.errors import GtxError
+from gtx.experiments import checkpoint, results, runs
 
 TINY = ["--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8", "--set", "mean_len=4", "--layers", "1",
         "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]

@@ -7,15 +7,15 @@ from click.testing import CliRunner
 
 from gtx.backends import get_backend
 from gtx.cli import cli
-from gtx.plugins import MODELS
-from gtx.spec import parse_pattern
-from gtx.task import IGNORE, Task, Vocab, make_batch
+from gtx.data.task import IGNORE, Task, Vocab, make_batch
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import MODELS
 
 TINY = dict(layers=2, heads=2, dim=16, dim_ff=16, max_depth=3)
 LM_TASK = '''
 from dataclasses import dataclass
 from gtx import hookimpl
-from gtx.task import Task
+from gtx.data.task import Task
 
 @dataclass
 class Config:
@@ -82,7 +82,7 @@ def test_lm_batch_shifts_tokens_and_ignores_unscored():
 
 @pytest.mark.parametrize("universal", [False, True])
 def test_lm_trains(universal):
-    from gtx.train import TrainConfig, Trainer
+    from gtx.experiments.train import TrainConfig, Trainer
 
     task, model, pattern = lm(universal)
     trainer = Trainer(model, TrainConfig(lr_factor=2.0, warmup=10), 16, torch.device("cpu"), task)
@@ -96,7 +96,7 @@ def test_lm_trains(universal):
 
 
 def test_encoder_pools_each_sample_alone():
-    from gtx.plugins import TASKS
+    from gtx.plugins.registry import TASKS
 
     entry = TASKS.get("listops")
     task = entry.obj("listops", entry.config(n_train=16, n_valid=4, n_test=4, form="classify"))
@@ -116,7 +116,7 @@ def test_groups_are_scored_and_counted(plugin_dir, tmp_path):
     result = CliRunner().invoke(cli, ["run", "--task", "counting", "--model", "lm", "--plugins-dir", str(folder), "--epochs", "1",
                                       "--dim", "16", "--heads", "2", "--dim-ff", "16", "--results", str(tmp_path), "--quiet"])
     assert result.exit_code == 0, result.output
-    from gtx.plugins import TASKS
+    from gtx.plugins.registry import TASKS
 
     task = TASKS.get("counting").obj("counting", TASKS.get("counting").config())
     batch = make_batch(task, "train", [0, 1], parse_pattern("causal"))
@@ -148,7 +148,7 @@ def test_context_beyond_the_positions_is_one_line(plugin_dir, tmp_path):
 def test_a_pattern_leaking_under_lm_is_one_line_and_writes_nothing(plugin_dir, tmp_path):
     leaky = '''
 from gtx import hookimpl
-from gtx.pattern import Pattern, everything
+from gtx.graph.pattern import Pattern, everything
 
 @hookimpl
 def register_patterns(register):
@@ -168,7 +168,7 @@ def test_a_pattern_that_is_full_attention_here_is_called_out(tmp_path):
                                       "--dim-ff", "16", "--layers", "1", "--set", "n_train=16", "--set", "n_valid=4", "--set", "n_test=4"])
     assert result.exit_code == 0, result.output
     assert "note: pattern bigbird" in result.output and "is (nearly) full attention" in result.output
-    from gtx.results import load
+    from gtx.experiments.results import load
 
     assert (load(tmp_path).density > 0.99).all()
 
@@ -182,7 +182,7 @@ def test_vocab_of_an_lm_task_is_shared():
 def test_task_train_defaults_apply_under_the_users_settings(plugin_dir, tmp_path):
     import json
 
-    from gtx.results import load
+    from gtx.experiments.results import load
 
     folder = plugin_dir(counting=LM_TASK)
     for extra, batch_size in (([], 4), (["--batch-size", "3"], 3), (["--set", "train.batch_size=2"], 2)):

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gtx import sweep as sw
 from gtx.cli import cli
-from gtx.config import RunConfig, resolve_configs
 from gtx.errors import GtxError
-from gtx.results import COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.experiments import sweep as sw
+from gtx.experiments.config import RunConfig, resolve_configs
+from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
 
 TINY = ["--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
         "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--layers", "1"]
@@ -212,7 +212,7 @@ def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
 
 
 def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path):
-    from gtx import claims
+    from gtx.experiments import claims
 
     res = tmp_path / "res"
     args = ["--epochs", "1", *TINY, "--results", res]

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from gtx.data.task import SPLITS, Vocab, batches, cache_dir, edit_distance
 from gtx.errors import GtxError
-from gtx.plugins import TASKS
-from gtx.spec import parse_pattern
-from gtx.task import SPLITS, Vocab, batches, cache_dir, edit_distance
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import TASKS
 
 
 def make(name, **settings):

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
+from gtx.data.task import SPLITS, UNK, make_batch
 from gtx.errors import GtxError
-from gtx.plugins import TASKS
-from gtx.results import load
-from gtx.spec import parse_pattern
-from gtx.task import SPLITS, UNK, make_batch
+from gtx.experiments.results import load
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import TASKS
 
 
 def make(**settings):

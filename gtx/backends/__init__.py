@@ -14,7 +14,7 @@ import torch
 
 from gtx import hookimpl
 from gtx.errors import GtxError
-from gtx.graph import EdgeSet
+from gtx.graph.tokens import EdgeSet
 
 
 class Backend:
@@ -37,7 +37,7 @@ class Backend:
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
     """The registered backend ``name``, checked to be usable on ``device``."""
-    from gtx.plugins import BACKENDS
+    from gtx.plugins.registry import BACKENDS
 
     backend = BACKENDS.get(name).obj
     reason = backend.available(device)

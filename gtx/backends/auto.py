@@ -35,7 +35,7 @@ import torch
 from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs
 from gtx.backends.flash import flash_attention, flash_structure
-from gtx.graph import EdgeSet
+from gtx.graph.tokens import EdgeSet
 
 # Seconds per unit of work and per call, forward + backward, float32: the built-in calibration,
 # measured with ``gtx bench calibrate`` on the machines named in docs/benchmarks.md. Running it
@@ -53,7 +53,7 @@ MEASURE_WITHIN = 1.5  # candidates predicted within this factor of the best are 
 
 
 def costs_path(device_type: str) -> Path:
-    from gtx.task import cache_dir
+    from gtx.data.task import cache_dir
 
     return cache_dir() / f"costs-{device_type}.json"
 
@@ -121,7 +121,7 @@ class AutoBackend(Backend):
     def candidates(self, device: torch.device) -> dict[str, Backend]:
         from gtx.backends.blocksparse import BlockSparseBackend
         from gtx.backends.dense import DenseBackend
-        from gtx.plugins import BACKENDS
+        from gtx.plugins.registry import BACKENDS
 
         key = str(device)
         if key not in self._backends:

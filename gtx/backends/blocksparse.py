@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gtx.backends import Backend
-from gtx.graph import EdgeSet
+from gtx.graph.tokens import EdgeSet
 
 
 @dataclass

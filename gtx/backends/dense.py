@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gtx.backends import Backend
 from gtx.backends.flash import flash_attention, flash_structure
-from gtx.graph import EdgeSet
+from gtx.graph.tokens import EdgeSet
 
 
 def _mask(edges: EdgeSet) -> tuple[torch.Tensor, torch.Tensor | None]:

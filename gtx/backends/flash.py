@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gtx.graph import EdgeSet
+from gtx.graph.tokens import EdgeSet
 
 COMPLETE, CAUSAL = "complete", "causal"
 

@@ -13,7 +13,7 @@ import torch
 
 from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs, row_slots
-from gtx.graph import EdgeSet
+from gtx.graph.tokens import EdgeSet
 
 BLOCK = 128
 

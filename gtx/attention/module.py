@@ -1,0 +1,237 @@
+"""What a model attends with: a backend, plus the run-time parts of the run's pattern.
+
+A plain pattern's edges go straight to the backend. Beyond that a pattern may (``Pattern``):
+
+- split the heads into groups, one pattern each (``heads(a,b)``): each group's heads attend over
+  that group's edge set (``EdgeSet.groups``);
+- add a score bias to every edge (``P+alibi``): a registered module maps each edge's query and key
+  positions to an additive score per head; learned tables are parameters of this module, so they
+  train and are checkpointed with the model;
+- select edges at run time from the queries and keys (``topk``, ``moba``, ``lsh``): per head, a
+  subset of the pattern's own (candidate) edges. A selection is a bool mask (E, H) over the
+  candidate edges, or for block-sparse choosers a ``gtx.selection.BlockSelection``. Either way the
+  selected edges are candidates, so the candidates' checks (no future edge in ``dd``) hold; a
+  query left without an edge is an error naming the pattern.
+
+The dense reference applies the same function: every backend that accepts biases is tested
+against it on values and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gtx.attention.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
+from gtx.backends import Backend
+from gtx.errors import GtxError, PluginError
+from gtx.graph.tokens import EdgeSet
+
+
+def _bias_modules(pattern, out: dict) -> dict:
+    if pattern is not None:
+        if pattern.bias is not None:
+            out[bias_key(pattern.bias)] = pattern.bias
+        for group in pattern.heads:
+            _bias_modules(group, out)
+    return out
+
+
+def bias_key(bias: tuple[str, tuple]) -> str:
+    name, params = bias
+    return name + "".join(f"_{k}_{v}" for k, v in params).replace(".", "_")
+
+
+class Attention(torch.nn.Module):
+    """``attention(q, k, v, edges)`` as a backend is called (q pre-scaled; (n, H, D) tensors), for any
+    pattern; ``pattern`` and ``heads`` (the model's head count) build the pattern's bias modules."""
+
+    def __init__(self, backend: Backend, pattern=None, heads: int | None = None):
+        super().__init__()
+        self.backend, self.heads = backend, heads
+        self.biases = torch.nn.ModuleDict()
+        for key, bias in _bias_modules(pattern, {}).items():
+            self.biases[key] = self._build_bias(bias, heads)
+        self.usage: dict[str, list[float]] = {}  # stage -> [selected edges, candidate edges], per head, since reset
+        self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.probe records)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def reset_choices(self) -> dict:
+        return self.backend.reset_choices()
+
+    def reset_usage(self) -> dict[str, float]:
+        """Per stage, the share of candidate edges the pattern's selection kept since the last call."""
+        out = {stage: sel / cand for stage, (sel, cand) in self.usage.items() if cand}
+        self.usage.clear()
+        return out
+
+    def _build_bias(self, bias, heads):
+        from gtx.plugins.registry import BIASES
+
+        name, params = bias
+        if not heads:
+            raise GtxError(f"bias {name!r} needs the model's number of heads; this model has no 'heads' setting")
+        try:
+            return BIASES.get(name).obj(heads, **dict(params))
+        except (TypeError, ValueError) as e:
+            raise GtxError(f"bad parameters for bias {name!r}: {e}") from None
+
+    def bias(self, bias, edges: EdgeSet, heads: torch.Tensor) -> torch.Tensor | None:
+        """(E, len(heads)) additive scores of the edges, or None."""
+        key = bias_key(bias)
+        if key not in self.biases:  # a model built without the pattern (tests, tools): only parameter-free biases
+            module = self._build_bias(bias, self.heads).to(heads.device)
+            if any(True for _ in module.parameters()):
+                raise GtxError(f"bias {bias[0]!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
+                               "pattern, heads) so that they train")
+            self.biases[key] = module
+        q_pos, k_pos = edges.positions()
+        out = self.biases[key](q_pos, k_pos, edges.stage, heads)
+        if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (edges.num_edges, len(heads))):
+            raise PluginError(f"bias {bias[0]!r} returned {getattr(out, 'shape', type(out).__name__)}; expected ({edges.num_edges}, {len(heads)})")
+        return out
+
+    def forward(self, q, k, v, edges: EdgeSet):
+        pattern = edges.pattern
+        if pattern is None or pattern.plain:
+            return self.backend(q, k, v, edges)
+        self.heads = self.heads or q.shape[1]
+        out, used = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
+        self._count(edges.stage, used, edges.num_edges)
+        return out
+
+    def _attend(self, q, k, v, edges: EdgeSet, heads: torch.Tensor, bias) -> tuple[torch.Tensor, float]:
+        """The output, and the edges one head attended over. ``heads``: the model's head indices
+        that q holds (groups recurse on slices); ``bias``: inherited from an enclosing pattern."""
+        pattern = edges.pattern
+        bias = pattern.bias or bias
+        if edges.groups:
+            n = len(edges.groups)
+            if q.shape[1] % n:
+                raise GtxError(f"pattern {pattern.spec!r} splits heads into {n} groups but the model has {q.shape[1]} heads here; "
+                               f"use a multiple of {n} heads (--heads)")
+            w = q.shape[1] // n
+            parts = [self._attend(q[:, i * w:(i + 1) * w], k[:, i * w:(i + 1) * w], v[:, i * w:(i + 1) * w], e, heads[i * w:(i + 1) * w], bias)
+                     for i, e in enumerate(edges.groups)]
+            return torch.cat([out for out, _ in parts], 1), sum(used for _, used in parts) / n
+        if pattern.select is not None:
+            return self._selected(q, k, v, edges, heads, bias)
+        return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
+
+    def _call(self, q, k, v, edges, scores, spec):
+        if scores is None:
+            return self.backend(q, k, v, edges)
+        if not getattr(self.backend, "supports_bias", False):
+            raise GtxError(f"backend {self.backend.name!r} cannot apply score biases (pattern {spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
+        return self.backend(q, k, v, edges, bias=scores)
+
+    def _selected(self, q, k, v, edges, heads, bias):
+        pattern = edges.pattern
+        with torch.no_grad():
+            chosen = pattern.select(q.detach(), k.detach(), edges)
+        check_selection(pattern.spec, chosen, edges, q.shape[1])
+        if chosen is None:  # this stage keeps its candidates
+            return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
+        if isinstance(chosen, KeySelection) and (bias or self.list_edges):
+            chosen = chosen.as_mask(edges)  # biases are applied per edge: list the kept edges
+        elif isinstance(chosen, KeySelection):
+            return attend_keys(q, k, v, edges, chosen), chosen.edges_per_head()
+        if isinstance(chosen, BlockSelection):
+            if bias:
+                raise GtxError(f"pattern {pattern.spec!r} selects blocks: score biases are not supported on it; drop the bias")
+            return attend_blocks(q, k, v, edges, chosen), chosen.edges_per_head()
+        keep = check_keep(pattern.spec, chosen, edges, q.shape[1])
+        scores = self.bias(bias, edges, heads) if bias else None
+        outs = []
+        for h in range(q.shape[1]):
+            m = keep[:, h]
+            sub = EdgeSet(edges.src[m], edges.dst[m], edges.n_src, edges.n_dst, edges.stage, *_lens(edges))
+            sl = slice(h, h + 1)
+            outs.append(self._call(q[:, sl], k[:, sl], v[:, sl], sub, None if scores is None else scores[m][:, sl], pattern.spec))
+        return torch.cat(outs, 1), float(keep.sum()) / q.shape[1]
+
+    def _count(self, stage: str, selected: float, candidates: int) -> None:
+        total = self.usage.setdefault(stage, [0.0, 0.0])
+        total[0] += selected
+        total[1] += candidates
+
+
+def _lens(edges: EdgeSet):
+    root = edges.parent or edges
+    return root.q_lens, root.k_lens
+
+
+def check_keep(spec: str, keep, edges: EdgeSet, heads: int) -> torch.Tensor:
+    """A selection mask must be bool (E, H) on the edges' device and leave every query that has
+    candidates at least one edge in every head."""
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (edges.num_edges, heads) or keep.device != edges.device:
+        got = f"{keep.dtype} {tuple(keep.shape)} on {keep.device}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise PluginError(f"pattern {spec!r} selected {got}; expected a bool mask ({edges.num_edges}, {heads}) over its candidate edges "
+                          f"on {edges.device}")
+    kept = torch.zeros(edges.n_dst, heads, dtype=torch.long, device=keep.device).index_add_(0, edges.dst, keep.long())
+    has = edges.in_degree() > 0
+    empty = (kept[has] == 0).nonzero()
+    if len(empty):
+        q, h = (int(x) for x in empty[0])
+        raise PluginError(f"pattern {spec!r} left query {int(has.nonzero()[q])} without an edge in head {h} ({edges.stage}); "
+                          "a selection must keep at least one candidate per query")
+    return keep
+
+
+def check_pattern(pattern, backend: Backend, heads: int | None) -> None:
+    """What a run can check before it starts: head groups divide the model's heads, and a score
+    bias meets a backend that applies biases."""
+    if pattern.bias is not None and not getattr(backend, "supports_bias", False):
+        raise GtxError(f"backend {backend.name!r} cannot apply score biases (pattern {pattern.spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
+    if pattern.heads:
+        n = len(pattern.heads)
+        if heads is not None and heads % n:
+            raise GtxError(f"pattern {pattern.spec!r} splits the heads into {n} groups but the model has {heads} heads; use a multiple of {n} (--heads)")
+        for group in pattern.heads:
+            check_pattern(group, backend, heads // n if heads else None)
+
+
+def check_budget(pattern, stages, length: int) -> None:
+    """A selection that keeps at least as many keys as any query has candidates, at the task's
+    longest sequence, is its candidate pattern under another name: an error naming the fix."""
+    for p in pattern.heads or (pattern,):
+        if p.heads:
+            check_budget(p, stages, length)
+        elif p.budget:
+            most = max(int(torch.bincount(p.edges(stage, length, length)[1]).max()) for stage in stages)
+            if p.budget >= most:
+                raise GtxError(f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
+                               f"task's {length} tokens: it would attend to every candidate; choose a smaller budget (k, or b and k)")
+
+
+def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
+    """A selection that does not list edges must still name only candidates: each query's keys within
+    its own sample (and, for causal candidates, at or before it), block selections causal, slot 0 the
+    query's own block. A keep mask is checked by ``check_keep``. One PluginError line naming the pattern."""
+    def bad(what: str):
+        raise PluginError(f"pattern {spec!r} selected {what} ({edges.stage}); a selection must stay within its candidate edges")
+
+    if isinstance(chosen, KeySelection):
+        keys, valid = chosen.keys, chosen.valid
+        if keys.dtype != torch.long or valid.dtype != torch.bool or keys.shape != valid.shape or keys.shape[:2] != (edges.n_dst, heads):
+            bad(f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
+        root = edges.parent or edges
+        q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
+        k_lens = torch.as_tensor(root.k_lens if root.k_lens is not None else [root.n_src], device=keys.device)
+        sample = torch.repeat_interleave(torch.arange(len(q_lens), device=keys.device), q_lens)[:, None, None]
+        k_start = (torch.cumsum(k_lens, 0) - k_lens)[sample]
+        position = keys - k_start
+        outside = (position < 0) | (position >= k_lens[sample])
+        if root.structure == "causal":
+            outside |= position > (torch.arange(edges.n_dst, device=keys.device) - (torch.cumsum(q_lens, 0) - q_lens)[sample[:, 0, 0]])[:, None, None]
+        if (outside & valid).any():
+            q, h, j = (int(x) for x in (outside & valid).nonzero()[0])
+            bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
+    elif isinstance(chosen, BlockSelection):
+        n = chosen.key_blocks.shape[2]
+        own = chosen.key_blocks[..., 0] == torch.arange(n, device=chosen.key_blocks.device)
+        earlier = chosen.key_blocks[..., 1:] < torch.arange(n, device=chosen.key_blocks.device)[:, None]
+        if not bool(own.all()) or not bool((earlier | ~chosen.valid[..., 1:]).all()) or not bool(chosen.valid[..., 0].all()):
+            bad("a block other than the query's own in slot 0, or a later block")

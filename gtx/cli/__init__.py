@@ -1,0 +1,295 @@
+"""gtx command line: a thin click layer over the runner and the registries.
+
+    gtx run --pattern local --model ut      train and evaluate; results appended under results/
+    gtx eval RUN_ID --pattern local:w=2      a trained model under any pattern
+    gtx compare                             accuracy against speed, across runs, over seeds
+    gtx patterns | models | tasks | backends
+    gtx show-pattern local:w=2 --src-len 8 --tgt-len 6
+
+Commands with modules of their own: ``gtx sweep`` (cli_sweep.py), ``gtx plot`` and ``gtx report``
+(cli_plot.py), ``gtx bench`` (cli_bench.py), ``gtx runs`` and ``gtx show RUN`` (cli_runs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import click
+import pandas as pd
+
+from gtx import __version__
+from gtx.attention.model import model_forms
+from gtx.cli.bench import bench
+from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option
+from gtx.cli.plot import plot, report
+from gtx.cli.runs import runs, show
+from gtx.cli.sweep import sweep
+from gtx.errors import GtxError
+from gtx.experiments.distributed import is_main_process
+from gtx.experiments.results import format_table
+from gtx.experiments.runner import DEFAULT_BACKEND
+from gtx.experiments.train import TrainConfig
+from gtx.graph.pattern import STAGE_NAMES, STAGES
+from gtx.graph.spec import describe_params, is_modifier, parse_pattern
+from gtx.graph.tokens import EdgeSet, possible_edges
+from gtx.plugins.registry import BACKENDS, BIASES, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
+
+
+@click.group(cls=GtxGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gtx")
+def cli():
+    """gtx: sparse attention patterns as token graphs; train, measure and compare them."""
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+@cli.command()
+@plugins_dir_option
+def patterns():
+    """List attention patterns and score biases (P+bias) with their parameters."""
+    rows = [("NAME", "PARAMETERS", "DESCRIPTION")]
+    for name, entry in sorted(PATTERNS.entries().items()):
+        shown = f"{name}(PATTERN)" if is_modifier(entry.obj) else name
+        rows.append((shown, describe_params(entry.obj) or "-", entry.description))
+    for name, entry in sorted(BIASES.entries().items()):
+        rows.append((f"+{name}", describe_params(entry.obj, skip="heads") or "-", entry.description))
+    click.echo(_table(rows))
+
+
+@cli.command()
+@plugins_dir_option
+def backends():
+    """List attention backends and whether each is available here."""
+    rows = [("NAME", "AVAILABLE", "DESCRIPTION")]
+    for name, entry in sorted(BACKENDS.entries().items()):
+        reason = entry.obj.available("cpu")
+        rows.append((name, "yes" if reason is None else f"no: {reason}", entry.description))
+    click.echo(_table(rows))
+
+
+@cli.command(name="show-pattern")
+@click.argument("pattern")
+@click.option("--src-len", type=click.IntRange(min=1), default=12, show_default=True, help="Source (encoder) length.")
+@click.option("--tgt-len", type=click.IntRange(min=1), default=10, show_default=True, help="Target (decoder) length.")
+@click.option("--max-width", type=click.IntRange(min=1), default=120, show_default=True, help="Largest grid printed.")
+@plugins_dir_option
+def show_pattern(pattern, src_len, tgt_len, max_width):
+    """Print each stage's adjacency (rows: queries, columns: keys; '#' = edge); per head group for heads(...)."""
+    p = parse_pattern(pattern)
+    click.echo(f"pattern {p.spec}   src_len={src_len} tgt_len={tgt_len}   (row = query, column = key, # = edge)")
+    if p.select is not None:
+        click.echo("(edges chosen at run time from queries and keys: shown are the candidates)")
+    groups = p.heads or (p,)
+    for i, group in enumerate(groups):
+        if len(groups) > 1:
+            click.echo(f"\n== head group {i + 1} of {len(groups)}: {group.spec}")
+        _show_stages(group, src_len, tgt_len, max_width)
+
+
+def _show_stages(p, src_len, tgt_len, max_width):
+    sizes = {"ee": (src_len, src_len), "dd": (tgt_len, tgt_len), "ed": (tgt_len, src_len)}
+    for stage in STAGES:
+        n_q, n_k = sizes[stage]
+        src, dst = p.edges(stage, n_q, n_k)
+        density = src.numel() / possible_edges(EdgeSet(src, dst, n_k, n_q, stage))
+        click.echo(
+            f"\n{stage} ({STAGE_NAMES[stage]}): {n_q} queries x {n_k} keys, {src.numel()} edges, "
+            f"density {density:.3f}{' of the causal triangle' if stage == 'dd' else ''}, {src.numel() / n_q:.2f} edges per query"
+        )
+        if max(n_q, n_k) > max_width:
+            click.echo(f"  (grid not printed: wider than --max-width {max_width})")
+            continue
+        grid = [["."] * n_k for _ in range(n_q)]
+        for s, d in zip(src.tolist(), dst.tolist()):
+            grid[d][s] = "#"
+        for i, row in enumerate(grid):
+            click.echo(f"  {i:>4} {''.join(row)}")
+
+
+def _settings_of(config_cls) -> str:
+    if config_cls is None:
+        return "-"
+    return ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(config_cls))
+
+
+def _list_registry(registry, form) -> None:
+    """Name, task form(s) (``form(cls)``), description and settings of each entry."""
+    rows = [("NAME", "FORM", "DESCRIPTION", "SETTINGS (--set key=value)")]
+    for name, entry in sorted(registry.entries().items()):
+        rows.append((name, form(entry.obj), entry.description, _settings_of(entry.config)))
+    click.echo(_table(rows))
+
+
+@cli.command()
+@plugins_dir_option
+def models():
+    """List models, the task forms they serve and their settings."""
+    _list_registry(MODELS, lambda cls: ",".join(model_forms(cls)))
+
+
+@cli.command()
+@plugins_dir_option
+def tasks():
+    """List tasks, their form (seq2seq, lm, classify) and their settings."""
+    _list_registry(TASKS, lambda cls: cls.form)
+
+
+@cli.command()
+@click.option("--task", default="copy", show_default=True, help="Task name (gtx tasks).")
+@click.option("--model", default="transformer", show_default=True, help="Model name (gtx models).")
+@click.option("--pattern", default="full", show_default=True, help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Attention backend (gtx backends).")
+@click.option("--epochs", type=click.IntRange(min=1), help=f"Training epochs [default: {TrainConfig.epochs}].")
+@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
+@click.option("--batch-size", type=click.IntRange(min=1), help=f"Examples per batch [default: {TrainConfig.batch_size}].")
+@click.option("--layers", type=click.IntRange(min=1), help="Model layers (model setting).")
+@click.option("--heads", type=click.IntRange(min=1), help="Attention heads (model setting).")
+@click.option("--dim", type=click.IntRange(min=1), help="Model width d_model (model setting).")
+@click.option("--dim-ff", type=click.IntRange(min=1), help="Feed-forward width (model setting).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder for the results tables.")
+@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Any model, task or training setting (repeatable).")
+@click.option("--log", "loggers", multiple=True, metavar="NAME", help="Also log to NAME (repeatable): tensorboard, or a plugin's logger.")
+@click.option("--resume", metavar="RUN_ID", help="Continue a killed run from its last checkpoint under --results; its own configuration is used.")
+@click.option("--quiet", is_flag=True, help="No progress bar or per-epoch lines.")
+@plugins_dir_option
+def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, heads, dim, dim_ff, seed, device, results_dir, settings, loggers, resume, quiet):
+    """Train and evaluate one model under one pattern; append the results.
+
+    Each epoch writes a checkpoint under <results>/checkpoints/<run_id>/ (last.pt, and best.pt for
+    the lowest valid loss). Under `torchrun --nproc-per-node N gtx run ...` the batches are split
+    over N processes (data parallel)."""
+    from tqdm import tqdm
+
+    from gtx.experiments.runner import RunConfig
+    from gtx.experiments.runner import run as run_experiment
+
+    if resume is not None:  # the checkpoint's configuration is the run's: an option given beside it would be ignored
+        ctx = click.get_current_context()
+        given = [p.opts[0] for p in ctx.command.params if p.name not in ("resume", "results_dir", "quiet", "plugins_dir")
+                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise CliError(f"--resume {resume} continues the run with its own settings; drop {', '.join(given)}, or start a new run with them")
+    shortcuts = {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "layers": layers, "heads": heads, "dim": dim, "dim_ff": dim_ff}
+    settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
+    config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, seed=seed, results_dir=results_dir,
+                       settings=settings, loggers=list(loggers))
+
+    def progress(description, total):
+        bar = tqdm(total=total, desc=description, leave=False, disable=quiet or None, unit="batch")
+        return lambda: bar.update() if bar.n + 1 < total else bar.close()
+
+    log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
+    rows = run_experiment(config, progress=progress, log=log, resume=resume)
+    if is_main_process():
+        _summary(rows[(rows.epoch == rows.epoch.max())], results_dir)
+
+
+def _summary(rows: pd.DataFrame, results_dir: str) -> None:
+    """Some rows as ``gtx show`` prints them (the task's own metrics beside the common columns), and their file."""
+    from gtx.experiments.runs import rows_table
+
+    click.echo(format_table(rows_table(rows)))
+    click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
+
+
+@cli.command(name="eval")
+@click.argument("checkpoint")
+@click.option("--split", type=click.Choice(["train", "valid", "test"]), default="test", show_default=True)
+@click.option("--beam", type=click.IntRange(min=1), help="Beam width for decoding (seq2seq) [default: the task's].")
+@click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
+@click.option("--backend", help="Attention backend [default: the run's].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Folder to append to [default: the checkpoint's].")
+@plugins_dir_option
+def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_dir):
+    """Evaluate a trained model: CHECKPOINT is a .pt file or a run id (its best.pt under --results).
+
+    The rows are appended as a run of their own whose eval_of column names the trained run."""
+    from gtx.experiments.runner import evaluate_checkpoint
+
+    rows = evaluate_checkpoint(checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device)
+    trained = json.loads(rows.config.iloc[0])["trained_pattern"]
+    click.echo(f"run {rows.eval_of.iloc[0]} (trained with {trained}) evaluated under {rows.pattern.iloc[0]} on {split}:", err=True)
+    _summary(rows, json.loads(rows.config.iloc[0])["results_dir"])
+
+
+@cli.command()
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder of results tables.")
+@click.option("--by", default="task,model,pattern,backend", show_default=True,
+              help="Columns to group runs by (comma-separated); a group holds one experiment: runs that differ only by seed.")
+@click.option(
+    "--metric", default=None,
+    help="The metric for the 95% interval (ci95), Welch's t-test against full (vs_full at p < 0.05) and the Pareto front against "
+         "train tokens/s: token_acc, seq_acc, test_seq_acc, loss, or a task's own such as bpc (lower is better for loss, bpc, per) "
+         "[default: each task's own: bpc for text, query_acc for recall, token_acc for copy, ...].",
+)
+@click.option("--evals", is_flag=True, help="Compare gtx eval runs instead: each checkpoint under another pattern beside the same "
+                                            "checkpoint under its training pattern (paired t-test over the runs).")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True,
+              help="csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.")
+@plugins_dir_option
+def compare(results_dir, by, metric, evals, fmt):
+    """Compare runs over seeds: accuracy (mean ± std, 95% interval) against training speed, tested against the full pattern.
+
+    Runs pool only when they are one experiment (everything but the seed equal); where the --by
+    columns leave several in one group, the group is split and a settings column says what differs."""
+    from gtx.experiments.compare import compare as compare_runs
+    from gtx.experiments.compare import compare_evals, format_compare
+    from gtx.experiments.results import load
+
+    df = load(results_dir)
+    if df.empty:
+        raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
+    table = (compare_evals if evals else compare_runs)(df, [by], metric)
+    click.echo(format_compare(table, fmt))
+
+
+@cli.command(name="plugins")
+@click.option("--all", "show_all", is_flag=True, help="Include gtx's built-in plugins.")
+@plugins_dir_option
+def plugins_list(show_all):
+    """List loaded plugins and the hooks each implements, as JSON."""
+    from gtx.plugins.registry import BUILTIN_DIRS, DEFAULT_PLUGINS
+
+    builtin_prefixes = tuple(str(d) for d in BUILTIN_DIRS)
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        label = label_of(name)
+        if not show_all and (name in DEFAULT_PLUGINS or label.startswith(builtin_prefixes)):
+            continue
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        out.append({"name": label, "hooks": hooks})
+    click.echo(json.dumps(out, indent=2))
+
+
+for command in (bench, plot, report, runs, show, sweep):  # commands with modules of their own
+    cli.add_command(command)
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # not the source file and line of the code that warned: the user did not write it
+
+
+def main(argv=None):
+    """Console entry point: load plugins (so plugins can add commands), then run the CLI."""
+    warnings.formatwarning = _one_line
+    try:
+        load_plugins()
+        call_each("register_commands", cli=cli)
+    except GtxError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(2)
+    cli.main(args=argv, prog_name="gtx")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""``gtx bench``: attention kernels, the auto backend's calibration, and training throughput."""
+
+from __future__ import annotations
+
+import click
+
+from gtx.cli.common import GtxGroup, csv_list, key_value
+from gtx.experiments.results import format_table
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import BACKENDS, load_plugins
+
+
+@click.group(cls=GtxGroup)
+def bench():
+    """Benchmarks: attention kernels, and training throughput. Tables land under <results>/bench/."""
+
+
+@bench.command(name="attention")
+@click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Sequence lengths, comma-separated.")
+@click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True,
+              help="Backends, comma-separated; sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask), for reference.")
+@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG.")
+@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
+def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs):
+    """Forward + backward time and peak memory per (pattern, length, backend)."""
+    from gtx.experiments.runner import resolve_device
+    from gtx.measure import bench as gtx_bench
+
+    load_plugins(dirs=plugins_dirs)
+    names = csv_list(backends)
+    dev = resolve_device(device)
+    for name in names:
+        if name != gtx_bench.SDPA:  # plain torch, for reference: not a gtx backend
+            BACKENDS.get(name)
+    specs = [parse_pattern(p).spec for p in patterns]
+    sizes = [int(n) for n in csv_list(lengths)]
+    df = gtx_bench.bench_attention(specs, sizes, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
+                                   log=lambda s: click.echo(s, err=True))
+    path = gtx_bench.save(df, results_dir, "attention")
+    click.echo(format_table(df, fmt))
+    click.echo(f"table: {path}", err=True)
+    if plot:
+        from gtx.pictures import plot as gtx_plot
+
+        click.echo(f"plot: {gtx_plot.save(gtx_plot.attention_bench(df), path.with_suffix('.png'))}", err=True)
+
+
+@bench.command(name="calibrate")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
+def bench_calibrate(device, heads, head_dim):
+    """Measure the auto backend's cost constants on this machine and save them for auto to use."""
+    from gtx.experiments.runner import resolve_device
+    from gtx.measure import bench as gtx_bench
+
+    fitted = gtx_bench.calibrate(str(resolve_device(device)), heads, head_dim, log=lambda s: click.echo(s, err=True))
+    for kind, (a, o) in sorted(fitted.items()):
+        click.echo(f"{kind:<12} {a:.3e} s per unit of work + {1000 * o:.3f} ms per call")
+
+
+@bench.command(name="train")
+@click.option("--task", default="copy", show_default=True)
+@click.option("--model", default="transformer", show_default=True)
+@click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable: one table).")
+@click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
+@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
+@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
+@click.option(
+    "--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+    help="Interleaved rounds of --steps per variant; rows report the median round.",
+)
+@click.option(
+    "--baseline/--no-baseline", default=True, show_default=True,
+    help="Also time the model's plain-torch references (transformer: torch.nn.Transformer; lm: torch SDPA is_causal, and with each pattern's bool mask).",
+)
+@click.option("--bound/--no-bound", default=True, show_default=True, help="Also time the model with attention skipped: the ceiling for any backend.")
+@click.option("--memory/--no-memory", default=True, show_default=True, help="Also measure each row's peak memory, each in a fresh process.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
+def bench_train(task, model, patterns, backends, steps, rounds, settings, baseline, bound, memory, device, fmt, results_dir, plugins_dirs):
+    """Training tokens/s and peak memory per (pattern, backend) on the same batches, beside plain-torch references."""
+    from gtx.measure import bench as gtx_bench
+
+    load_plugins(dirs=plugins_dirs)
+    df = gtx_bench.bench_train(task, model, patterns, csv_list(backends), steps, settings=settings, device=device, baseline=baseline,
+                               bound=bound, rounds=rounds, memory=memory, plugins_dirs=plugins_dirs, log=lambda s: click.echo(s, err=True))
+    path = gtx_bench.save(df, results_dir, "train")
+    click.echo(format_table(df.drop(columns=["choice"]), fmt))
+    click.echo(f"table: {path}", err=True)

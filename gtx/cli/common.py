@@ -1,0 +1,67 @@
+"""What every gtx command module shares: one-line errors, the group class, common options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gtx.errors import GtxError
+from gtx.experiments.distributed import is_main_process
+from gtx.plugins.registry import load_plugins, task_metrics  # noqa: F401  (task_metrics: for the commands)
+
+
+class CliError(click.ClickException):
+    """Printed as one line, ``Error: ...``, exit code 2."""
+
+    exit_code = 2
+
+
+class GtxGroup(click.Group):
+    """Turns a GtxError into its one line; the exit code is 2, or the error's own ``exit_code`` (Ctrl-C: 130)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except GtxError as e:
+            if not is_main_process():  # under torchrun every rank meets the same error: rank 0 alone says it
+                ctx.exit(getattr(e, "exit_code", CliError.exit_code))
+            error = CliError(str(e))
+            error.exit_code = getattr(e, "exit_code", CliError.exit_code)
+            raise error from None
+
+
+def plugins_dir_option(f):
+    """``--plugins-dir DIR`` on every command: load that folder's ``*.py`` plugins first."""
+
+    def load(ctx, param, value):
+        try:
+            load_plugins(dirs=value)
+        except GtxError as e:
+            raise CliError(str(e)) from None
+        return value
+
+    return click.option(
+        "--plugins-dir",
+        multiple=True,
+        type=click.Path(file_okay=False, path_type=Path),
+        callback=load,
+        expose_value=False,
+        is_eager=True,
+        help="Folder of plugin .py files to load (repeatable; also GTX_PLUGINS_DIR).",
+    )(f)
+
+
+def key_value(ctx, param, values):
+    out = {}
+    for item in values:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise click.BadParameter(f"{item!r}: write key=value, e.g. --set dim=64", ctx=ctx, param=param)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def csv_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+

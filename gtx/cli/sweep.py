@@ -1,0 +1,132 @@
+"""``gtx sweep``: the click layer over gtx.sweep (registered on the group by gtx/cli.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from gtx.cli.common import CliError
+from gtx.errors import GtxError
+from gtx.experiments import sweep as sw
+from gtx.files import writable_dir
+
+# gtx run's shortcut options, here as comma lists: each is the --set key of the same name
+SHORTCUTS = ("epochs", "max_steps", "batch_size", "layers", "heads", "dim", "dim_ff")
+
+
+def _settings(ctx, param, values) -> dict[str, list[str]]:
+    out = {}
+    for item in values:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise click.BadParameter(f"{item!r}: write key=value or key=v1,v2, e.g. --set dim=32,64", ctx=ctx, param=param)
+        if not value.strip():
+            raise click.BadParameter(f"{item!r}: no values after '='", ctx=ctx, param=param)
+        try:
+            out[key.strip()] = sw.split_list(value, f"--set {key.strip()}=")
+        except GtxError as e:
+            raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+    return out
+
+
+def _shortcut_options(f):
+    for name in reversed(SHORTCUTS):
+        f = click.option(f"--{name.replace('_', '-')}", name, metavar="N[,N...]", help=f"Shortcut for --set {name}=...")(f)
+    return f
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("grid_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--task", metavar="A[,B...]", help="Tasks, comma-separated [default: copy].")
+@click.option("--model", metavar="A[,B...]", help="Models, comma-separated [default: transformer].")
+@click.option("--pattern", "patterns", multiple=True, metavar="SPEC",
+              help="One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].")
+@click.option("--backend", metavar="A[,B...]", help="Attention backends, comma-separated [default: auto].")
+@click.option("--seeds", "--seed", "seeds", metavar="SEEDS", help="Seeds: a range 0-4 (inclusive), a list 0,2,5, or both 0-2,7 [default: 0].")
+@_shortcut_options
+@click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=V1[,V2...]",
+              help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto].")
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Results folder shared by the runs [default: results].")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1].")
+@click.option("--dry-run", is_flag=True, help="Print a `gtx run` command per cell still to run (for Slurm or any launcher); run nothing.")
+@click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print.")
+@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also passed to every run).")
+def sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, **shortcuts):
+    """Run the cross product of the given lists, one `gtx run` per cell; resumable.
+
+    \b
+      gtx sweep --task copy,reverse --pattern full --pattern local:w=2 --seeds 0-2 --set epochs=1,2 -j 2
+      gtx sweep grid.toml --seeds 3-5          (options override the file's keys)
+
+    A cell with a complete run in --results is skipped, so running the same sweep again finishes an
+    interrupted one: an incomplete run with a checkpoint is resumed (gtx run --resume), any other
+    cell runs afresh. Each run's output goes to <results>/sweeps/<name>/logs/<cell>.log, <name> being
+    the grid file's stem or grid-<hash>. Exit status 1 if a cell failed, 2 on bad input (nothing runs).
+    """
+    try:
+        _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, shortcuts)
+    except GtxError as e:  # also when called outside the gtx group, which converts them itself
+        raise CliError(str(e)) from None
+
+
+def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, shortcuts):
+    from gtx.plugins.registry import PATTERNS, load_plugins
+
+    load_plugins(dirs=plugins_dirs)
+    given = sw.read_grid_file(grid_file) if grid_file else {}
+    for key, value in (("task", task), ("model", model), ("backend", backend)):
+        if value is not None:
+            given[key] = sw.split_list(value, f"--{key}")
+    if patterns:
+        given["pattern"] = [spec for text in patterns for spec in sw.split_patterns(text, PATTERNS.names())]
+    lists = {k: sw.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
+    given["settings"] = {**given.get("settings", {}), **lists, **settings}
+    file_results, file_jobs = given.pop("results", None), given.pop("jobs", None)
+    results_dir, jobs = results_dir or file_results or "results", jobs or file_jobs or 1
+    grid = sw.make_grid(**{**given, **({"seeds": seeds} if seeds is not None else {}), **({"device": device} if device else {})})
+    cells = sw.plan(grid, results_dir)
+    name = sw.sweep_name(grid_file, cells)
+    counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
+    rekeyed = sum(c.rekeyed for c in cells)
+    if rekeyed and not quiet:
+        click.echo(f"sweep {name}: {rekeyed} of the complete cells are runs written before results schema 4, matched by keys recomputed "
+                   "from their stored settings (schema 3's keys could mix tasks)", err=True)
+    if dry_run:
+        for line in sw.dry_run_lines(cells, results_dir, plugins_dirs):
+            click.echo(line)
+        if not quiet:
+            click.echo(f"sweep {name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run", err=True)
+        return
+
+    tty = sys.stderr.isatty()
+    clear = "\r\x1b[K" if tty and not quiet else ""  # the progress line's place, before a message takes it
+    finished = [-1]
+
+    def on_change(c: sw.Counts) -> None:
+        if quiet:
+            return
+        if tty:
+            click.echo(f"{clear}{c.line()}", nl=False, err=True)
+        elif c.done + c.failed != finished[0]:  # in a log file, a line per finished cell
+            finished[0] = c.done + c.failed
+            click.echo(c.line(), err=True)
+
+    def on_failure(f: sw.Failure) -> None:
+        click.echo(f"{clear}cell {f.cell.index} ({f.cell.label}) failed with exit status "
+                   f"{f.returncode}: {f.message}; log: {f.log}", err=True)
+
+    started = time.monotonic()
+    log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
+    on_change(counts)
+    failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure)
+    if clear:
+        click.echo(err=True)
+    other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""
+    click.echo(f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
+               f"in {time.monotonic() - started:.1f} s; logs in {log_dir}")
+    if failures:
+        raise click.exceptions.Exit(1)

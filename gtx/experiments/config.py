@@ -1,0 +1,201 @@
+"""What a run is: its configuration, resolved and checked before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+import torch
+
+from gtx.attention.model import model_forms
+from gtx.attention.module import check_budget, check_pattern
+from gtx.backends import get_backend
+from gtx.data.task import Task, make_batch
+from gtx.errors import GtxError
+from gtx.experiments.results import identity_keys
+from gtx.experiments.train import PhaseStats, TrainConfig
+from gtx.graph.pattern import Pattern
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import LOGGERS, MODELS, TASKS
+from gtx.values import out_of_range, parse_scalar
+
+DEFAULT_BACKEND = "auto"
+MAX_SEED = 2**31 - 1  # seeds derived from it (per epoch, per rank) stay within torch's and numpy's 64-bit range
+NEARLY_COMPLETE = 0.99  # density from which a pattern counts as full attention (complete_note)
+
+
+@dataclass
+class RunConfig:
+    """One experiment. ``settings`` are ``key=value`` strings for the model, task or training
+    configs (``dim=64``; prefix ``model.``, ``task.`` or ``train.`` where a key is ambiguous)."""
+
+    task: str = "copy"
+    model: str = "transformer"
+    pattern: str = "full"
+    backend: str = DEFAULT_BACKEND
+    device: str = "auto"
+    seed: int = 0
+    results_dir: str = "results"
+    settings: dict[str, str] = field(default_factory=dict)
+    loggers: list[str] = field(default_factory=list)  # names registered by register_loggers (--log)
+
+
+@dataclass
+class Resolved:
+    """Everything a run needs, checked before anything is written."""
+
+    config: RunConfig
+    task: Task
+    model_cls: type
+    model_config: object
+    task_config: object
+    train: TrainConfig
+    pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
+    chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
+    device: torch.device
+    density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
+    cell: str  # Configs.keys(): the results' ``cell`` column
+    experiment: str  # ... and its ``experiment`` column (the cell without the seed)
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self.config),
+            "pattern": self.pattern.spec,
+            "device": str(self.device),
+            "model_config": dataclasses.asdict(self.model_config),
+            "task_config": dataclasses.asdict(self.task_config),
+            "train": dataclasses.asdict(self.train),
+        }
+
+
+def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
+    """Convert a ``--set`` string to a config field's type; errors name the key and the type."""
+    base = typing.get_origin(typ) or typ
+    if base in (bool, int, float, str):
+        try:
+            return parse_scalar(raw, base)
+        except ValueError:
+            raise GtxError(f"--set {key}={raw}: {kind} {name!r} expects {base.__name__} for {key}") from None
+    raise GtxError(f"--set {key}: {kind} {name!r} field has unsupported type {typ}")
+
+
+def build_configs(settings: dict[str, str], targets: dict[str, tuple[str, type]]) -> dict[str, object]:
+    """Split ``settings`` among dataclasses: ``targets`` maps model/task/train -> (name, config class)."""
+    fields = {k: {f.name: f for f in dataclasses.fields(cls)} for k, (_, cls) in targets.items()}
+    hints = {k: typing.get_type_hints(cls) for k, (_, cls) in targets.items()}
+    values: dict[str, dict] = {k: {} for k in targets}
+    for key, raw in settings.items():
+        scope, _, short = key.rpartition(".")
+        owners = [scope] if scope else [k for k in targets if short in fields[k]]
+        if scope and scope not in targets:
+            raise GtxError(f"--set {key}: unknown prefix {scope!r}; use model., task. or train.")
+        if not owners or short not in fields[owners[0]]:
+            listing = "; ".join(f"{k} {targets[k][0]}: {', '.join(fields[k])}" for k in (owners or targets))
+            raise GtxError(f"--set {key}: no such setting; known settings: {listing}")
+        if len(owners) > 1:
+            raise GtxError(f"--set {key}: both {' and '.join(owners)} have {short!r}; write {owners[0]}.{short}=...")
+        kind, name = owners[0], targets[owners[0]][0]
+        values[kind][short] = parse_value(kind, name, key, raw, hints[kind][short])
+    out = {}
+    for kind, (name, cls) in targets.items():
+        try:
+            out[kind] = cls(**values[kind])
+        except (TypeError, ValueError) as e:
+            raise GtxError(f"bad settings for {kind} {name!r}: {e}") from None
+        bad = out_of_range(out[kind])
+        if bad:
+            field_name, value, interval = bad
+            owner = "training" if kind == "train" else f"{kind} {name!r}"
+            raise GtxError(f"--set {field_name}={value}: {owner} needs {field_name} in {interval}")
+    return out
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise GtxError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)")
+    if name not in ("cpu", "cuda"):
+        raise GtxError(f"--device {name}: choose cpu, cuda or auto")
+    return torch.device(name)
+
+
+@dataclass
+class Configs:
+    """A run's configs and patterns, resolved without touching data: cheap enough for every cell of a sweep."""
+
+    config: RunConfig
+    task_entry: object
+    model_entry: object
+    model: object
+    task: object
+    train: TrainConfig
+    chosen: Pattern
+    pattern: Pattern
+
+    def keys(self) -> tuple[str, str]:
+        """``results.identity_keys``: the run's cell (task, model, chosen pattern, backend, seed and
+        every resolved setting: ``--epochs 4`` and ``--set train.epochs=4`` give one key; not the
+        device or folder) and its experiment (the same without the seed)."""
+        c = self.config
+        configs = {"model_config": dataclasses.asdict(self.model), "task_config": dataclasses.asdict(self.task), "train": dataclasses.asdict(self.train)}
+        return identity_keys(c.task, c.model, self.chosen.spec, c.backend, configs, c.seed)
+
+
+def resolve_configs(config: RunConfig) -> Configs:
+    """Names, settings and the pattern spec checked and resolved; no data generated, nothing written."""
+    if not 0 <= config.seed <= MAX_SEED:
+        raise GtxError(f"--seed {config.seed}: choose a seed from 0 to {MAX_SEED}")
+    task_entry, model_entry = TASKS.get(config.task), MODELS.get(config.model)
+    for name in config.loggers:
+        LOGGERS.get(name)
+    defaults = {f"train.{k}": str(v) for k, v in getattr(task_entry.obj, "train_defaults", {}).items()}
+    given = {key.rpartition(".")[2] for key in config.settings}
+    cfg = build_configs(
+        {**{k: v for k, v in defaults.items() if k.rpartition(".")[2] not in given}, **config.settings},
+        {"model": (config.model, model_entry.config), "task": (config.task, task_entry.config), "train": ("train", TrainConfig)},
+    )
+    chosen = parse_pattern(config.pattern)
+    model_cls = model_entry.obj
+    wrap = model_cls.modifier(cfg["model"]) if hasattr(model_cls, "modifier") else getattr(model_cls, "dynamic_pattern", None)
+    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
+    return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
+
+
+def cell_key(config: RunConfig) -> str:
+    """The cell of a run configuration (``Configs.keys``): what a sweep looks for in the results' ``cell`` column."""
+    return resolve_configs(config).keys()[0]
+
+
+def resolve(config: RunConfig) -> Resolved:
+    """Check everything a run needs, in the order a user fixes it; writes nothing."""
+    c = resolve_configs(config)
+    device = resolve_device(config.device)
+    check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
+    task = c.task_entry.obj(config.task, c.task)
+    if task.form not in model_forms(c.model_entry.obj):
+        fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
+        raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
+    task.splits()  # generates or loads the data: a missing data_dir fails here
+    max_len = getattr(c.model, "max_len", None)
+    if max_len is not None and task.context_len() > max_len:
+        raise GtxError(f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
+                       f"for {max_len}; raise --set max_len={task.context_len()} or shorten the task's sequences")
+    probe = PhaseStats()
+    probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
+    density = {stage: probe.density(stage) for stage in probe.edges}
+    check_budget(c.chosen, list(probe.edges), task.context_len())
+    return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys())
+
+
+def complete_note(r: Resolved) -> str | None:
+    """A warning when a pattern other than full or causal is (nearly) full attention at the task's
+    lengths: its results would be full attention's under another name. (Head groups and selections
+    are judged by what they attend to at run time, not by their union or candidates.)"""
+    fixed = r.chosen.select is None and not r.chosen.heads
+    if r.chosen.spec.split("+")[0] in ("full", "causal") or not fixed or not r.density or min(r.density.values()) < NEARLY_COMPLETE:
+        return None
+    stages = ", ".join(f"{s} {d:.3f}" for s, d in r.density.items())
+    return (f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "
+            "it measures full attention here: use longer sequences or a sparser setting")

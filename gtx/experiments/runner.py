@@ -1,0 +1,245 @@
+"""The runner: train and evaluate a run, checkpoint it, resume it, evaluate a checkpoint; append
+results. Knows nothing of click.
+
+    from gtx.experiments.runner import RunConfig, run
+    table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
+
+A run writes, after every epoch, its checkpoint (``gtx.checkpoint``) and then its rows: a run
+killed at any moment leaves a checkpoint holding at least the rows on disk, so ``resume`` never
+duplicates or loses an epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import gtx
+from gtx.attention.module import Attention
+from gtx.backends import get_backend
+from gtx.data.task import SPLITS, batches
+from gtx.errors import GtxError, PluginError, plugin_code
+from gtx.experiments import checkpoint, distributed
+from gtx.experiments.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
+from gtx.experiments.loggers import Loggers
+from gtx.experiments.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
+from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
+from gtx.files import check_writable, writable_dir
+from gtx.plugins.registry import MODELS
+
+__all__ = ["DEFAULT_BACKEND", "RunConfig", "RunInterrupted", "cell_key", "evaluate_checkpoint", "resolve", "resolve_configs", "resolve_device", "run"]
+
+Progress = Callable[[str, int], Callable[[], None]]
+
+
+class RunInterrupted(GtxError):
+    """Ctrl-C: what was done is written; the message says how to continue."""
+
+    exit_code = 130  # the shell's code for a process stopped by SIGINT
+
+
+def _versions() -> dict[str, str]:
+    from gtx.backends.dgl_compat import import_dgl
+
+    try:
+        dgl_version = import_dgl().__version__
+    except ImportError:
+        dgl_version = "unavailable"
+    return {"gtx_version": gtx.__version__, "torch_version": torch.__version__, "dgl_version": dgl_version}
+
+
+def _results_dir(name: str, run_id: str | None = None) -> Path:
+    """The results folder, created; the places a run writes to later (``runs/`` and, for ``run_id``,
+    its checkpoint folder) checked before the first step, so no trained epoch is lost to them."""
+    results_dir = writable_dir(Path(name))
+    check_writable(results_dir / "runs", "results folder")
+    if run_id:
+        check_writable(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
+    return results_dir
+
+
+def _attention(r, backend: str) -> Attention:
+    """The run's backend, with its pattern's run-time parts (head groups, biases, selections)."""
+    return Attention(get_backend(backend, r.device), r.pattern, getattr(r.model_config, "heads", None))
+
+
+def _build_model(r, attention: Attention) -> torch.nn.Module:
+    who = f"model {r.config.model!r} ({MODELS.get(r.config.model).plugin})"
+    with plugin_code(who, "while being built", settings=f"model {r.config.model!r}"):
+        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
+    if not isinstance(model, torch.nn.Module):
+        raise PluginError(f"{who} built a {type(model).__name__}; expected a torch.nn.Module")
+    model.plugin_label = who  # what checks.model_output names
+    return model.to(r.device)
+
+
+def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]:
+    started = dt.datetime.now(dt.timezone.utc)
+    return f"{started:%Y%m%d-%H%M%S}-{task}-{model}{kind}-{uuid.uuid4().hex[:6]}", started
+
+
+def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
+    extra = dict(stats.extra)
+    for stage, share in attention.reset_usage().items():  # a selecting pattern attended to this share of its candidate edges
+        stats.edges[stage][0] *= share
+    return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
+            "metrics": metrics_json(extra), "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True)}
+
+
+def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
+    """The last checkpoint of an unfinished run, and its configuration (writing into ``results_dir``)."""
+    if not run_id.strip():
+        raise GtxError("--resume needs a run id; `gtx runs` lists the runs under --results")
+    path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
+    if not path.is_file():
+        known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
+        raise GtxError(f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'}; "
+                       f"runs there: {', '.join(known[-5:]) or '(none)'}; pass the run's --results folder")
+    state = checkpoint.load(path)
+    owner = json.loads(state["common"])["run_id"]
+    if owner != run_id:
+        raise GtxError(f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder")
+    if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
+        raise GtxError(f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}")
+    return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
+
+
+def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str], None] = lambda s: None,
+        resume: str | None = None) -> pd.DataFrame:
+    """Train and evaluate one run; append its rows under ``config.results_dir``; return them.
+
+    ``resume``: a run id under ``config.results_dir`` to continue from its last checkpoint (its
+    configuration comes from the checkpoint). ``progress(description, total)`` may return a
+    per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
+    """
+    state = None
+    if resume is not None:
+        state, config = _resume_state(resume, config.results_dir)
+    r = resolve(config)
+    world, r.device = distributed.setup(r.device)
+    torch.manual_seed(config.seed)
+    attention = _attention(r, config.backend)
+    model = _build_model(r, attention)
+    trainer = Trainer(model, r.train, getattr(r.model_config, "dim", 128), r.device, r.task, world)
+    if state:
+        checkpoint.check_vocab(state, r.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST)
+        trainer.load_state_dict(state)
+        torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
+        common, rows, start, best = json.loads(state["common"]), checkpoint.rows_of(state), state["epoch"] + 1, state["best_valid_loss"]
+        keys = {"schema_version": SCHEMA_VERSION, "cell": r.cell, "experiment": r.experiment}  # a checkpoint from before schema 4 is rekeyed
+        common, rows = {**common, **keys}, [{**row, **keys} for row in rows]
+        run_id = common["run_id"]
+    else:
+        if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
+            torch.manual_seed(config.seed * 100_003 + world.rank)
+        run_id, started = world.broadcast(_new_run_id(config.task, config.model))
+        common = {
+            "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
+            "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell,
+            "experiment": r.experiment, "eval_of": None,
+            "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": sum(p.numel() for p in model.parameters()),
+            "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
+        }
+        rows, start, best = [], 1, float("inf")
+    results_dir = _results_dir(config.results_dir, run_id)  # every place this run writes, checked before it trains
+    say = log if world.main else (lambda s: None)
+    ckpt_dir = checkpoint.checkpoint_dir(results_dir, run_id)
+    loggers = Loggers(config.loggers if world.main else [], run_id, results_dir)
+    say(f"run {run_id}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, model {config.model} "
+        f"({common['n_params']:,} parameters), pattern {r.pattern.spec}, backend {config.backend}, device {r.device}"
+        + (f", {world.size} processes" if world.size > 1 else ""))
+    note = complete_note(r)
+    if note:
+        say(note)
+    loggers.call("start", json.loads(common["config"]))
+    steps_per_epoch = -(-len(r.task.splits()["train"]) // r.train.batch_size)
+    part = (world.rank, world.size)
+    epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
+    status = "failed"
+    snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
+    attention.reset_choices(), attention.reset_usage()
+    try:
+        for epoch in range(start, r.train.epochs + 1):
+            if trainer.done:
+                break
+            tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress and world.main else (lambda: None)
+            shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
+            new = [_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), attention)]
+            # every rank evaluates the whole split: no coordination, and every rank's model is the same
+            valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
+                             decode_limit=r.train.decode_valid)
+            new.append(_row(common, epoch, "valid", valid, attention))
+            rows += new
+            best_now = new[1]["loss"] < best
+            best = min(best, new[1]["loss"])
+            rng = world.gather(torch.get_rng_state())
+            if world.main:
+                snapshot = {**trainer.state_dict(), "run_config": dataclasses.asdict(config), "common": json.dumps(common), "epoch": epoch,
+                            "rows": json.dumps(rows), "best_valid_loss": best, "rng": rng,
+                            "vocab": {"src": r.task.src_vocab.itos, "tgt": r.task.tgt_vocab.itos}}
+                checkpoint.save(ckpt_dir / checkpoint.LAST, snapshot)
+                if best_now:
+                    checkpoint.save(ckpt_dir / checkpoint.BEST, snapshot)
+                write_run(results_dir, run_id, rows)
+                loggers.call("epoch_end", epoch, new)
+            last = epoch
+            say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s) | "
+                f"valid acc {new[1]['token_acc']:.4f} " + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
+        beam = getattr(r.task_config, "beam", 1)
+        test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
+        rows.append(_row(common, last, "test", test, attention))
+        if world.main:
+            checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
+            write_run(results_dir, run_id, rows)
+        status = "finished"
+    except NonFiniteLoss as e:
+        kept = f"epochs up to {epoch - 1} and their checkpoint are kept under {results_dir}" if epoch > start else "nothing new was written"
+        raise GtxError(f"run {run_id} stopped: training loss is {e.value} at epoch {epoch}, step {e.step}; {kept}; "
+                       "lower --set lr_factor, or raise --set warmup") from None
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise RunInterrupted(f"run {run_id} interrupted in epoch {epoch}: epochs up to {epoch - 1} are written; "
+                             f"continue with: gtx run --resume {run_id} --results {results_dir}") from None
+    finally:
+        loggers.call("end", rows, status)
+    return pd.DataFrame(rows)
+
+
+def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "test", beam: int | None = None, pattern: str | None = None,
+                        backend: str | None = None, device: str = "auto") -> pd.DataFrame:
+    """Evaluate a trained model (a checkpoint path, or a run id under ``results_dir``) on one split,
+    under its own pattern or another; append the rows as a new run whose ``eval_of`` names the source."""
+    if split not in SPLITS:
+        raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
+    path = checkpoint.find(ref, results_dir or "results")
+    state = checkpoint.load(path)
+    trained = RunConfig(**state["run_config"])
+    results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
+    config = dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend or trained.backend, device=device,
+                                 results_dir=results_dir, loggers=[])
+    r = resolve(config)
+    checkpoint.check_vocab(state, r.task, path)
+    attention = _attention(r, config.backend)
+    model = _build_model(r, attention)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}") from None
+    source = json.loads(state["common"])
+    stats = evaluate(model, r.task, batches(r.task, split, r.pattern, r.train.eval_batch_size), r.pattern, r.device,
+                     beam=beam or getattr(r.task_config, "beam", 1))
+    run_id, started = _new_run_id(config.task, config.model, "-eval")
+    setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"]}
+    common = {**source, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
+              "pattern": r.chosen.spec, "cell": None, "experiment": r.experiment, "eval_of": source["run_id"], "backend": config.backend,
+              "device": str(r.device), "config": json.dumps(setup, sort_keys=True), **_versions()}
+    rows = [_row(common, state["epoch"], split, stats, attention)]
+    write_run(_results_dir(results_dir), run_id, rows)
+    return pd.DataFrame(rows)

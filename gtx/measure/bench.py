@@ -1,0 +1,378 @@
+"""Benchmarks: attention kernels per (pattern, length, backend), and training throughput per backend.
+
+Each attention cell runs in a fresh subprocess so that its peak memory (CPU: growth of the
+process's peak RSS; CUDA: peak allocated) belongs to that cell alone, and cells do not warm each
+other's caches. Times are medians of ``repeats`` after ``warmup`` calls, forward + backward; the
+first call, which builds the backend's plan for the edge set, is reported as ``first_ms``. The
+pseudo-backend ``sdpa`` (``SDPA``) is plain torch for reference: scaled_dot_product_attention on
+(1, H, n, D) tensors, ``is_causal``, unmasked or with a bool mask, whichever the pattern needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from gtx.backends import Backend
+from gtx.errors import GtxError
+
+ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
+TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "vs_reference", "ceiling_share", "step_ms", "attention_ms",
+                 "data_ms", "peak_mem_mb", "steps", "rounds", "device", "choice"]
+
+
+@dataclass
+class AttentionCell:
+    pattern: str
+    n: int
+    backend: str
+    heads: int = 4
+    head_dim: int = 32
+    repeats: int = 5
+    warmup: int = 1
+    device: str = "cpu"
+    plugins_dirs: tuple[str, ...] = ()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+SDPA = "sdpa"  # bench attention's plain-torch row (not a gtx backend): what a user would write instead
+
+
+def sdpa_mode(edges) -> str:
+    """How plain torch runs a one-sequence edge set (unique edges, as patterns give): "is_causal"
+    when it is exactly causal (key <= query), "unmasked" when complete, else "bool mask"."""
+    n_q, n_k, e = edges.n_dst, edges.n_src, edges.num_edges
+    if e == n_q * n_k:
+        return "unmasked"
+    if n_q == n_k and e == n_q * (n_q + 1) // 2 and bool((edges.src <= edges.dst).all()):
+        return "is_causal"
+    return "bool mask"
+
+
+def _gtx_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
+    """(step, choice): forward + backward of ``propagate_attention`` with the cell's backend on
+    (n, H, D) inputs, and what the backend chose (called after the steps)."""
+    from gtx.attention.engine import propagate_attention
+    from gtx.backends import get_backend
+    from gtx.graph.tokens import EdgeSet
+
+    backend = get_backend(cell.backend, device)
+    q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
+    # one tiny call first: libraries the backend imports lazily must not count as its memory
+    tiny = EdgeSet(torch.arange(4, device=device), torch.arange(4, device=device), 4, 4, "ee")
+    propagate_attention(*(torch.randn(4, cell.heads, cell.head_dim, device=device) for _ in range(3)), tiny, backend)
+    backend.reset_choices()
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        propagate_attention(q, k, v, edges, backend).backward(grad)
+
+    def choice():
+        counts = backend.reset_choices().get("ee", {})
+        return max(counts, key=counts.get) if counts else ""
+
+    return step, choice
+
+
+def _sdpa_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
+    """(step, choice) of the ``sdpa`` row: torch's scaled_dot_product_attention called directly on
+    (1, H, n, D) inputs, ``is_causal``, unmasked or with the (n, n) bool mask (built by the first
+    step, as dense builds its own) by ``sdpa_mode``."""
+    import torch.nn.functional as F
+
+    mode = sdpa_mode(edges)
+    shape = (1, cell.heads, cell.n, cell.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, generator=gen).to(device)
+    tiny = torch.randn(1, cell.heads, 4, cell.head_dim, device=device)
+    F.scaled_dot_product_attention(tiny, tiny, tiny, is_causal=True)
+    mask = []
+
+    def step():
+        if mode == "bool mask" and not mask:
+            mask.append(edges.dense())
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, is_causal=mode == "is_causal").backward(grad)
+
+    return step, lambda: mode
+
+
+def run_attention_cell(cell: AttentionCell) -> dict:
+    """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
+    one sequence of n tokens; backend ``sdpa`` (``SDPA``) is plain torch for reference."""
+    from gtx.graph.spec import parse_pattern
+    from gtx.graph.tokens import EdgeSet
+    from gtx.plugins.registry import load_plugins
+
+    load_plugins(dirs=cell.plugins_dirs)
+    device = torch.device(cell.device)
+    src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
+    edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    step, choice = (_sdpa_cell if cell.backend == SDPA else _gtx_cell)(cell, edges, device, gen)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = _peak_mb(device) if device.type == "cpu" else 0.0
+
+    def timed():
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    first = timed()
+    for _ in range(cell.warmup):
+        timed()
+    times = [timed() for _ in range(cell.repeats)]
+    return {
+        "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
+        "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
+        "peak_mem_mb": _peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
+    }
+
+
+def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5, warmup=1, device="cpu",
+                    plugins_dirs=(), timeout_s=900, log=lambda s: None) -> pd.DataFrame:
+    """Every (pattern, length, backend) cell in its own subprocess; a cell that fails or times out
+    is reported with ms = NaN and the reason in ``choice``."""
+    rows = []
+    for pattern in patterns:
+        for n in lengths:
+            for backend in backends:
+                cell = AttentionCell(pattern, n, backend, heads, head_dim, repeats, warmup, device, tuple(map(str, plugins_dirs)))
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, "-m", "gtx.measure.bench", json.dumps(asdict(cell))],
+                        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                    )
+                    if proc.returncode:
+                        raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
+                    row = json.loads(proc.stdout.strip().splitlines()[-1])
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    reason = f"timed out after {timeout_s}s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
+                    row = {"pattern": pattern, "n": n, "backend": backend, "ms": float("nan"), "choice": f"error: {reason}"}
+                mem = row.get("peak_mem_mb", float("nan"))
+                log(f"{row['pattern']:<16} n={n:<6} {backend:<12} {row['ms']:10.1f} ms  {mem:9.1f} MB  {row.get('choice', '')}")
+                rows.append(row)
+    return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
+
+
+class SkipAttention(Backend):
+    """Not a registered backend: an O(n) stand-in for attention that still sends gradients to q, k
+    and v, so that a training step keeps every other cost. Its tokens/s bound what any attention
+    backend can reach in that model: the step with attention at zero cost."""
+
+    name = "(no attention)"
+
+    def __call__(self, q, k, v, edges):
+        return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
+
+
+@dataclass
+class _Variant:
+    """One row of ``bench_train``, built and timed in this process."""
+
+    cell: object  # its gtx.reference.TrainCell
+    fields: dict  # the row's model, pattern and backend columns
+    group: str  # the model variant it is compared within
+    role: str  # gtx, bound or reference
+    trainer: object
+    backend: Backend | None
+    run: object  # its ``Resolved``: task, device and the pattern its batches are built under
+
+
+def bench_train(task="copy", model="transformer", patterns=("full",), backends=("auto",), steps=30, warmup_steps=3,
+                settings=None, device="cpu", baseline=True, bound=True, rounds=3, memory=False, memory_steps=3,
+                plugins_dirs=(), timeout_s=900, log=lambda s: None) -> pd.DataFrame:
+    """Training tokens/s (target tokens per second of wall time, graph building included) per
+    pattern (a spec or several) and backend, on the same batches, beside plain-torch references.
+
+    Rows per model variant (ut: also with halting off): each pattern x backend; with ``bound`` the
+    model with attention skipped (``SkipAttention``, graphs under NO_EDGES): the ceiling for any
+    backend; with ``baseline`` the model's plain-torch references (``gtx.reference.references``:
+    transformer: torch.nn.Transformer; lm: SDPA is_causal, and SDPA with the bool mask of each
+    pattern but full/causal). Every variant is built first, then timed in ``rounds`` interleaved
+    rounds of ``steps`` steps (a variant's round runs after every other variant's previous round),
+    so that a slow spell of a shared machine hits all alike; a row reports its median round.
+
+    ``vs_reference``: tokens/s over the first reference's; ``ceiling_share``: the part of the
+    possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both or
+    where the bound is not faster; ``data_ms``: the part of a step spent building batches and
+    graphs; ``attention_ms``: the step minus the bound's (rows of the bound's model);
+    ``peak_mem_mb`` (``memory``): ``gtx.reference.train_cell_memory`` over ``memory_steps``
+    steps, each variant in a fresh subprocess after the timed rounds (NaN without ``memory``)."""
+    from collections import Counter
+
+    from gtx.experiments.runner import resolve_device
+    from gtx.graph.spec import parse_pattern
+    from gtx.measure.reference import NO_EDGES, TORCH_TRANSFORMER, TrainCell, first_batches, memory_in_subprocess, references
+
+    specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
+    dev, dirs = str(resolve_device(device)), tuple(map(str, plugins_dirs))
+    variants: list[_Variant] = []
+
+    def add(cell, fields, group, role):
+        r = cell.resolve()
+        variants.append(_Variant(cell, {**fields, "backend": cell.backend}, group, role, *cell.build(r), r))
+
+    for label, extra in [("", {}), ("[act=false]", {"act": "false"})] if model == "ut" else [("", {})]:
+        group, sets = model + label, {**(settings or {}), **extra}
+        for spec in specs:
+            for b in backends:
+                add(TrainCell(task, model, spec, b, sets, dev, dirs), {"model": group, "pattern": spec}, group, "gtx")
+        if bound:
+            add(TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev, dirs), {"model": group, "pattern": "-"}, group, "bound")
+        if baseline:
+            mine = [v.run for v in variants if v.group == group]
+            config = (mine[0] if mine else TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev).resolve()).model_config
+            for kind, spec in references(model, config, specs):
+                fields = {"model": group, "pattern": spec}
+                if kind == TORCH_TRANSFORMER:  # another implementation, not the bound's model: no attention_ms
+                    fields = {"model": "torch.nn.Transformer", "pattern": "full (padded, masked)"}
+                add(TrainCell(task, model, spec, kind, sets, dev, dirs), fields, group, "reference")
+
+    if not variants:
+        raise GtxError("bench train: nothing to time; give --backends, or keep --bound or --baseline")
+    data = first_batches(variants[0].run, steps + warmup_steps)
+    timings = [[] for _ in variants]  # per variant: (tokens, wall_s, data_s) per round
+    choices = [{} for _ in variants]
+    for round_ in range(rounds):
+        for v, times, chosen in zip(variants, timings, choices):
+            if v.backend is not None:
+                v.backend.reset_choices()  # one backend object serves every variant that names it
+            step = lambda b, trainer=v.trainer: trainer.train_epoch([b])  # noqa: E731
+            times.append(_time_steps(step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, v.run))
+            for stage, counts in (v.backend.reset_choices() if v.backend is not None else {}).items():
+                chosen.setdefault(stage, Counter()).update(counts)
+            tokens, wall, _ = times[-1]
+            log(f"round {round_ + 1}/{rounds}  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {tokens / wall:10,.0f} tokens/s")
+    rows = []
+    for v, times, chosen in zip(variants, timings, choices):
+        tokens, wall, data_s = sorted(times, key=lambda t: t[1])[len(times) // 2]
+        n = len(data) - warmup_steps
+        rows.append({"task": task, **v.fields, "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / n, "data_ms": 1000 * data_s / n,
+                     "peak_mem_mb": float("nan"), "steps": n, "rounds": rounds, "device": str(v.run.device),
+                     "choice": json.dumps(chosen) if v.backend is not None else ""})
+    for group in dict.fromkeys(v.group for v in variants):
+        members = [(v, row) for v, row in zip(variants, rows) if v.group == group]
+        ref, top = (next((row["tokens_per_s"] for v, row in members if v.role == role), float("nan")) for role in ("reference", "bound"))
+        for _, row in members:
+            row["vs_reference"] = row["tokens_per_s"] / ref
+            row["ceiling_share"] = (row["tokens_per_s"] - ref) / (top - ref) if top > ref else float("nan")
+    if memory:
+        for v, row in zip(variants, rows):
+            row["peak_mem_mb"], why = memory_in_subprocess(v.cell, memory_steps, timeout_s)
+            log(f"memory  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {row['peak_mem_mb']:9.1f} MB  {why}")
+    df = pd.DataFrame(rows)
+    floor = df[df.backend == SkipAttention.name].set_index("model").step_ms
+    df["attention_ms"] = df.step_ms - df.model.map(floor)
+    return df.reindex(columns=TRAIN_COLUMNS)
+
+
+def _time_steps(step, data, warmup_steps, r):
+    """Run the first ``warmup_steps`` batches untimed, then time the rest. Every batch is rebuilt
+    from its examples with the run's pattern, inside the timed region, so that data cost is counted."""
+    from gtx.data.task import make_batch
+
+    tokens, data_s = 0, 0.0
+    for i, batch in enumerate(data):
+        if i == warmup_steps:
+            _sync(r.device)
+            t0 = time.perf_counter()
+        d0 = time.perf_counter()
+        fresh = make_batch(r.task, batch.split, batch.index, r.pattern)
+        if i >= warmup_steps:
+            data_s += time.perf_counter() - d0
+            tokens += fresh.n_tokens
+        step(fresh)
+    _sync(r.device)
+    return tokens, time.perf_counter() - t0, data_s
+
+
+CALIBRATION_SUITE = [("full", [256]), ("full", [1024]), ("causal", [2048]), ("local:w=8", [2048]), ("local:w=32", [4096]),
+                     ("local:w=32", [8192]), ("local:w=64", [2048]), ("strided:l=64", [4096]), ("strided:l=32", [2048]),
+                     ("full", [16] * 128), ("local:w=2", [16] * 128)]
+
+
+def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None) -> dict[str, tuple[float, float]]:
+    """Time every auto candidate on a small suite (one long sequence and batches of short ones),
+    fit seconds = a * work + overhead per candidate (least relative squared error), and save the constants where
+    ``auto`` reads them. Returns the fitted constants."""
+    import numpy as np
+
+    from gtx.attention.engine import propagate_attention
+    from gtx.backends.auto import AutoBackend, costs, costs_path, work
+    from gtx.data.task import atomic_write
+    from gtx.graph.spec import parse_pattern
+    from gtx.graph.tokens import build_graph
+
+    dev = torch.device(device)
+    auto = AutoBackend()
+    candidates = auto.candidates(dev)
+    kinds = {n.split(":")[0] for n in candidates}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    for spec, lens in CALIBRATION_SUITE:
+        edges = build_graph(parse_pattern(spec), lens).edges["ee"].to(dev)
+        units = work(edges, heads, head_dim, kinds)
+        q, k, v = (torch.randn(edges.n_dst, heads, head_dim, device=dev, requires_grad=True) for _ in range(3))
+        for name, backend in candidates.items():
+            if name.split(":")[0] in ("torch",) and edges.num_edges > 2_000_000:
+                continue
+            times = []
+            for i in range(repeats + 1):
+                _sync(dev)
+                t0 = time.perf_counter()
+                propagate_attention(q, k, v, edges, backend).sum().backward()
+                _sync(dev)
+                if i:  # the first call builds the plan
+                    times.append(time.perf_counter() - t0)
+            samples.setdefault(name, []).append((units[name], statistics.median(times)))
+            log(f"{spec:<12} x{len(lens):<4} {name:<15} {1000 * statistics.median(times):9.2f} ms")
+    fitted = {}
+    for kind, points in samples.items():
+        w, t = np.array(points).T
+        # least squares on relative error: small and large cases count alike
+        (a, o), *_ = np.linalg.lstsq(np.stack([w / t, 1 / t], 1), np.ones_like(t), rcond=None)
+        fitted[kind] = (max(float(a), 1e-15), max(float(o), 0.0))
+    path = costs_path(dev.type)
+    atomic_write(path, json.dumps(fitted, indent=1))
+    costs.cache_clear()
+    log(f"wrote {path}")
+    return fitted
+
+
+def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
+    """Write a benchmark table under ``<results>/bench/`` (atomically) and return its path."""
+    from gtx.data.task import atomic_write
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(results_dir) / "bench" / f"{kind}-{stamp}.csv"
+    atomic_write(path, df.to_csv(index=False))
+    return path
+
+
+if __name__ == "__main__":  # one attention cell, for bench_attention's subprocesses
+    fields = json.loads(sys.argv[1])
+    fields["plugins_dirs"] = tuple(fields["plugins_dirs"])
+    print(json.dumps(run_attention_cell(AttentionCell(**fields))))

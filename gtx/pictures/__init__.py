@@ -1,0 +1,2 @@
+"""Pictures: pattern, results and trained-model figures (``plot``, ``plot_model``) and the HTML
+report (``report``)."""

@@ -1,0 +1,364 @@
+"""Figures: attention patterns as adjacency images, accuracy against speed across runs, and a trained
+model's attention weights and ACT steps (``attention``, ``act``: drawn by ``gtx.plot_model``).
+
+Every figure function returns a ``matplotlib.figure.Figure`` on an Agg canvas, made without pyplot:
+a notebook shows it inline, a script or the CLI writes it with ``save``, and nothing here changes
+matplotlib's global backend or keeps figures alive in pyplot's registry.
+
+    from gtx.pictures import plot
+    from gtx.experiments import results
+    plot.pattern("local:w=64|strided:l=64", src_len=4096, stages=["dd"])
+    plot.results(results.load("results"), by=["task", "model"], metric="best_valid_token_acc")
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import PowerNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from gtx.errors import GtxError
+from gtx.experiments.results import lower_is_better, training_runs
+from gtx.experiments.stats import pareto_front
+from gtx.graph.pattern import STAGE_NAMES, STAGES, Pattern
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import EdgeSet, possible_edges
+
+MAX_POSITIONS = 100_000  # per side: beyond this the edge lists alone outgrow a workstation
+MAX_CELLS = 512  # per side of a drawn adjacency: longer sequences are binned into blocks
+FORMATS = ("png", "svg", "pdf")
+COLUMN_METRICS = ("loss", "token_acc", "seq_acc")  # per-epoch columns; other metrics live in the `metrics` JSON
+
+
+class GtxFigure(Figure):
+    """A Figure that IPython shows inline as the value of a cell, with or without pyplot's inline backend."""
+
+    def _repr_png_(self) -> bytes:
+        return png_bytes(self)
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = GtxFigure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # draws without pyplot; savefig still switches canvas for svg and pdf
+    return fig
+
+
+def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
+    """Write ``fig`` and return the path written. ``fmt``: png, svg or pdf; by default the path's
+    suffix, and png for a path without one (".png" is then appended). Missing parent folders are
+    created. GtxError (one line) for an unknown format or a path that cannot be written."""
+    path = Path(path)
+    fmt = fmt.lower() if fmt else None
+    if fmt is None:
+        fmt = path.suffix[1:].lower() or "png"
+        if fmt not in FORMATS:
+            raise GtxError(f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (png, svg or pdf)")
+    elif fmt not in FORMATS:
+        raise GtxError(f"unknown format {fmt!r}; use png, svg or pdf")
+    if not path.suffix:
+        path = path.with_suffix(f".{fmt}")
+    ensure_parent(path)
+    try:
+        fig.savefig(path, format=fmt, dpi=100)
+    except OSError as e:
+        raise GtxError(f"cannot write {path}: {e.strerror or e}; choose another path") from None
+    return path
+
+
+def ensure_parent(path: Path) -> None:
+    """Create the folders above ``path``; GtxError if one of them is a file or cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GtxError(f"cannot write {path}: {e.strerror or e} (creating {path.parent}); choose another path") from None
+
+
+def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Patterns
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_lengths(stage: str, src_len: int, tgt_len: int) -> tuple[int, int]:
+    """(queries, keys) of a stage: ee over the source, dd over the target, ed target over source."""
+    return {"ee": (src_len, src_len), "dd": (tgt_len, tgt_len), "ed": (tgt_len, src_len)}[stage]
+
+
+def stage_stats(stage: str, src: torch.Tensor, dst: torch.Tensor, n_q: int, n_k: int) -> tuple[float, float]:
+    """(density, edges per query) as ``gtx show-pattern`` reports them: edges over ``possible_edges``
+    (for dd, the causal triangle)."""
+    return src.numel() / possible_edges(EdgeSet(src, dst, n_k, n_q, stage)), src.numel() / n_q
+
+
+def _as_pattern(spec: str | Pattern) -> Pattern:
+    return spec if isinstance(spec, Pattern) else parse_pattern(spec)
+
+
+def _check_lengths(*lengths: int) -> None:
+    if max(lengths) > MAX_POSITIONS:
+        raise GtxError(f"cannot plot {max(lengths):,} positions; the limit is {MAX_POSITIONS:,} per side")
+
+
+def bin_edges(src: torch.Tensor, dst: torch.Tensor, n_q: int, n_k: int, max_cells: int = MAX_CELLS) -> tuple[np.ndarray, int, int]:
+    """(grid, bq, bk): queries in blocks of bq and keys in blocks of bk, the fewest that give at most
+    ``max_cells`` blocks per side; grid[i, j] = the fraction of block (i, j)'s query-key pairs that are
+    edges (the last block of a side may be shorter). With blocks of 1 it is the exact 0/1 adjacency.
+    A bincount over the edge list: memory O(edges + cells), never n_q x n_k."""
+    bq, bk = -(-n_q // max_cells), -(-n_k // max_cells)
+    rows, cols = -(-n_q // bq), -(-n_k // bk)
+    counts = torch.bincount((dst // bq) * cols + src // bk, minlength=rows * cols).reshape(rows, cols).numpy()
+    heights = np.minimum(bq, n_q - bq * np.arange(rows))
+    widths = np.minimum(bk, n_k - bk * np.arange(cols))
+    return counts / np.outer(heights, widths), bq, bk
+
+
+def pattern_grid(spec: str | Pattern, stage: str, n_q: int, n_k: int, max_cells: int = MAX_CELLS) -> np.ndarray:
+    """The array ``pattern`` draws for one stage: rows = queries, columns = keys (see ``bin_edges``)."""
+    _check_lengths(n_q, n_k)
+    src, dst = _as_pattern(spec).edges(stage, n_q, n_k)
+    return bin_edges(src, dst, n_q, n_k, max_cells)[0]
+
+
+def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, stages: Sequence[str] = STAGES,
+            max_cells: int = MAX_CELLS) -> Figure:
+    """One panel per stage: the adjacency (rows = queries, columns = keys, dark = edge; beyond
+    ``max_cells`` positions per side, binned into blocks shaded by their fraction of edges, on a sqrt
+    scale with a colour bar), titled with
+    the stage, its density and edges per query; axes in token positions. ``tgt_len`` defaults to
+    ``src_len``. GtxError beyond ``MAX_POSITIONS`` positions per side or for an unknown stage."""
+    p = _as_pattern(spec)
+    tgt_len = tgt_len or src_len
+    stages = list(stages)
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        raise GtxError(f"unknown stage(s) {', '.join(bad) or '(none given)'}; stages are {', '.join(STAGES)}")
+    lengths = [n for s in stages for n in stage_lengths(s, src_len, tgt_len)]
+    _check_lengths(*lengths)
+    binned = max(lengths) > max_cells
+    groups = p.heads or (p,)  # heads(a,b): a row of panels per group of heads
+    fig = _figure(4.2 * len(stages) + 1.2 * binned, 4.6 * len(groups))
+    grid_axes = fig.subplots(len(groups), len(stages), squeeze=False)
+    axes = grid_axes.flatten()
+    blocks = set()
+    for ax, (group, stage) in zip(axes, [(g, s) for g in groups for s in stages]):
+        n_q, n_k = stage_lengths(stage, src_len, tgt_len)
+        src, dst = group.edges(stage, n_q, n_k)
+        grid, bq, bk = bin_edges(src, dst, n_q, n_k, max_cells)
+        density, per_query = stage_stats(stage, src, dst, n_q, n_k)
+        # integer positions at cell centres; block j covers keys j*bk .. (j+1)*bk - 1 and the limits clip a
+        # short last block to the true length. Binned: a sqrt scale, so that sparse blocks (a stride crossing
+        # the block) stay visible.
+        image = ax.imshow(grid, cmap="Greys", norm=PowerNorm(0.5 if binned else 1.0, vmin=0, vmax=1), interpolation="antialiased",
+                          aspect="auto", extent=(-0.5, grid.shape[1] * bk - 0.5, grid.shape[0] * bq - 0.5, -0.5))
+        ax.set_xlim(-0.5, n_k - 0.5)
+        ax.set_ylim(n_q - 0.5, -0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if max(grid.shape) <= 48:  # few cells: faint lines make single cells countable
+            ax.set_xticks(np.arange(grid.shape[1] + 1) * bk - 0.5, minor=True)
+            ax.set_yticks(np.arange(grid.shape[0] + 1) * bq - 0.5, minor=True)
+            ax.grid(which="minor", color="0.7", linewidth=0.5)
+            ax.tick_params(which="minor", length=0)
+        causal = " of the causal triangle" if stage == "dd" else ""
+        head = f"heads {groups.index(group) + 1}/{len(groups)}: {group.spec}\n" if len(groups) > 1 else ""
+        ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query", fontsize=9)
+        ax.set(xlabel="key position", ylabel="query position")
+        blocks.add((bq, bk))
+    note = ""
+    if binned:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of edges in the block (sqrt scale)")
+        note = "\nblocks of " + ", ".join(f"{bq}x{bk}" for bq, bk in sorted(blocks)) + " positions, shaded by the fraction of edges"
+    shown = [f"src_len={src_len}"] * bool({"ee", "ed"} & set(stages)) + [f"tgt_len={tgt_len}"] * bool({"dd", "ed"} & set(stages))
+    chosen = "\ncandidate edges: the pattern chooses among them per head at run time" if any(g.select for g in groups) else ""
+    fig.suptitle(f"{p.spec}   {' '.join(shown)}{note}{chosen}", fontsize=10)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: accuracy against speed, learning curves
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_metric(metric: str) -> tuple[str, str, bool]:
+    """(kind, base, higher_is_better): ``best_valid_X`` (best over valid epochs; also plain ``X``)
+    or ``test_X`` (the test row); X is a results column (loss, token_acc, seq_acc) or a task metric
+    in the ``metrics`` JSON (bpc, bleu, query_acc, ...)."""
+    kind, base = "best_valid", metric
+    for prefix in ("best_valid_", "test_"):
+        if metric.startswith(prefix):
+            kind, base = prefix[:-1], metric[len(prefix):]
+    return kind, base, not lower_is_better(base)
+
+
+def metric_values(rows: pd.DataFrame, base: str) -> pd.Series:
+    """A metric per row, from its column or the row's ``metrics`` JSON (NaN where absent)."""
+    if base in COLUMN_METRICS:
+        return rows[base].astype(float)
+
+    def get(text):
+        v = json.loads(text).get(base) if isinstance(text, str) else None
+        return float(v) if isinstance(v, (int, float)) else np.nan
+
+    return rows["metrics"].map(get).astype(float)
+
+
+def _training_runs(df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
+    """``results.training_runs``: the rows of the runs ``results.compare`` counts, after checking ``by``."""
+    unknown = [c for c in by if c not in df.columns]
+    if unknown:
+        raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(df.columns)}")
+    return training_runs(df)
+
+
+def run_table(df: pd.DataFrame, by: Sequence[str], metric: str) -> pd.DataFrame:
+    """One row per training run: the ``by`` columns, pattern, backend, seed, ``value`` (the metric:
+    best over valid epochs, or the test value) and ``tokens_per_s`` (training, last epoch)."""
+    kind, base, higher = parse_metric(metric)
+    keep = list(dict.fromkeys([*by, "pattern", "backend", "seed"]))
+    out = []
+    for run_id, rows in _training_runs(df, by).groupby("run_id", sort=False):
+        train = rows[rows.split == "train"]
+        values = metric_values(rows[rows.split == ("valid" if kind == "best_valid" else "test")], base)
+        if kind == "test":
+            value = values.iloc[-1] if len(values) else np.nan
+        else:
+            value = values.max() if higher else values.min()
+        tps = train[train.epoch == train.epoch.max()].tokens_per_s.iloc[-1] if len(train) else np.nan
+        out.append({**{c: rows[c].iloc[0] for c in keep}, "run_id": run_id, "value": value, "tokens_per_s": tps})
+    table = pd.DataFrame(out, columns=[*keep, "run_id", "value", "tokens_per_s"])
+    if table.value.isna().all():
+        raise GtxError(f"metric {metric!r} has no values in these runs; try best_valid_token_acc, best_valid_seq_acc, "
+                       "best_valid_loss, test_seq_acc, or a task metric such as best_valid_bpc")
+    return table
+
+
+def curve_table(df: pd.DataFrame, by: Sequence[str], metric: str) -> pd.DataFrame:
+    """The valid metric per run and epoch: the ``by`` columns, pattern, backend, run_id, epoch, value."""
+    base = parse_metric(metric)[1]
+    valid = _training_runs(df, by)
+    valid = valid[valid.split == "valid"]
+    keep = list(dict.fromkeys([*by, "pattern", "backend", "run_id", "epoch"]))
+    return valid[keep].assign(value=metric_values(valid, base).to_numpy())
+
+
+def _point_keys(runs: pd.DataFrame, by: Sequence[str]) -> list[str]:
+    """A point per pattern; per (pattern, backend) when a panel would mix backends."""
+    return ["pattern"] + (["backend"] if "backend" not in by and runs.backend.nunique() > 1 else [])
+
+
+def _label(values) -> str:
+    return " ".join(str(v) for v in (values if isinstance(values, tuple) else (values,)))
+
+
+def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str = "best_valid_token_acc") -> Figure:
+    """Two rows, one column per group of ``by``. Top: the metric against training tokens/s, one point
+    per pattern with error bars of the std over its runs (seeds) on both axes, the Pareto front as a
+    dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. Computed
+    from ``gtx.results.load``'s per-epoch rows; GtxError if there are no runs or the metric has no values."""
+    by = list(by)
+    if df.empty:
+        raise GtxError("no runs to plot")
+    runs, curves = run_table(df, by, metric), curve_table(df, by, metric)
+    points = _point_keys(runs, by)
+    labels = sorted({_label(k) for k, _ in runs.groupby(points)})
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    panels = list(runs.groupby(by, sort=True, dropna=False)) if by else [((), runs)]
+    fig = _figure(5.6 * len(panels), 8.4)
+    axes = fig.subplots(2, len(panels), squeeze=False)
+    _, base, higher = parse_metric(metric)
+    for col, (key, group) in enumerate(panels):
+        key = key if isinstance(key, tuple) else (key,)
+        title = ", ".join(f"{c}={v}" for c, v in zip(by, key)) or "all runs"
+        _tradeoff(axes[0, col], group, points, colors, metric, higher)
+        mine = curves[curves.run_id.isin(group.run_id)]
+        _curves(axes[1, col], mine, points, colors, base)
+        axes[0, col].set_title(title, fontsize=10)
+    return fig
+
+
+def _tradeoff(ax, runs: pd.DataFrame, points: list[str], colors: dict, metric: str, higher: bool) -> None:
+    stats = runs.groupby(points).agg(x=("tokens_per_s", "mean"), sx=("tokens_per_s", "std"), y=("value", "mean"),
+                                     sy=("value", "std"), n=("run_id", "count"))
+    for key, s in stats.iterrows():
+        label = _label(key)
+        # std of a single run is NaN: no bar rather than no point
+        ax.errorbar(s.x, s.y, xerr=np.nan_to_num(s.sx), yerr=np.nan_to_num(s.sy), fmt="o", capsize=3, color=colors[label],
+                    label=f"{label} (n={int(s.n)})")
+    front = stats[pareto_front(stats.x, stats.y if higher else -stats.y)].sort_values("x")
+    fx, fy = front.x.to_numpy(float), front.y.to_numpy(float)
+    # the front as a staircase: every point behind it is beaten on both speed and metric; rings mark its points
+    ax.step(fx, fy, where="pre", color="0.4", linestyle="--", linewidth=1, zorder=0, label="Pareto front")
+    ax.plot(fx, fy, linestyle="none", marker="o", markersize=13, markerfacecolor="none", markeredgecolor="0.4")
+    ax.set(xlabel="training tokens/s (last epoch)", ylabel=f"{metric} ({'higher' if higher else 'lower'} is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _curves(ax, curves: pd.DataFrame, points: list[str], colors: dict, base: str) -> None:
+    curves = curves.dropna(subset=["value"])
+    if curves.empty:
+        ax.text(0.5, 0.5, f"no valid {base} per epoch", ha="center", va="center", transform=ax.transAxes)
+    for key, rows in curves.groupby(points):
+        label = _label(key)
+        s = rows.groupby("epoch").value.agg(["mean", "std"]).fillna({"std": 0.0})  # one run: no band
+        ax.plot(s.index, s["mean"], marker=".", color=colors[label], label=label)
+        ax.fill_between(s.index, s["mean"] - s["std"], s["mean"] + s["std"], color=colors[label], alpha=0.2, linewidth=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="epoch", ylabel=f"valid {base} (mean +- std over runs)")
+    ax.grid(alpha=0.3)
+    if not curves.empty:
+        ax.legend(fontsize=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_bench(df: pd.DataFrame) -> Figure:
+    """Time against length per backend, log-log, one panel per pattern (``gtx bench attention``'s table)."""
+    patterns = list(dict.fromkeys(df.pattern))
+    fig = _figure(5 * len(patterns), 4)
+    for ax, spec in zip(fig.subplots(1, len(patterns), squeeze=False)[0], patterns):
+        for backend, rows in df[df.pattern == spec].groupby("backend"):
+            rows = rows.dropna(subset=["ms"]).sort_values("n")
+            ax.plot(rows.n, rows.ms, marker="o", label=backend)
+        ax.set(xscale="log", yscale="log", xlabel="tokens n", ylabel="forward + backward (ms)", title=spec)
+        ax.legend()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained models: drawn by gtx.plot_model (imported on use: it loads checkpoints and models)
+# ---------------------------------------------------------------------------------------------
+
+
+def attention(ref: str, example: int = 0, split: str = "test", layer: int | None = None, head: int | None = None, **kwargs) -> Figure:
+    """A checkpoint's attention weights on one example, per stage: ``gtx.plot_model.attention``."""
+    from gtx.pictures.plot_model import attention
+
+    return attention(ref, example, split, layer, head, **kwargs)
+
+
+def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", **kwargs) -> Figure:
+    """A checkpoint's ACT steps per token and over a split: ``gtx.plot_model.act``."""
+    from gtx.pictures.plot_model import act
+
+    return act(ref, examples, split, **kwargs)
+
+
+__all__ = ["act", "attention", "pattern", "pattern_grid", "results", "run_table", "curve_table", "save", "attention_bench"]
