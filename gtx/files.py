@@ -1,8 +1,10 @@
-"""Folders gtx writes into, checked before the work whose output would otherwise be lost."""
+"""Files gtx writes: folders checked before the work whose output would otherwise be lost, atomic
+writes, the data cache."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from gtx.errors import GtxError
@@ -29,3 +31,22 @@ def writable_dir(path: str | Path, what: str = "--results") -> Path:
     except OSError as e:
         raise GtxError(f"{what} {path}: cannot create the folder ({e.strerror}); choose another --results folder") from None
     return path
+
+
+def cache_dir() -> Path:
+    """Where generated task data is cached: ``GTX_CACHE_DIR``, else ``~/.cache/gtx``."""
+    return Path(os.environ.get("GTX_CACHE_DIR") or Path.home() / ".cache" / "gtx")
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write through a temporary file in the same folder and rename: readers never see a partial
+    file, and a kill leaves the previous one whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from gtx.backends import get_backend
 from gtx.backends.auto import estimate, work
 from gtx.cli import cli
-from gtx.data.task import SPLITS, Task, make_batch
+from gtx.data.batch import make_batch
+from gtx.data.task import SPLITS, Task
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.measure import bench

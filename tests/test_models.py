@@ -5,7 +5,8 @@ import torch
 
 from gtx.attention.decode import decode
 from gtx.backends import get_backend
-from gtx.data.task import Vocab, batches
+from gtx.data.batch import batches
+from gtx.data.vocab import Vocab
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import BACKENDS, MODELS
 
@@ -160,7 +161,7 @@ def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, mo
     assert all(len(h) <= lim and Vocab.eos not in h and Vocab.sos not in h for h, lim in zip(hyps, limits))
     if beam > 1:
         return
-    from gtx.data.task import make_batch
+    from gtx.data.batch import make_batch
 
     for i, h in enumerate(hyps):
         if len(h) >= limits[i]:

@@ -423,7 +423,7 @@ def test_act_attention_is_one_call_per_step(trained):
 
 
 def test_act_figure_shows_the_models_step_counts(trained):
-    from gtx.data.task import make_batch
+    from gtx.data.batch import make_batch
     from gtx.measure import probe
     from gtx.pictures import plot_model
 

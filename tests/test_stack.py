@@ -7,7 +7,9 @@ from click.testing import CliRunner
 
 from gtx.backends import get_backend
 from gtx.cli import cli
-from gtx.data.task import IGNORE, Task, Vocab, make_batch
+from gtx.data.batch import IGNORE, make_batch
+from gtx.data.task import Task
+from gtx.data.vocab import Vocab
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import MODELS
 

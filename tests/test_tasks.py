@@ -4,8 +4,11 @@ import json
 
 import pytest
 
-from gtx.data.task import SPLITS, Vocab, batches, cache_dir, edit_distance
+from gtx.data.batch import batches
+from gtx.data.task import SPLITS, edit_distance
+from gtx.data.vocab import Vocab
 from gtx.errors import GtxError
+from gtx.files import cache_dir
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import TASKS
 

@@ -11,7 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.data.task import SPLITS, UNK, make_batch
+from gtx.data.batch import make_batch
+from gtx.data.task import SPLITS
+from gtx.data.vocab import UNK
 from gtx.errors import GtxError
 from gtx.experiments.results import load
 from gtx.graph.spec import parse_pattern

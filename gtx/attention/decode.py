@@ -14,7 +14,9 @@ import dataclasses
 import torch
 
 from gtx.attention.model import Encoded, Seq2SeqModel
-from gtx.data.task import Batch, Task, Vocab
+from gtx.data.batch import Batch
+from gtx.data.task import Task
+from gtx.data.vocab import Vocab
 from gtx.graph.pattern import Pattern
 from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, positions
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from gtx.attention.engine import MultiHeadAttention
 from gtx.backends import Backend
-from gtx.data.task import Vocab
+from gtx.data.vocab import Vocab
 
 
 @dataclass

@@ -53,7 +53,7 @@ MEASURE_WITHIN = 1.5  # candidates predicted within this factor of the best are 
 
 
 def costs_path(device_type: str) -> Path:
-    from gtx.data.task import cache_dir
+    from gtx.files import cache_dir
 
     return cache_dir() / f"costs-{device_type}.json"
 

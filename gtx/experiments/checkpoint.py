@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from gtx.data.task import atomic_write
 from gtx.errors import GtxError
+from gtx.files import atomic_write
 
 FORMAT = "gtx-checkpoint/1"
 LAST, BEST = "last.pt", "best.pt"

@@ -11,7 +11,8 @@ import torch
 from gtx.attention.model import model_forms
 from gtx.attention.module import check_budget, check_pattern
 from gtx.backends import get_backend
-from gtx.data.task import Task, make_batch
+from gtx.data.batch import make_batch
+from gtx.data.task import Task
 from gtx.errors import GtxError
 from gtx.experiments.results import identity_keys
 from gtx.experiments.train import PhaseStats, TrainConfig

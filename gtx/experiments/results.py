@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from gtx.data.task import SPLITS, atomic_write
+from gtx.data.task import SPLITS
+from gtx.files import atomic_write
 
 SCHEMA_VERSION = 4
 #: columns added since version 1, with the value older files get on load

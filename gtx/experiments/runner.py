@@ -24,7 +24,8 @@ import torch
 import gtx
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
-from gtx.data.task import SPLITS, batches
+from gtx.data.batch import batches
+from gtx.data.task import SPLITS
 from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.experiments import checkpoint, distributed
 from gtx.experiments.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device

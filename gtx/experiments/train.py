@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from gtx.attention.decode import decode
 from gtx.attention.model import GraphModel
-from gtx.data.task import IGNORE, Batch, Task
+from gtx.data.batch import IGNORE, Batch
+from gtx.data.task import Task
 from gtx.errors import GtxError
 from gtx.experiments.distributed import World
 from gtx.graph.pattern import STAGES, Pattern

@@ -293,7 +293,7 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
 def _time_steps(step, data, warmup_steps, r):
     """Run the first ``warmup_steps`` batches untimed, then time the rest. Every batch is rebuilt
     from its examples with the run's pattern, inside the timed region, so that data cost is counted."""
-    from gtx.data.task import make_batch
+    from gtx.data.batch import make_batch
 
     tokens, data_s = 0, 0.0
     for i, batch in enumerate(data):
@@ -323,7 +323,7 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
 
     from gtx.attention.engine import propagate_attention
     from gtx.backends.auto import AutoBackend, costs, costs_path, work
-    from gtx.data.task import atomic_write
+    from gtx.files import atomic_write
     from gtx.graph.spec import parse_pattern
     from gtx.graph.tokens import build_graph
 
@@ -364,7 +364,7 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
 
 def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
     """Write a benchmark table under ``<results>/bench/`` (atomically) and return its path."""
-    from gtx.data.task import atomic_write
+    from gtx.files import atomic_write
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(results_dir) / "bench" / f"{kind}-{stamp}.csv"

@@ -22,7 +22,8 @@ import torch
 
 from gtx.attention.module import Attention
 from gtx.backends import Backend
-from gtx.data.task import SPLITS, Batch, batches, make_batch
+from gtx.data.batch import Batch, batches, make_batch
+from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.experiments import checkpoint
 from gtx.experiments.config import RunConfig, resolve, resolve_device

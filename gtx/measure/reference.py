@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from gtx.attention.model import Dropout, FeedForward, Output, PositionalEncoding
-from gtx.data.task import batches, make_batch
+from gtx.data.batch import batches, make_batch
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 
