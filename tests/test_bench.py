@@ -15,7 +15,7 @@ from gtx.data.batch import make_batch
 from gtx.data.task import SPLITS, Task
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
-from gtx.measure import bench
+from gtx.measure import bench, reference
 from gtx.measure.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
 from gtx.plugins.registry import MODELS
 
@@ -143,7 +143,7 @@ def test_bench_train_memory_pass_measures_each_row_in_a_fresh_process(tmp_path):
 def test_skip_attention_has_the_output_shape_and_sends_gradients_to_q_k_v():
     q, k = torch.randn(5, 2, 3, requires_grad=True), torch.randn(7, 2, 3, requires_grad=True)
     v = torch.randn(7, 2, 4, requires_grad=True)
-    out = bench.SkipAttention()(q, k, v, None)
+    out = reference.SkipAttention()(q, k, v, None)
     assert out.shape == (5, 2, 4)
     out.sum().backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))

@@ -178,17 +178,6 @@ def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5
     return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
 
 
-class SkipAttention(Backend):
-    """Not a registered backend: an O(n) stand-in for attention that still sends gradients to q, k
-    and v, so that a training step keeps every other cost. Its tokens/s bound what any attention
-    backend can reach in that model: the step with attention at zero cost."""
-
-    name = "(no attention)"
-
-    def __call__(self, q, k, v, edges):
-        return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
-
-
 @dataclass
 class _Variant:
     """One row of ``bench_train``, built and timed in this process."""
@@ -226,7 +215,7 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
 
     from gtx.experiments.runner import resolve_device
     from gtx.graph.spec import parse_pattern
-    from gtx.measure.reference import NO_EDGES, TORCH_TRANSFORMER, TrainCell, first_batches, memory_in_subprocess, references
+    from gtx.measure.reference import NO_EDGES, TORCH_TRANSFORMER, SkipAttention, TrainCell, first_batches, memory_in_subprocess, references
 
     specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
     dev, dirs = str(resolve_device(device)), tuple(map(str, plugins_dirs))

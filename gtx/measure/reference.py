@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from gtx.attention.model import Dropout, FeedForward, Output, PositionalEncoding
+from gtx.backends import Backend
 from gtx.data.batch import batches, make_batch
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
@@ -187,6 +188,18 @@ class TorchTransformer(nn.Module):
         return Output(self.out(_unpadded(h, tgt_lens)))
 
 
+class SkipAttention(Backend):
+    """Not a registered backend: an O(n) stand-in for attention that still sends gradients to q, k
+    and v, so that a training step keeps every other cost. Its tokens/s bound what any attention
+    backend can reach in that model: the step with attention at zero cost."""
+
+    name = "(no attention)"
+
+    def __call__(self, q, k, v, edges):
+        return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
+
+
+
 # The rows of ``gtx bench train`` (``gtx.bench.bench_train``) as cells a fresh process builds again.
 
 NO_EDGES = "local:w=0"  # the graphs of steps that read no edges (bound, references): one edge per query
@@ -195,7 +208,7 @@ NO_EDGES = "local:w=0"  # the graphs of steps that read no edges (bound, referen
 @dataclass
 class TrainCell:
     """One row of ``bench_train`` in JSON terms, so that a fresh process builds it again (the memory
-    pass). ``backend``: a gtx backend, ``gtx.bench.SkipAttention.name`` (the bound) or a reference
+    pass). ``backend``: a gtx backend, ``SkipAttention.name`` (the bound) or a reference
     (``references``); ``pattern``: the spec its attention follows; ``settings``: model, task and
     train settings as ``--set`` strings."""
 
@@ -210,8 +223,6 @@ class TrainCell:
     @property
     def gtx(self) -> bool:
         """Attention by a gtx backend over the pattern's edges (else the step reads no edges)."""
-        from gtx.measure.bench import SkipAttention
-
         return self.backend not in (SkipAttention.name, SDPA_CAUSAL, SDPA_MASK, TORCH_TRANSFORMER)
 
     def resolve(self):
@@ -226,8 +237,6 @@ class TrainCell:
         from gtx.attention.module import Attention
         from gtx.backends import get_backend
         from gtx.experiments.train import Trainer
-        from gtx.measure.bench import SkipAttention
-
         torch.manual_seed(0)
         be = None
         if self.gtx or self.backend == SkipAttention.name:

@@ -13,79 +13,24 @@ matplotlib's global backend or keeps figures alive in pyplot's registry.
 
 from __future__ import annotations
 
-import io
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gtx.errors import GtxError
-from gtx.experiments.results import lower_is_better, training_runs
+from gtx.experiments.results import lower_is_better, metric_values, training_runs
 from gtx.experiments.stats import pareto_front
 from gtx.graph.pattern import STAGE_NAMES, STAGES, Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, possible_edges
+from gtx.pictures.figure import FORMATS, MAX_CELLS, ensure_parent, new_figure, png_bytes, save  # noqa: F401  (save, FORMATS: plot's API)
 
 MAX_POSITIONS = 100_000  # per side: beyond this the edge lists alone outgrow a workstation
-MAX_CELLS = 512  # per side of a drawn adjacency: longer sequences are binned into blocks
-FORMATS = ("png", "svg", "pdf")
-COLUMN_METRICS = ("loss", "token_acc", "seq_acc")  # per-epoch columns; other metrics live in the `metrics` JSON
-
-
-class GtxFigure(Figure):
-    """A Figure that IPython shows inline as the value of a cell, with or without pyplot's inline backend."""
-
-    def _repr_png_(self) -> bytes:
-        return png_bytes(self)
-
-
-def _figure(width: float, height: float) -> Figure:
-    fig = GtxFigure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)  # draws without pyplot; savefig still switches canvas for svg and pdf
-    return fig
-
-
-def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
-    """Write ``fig`` and return the path written. ``fmt``: png, svg or pdf; by default the path's
-    suffix, and png for a path without one (".png" is then appended). Missing parent folders are
-    created. GtxError (one line) for an unknown format or a path that cannot be written."""
-    path = Path(path)
-    fmt = fmt.lower() if fmt else None
-    if fmt is None:
-        fmt = path.suffix[1:].lower() or "png"
-        if fmt not in FORMATS:
-            raise GtxError(f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (png, svg or pdf)")
-    elif fmt not in FORMATS:
-        raise GtxError(f"unknown format {fmt!r}; use png, svg or pdf")
-    if not path.suffix:
-        path = path.with_suffix(f".{fmt}")
-    ensure_parent(path)
-    try:
-        fig.savefig(path, format=fmt, dpi=100)
-    except OSError as e:
-        raise GtxError(f"cannot write {path}: {e.strerror or e}; choose another path") from None
-    return path
-
-
-def ensure_parent(path: Path) -> None:
-    """Create the folders above ``path``; GtxError if one of them is a file or cannot be made."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GtxError(f"cannot write {path}: {e.strerror or e} (creating {path.parent}); choose another path") from None
-
-
-def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +95,7 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
     _check_lengths(*lengths)
     binned = max(lengths) > max_cells
     groups = p.heads or (p,)  # heads(a,b): a row of panels per group of heads
-    fig = _figure(4.2 * len(stages) + 1.2 * binned, 4.6 * len(groups))
+    fig = new_figure(4.2 * len(stages) + 1.2 * binned, 4.6 * len(groups))
     grid_axes = fig.subplots(len(groups), len(stages), squeeze=False)
     axes = grid_axes.flatten()
     blocks = set()
@@ -202,18 +147,6 @@ def parse_metric(metric: str) -> tuple[str, str, bool]:
         if metric.startswith(prefix):
             kind, base = prefix[:-1], metric[len(prefix):]
     return kind, base, not lower_is_better(base)
-
-
-def metric_values(rows: pd.DataFrame, base: str) -> pd.Series:
-    """A metric per row, from its column or the row's ``metrics`` JSON (NaN where absent)."""
-    if base in COLUMN_METRICS:
-        return rows[base].astype(float)
-
-    def get(text):
-        v = json.loads(text).get(base) if isinstance(text, str) else None
-        return float(v) if isinstance(v, (int, float)) else np.nan
-
-    return rows["metrics"].map(get).astype(float)
 
 
 def _training_runs(df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
@@ -277,7 +210,7 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
     labels = sorted({_label(k) for k, _ in runs.groupby(points)})
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     panels = list(runs.groupby(by, sort=True, dropna=False)) if by else [((), runs)]
-    fig = _figure(5.6 * len(panels), 8.4)
+    fig = new_figure(5.6 * len(panels), 8.4)
     axes = fig.subplots(2, len(panels), squeeze=False)
     _, base, higher = parse_metric(metric)
     for col, (key, group) in enumerate(panels):
@@ -332,7 +265,7 @@ def _curves(ax, curves: pd.DataFrame, points: list[str], colors: dict, base: str
 def attention_bench(df: pd.DataFrame) -> Figure:
     """Time against length per backend, log-log, one panel per pattern (``gtx bench attention``'s table)."""
     patterns = list(dict.fromkeys(df.pattern))
-    fig = _figure(5 * len(patterns), 4)
+    fig = new_figure(5 * len(patterns), 4)
     for ax, spec in zip(fig.subplots(1, len(patterns), squeeze=False)[0], patterns):
         for backend, rows in df[df.pattern == spec].groupby("backend"):
             rows = rows.dropna(subset=["ms"]).sort_values("n")

@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator
 from gtx.errors import GtxError
 from gtx.graph.pattern import STAGE_NAMES, STAGES
 from gtx.measure import probe
-from gtx.pictures.plot import MAX_CELLS, _figure
+from gtx.pictures.figure import MAX_CELLS, new_figure
 
 MAX_LABELS = 64  # tokens per side drawn as tick labels; longer sequences show positions
 MASKED = (0.85, 0.85, 0.85)  # cells that are not edges: light grey, apart from viridis's dark purple for weight 0
@@ -84,7 +84,7 @@ def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | No
     unit = "step" if act else "layer"
     _check_choice(layer, max(len(seen.stage(s)) for s in stages), unit)
     _check_choice(head, seen.calls[0].heads, "head")
-    fig = _figure(max(5.2 * len(stages), 8.0), 5.0)  # one panel: wide enough for the title
+    fig = new_figure(max(5.2 * len(stages), 8.0), 5.0)  # one panel: wide enough for the title
     axes = fig.subplots(1, len(stages), squeeze=False)[0]
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad=MASKED)
     for ax, stage in zip(axes, stages):
@@ -133,7 +133,7 @@ def act_figure(seen: Sequence[probe.Probe], totals: dict[str, torch.Tensor], max
     a last row with the distribution of steps over every node of the split (``totals``)."""
     sides = list(totals)
     longest = max(len(p.steps[side]) for p in seen for side in sides)
-    fig = _figure(max(5.0, min(0.2 * longest + 2, 12)) * len(sides), 2.6 * (len(seen) + 1))
+    fig = new_figure(max(5.0, min(0.2 * longest + 2, 12)) * len(sides), 2.6 * (len(seen) + 1))
     axes = fig.subplots(len(seen) + 1, len(sides), squeeze=False)
     top = max_depth or int(max(int(t.max()) for t in totals.values()))
     for row, p in enumerate(seen):

@@ -1,0 +1,64 @@
+"""Figure plumbing shared by every picture: a Figure drawn without pyplot, written to png, svg or
+pdf, or to bytes for an HTML page."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from gtx.errors import GtxError
+
+MAX_CELLS = 512  # per side of a drawn adjacency: longer sequences are binned into blocks
+FORMATS = ("png", "svg", "pdf")
+
+
+class GtxFigure(Figure):
+    """A Figure that IPython shows inline as the value of a cell, with or without pyplot's inline backend."""
+
+    def _repr_png_(self) -> bytes:
+        return png_bytes(self)
+
+
+def new_figure(width: float, height: float) -> Figure:
+    fig = GtxFigure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # draws without pyplot; savefig still switches canvas for svg and pdf
+    return fig
+
+
+def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
+    """Write ``fig`` and return the path written. ``fmt``: png, svg or pdf; by default the path's
+    suffix, and png for a path without one (".png" is then appended). Missing parent folders are
+    created. GtxError (one line) for an unknown format or a path that cannot be written."""
+    path = Path(path)
+    fmt = fmt.lower() if fmt else None
+    if fmt is None:
+        fmt = path.suffix[1:].lower() or "png"
+        if fmt not in FORMATS:
+            raise GtxError(f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (png, svg or pdf)")
+    elif fmt not in FORMATS:
+        raise GtxError(f"unknown format {fmt!r}; use png, svg or pdf")
+    if not path.suffix:
+        path = path.with_suffix(f".{fmt}")
+    ensure_parent(path)
+    try:
+        fig.savefig(path, format=fmt, dpi=100)
+    except OSError as e:
+        raise GtxError(f"cannot write {path}: {e.strerror or e}; choose another path") from None
+    return path
+
+
+def ensure_parent(path: Path) -> None:
+    """Create the folders above ``path``; GtxError if one of them is a file or cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GtxError(f"cannot write {path}: {e.strerror or e} (creating {path.parent}); choose another path") from None
+
+
+def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()

@@ -1,0 +1,89 @@
+"""The architecture, kept: imports go down the layers and never in a circle; the public API stays."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import gtx
+
+ROOT = Path(gtx.__file__).parent
+#: bottom to top; a module may import its own layer's modules and those below, never above
+LAYERS = [("errors", "values", "files"), ("plugins",), ("graph",), ("data",), ("backends",), ("attention",), ("experiments",), ("measure",),
+          ("pictures",), ("testing",), ("cli",)]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """The gtx modules ``path`` imports, at the top or inside functions, ``from gtx.x import y`` counting y where it is a module."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gtx" and node.level == 0:
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "gtx"}
+    return out - {"gtx"}  # the package root: __version__ and hookimpl, the facade
+
+
+GRAPH = {name: {m for m in imports(path) if m != name} for name, path in MODULES.items() if name != "gtx"}
+
+
+def layer(module: str) -> int:
+    return LAYER[module.split(".")[1]]
+
+
+def test_every_module_has_a_layer():
+    assert not [m for m in GRAPH if m.split(".")[1] not in LAYER], "a new top-level folder or module needs a place in LAYERS"
+
+
+def test_imports_only_go_down():
+    up = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() for d in deps if d in GRAPH and layer(d) > layer(m))
+    assert not up, "imports that go up a layer:\n" + "\n".join(up)
+
+
+def test_no_import_cycles():
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = "open"
+        for d in sorted(GRAPH.get(m, ())):
+            if d in GRAPH and d != m and not (m.startswith(d + ".") or d.startswith(m + ".")):  # a package and its own modules
+                if state.get(d) == "open":
+                    cycles.append(" -> ".join([*stack[stack.index(d):], d]))
+                elif d not in state:
+                    visit(d, [*stack, d])
+        state[m] = "done"
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+PUBLIC = ["hookimpl", "hookspec", "__version__", "Pattern", "parse_pattern", "setting", "Task", "Vocab", "GtxError", "PatternError",
+          "load_results", "plot"]
+
+
+def test_the_public_api_is_what_docs_api_md_lists():
+    assert sorted(gtx.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        assert getattr(gtx, name) is not None
+    assert gtx.parse_pattern("local:w=2").spec == "local:w=2" and callable(gtx.plot.pattern) and callable(gtx.load_results)
+
+
+@pytest.mark.parametrize("old, new", [("gtx.pattern", "gtx.graph.pattern"), ("gtx.task", "gtx.data.task"), ("gtx.runner", "gtx.experiments.runner"),
+                                      ("gtx.selection", "gtx.attention.selection"), ("gtx.model", "gtx.attention.model"),
+                                      ("gtx.plot", "gtx.pictures.plot"), ("gtx.cli_common", "gtx.cli.common")])
+def test_old_module_paths_import_the_same_module(old, new):
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)
+    assert importlib.import_module(old).__spec__.name == new
