@@ -1,11 +1,11 @@
 """gtx: sparse attention as message passing over token graphs.
 
-The public API for plugin authors and Python users (kept stable by tests/test_layout.py):
+The public API for plugin authors and Python users (docs/api.md; kept stable by tests/test_layout.py):
 
     from gtx import hookimpl                          # plugin hooks (gtx/plugins/hookspecs.py)
     from gtx import Pattern, parse_pattern, setting   # patterns, specs, config fields with ranges
     from gtx import Task, Vocab, GtxError, PatternError
-    from gtx import load_results, plot                # results tables, figures
+    from gtx import load_results, plot, testing       # results tables, figures, checks for pattern authors
 
 Everything else is internal. Modules moved into subpackages keep their old import paths
 (``gtx.pattern``, ``gtx.task``, ``gtx.runner``, ...): ``_MOVED`` maps them to their new places.
@@ -33,6 +33,7 @@ PUBLIC = {
     "PatternError": ("gtx.errors", "PatternError"),
     "load_results": ("gtx.experiments.results", "load"),
     "plot": ("gtx.pictures.plot", None),
+    "testing": ("gtx.testing", None),
 }
 __all__ = ["hookimpl", "hookspec", "__version__", *PUBLIC]
 

@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gtx import testing
 from gtx.errors import PatternError, UnknownNameError
 from gtx.graph.pattern import STAGES, Pattern, check_edges
 from gtx.graph.spec import parse_pattern
@@ -234,3 +235,15 @@ def test_declared_structures_are_what_the_edges_say(name):
         for n_q in range(1, 9):
             n_k = n_q if stage != "ed" else n_q + 3
             assert declared.structure(stage, n_q, n_k) == counted.structure(stage, n_q, n_k), (stage, n_q, n_k)
+
+
+@pytest.mark.parametrize("spec", [*ALL_SPECS, "topk:k=2", "moba:b=4,k=1", "heads(local:w=1,strided:l=3)+alibi"])
+def test_the_checks_pattern_authors_run_pass_on_the_built_in_patterns(spec):
+    testing.check_pattern(spec, lengths=(1, 2, 5, 9))
+
+
+def test_the_checks_pattern_authors_run_name_a_broken_pattern():
+    with pytest.raises(PatternError, match="lets position 0 see later position 1"):
+        testing.check_edges(leaky(lambda q, k, n_q, n_k: (k <= q + 1)))
+    with pytest.raises(PatternError, match="must not depend on the target length"):
+        testing.check_edges(leaky(lambda q, k, n_q, n_k: (k <= q) & ((k == 0) | (q == n_q - 1))))

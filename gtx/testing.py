@@ -1,0 +1,81 @@
+"""Checks for pattern authors, for their own test suites (gtx's tests use them too):
+
+    from gtx import testing
+    def test_my_pattern():
+        testing.check_pattern("near_max:k=2")      # a spec, or a Pattern
+
+``check_edges``: at every stage and many lengths, edges in range and sorted, none twice, no query
+without a key, no decoder edge from the future, and decoder edges that do not depend on the target
+length (a decoder generating token by token cannot know it). ``check_agrees_with_dense``: the
+attention the pattern gives (head groups, biases, content-chosen edges included), on every listed
+backend, equals gtx's dense reference on values and on the gradients of q, k, v and any learned
+parameter. Each raises ``PatternError`` or ``AssertionError`` naming the pattern, stage and lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gtx.attention.module import Attention
+from gtx.backends import get_backend
+from gtx.graph.pattern import STAGES, Pattern
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import build_graph
+
+LENGTHS = (1, 2, 3, 5, 8, 13, 21, 40)
+BACKENDS = ("auto", "blocksparse", "torch")
+
+
+def _pattern(pattern: str | Pattern) -> Pattern:
+    return parse_pattern(pattern) if isinstance(pattern, str) else pattern
+
+
+def check_edges(pattern: str | Pattern, lengths: Sequence[int] = LENGTHS) -> None:
+    """Every stage's edges at every pair of ``lengths`` (sources x targets) pass gtx's edge checks
+    (``gtx.graph.pattern.check_edges`` and ``check_prefix``, run by ``Pattern.edges``)."""
+    p = _pattern(pattern)
+    for n_src in lengths:
+        for n_tgt in lengths:
+            for stage, (n_q, n_k) in {"ee": (n_src, n_src), "dd": (n_tgt, n_tgt), "ed": (n_tgt, n_src)}.items():
+                p.edges(stage, n_q, n_k)
+
+
+def _run(attention: Attention, q, k, v, edges):
+    out = attention(q, k, v, edges)
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out)  # an uneven loss: every output position matters differently
+    return out, torch.autograd.grad((out * weights).sum(), [q, k, v, *attention.parameters()], materialize_grads=True)
+
+
+def check_agrees_with_dense(pattern: str | Pattern, lens: Sequence[int] = (5, 11, 3), heads: int = 2, dim: int = 8,
+                            backends: Sequence[str] = BACKENDS, atol: float = 1e-5, seed: int = 0) -> None:
+    """Attention under ``pattern`` on each backend equals the dense reference (float32, ``atol``)
+    on a batch of samples of lengths ``lens``, for encoder (``ee``) and decoder (``dd``) self-attention."""
+    p = _pattern(pattern)
+    g = torch.Generator().manual_seed(seed)
+    for stage in ("ee", "dd"):
+        edges = build_graph(p, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
+        q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src))
+        reference = Attention(get_backend("dense"), p, heads)
+        for table in reference.parameters():  # learned biases away from zero, so that their gradients are compared
+            table.data = torch.randn(table.shape, generator=g)
+        want, want_grads = _run(reference, q, k, v, edges)
+        for name in backends:
+            attention = Attention(get_backend(name), p, heads)
+            attention.load_state_dict(reference.state_dict())
+            got, grads = _run(attention, q, k, v, edges)
+            where = f"pattern {p.spec!r}, stage {stage}, lengths {list(lens)}, backend {name}"
+            torch.testing.assert_close(got, want, atol=atol, rtol=atol, msg=lambda m, where=where: f"{where}: output differs from dense: {m}")
+            for what, a, b in zip(["q", "k", "v", *(n for n, _ in reference.named_parameters())], grads, want_grads):
+                torch.testing.assert_close(a, b, atol=atol, rtol=atol,
+                                           msg=lambda m, where=where, what=what: f"{where}: gradient of {what} differs from dense: {m}")
+
+
+def check_pattern(pattern: str | Pattern, lengths: Sequence[int] = LENGTHS, backends: Sequence[str] = BACKENDS) -> None:
+    """``check_edges`` and ``check_agrees_with_dense``: what a pattern plugin's test suite calls."""
+    check_edges(pattern, lengths)
+    check_agrees_with_dense(pattern, backends=backends)
+
+
+__all__ = ["STAGES", "check_agrees_with_dense", "check_edges", "check_pattern"]
