@@ -6,6 +6,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from gtx import testing
 from gtx.cli import cli
 from gtx.plugins import hookspecs
 
@@ -34,6 +35,7 @@ def test_documented_plugin_works_from_an_empty_folder(tmp_path):
         assert "     0 ###...\n     1 ###...\n     2 ####..\n     3 ..####\n     4 ...###\n     5 ...###" in shown.output
         bad = runner.invoke(cli, ["show-pattern", "chunks:b=0", "--plugins-dir", str(folder)])
         assert bad.exit_code == 2 and "b must be >= 1, got 0" in bad.output
+        testing.check_pattern("chunks:b=3", lengths=(1, 4, 9))  # the page's "Test it" section
     finally:
         plugins.unload_dir(folder)
 
