@@ -185,6 +185,18 @@ def test_run_table_holds_each_runs_best_and_speed(tmp_path):
     assert "first" not in set(plot.run_table(load(tmp_path), [], "best_valid_token_acc").run_id)
 
 
+def test_many_groups_wrap_into_rows_of_three(tmp_path):
+    fake_results(tmp_path)
+    df = load(tmp_path)
+    df = pd.concat([df.assign(task=f"t{i}", run_id=df.run_id + f"-{i}") for i in range(7)], ignore_index=True)
+    fig = plot.results(df)
+    width, height = fig.get_size_inches()
+    assert width == pytest.approx(3 * 5.6) and height == pytest.approx(3 * 8.4)  # 7 groups: 3 rows of 3 columns, not one row of 7
+    titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titled == [f"task=t{i}, model=transformer" for i in range(7)]
+    assert sum(not ax.axison for ax in fig.axes) == 2 * 2  # the last row's two empty places, top and bottom
+
+
 def test_task_metrics_come_from_the_metrics_json(tmp_path):
     rows = [row("r", "full", 0, "train", 1, 0.5), row("r", "full", 0, "valid", 1, 0.5, metrics='{"bpc": 2.5}'),
             row("r", "full", 0, "valid", 2, 0.6, metrics='{"bpc": 2.0}')]
@@ -420,6 +432,22 @@ def test_act_attention_is_one_call_per_step(trained):
         for t, call in enumerate(calls):  # queries still running at step t, and only they, have edges
             src, dst, _ = call.weights()
             assert set(dst.tolist()) == set((steps > t).nonzero().flatten().tolist()), (stage, t)
+
+
+def test_act_attention_defaults_to_the_step_where_most_queries_are_active(trained):
+    from gtx.measure import probe
+    from gtx.pictures import plot_model
+
+    model, r, _ = probe.load_model(trained["ut"])
+    seen = probe.run_example(model, r, "test", 0)
+    fig = plot_model.attention_figure(seen)
+    panels = [a for a in fig.axes if a.get_label() != "<colorbar>"]
+    for ax, stage in zip(panels, [s for s in ("ee", "dd", "ed") if seen.stage(s)]):
+        active = [plot_model.active_queries(c) for c in seen.stage(stage)]
+        best = active.index(max(active))  # the earliest of the most active
+        assert f"step {best} (" in ax.get_title() and f"{active[best]} of {seen.stage(stage)[best].n_q} queries active" in ax.get_title()
+    last = plot_model.attention_figure(seen, layer=len(seen.stage("ee")) - 1)
+    assert f"step {len(seen.stage('ee')) - 1} (" in last.axes[0].get_title()  # an explicit step is drawn as asked
 
 
 def test_act_figure_shows_the_models_step_counts(trained):

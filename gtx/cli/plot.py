@@ -70,7 +70,7 @@ CHECKPOINT_HELP = "Where a run id's checkpoint is looked up (<results>/checkpoin
 @click.argument("checkpoint")
 @click.option("--example", type=int, default=0, show_default=True, help="Index of the example in --split.")
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
-@click.option("--layer", type=int, help="Layer to draw, 0-based (ACT models: step) [default: the last].")
+@click.option("--layer", type=int, help="Layer to draw, 0-based (ACT models: step) [default: the last; ACT: the step with the most queries active].")
 @click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./attention-<run_id>-<split>-<example>.png].")

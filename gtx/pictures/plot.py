@@ -30,6 +30,7 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, possible_edges
 from gtx.pictures.figure import FORMATS, MAX_CELLS, ensure_parent, new_figure, png_bytes, save  # noqa: F401  (save, FORMATS: plot's API)
 
+MAX_COLUMNS = 3  # groups side by side in the results figure: 7 in one row made it 3920 px wide
 MAX_POSITIONS = 100_000  # per side: beyond this the edge lists alone outgrow a workstation
 
 
@@ -198,7 +199,7 @@ def _label(values) -> str:
 
 
 def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str = "best_valid_token_acc") -> Figure:
-    """Two rows, one column per group of ``by``. Top: the metric against training tokens/s, one point
+    """Per group of ``by`` a column of two panels, ``MAX_COLUMNS`` groups to a row (more wrap). Top: the metric against training tokens/s, one point
     per pattern with error bars of the std over its runs (seeds) on both axes, the Pareto front as a
     dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. Computed
     from ``gtx.results.load``'s per-epoch rows; GtxError if there are no runs or the metric has no values."""
@@ -210,16 +211,21 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
     labels = sorted({_label(k) for k, _ in runs.groupby(points)})
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     panels = list(runs.groupby(by, sort=True, dropna=False)) if by else [((), runs)]
-    fig = new_figure(5.6 * len(panels), 8.4)
-    axes = fig.subplots(2, len(panels), squeeze=False)
+    cols = min(len(panels), MAX_COLUMNS)
+    rows = -(-len(panels) // cols)
+    fig = new_figure(5.6 * cols, 8.4 * rows)
+    axes = fig.subplots(2 * rows, cols, squeeze=False)
     _, base, higher = parse_metric(metric)
-    for col, (key, group) in enumerate(panels):
+    for i, (key, group) in enumerate(panels):
+        top, bottom = axes[2 * (i // cols), i % cols], axes[2 * (i // cols) + 1, i % cols]
         key = key if isinstance(key, tuple) else (key,)
         title = ", ".join(f"{c}={v}" for c, v in zip(by, key)) or "all runs"
-        _tradeoff(axes[0, col], group, points, colors, metric, higher)
-        mine = curves[curves.run_id.isin(group.run_id)]
-        _curves(axes[1, col], mine, points, colors, base)
-        axes[0, col].set_title(title, fontsize=10)
+        _tradeoff(top, group, points, colors, metric, higher)
+        _curves(bottom, curves[curves.run_id.isin(group.run_id)], points, colors, base)
+        top.set_title(title, fontsize=10)
+    for i in range(len(panels), rows * cols):  # the last row's empty places
+        axes[2 * (i // cols), i % cols].set_axis_off()
+        axes[2 * (i // cols) + 1, i % cols].set_axis_off()
     return fig
 
 

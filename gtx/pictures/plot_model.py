@@ -71,10 +71,15 @@ def _check_choice(value: int | None, n: int, unit: str) -> None:
         raise GtxError(f"{unit} {value} is out of range: the model has {_span(n, unit)}")
 
 
+def active_queries(call: probe.AttentionCall) -> int:
+    """Queries with at least one edge in this call: under ACT, those not yet halted."""
+    return int(call.weights(None)[1].unique().numel())
+
+
 def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | None = None, title: str = "",
                      max_cells: int = MAX_CELLS) -> Figure:
     """One panel per stage the model ran: the weights of layer ``layer`` (0-based; None: each stage's
-    last; ACT models: step) and head ``head`` (None: the mean over heads), queries on rows, keys on
+    last; ACT models: step, None: the step with the most queries still active) and head ``head`` (None: the mean over heads), queries on rows, keys on
     columns, token labels up to MAX_LABELS tokens. Non-edges are light grey, so a window or a stride
     shows as the shape of the coloured cells. GtxError for a layer or head out of range."""
     stages = [s for s in STAGES if seen.stage(s)]
@@ -95,7 +100,10 @@ def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | No
             ax.set_title(name, fontsize=9)
             ax.set_axis_off()
             continue
-        call = calls[-1 if layer is None else layer]
+        if layer is None and act:  # the step where most queries still attend (the earliest of equals): the last may hold one query
+            call = max(calls, key=active_queries)
+        else:
+            call = calls[-1 if layer is None else layer]
         grid, bq, bk = attention_grid(call, head, max_cells)
         top = np.nanmax(grid) if np.isfinite(grid).any() else 1.0
         image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=top, interpolation="nearest", aspect="auto",
@@ -106,7 +114,7 @@ def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | No
         binned = max(bq, bk) > 1
         _token_ticks(ax, "x", None if binned else k_tokens, call.n_k)
         _token_ticks(ax, "y", None if binned else q_tokens, call.n_q)
-        which = f"{unit} {call.index} ({_of(len(calls), unit)})"
+        which = f"{unit} {call.index} ({_of(len(calls), unit)})" + (f", {active_queries(call)} of {call.n_q} queries active" if act else "")
         heads = "mean over heads" if head is None else f"head {head} ({_of(call.heads, 'head')})"
         ax.set_title(f"{name}\n{which}, {heads}" + (f"\nblocks of {bq}x{bk} positions" if binned else ""), fontsize=9)
         ax.set(xlabel="key", ylabel="query")
