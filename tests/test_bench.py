@@ -32,6 +32,13 @@ def test_bench_attention_cli_writes_a_table(tmp_path):
     assert set(df[df.backend == "auto"].choice) <= {"dense", "blocksparse:16", "blocksparse:32", "blocksparse:64", "dgl", "torch"}
 
 
+def test_bench_attention_measures_each_cells_own_peak_memory():
+    # dense builds (n, n) scores per head: at 2048 tokens and 4 heads, 64 MB each for scores, weights and their gradients;
+    # the window's blocks are a small fraction of that
+    df = bench.bench_attention(["local:w=4"], [2048], ["dense", "auto"], repeats=1).set_index("backend")
+    assert df.peak_mem_mb["auto"] > 0 and df.peak_mem_mb["dense"] > 128 + df.peak_mem_mb["auto"]  # it read 0.0 for every backend
+
+
 def test_bench_attention_has_a_plain_torch_sdpa_row():
     df = bench.bench_attention(["causal", "full", "local:w=2"], [48], [bench.SDPA], repeats=1)
     assert list(df.backend) == ["sdpa"] * 3 and df.ms.notna().all()

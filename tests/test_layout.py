@@ -9,7 +9,7 @@ import gtx
 
 ROOT = Path(gtx.__file__).parent
 #: bottom to top; a module may import its own layer's modules and those below, never above
-LAYERS = [("errors", "values", "files"), ("plugins",), ("graph",), ("data",), ("backends",), ("attention",), ("experiments",), ("measure",),
+LAYERS = [("errors", "values", "files", "memory"), ("plugins",), ("graph",), ("data",), ("backends",), ("attention",), ("experiments",), ("measure",),
           ("pictures",), ("testing",), ("cli",)]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

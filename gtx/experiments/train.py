@@ -4,7 +4,6 @@ classification accuracy (classify), the task's own metrics per phase."""
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from gtx.errors import GtxError
 from gtx.experiments.distributed import World
 from gtx.graph.pattern import STAGES, Pattern
 from gtx.graph.tokens import possible_edges
+from gtx.memory import peak_mb
 from gtx.plugins import checks
 from gtx.values import setting
 
@@ -153,11 +153,7 @@ class Meter:
         return self
 
     def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peak_mb = torch.cuda.max_memory_allocated() / 2**20
-        else:
-            self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.peak_mb = peak_mb("cuda" if self.cuda else "cpu")
         self.wall_s = time.perf_counter() - self.t0
 
 

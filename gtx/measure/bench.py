@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 
 from gtx.backends import Backend
 from gtx.errors import GtxError
+from gtx.memory import peak_mb, reset_peak
 
 ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
 TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "vs_reference", "ceiling_share", "step_ms", "attention_ms",
@@ -47,12 +47,6 @@ class AttentionCell:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 SDPA = "sdpa"  # bench attention's plain-torch row (not a gtx backend): what a user would write instead
@@ -131,9 +125,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
     gen = torch.Generator(device="cpu").manual_seed(0)
     step, choice = (_sdpa_cell if cell.backend == SDPA else _gtx_cell)(cell, edges, device, gen)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    base = _peak_mb(device) if device.type == "cpu" else 0.0
+    base = reset_peak(device)  # after the set-up's warm-up call: the peak is the steps' own
 
     def timed():
         t0 = time.perf_counter()
@@ -148,7 +140,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     return {
         "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
         "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
-        "peak_mem_mb": _peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
+        "peak_mem_mb": peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
     }
 
 

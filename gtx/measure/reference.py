@@ -16,12 +16,9 @@ so that a fresh process builds it again: ``python -m gtx.reference JSON`` measur
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import warnings
@@ -37,6 +34,7 @@ from gtx.backends import Backend
 from gtx.data.batch import batches, make_batch
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
+from gtx.memory import peak_mb, reset_peak
 
 SDPA_CAUSAL, SDPA_MASK, TORCH_TRANSFORMER = "torch SDPA is_causal", "torch SDPA bool mask", "torch.nn"
 COMPLETE = ("full", "causal")  # patterns whose dd mask is the causal one: is_causal covers them
@@ -256,23 +254,11 @@ def first_batches(r, n: int) -> list:
     return [b for _, b in zip(range(n), epochs)]
 
 
-def _peak_rss_mb() -> float:
-    """This process's peak RSS (MB): Linux's VmHWM, which /proc/self/clear_refs resets; ru_maxrss
-    elsewhere (on Linux it also keeps the parent's RSS at the fork before exec, and resets never)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def train_cell_memory(cell: TrainCell, steps: int = 3) -> float:
     """Peak memory (MB) of building the cell's model and training it ``steps`` steps on the first
     batches, in this (fresh) process, after one step of a model thrown away: imports, code pages and
-    set-ups made once per process are not the variant's. CPU: growth of peak RSS (``_peak_rss_mb``)
-    over the RSS before the build (freed heap trimmed and the peak reset through
-    /proc/self/clear_refs; where that fails, the peak so far is the baseline); CUDA: growth of peak
-    allocated memory."""
+    set-ups made once per process are not the variant's: the growth of ``gtx.memory.peak_mb`` over
+    the baseline ``reset_peak`` gives before the build."""
     from gtx.plugins.registry import load_plugins
 
     load_plugins(dirs=cell.plugins_dirs)
@@ -283,30 +269,11 @@ def train_cell_memory(cell: TrainCell, steps: int = 3) -> float:
     del trainer
     for pattern in (r.pattern, r.chosen, parse_pattern(cell.pattern)):
         pattern._cache.clear()  # cached edges are the variant's memory: its steps build them again
-    gc.collect()
-    cuda = r.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        try:  # glibc: hand freed heap back, so that the variant's allocations show as growth, not as reuse
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # Linux: peak RSS := current RSS
-        except OSError:
-            pass
-        base = _peak_rss_mb()
+    base = reset_peak(r.device)
     trainer, _ = cell.build(r)
     for b in data:
         trainer.train_epoch([make_batch(r.task, b.split, b.index, r.pattern)])
-    if cuda:
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20 - base
-    return _peak_rss_mb() - base
+    return peak_mb(r.device) - base
 
 
 def memory_in_subprocess(cell: TrainCell, steps: int = 3, timeout_s: float = 900) -> tuple[float, str]:
