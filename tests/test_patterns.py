@@ -1,5 +1,7 @@
 """Every registered pattern against an independent oracle, the edge invariants, and composition."""
 
+import re
+
 import oracles
 import pytest
 import torch
@@ -247,3 +249,22 @@ def test_the_checks_pattern_authors_run_name_a_broken_pattern():
         testing.check_edges(leaky(lambda q, k, n_q, n_k: (k <= q + 1)))
     with pytest.raises(PatternError, match="must not depend on the target length"):
         testing.check_edges(leaky(lambda q, k, n_q, n_k: (k <= q) & ((k == 0) | (q == n_q - 1))))
+
+
+def test_an_intersection_is_judged_by_its_result_not_its_operands():
+    leaks = leaky(lambda q, k, n_q, n_k: (k <= q + 1))  # sees one token ahead: refused alone
+    with pytest.raises(PatternError, match="lets position"):
+        leaks.edges("dd", 5, 5)
+    fixed = leaks & parse_pattern("causal")  # what the leak error advises: k <= q + 1 and k <= q is causal
+    for got, want in zip(fixed.edges("dd", 5, 5), parse_pattern("causal").edges("dd", 5, 5)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("local:w=2,w=3", "parameter 'w' is given twice (2 and 3)"),
+    ("local:", "':' with no parameters after it"),
+    ("local:w=2,", "cannot parse pattern 'local:w=2,' at ','"),
+])
+def test_ambiguous_parameters_are_refused(spec, message):
+    with pytest.raises(PatternError, match=re.escape(message)):
+        parse_pattern(spec)

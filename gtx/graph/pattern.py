@@ -167,9 +167,13 @@ def sort_edges(src: torch.Tensor, dst: torch.Tensor, n_k: int) -> tuple[torch.Te
     return src[order], dst[order]
 
 
-def _keys(p: Pattern, stage: str, n_q: int, n_k: int) -> torch.Tensor:
-    src, dst = p.edges(stage, n_q, n_k)
-    return dst * n_k + src  # sorted, unique: edges are validated
+def _keys(p: Pattern, stage: str, n_q: int, n_k: int, validated: bool = True) -> torch.Tensor:
+    """Edge keys ``dst * n_k + src``, sorted and unique. Not ``validated``: an intersection's operand,
+    which may leak or leave a query empty where the other operand cuts or fills it (``leaky&causal``):
+    only the result is judged."""
+    src, dst = p.edges(stage, n_q, n_k) if validated else p._raw_edges(stage, n_q, n_k)
+    keys = dst * n_k + src
+    return keys if validated else torch.unique(keys)
 
 
 def _union_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -191,7 +195,7 @@ def _combine(a: Pattern, b: Pattern, op: str, logical, merge) -> Pattern:
 
     def stage_edges(stage):
         def fn(n_q, n_k):
-            keys = merge(_keys(a, stage, n_q, n_k), _keys(b, stage, n_q, n_k))
+            keys = merge(_keys(a, stage, n_q, n_k, op != "&"), _keys(b, stage, n_q, n_k, op != "&"))
             return keys % n_k, keys // n_k
 
         return fn

@@ -113,11 +113,15 @@ class _Parser:
 
 
 def _split_params(name: str, text: str) -> dict[str, str]:
-    params = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    params: dict[str, str] = {}
+    if not text.strip():
+        raise PatternError(f"pattern {name!r}: ':' with no parameters after it; write {name} for its defaults, or key=value after the ':'")
+    for item in (s.strip() for s in text.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise PatternError(f"bad parameter {item!r} for pattern {name!r}; write key=value, e.g. {name}:w=4")
+        if key.strip() in params:
+            raise PatternError(f"pattern {name!r}: parameter {key.strip()!r} is given twice ({params[key.strip()]} and {value.strip()}); give it once")
         params[key.strip()] = value.strip()
     return params
 
