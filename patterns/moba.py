@@ -5,7 +5,7 @@ from dataclasses import replace
 import torch
 
 from gtx import hookimpl
-from gtx.attention.selection import BlockSelection, block_means, sample_lens
+from gtx.attention.selection import BlockSelection, block_means
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 
@@ -27,7 +27,7 @@ def moba(b: int = 64, k: int = 3) -> Pattern:
     def select(q, keys, edges):
         if edges.stage != "dd":
             return None  # full attention on the other stages
-        lens = sample_lens(edges)
+        lens = list(edges.sample_lens()[0])
         qm, km = block_means(q, lens, b), block_means(keys, lens, b)  # (B, H, n, D)
         n = qm.shape[2]
         score = qm @ km.transpose(-1, -2)  # (B, H, n, n): query block x key block

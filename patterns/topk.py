@@ -25,7 +25,7 @@ def topk(inner: Pattern = None, k: int = 32) -> Pattern:
         raise PatternError(f"topk selects among fixed candidates; {candidates.spec!r} is not one (write topk(P) with P a fixed pattern)")
 
     def select(q, keys, edges):
-        if (edges.parent or edges).structure is not None:  # complete or causal candidates: score in blocks, list no edge
+        if edges.root.structure is not None:  # complete or causal candidates: score in blocks, list no edge
             return top_keys(q, keys, edges, k)
         score = (q[edges.dst] * keys[edges.src]).sum(-1)  # (E, H)
         return top_per_query(score, edges.dst, edges.n_dst, k)

@@ -159,8 +159,7 @@ class Attention(torch.nn.Module):
 
 
 def _lens(edges: EdgeSet):
-    root = edges.parent or edges
-    return root.q_lens, root.k_lens
+    return edges.root.q_lens, edges.root.k_lens
 
 
 def check_keep(spec: str, keep, edges: EdgeSet, heads: int) -> torch.Tensor:
@@ -217,7 +216,7 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
         keys, valid = chosen.keys, chosen.valid
         if keys.dtype != torch.long or valid.dtype != torch.bool or keys.shape != valid.shape or keys.shape[:2] != (edges.n_dst, heads):
             bad(f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
-        root = edges.parent or edges
+        root = edges.root
         q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
         k_lens = torch.as_tensor(root.k_lens if root.k_lens is not None else [root.n_src], device=keys.device)
         sample = torch.repeat_interleave(torch.arange(len(q_lens), device=keys.device), q_lens)[:, None, None]

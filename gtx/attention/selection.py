@@ -33,11 +33,6 @@ def top_per_query(score: torch.Tensor, dst: torch.Tensor, n_dst: int, k: int) ->
     return keep
 
 
-def sample_lens(edges: EdgeSet) -> list[int]:
-    root = edges.parent or edges
-    return list(root.q_lens) if root.q_lens is not None else [root.n_dst]
-
-
 @dataclass
 class BlockSelection:
     """Causal block attention: query block i of a sample reads its own block (causally) and the
@@ -131,7 +126,7 @@ def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows:
     """The ``count`` best keys by q.k per query and head, for complete or causal candidates
     (``edges.structure``), scored sample by sample in blocks of query rows: the n x n scores of one
     block exist at a time, never an edge list."""
-    root = edges.parent or edges
+    root = edges.root
     causal = root.structure == "causal"
     q_lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
     k_lens = list(root.k_lens) if root.k_lens is not None else [root.n_src]

@@ -162,7 +162,7 @@ class AutoBackend(Backend):
     supports_bias = True  # routed to the candidates that take biases
 
     def __call__(self, q, k, v, edges, bias=None):
-        root, biased = edges.parent or edges, bias is not None
+        root, biased = edges.root, bias is not None
         name = root.plan(("auto", q.device, q.shape[1], q.shape[2], biased),
                          lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased))
         self.choices[edges.stage or "?"][name] += 1

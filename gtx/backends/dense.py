@@ -51,7 +51,7 @@ class DenseBackend(Backend):
         self.flash = flash
 
     def __call__(self, q, k, v, edges, bias=None):
-        structure = flash_structure(edges.parent or edges) if self.flash and bias is None else None
+        structure = flash_structure(edges.root) if self.flash and bias is None else None
         if structure is not None:
             return flash_attention(q, k, v, edges, structure)
         return masked_attention(q, k, v, edges, bias)

@@ -61,13 +61,6 @@ class FlashPlan:
     order: torch.Tensor | None
 
 
-def sample_lens(edges: EdgeSet) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-sample query and key counts; one sample when the edge set does not say."""
-    if edges.q_lens is None or edges.k_lens is None:
-        return (edges.n_dst,), (edges.n_src,)
-    return edges.q_lens, edges.k_lens
-
-
 def flash_structure(edges: EdgeSet) -> str | None:
     """The edge set's structure, ``COMPLETE``, ``CAUSAL`` or None (cached with the edges). An ACT
     subset is never either: it runs through its full set's structure (``flash_attention``)."""
@@ -80,7 +73,7 @@ def _structure(edges: EdgeSet) -> str | None:
         return None
     if edges.structure is not None:  # known from the pattern (``batch_edges``): no edge to read
         return edges.structure
-    q_lens, k_lens = sample_lens(edges)
+    q_lens, k_lens = edges.sample_lens()
     if edges.n_dst == 0 or any(nq and not nk for nq, nk in zip(q_lens, k_lens)):
         return None  # queries without keys: no softmax to run (dense zeroes them)
     # Counting first rules out almost every other set at no cost; the per-edge check then makes
@@ -118,7 +111,7 @@ def _edges_within_samples(edges: EdgeSet, q_lens, k_lens, causal: bool) -> bool:
 def make_plan(edges: EdgeSet, structure: str, head_dims: int) -> FlashPlan:
     """Samples of one shape run as views of q, k, v; others are padded into buckets (``buckets``)
     sized for inputs of ``head_dims`` = heads * head dim."""
-    q_lens, k_lens = sample_lens(edges)
+    q_lens, k_lens = edges.sample_lens()
     causal = structure == CAUSAL
     if len(set(zip(q_lens, k_lens))) == 1:
         return FlashPlan(causal, [Bucket(len(q_lens), q_lens[0], k_lens[0], None, None, None)], None)
@@ -195,7 +188,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: Ed
     """The backend contract (q (n_dst, H, D) scaled, k (n_src, H, D), v (n_src, H, Dv) ->
     (n_dst, H, Dv)) for an edge set whose ``flash_structure`` is ``structure``, or an ACT subset
     of one (then ``structure`` is its full set's)."""
-    root = edges.parent or edges
+    root = edges.root
     head_dims = q.shape[1] * q.shape[2]
     plan = root.plan(("flash", structure, q.device, head_dims), lambda: make_plan(root, structure, head_dims))
     outs = [_run_bucket(q, k, v, b, plan.causal) for b in plan.buckets]

@@ -44,6 +44,18 @@ class EdgeSet:
         self.pattern: Pattern | None = None  # the pattern that made the set (batch_edges): what gtx.attention reads at run time
         self.groups: list[EdgeSet] = []  # a head-grouped pattern's edge set per group (``heads(a,b)``)
 
+    @property
+    def root(self) -> EdgeSet:
+        """The full set a ``filter_dst`` subset came from, else this one: what knows the samples."""
+        return self.parent or self
+
+    def sample_lens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-sample query and key counts (of ``root``); one sample when the set does not say."""
+        root = self.root
+        if root.q_lens is None or root.k_lens is None:
+            return (root.n_dst,), (root.n_src,)
+        return tuple(root.q_lens), tuple(root.k_lens)
+
     def _built(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._edges is None:
             src, dst = self._build()
@@ -97,7 +109,7 @@ class EdgeSet:
     def filter_dst(self, keep: torch.Tensor) -> EdgeSet:
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
         mask = keep[self.dst]
-        root = self.parent or self
+        root = self.root
         kept = keep if self.keep is None else keep & self.keep
         groups = [g.filter_dst(keep) for g in self.groups]
         count = sum(g.num_edges for g in groups) // len(groups) if groups else None
@@ -105,7 +117,7 @@ class EdgeSet:
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each edge's query and key position within its sample, (E,) int64 each (score biases read them)."""
-        root = self.parent or self
+        root = self.root
 
         def within(ids, lens, n):
             return ids if lens is None else positions(torch.as_tensor(lens, device=ids.device))[ids]
