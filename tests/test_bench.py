@@ -216,3 +216,13 @@ def test_auto_times_close_candidates_and_keeps_the_fastest(monkeypatch):
     assert auto_module.AutoBackend().choose(edges, 2, 8, cpu, (q, k, v)) == "torch"  # plain auto: the model decides
     assert auto_module.AutoBackend(measure=True).choose(edges, 2, 8, cpu) == "torch"  # nothing to time with
     assert get_backend("auto-tuned").measure and not get_backend("auto").measure
+
+
+def test_bench_warns_when_the_machine_is_busy(monkeypatch):
+    from gtx.cli.bench import busy_note
+
+    assert busy_note(0.5, 2) is None and busy_note(6.0, 16) is None
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert busy_note(3.2, 2).startswith("load average 3.2 on 2 cores") and "set OMP_NUM_THREADS=1" in busy_note(3.2, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert "set OMP_NUM_THREADS" not in busy_note(3.2, 2)

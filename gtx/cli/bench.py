@@ -13,6 +13,25 @@ from gtx.plugins.registry import BACKENDS, load_plugins
 @click.group(cls=GtxGroup)
 def bench():
     """Benchmarks: attention kernels, and training throughput. Tables land under <results>/bench/."""
+    note = busy_note()
+    if note:
+        click.echo(f"warning: {note}", err=True)
+
+
+def busy_note(load: float | None = None, cores: int | None = None) -> str | None:
+    """A warning when the machine is busy: torch's threads in several processes spin against each
+    other (measured 30-40x slower), so timings taken now do not compare with a quiet run's."""
+    import os
+
+    if load is None and hasattr(os, "getloadavg"):
+        load = os.getloadavg()[0]
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load is None or load <= max(1.0, 0.75 * cores):
+        return None
+    threads = os.environ.get("OMP_NUM_THREADS")
+    advice = "quote only ratios measured side by side in one run" if threads == "1" else "set OMP_NUM_THREADS=1 and quote only ratios measured side by side"
+    return f"load average {load:.1f} on {cores} cores: other processes share this machine, so these timings do not compare with a quiet run's; {advice}"
 
 
 @bench.command(name="attention")
