@@ -18,8 +18,8 @@ class EncoderClassifier(SelfAttentionStack):
     forms = ("classify",)
     stage, ntype = "ee", "enc"
 
-    def __init__(self, config: StackConfig, src_vocab, tgt_vocab, backend):
-        super().__init__(config, src_vocab, tgt_vocab, backend, share=False)
+    def __init__(self, config: StackConfig, src_vocab, tgt_vocab, attention):
+        super().__init__(config, src_vocab, tgt_vocab, attention, share=False)
         self.classifier = nn.Linear(config.dim, len(tgt_vocab))
         self.init_weights()
 

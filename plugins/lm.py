@@ -17,8 +17,8 @@ class LanguageModel(SelfAttentionStack):
     forms = ("lm",)
     stage, ntype = "dd", "dec"
 
-    def __init__(self, config: StackConfig, src_vocab, tgt_vocab, backend):
-        super().__init__(config, src_vocab, tgt_vocab, backend, share=True)
+    def __init__(self, config: StackConfig, src_vocab, tgt_vocab, attention):
+        super().__init__(config, src_vocab, tgt_vocab, attention, share=True)
         self.init_weights()
 
     def forward(self, batch):

@@ -28,8 +28,8 @@ class TransformerConfig:
 class Transformer(Seq2SeqModel):
     """Transformer encoder-decoder (Vaswani et al.) as message passing over ee, dd and ed edges."""
 
-    def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, backend):
-        super().__init__(backend)
+    def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, attention):
+        super().__init__(attention)
         self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale)
         self.encoder = nn.ModuleList(EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
         self.decoder = nn.ModuleList(DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
@@ -39,18 +39,18 @@ class Transformer(Seq2SeqModel):
     def encode(self, src, src_pos, graph):
         nodes = {"enc": {"x": self.embed.embed(self.embed.src, src, src_pos)}}
         for layer in self.encoder:
-            update_graph(nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], self.backend)
+            update_graph(nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], self.attention)
         return Encoded(self.enc_norm(nodes["enc"]["x"]))
 
     def decode(self, encoded, tgt_in, tgt_pos, graph):
         nodes = {"enc": {"x": encoded.x}, "dec": {"x": self.embed.embed(self.embed.tgt, tgt_in, tgt_pos)}}
         for layer in self.decoder:
-            update_graph(nodes, "dd", graph.edges["dd"], [(layer.pre_self, "dec", None)], [(layer.post_self, "dec", None)], self.backend)
+            update_graph(nodes, "dd", graph.edges["dd"], [(layer.pre_self, "dec", None)], [(layer.post_self, "dec", None)], self.attention)
             update_graph(
                 nodes, "ed", graph.edges["ed"],
                 [(layer.pre_query, "dec", None), (layer.pre_memory, "enc", None)],
                 [(layer.post_cross, "dec", None)],
-                self.backend,
+                self.attention,
             )
         return Output(self.embed.generator(self.dec_norm(nodes["dec"]["x"])))
 
@@ -65,10 +65,10 @@ class Transformer(Seq2SeqModel):
         for i, layer in enumerate(self.decoder):
             new = layer.pre_self({"x": x})
             state["k"][i], state["v"][i] = append_keys(state["k"][i], new["k"]), append_keys(state["v"][i], new["v"])
-            wv = propagate_attention(new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.backend)
+            wv = propagate_attention(new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.attention)
             x = layer.post_self({"x": x, "wv": wv})["x"]
             memory = state["memory"][i]
-            wv = propagate_attention(layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.backend)
+            wv = propagate_attention(layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.attention)
             x = layer.post_cross({"x": x, "wv": wv})["x"]
         return self.embed.generator(self.dec_norm(x)), state
 

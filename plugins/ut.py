@@ -32,8 +32,8 @@ class UTConfig:
 class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
     """Universal Transformer with ACT: shared layers repeated per node until it halts."""
 
-    def __init__(self, config: UTConfig, src_vocab, tgt_vocab, backend):
-        super().__init__(backend)
+    def __init__(self, config: UTConfig, src_vocab, tgt_vocab, attention):
+        super().__init__(attention)
         c = self.config = config
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
         self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
@@ -52,7 +52,7 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 nodes, "ee", edges(graph.edges["ee"]),
                 [(self._step_forward(t), "enc", ids), (layer.pre, "enc", ids)],
                 [(layer.post, "enc", ids), *self._halting(self.halt_enc, "enc", ids, end)],
-                self.backend,
+                self.attention,
             )
 
         self._steps(nodes["enc"], graph.pattern, step)
@@ -69,13 +69,13 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 nodes, "dd", edges(graph.edges["dd"]),
                 [(self._step_forward(t), "dec", ids), (layer.pre_self, "dec", ids)],
                 [(layer.post_self, "dec", ids)],
-                self.backend,
+                self.attention,
             )
             update_graph(
                 nodes, "ed", edges(graph.edges["ed"]),
                 [(layer.pre_query, "dec", ids)],
                 [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)],
-                self.backend,
+                self.attention,
             )
 
         self._steps(nodes["dec"], graph.pattern, step)
@@ -99,10 +99,10 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 apply_nodes(nodes, fn, "dec", ids)
             cache(t)
             k, v = state["k"][t].flatten(0, 1), state["v"][t].flatten(0, 1)
-            data["wv"] = propagate_attention(data["q"], k, v, keep(edges["dd"]), self.backend)
+            data["wv"] = propagate_attention(data["q"], k, v, keep(edges["dd"]), self.attention)
             apply_nodes(nodes, layer.post_self, "dec", ids)
             apply_nodes(nodes, layer.pre_query, "dec", ids)
-            data["wv"] = propagate_attention(data["q"], memory["k"], memory["v"], keep(edges["ed"]), self.backend)
+            data["wv"] = propagate_attention(data["q"], memory["k"], memory["v"], keep(edges["ed"]), self.attention)
             for fn, ntype, sel in [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)]:
                 apply_nodes(nodes, fn, ntype, sel)
 

@@ -65,8 +65,8 @@ def test_act_halts_nodes_and_shrinks_edge_sets(tiny_task):
     for halting in (m.halt_enc, m.halt_dec):  # make halting probabilities ~0.4 so nodes halt at step 3
         torch.nn.init.zeros_(halting.proj.weight)
         torch.nn.init.constant_(halting.proj.bias, -0.4)
-    rec = Recording(m.backend)
-    m.backend = rec
+    rec = Recording(m.attention)
+    m.attention = rec
     batch = next(batches(tiny_task, "train", pattern_for("ut", "full"), 8))
     out = m(batch)
     enc_steps, dec_steps = out.steps
@@ -94,8 +94,8 @@ def test_act_filtered_edges_shrink_when_some_nodes_halt(tiny_task):
     batch = next(batches(tiny_task, "train", pattern_for("ut", "full"), 8))
     m.halt_enc = HaltEvenNodesFirst(batch.src.numel())
     even = m.halt_enc.even.squeeze(1)
-    rec = Recording(m.backend)
-    m.backend = rec
+    rec = Recording(m.attention)
+    m.attention = rec
     enc = m.encode(batch.src, batch.src_pos, batch.graph)
     sizes = [e for e, _ in rec.calls]
     assert sizes[0] == batch.graph.edges["ee"].num_edges and sizes[1] < sizes[0]
@@ -251,3 +251,17 @@ def test_a_model_without_incremental_decoding_is_decoded_by_recomputing(tiny_tas
     pattern = pattern_for("transformer", "local:w=2")
     batch = next(batches(tiny_task, "valid", pattern, 8))
     assert decode(Plain(m), tiny_task, batch, pattern) == decode(m, tiny_task, batch, pattern)
+
+
+def test_checkpoints_from_before_the_attention_rename_still_load(tiny_task):
+    from gtx.attention.module import Attention
+
+    entry = MODELS.get("transformer")
+    make = lambda: entry.obj(entry.config(**TINY["transformer"]), tiny_task.src_vocab, tiny_task.tgt_vocab,  # noqa: E731
+                             Attention(get_backend("dense"), parse_pattern("full+relbias:buckets=8,max_distance=16"), 2))
+    trained, fresh = make(), make()
+    old = {k.replace("attention.", "backend.", 1) if k.startswith("attention.") else k: v + 1 for k, v in trained.state_dict().items()}
+    assert any(k.startswith("backend.") for k in old)  # the learned bias table, saved under the old name
+    fresh.load_state_dict(old)
+    assert all(torch.equal(v, old[k.replace("attention.", "backend.", 1) if k.startswith("attention.") else k]) for k, v in fresh.state_dict().items())
+    assert fresh.backend is fresh.attention  # plugins that read the old attribute

@@ -333,10 +333,10 @@ def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
     from gtx.measure import probe
 
     model, r, _ = probe.load_model(trained["transformer"])
-    spy = model.backend.backend = Spy(model.backend.backend)
+    spy = model.attention.backend = Spy(model.attention.backend)
     seen = probe.run_example(model, r, "test", 1)
     assert [(c.stage, c.index) for c in seen.calls] == [("ee", 0), ("ee", 1), ("dd", 0), ("ed", 0), ("dd", 1), ("ed", 1)]
-    assert model.backend.backend is spy  # the recorder is gone afterwards
+    assert model.attention.backend is spy  # the recorder is gone afterwards
     for call, (q, k, v, out) in zip(seen.calls, spy.seen):
         (part,) = call.parts
         sums = torch.zeros(call.n_q, call.heads).index_add(0, part.dst, part.weights)
@@ -360,7 +360,7 @@ def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
     edges = build_graph(parse_pattern(spec), [7]).edges["ee"]
     q, k, v = (torch.randn(7, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     attention = Attention(get_backend("torch"), parse_pattern(spec), 4)
-    with probe.recording(SimpleNamespace(backend=attention)) as calls:
+    with probe.recording(SimpleNamespace(attention=attention)) as calls:
         out = attention(q, k, v, edges)
     (call,) = calls
     assert call.heads == 4 and call.covered() == 4
@@ -383,7 +383,7 @@ def test_block_selections_are_an_error():
     edges = build_graph(pattern, None, [8]).edges["dd"]
     q = torch.randn(8, 2, 4)
     attention = Attention(get_backend("torch"), pattern, 2)
-    with pytest.raises(GtxError, match="cannot be recorded"), probe.recording(SimpleNamespace(backend=attention)):
+    with pytest.raises(GtxError, match="cannot be recorded"), probe.recording(SimpleNamespace(attention=attention)):
         attention(q, q, q, edges)
 
 

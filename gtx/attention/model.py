@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from gtx.attention.engine import MultiHeadAttention
-from gtx.backends import Backend
 from gtx.data.vocab import Vocab
 
 
@@ -169,8 +168,14 @@ class DecoderLayer(nn.Module):
         return {"x": x + self.dropout(self.ff(self.norm_ff(x)))}
 
 
+def _renamed_attention(state_dict, prefix, *args) -> None:
+    """Checkpoints written when the attribute was ``backend`` load into ``attention``."""
+    for key in [k for k in state_dict if k.startswith(f"{prefix}backend.")]:
+        state_dict[f"{prefix}attention.{key[len(prefix) + len('backend.'):]}"] = state_dict.pop(key)
+
+
 class GraphModel(nn.Module):
-    """Base class of model plugins: holds the backend; ``forward(batch) -> Output``."""
+    """Base class of model plugins: holds the run's ``Attention`` module (``attention``); ``forward(batch) -> Output``."""
 
     #: the task forms (``seq2seq``, ``lm``, ``classify``: ``gtx.task``) the model serves
     forms: tuple[str, ...] = ("seq2seq",)
@@ -183,9 +188,19 @@ class GraphModel(nn.Module):
         override this); by default ``dynamic_pattern``."""
         return cls.dynamic_pattern
 
-    def __init__(self, backend: Backend):
+    def __init__(self, attention):
         super().__init__()
-        self.backend = backend
+        self.attention = attention  # gtx.attention.Attention: a submodule, so that learned biases train and are saved
+        self._register_load_state_dict_pre_hook(_renamed_attention)
+
+    @property
+    def backend(self):
+        """The name models used before ``attention`` (plugins written then still use it)."""
+        return self.attention
+
+    @backend.setter
+    def backend(self, value) -> None:
+        self.attention = value
 
     def init_weights(self) -> None:
         """Xavier-uniform for every matrix, as in the seeds (embeddings too: with the sqrt(d) scale and

@@ -44,8 +44,8 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
     ntype = "enc"
     dynamic_pattern = None  # universal models wrap ACT around the pattern: see ``modifier``
 
-    def __init__(self, config: StackConfig, src_vocab, tgt_vocab, backend, share: bool):
-        super().__init__(backend)
+    def __init__(self, config: StackConfig, src_vocab, tgt_vocab, attention, share: bool):
+        super().__init__(attention)
         c = self.config = config
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, share, c.embed_scale, max_len=c.max_len)
         self.layers = nn.ModuleList(EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout) for _ in range(1 if c.universal else c.layers))
@@ -64,7 +64,7 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
         if not self.config.universal:
             nodes = {self.ntype: {"x": self.embed.embed(table, ids, pos)}}
             for layer in self.layers:
-                update_graph(nodes, self.stage, edges, [(layer.pre, self.ntype, None)], [(layer.post, self.ntype, None)], self.backend)
+                update_graph(nodes, self.stage, edges, [(layer.pre, self.ntype, None)], [(layer.post, self.ntype, None)], self.attention)
             return self.norm(nodes[self.ntype]["x"]), None, []
         nodes = {self.ntype: self._state(table, ids, pos)}
         layer, ntype = self.layers[0], self.ntype
@@ -74,7 +74,7 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
                 nodes, self.stage, keep(edges),
                 [(self._step_forward(t), ntype, sel), (layer.pre, ntype, sel)],
                 [(layer.post, ntype, sel), *self._halting(self.halt, ntype, sel, end)],
-                self.backend,
+                self.attention,
             )
 
         data = nodes[ntype]

@@ -28,7 +28,7 @@ from gtx.data.batch import batches
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.experiments import checkpoint, distributed
-from gtx.experiments.config import DEFAULT_BACKEND, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
+from gtx.experiments.config import DEFAULT_BACKEND, Resolved, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
 from gtx.experiments.loggers import Loggers
 from gtx.experiments.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
 from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
@@ -66,12 +66,12 @@ def _results_dir(name: str, run_id: str | None = None) -> Path:
     return results_dir
 
 
-def _attention(r, backend: str) -> Attention:
+def build_attention(r, backend: str) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections)."""
     return Attention(get_backend(backend, r.device), r.pattern, getattr(r.model_config, "heads", None))
 
 
-def _build_model(r, attention: Attention) -> torch.nn.Module:
+def build_model(r, attention: Attention) -> torch.nn.Module:
     who = f"model {r.config.model!r} ({MODELS.get(r.config.model).plugin})"
     with plugin_code(who, "while being built", settings=f"model {r.config.model!r}"):
         model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
@@ -126,8 +126,8 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     r = resolve(config)
     world, r.device = distributed.setup(r.device)
     torch.manual_seed(config.seed)
-    attention = _attention(r, config.backend)
-    model = _build_model(r, attention)
+    attention = build_attention(r, config.backend)
+    model = build_model(r, attention)
     trainer = Trainer(model, r.train, getattr(r.model_config, "dim", 128), r.device, r.task, world)
     if state:
         checkpoint.check_vocab(state, r.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST)
@@ -213,6 +213,22 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     return pd.DataFrame(rows)
 
 
+def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.Module, Resolved, Attention]:
+    """A checkpoint's model rebuilt under ``config`` (the run's own, or another pattern, backend or
+    device) with its weights loaded: (model, its resolved configuration, its Attention). The one path
+    from a checkpoint to a model (eval, plots, probes); a vocabulary or a shape that does not fit is
+    one line."""
+    r = resolve(config)
+    checkpoint.check_vocab(state, r.task, path)
+    attention = build_attention(r, config.backend)
+    model = build_model(r, attention)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}") from None
+    return model, r, attention
+
+
 def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "test", beam: int | None = None, pattern: str | None = None,
                         backend: str | None = None, device: str = "auto") -> pd.DataFrame:
     """Evaluate a trained model (a checkpoint path, or a run id under ``results_dir``) on one split,
@@ -225,14 +241,7 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
     config = dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend or trained.backend, device=device,
                                  results_dir=results_dir, loggers=[])
-    r = resolve(config)
-    checkpoint.check_vocab(state, r.task, path)
-    attention = _attention(r, config.backend)
-    model = _build_model(r, attention)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}") from None
+    model, r, attention = trained_model(path, state, config)
     source = json.loads(state["common"])
     stats = evaluate(model, r.task, batches(r.task, split, r.pattern, r.train.eval_batch_size), r.pattern, r.device,
                      beam=beam or getattr(r.task_config, "beam", 1))

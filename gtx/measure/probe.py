@@ -26,7 +26,7 @@ from gtx.data.batch import Batch, batches, make_batch
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.experiments import checkpoint
-from gtx.experiments.config import RunConfig, resolve, resolve_device
+from gtx.experiments.config import RunConfig, resolve_device
 from gtx.graph.pattern import STAGES
 from gtx.graph.tokens import EdgeSet
 
@@ -38,7 +38,7 @@ def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", ba
     ``results_dir``) in eval mode on ``device``, its resolved configuration (``gtx.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
     unusable on ``device``. GtxError (one line) for a missing or foreign checkpoint."""
-    from gtx.experiments.runner import _attention, _build_model  # the runner's own path: what trains is what is probed
+    from gtx.experiments.runner import trained_model  # the runner's own path: what trains is what is probed
     from gtx.plugins.registry import BACKENDS
 
     path = checkpoint.find(ref, results_dir or "results")
@@ -47,13 +47,7 @@ def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", ba
     if backend is None:
         usable = BACKENDS.get(trained.backend).obj.available(resolve_device(device)) is None
         backend = trained.backend if usable else FALLBACK_BACKEND
-    r = resolve(dataclasses.replace(trained, backend=backend, device=device, loggers=[]))
-    checkpoint.check_vocab(state, r.task, path)
-    model = _build_model(r, _attention(r, backend))
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise GtxError(f"checkpoint {path} does not fit model {trained.model!r} as configured here: {str(e).splitlines()[0]}") from None
+    model, r, _ = trained_model(path, state, dataclasses.replace(trained, backend=backend, device=device, loggers=[]))
     return model.eval(), r, state
 
 
@@ -153,11 +147,11 @@ class Recorder(Backend):
 
 @contextmanager
 def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
-    """Record every attention sub-layer ``model`` runs inside the block, in call order. ``model.backend``
+    """Record every attention sub-layer ``model`` runs inside the block, in call order. ``model.attention``
     must be a ``gtx.attention.Attention`` (models built by the runner are); its backend is wrapped by a
     ``Recorder`` and restored afterwards. Each call of the Attention module starts a sub-layer (head
     groups and per-head selections are backend calls within it)."""
-    attention = getattr(model, "backend", None)
+    attention = getattr(model, "attention", None)
     if not isinstance(attention, Attention):
         raise GtxError(f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.runner")
     recorder, calls = Recorder(attention.backend), []
