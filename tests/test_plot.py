@@ -107,7 +107,7 @@ def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "<svg" in (tmp_path / "new" / "deeper" / "p.svg").read_text()  # missing parents are created
     result = gtx("plot", "pattern", "full", "--src-len", 4, "-o", tmp_path / "p", "--format", "pdf")
-    assert result.exit_code == 0 and (tmp_path / "p.pdf").read_bytes().startswith(b"%PDF")
+    assert result.exit_code == 0 and (tmp_path / "p").read_bytes().startswith(b"%PDF")  # the path as given: no suffix appended
 
 
 @pytest.mark.parametrize(
@@ -117,14 +117,19 @@ def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
         (["-o", "x.jpg"], "cannot tell the format of x.jpg"),
         (["--stages", "ee,xx"], "unknown stage(s) xx; stages are ee, dd, ed"),
         (["-o", "a-file/p.png"], "cannot write a-file/p.png"),
+        (["-o", "no-suffix"], "cannot tell the format of no-suffix: name it .png, .svg or .pdf"),  # no .png appended
+        (["-o", "a-folder"], "a-folder is a folder; give a file name"),
+        (["-o", "a-folder", "--format", "png"], "a-folder is a folder"),
     ],
 )
 def test_bad_plot_input_is_one_line_exit_2(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "a-folder").mkdir()
     result = gtx("plot", "pattern", "local:w=1", "--src-len", 4, *args)
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert message in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder"]  # nothing written
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")

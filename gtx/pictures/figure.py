@@ -29,19 +29,18 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
-    """Write ``fig`` and return the path written. ``fmt``: png, svg or pdf; by default the path's
-    suffix, and png for a path without one (".png" is then appended). Missing parent folders are
-    created. GtxError (one line) for an unknown format or a path that cannot be written."""
+    """Write ``fig`` to ``path`` exactly as given and return it. ``fmt``: png, svg or pdf; by default
+    the path's suffix (a path without one needs ``fmt``: nothing is appended, so ``-o /dev/full`` or
+    ``-o some_folder`` never becomes another file). Missing parent folders are created. GtxError (one
+    line) for an unknown format, a folder, or a path that cannot be written."""
     path = Path(path)
-    fmt = fmt.lower() if fmt else None
-    if fmt is None:
-        fmt = path.suffix[1:].lower() or "png"
-        if fmt not in FORMATS:
-            raise GtxError(f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (png, svg or pdf)")
-    elif fmt not in FORMATS:
+    if path.is_dir():
+        raise GtxError(f"{path} is a folder; give a file name, e.g. {path / 'figure.png'}")
+    if fmt and fmt.lower() not in FORMATS:
         raise GtxError(f"unknown format {fmt!r}; use png, svg or pdf")
-    if not path.suffix:
-        path = path.with_suffix(f".{fmt}")
+    fmt = fmt.lower() if fmt else path.suffix[1:].lower()
+    if fmt not in FORMATS:
+        raise GtxError(f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (--format png, svg or pdf)")
     ensure_parent(path)
     try:
         fig.savefig(path, format=fmt, dpi=100)
