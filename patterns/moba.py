@@ -1,45 +1,52 @@
-"""moba: Mixture of Block Attention: per query block, the top-k earlier key blocks by mean-pooled keys."""
+"""moba: Mixture of Block Attention (Lu et al. 2025): each query token reads its own block and the
+earlier blocks whose mean key scores highest with it."""
 
 from dataclasses import replace
 
 import torch
 
-from gtx import hookimpl
-from gtx.attention.selection import BlockSelection, block_means
-from gtx.graph.pattern import Pattern
-from gtx.graph.spec import parse_pattern
+from gtx import Pattern, hookimpl, parse_pattern
+from gtx.attention.selection import BlockSelection, block_means, choose_token_blocks
+
+GATES = ("token", "block")
 
 
-def moba(b: int = 64, k: int = 3) -> Pattern:
-    """MoBA: per query block of b positions, its own block (causal) and the k earlier key blocks whose mean key scores highest.
+def moba(b: int = 64, k: int = 4, gate: str = "token") -> Pattern:
+    """MoBA: blocks of b positions; each query reads k blocks in all, its own (causally) and the k-1
+    earlier blocks whose mean key scores highest with it (MoBA's top-k = k).
 
     Note:
-        After Lu et al. 2025 (MoBA), with block-level gating: a query block's mean query is scored
-        against each earlier block's mean key, per head; no n x n score matrix is formed, and the
-        selected blocks run as one block-sparse SDPA call. Decoder self-attention (``dd``) only;
-        other stages keep full attention. The choice has no gradient (as in MoBA); the attention
-        over the chosen blocks does.
+        ``gate=token`` is MoBA as its reference code (MoonshotAI/MoBA ``moba_naive.py``) computes
+        it: each query token scores the blocks by q_t . mean(keys of the block), per head.
+        ``gate=block`` is a cheaper variant: one choice per query block, by the block's mean
+        query, run as one block-sparse call. Decoder self-attention (``dd``) only; other stages
+        keep full attention. No n x n score matrix is formed. The choice has no gradient (as in
+        MoBA); the attention over the chosen blocks does. Budget: k*b keys per query.
     """
-    if b < 1 or k < 0:
-        raise ValueError(f"need b >= 1 and k >= 0, got b={b}, k={k}")
+    if b < 1 or k < 1:
+        raise ValueError(f"need b >= 1 and k >= 1 (blocks read in all, the own one included), got b={b}, k={k}")
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r}: choose token (MoBA's, per query token) or block (one choice per query block)")
     candidates = parse_pattern("full")
 
     def select(q, keys, edges):
         if edges.stage != "dd":
             return None  # full attention on the other stages
         lens = list(edges.sample_lens()[0])
+        if gate == "token":
+            return choose_token_blocks(q, keys, lens, b, k - 1)
         qm, km = block_means(q, lens, b), block_means(keys, lens, b)  # (B, H, n, D)
         n = qm.shape[2]
         score = qm @ km.transpose(-1, -2)  # (B, H, n, n): query block x key block
         earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
         score = score.masked_fill(~earlier, float("-inf"))
-        top = score.topk(min(k, max(n - 1, 0)), dim=-1)
+        top = score.topk(min(k - 1, max(n - 1, 0)), dim=-1)
         own = torch.arange(n, device=q.device).expand(*score.shape[:2], n)[..., None]
         key_blocks = torch.cat([own, top.indices], -1)
         valid = torch.cat([torch.ones_like(own, dtype=torch.bool), top.values > float("-inf")], -1)
         return BlockSelection(b, lens, key_blocks.masked_fill(~valid, 0), valid)
 
-    return replace(candidates, select=select, budget=(k + 1) * b)
+    return replace(candidates, select=select, budget=k * b)
 
 
 @hookimpl

@@ -16,7 +16,8 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
 
 SPECS = ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "full+relbias:buckets=8,max_distance=16", "topk:k=2", "lsh:buckets=4",
-         "topk(local:w=3):k=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "moba:b=4,k=1"]
+         "topk(local:w=3):k=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "moba:b=4,k=2",
+         "moba:b=4,k=2,gate=block"]
 BACKENDS = ["torch", "dgl", "auto", "blocksparse"]
 
 
@@ -74,13 +75,13 @@ def explicit_edges(sel: BlockSelection, head: int) -> tuple[torch.Tensor, torch.
 
 
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), b=st.integers(1, 6), k=st.integers(0, 3), seed=st.integers(0, 10))
-def test_moba_is_causal_attention_over_the_blocks_it_names(lens, b, k, seed):
-    pattern = parse_pattern(f"moba:b={b},k={k}")
+@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), b=st.integers(1, 6), k=st.integers(1, 4), seed=st.integers(0, 10))
+def test_block_gated_moba_is_causal_attention_over_the_blocks_it_names(lens, b, k, seed):
+    pattern = parse_pattern(f"moba:b={b},k={k},gate=block")
     edges = build_graph(pattern, None, lens).edges["dd"]
     q, keys, v = inputs(edges.n_dst, edges.n_src, 2, seed=seed)
     sel = pattern.select(q.detach(), keys.detach(), edges)
-    assert sel.valid[..., 0].all() and (sel.valid.sum(-1) <= k + 1).all()
+    assert sel.valid[..., 0].all() and (sel.valid.sum(-1) <= k).all()  # k blocks in all, the own one included
     out = attend_blocks(q, keys, v, edges, sel)
     dense = get_backend("dense")
     for h in range(2):

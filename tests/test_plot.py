@@ -384,7 +384,7 @@ def test_block_selections_are_an_error():
     from gtx.graph.tokens import build_graph
     from gtx.measure import probe
 
-    pattern = parse_pattern("moba:b=2,k=1")
+    pattern = parse_pattern("moba:b=2,k=2,gate=block")
     edges = build_graph(pattern, None, [8]).edges["dd"]
     q = torch.randn(8, 2, 4)
     attention = Attention(get_backend("torch"), pattern, 2)

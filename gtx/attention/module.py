@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
+from gtx.attention.selection import BlockSelection, KeySelection, TokenBlockSelection, attend_blocks, attend_keys, attend_token_blocks
 from gtx.backends import Backend
 from gtx.errors import GtxError, PluginError
 from gtx.graph.tokens import EdgeSet
@@ -134,10 +134,12 @@ class Attention(torch.nn.Module):
         check_selection(pattern.spec, chosen, edges, q.shape[1])
         if chosen is None:  # this stage keeps its candidates
             return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
-        if isinstance(chosen, KeySelection) and (bias or self.list_edges):
+        if isinstance(chosen, (KeySelection, TokenBlockSelection)) and (bias or self.list_edges):
             chosen = chosen.as_mask(edges)  # biases are applied per edge: list the kept edges
         elif isinstance(chosen, KeySelection):
             return attend_keys(q, k, v, edges, chosen), chosen.edges_per_head()
+        elif isinstance(chosen, TokenBlockSelection):
+            return attend_token_blocks(q, k, v, edges, chosen), chosen.edges_per_head()
         if isinstance(chosen, BlockSelection):
             if bias:
                 raise GtxError(f"pattern {pattern.spec!r} selects blocks: score biases are not supported on it; drop the bias")
@@ -228,6 +230,14 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
         if (outside & valid).any():
             q, h, j = (int(x) for x in (outside & valid).nonzero()[0])
             bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
+    elif isinstance(chosen, TokenBlockSelection):
+        blocks, valid = chosen.blocks, chosen.valid
+        if blocks.dtype != torch.long or valid.dtype != torch.bool or blocks.shape != valid.shape or blocks.shape[:2] != (edges.n_dst, heads):
+            bad(f"blocks {tuple(blocks.shape)} {blocks.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
+        lens = torch.as_tensor(chosen.lens, device=blocks.device)
+        position = torch.arange(edges.n_dst, device=blocks.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        if ((blocks >= (position // chosen.block)[:, None, None]) & valid).any() or ((blocks < 0) & valid).any():
+            bad("a block that is not before the query's own block")
     elif isinstance(chosen, BlockSelection):
         n = chosen.key_blocks.shape[2]
         own = chosen.key_blocks[..., 0] == torch.arange(n, device=chosen.key_blocks.device)

@@ -1,12 +1,16 @@
 """Helpers for patterns that choose edges from the queries and keys at run time.
 
-Two forms of a selection (``Pattern.select(q, k, edges)``, see ``gtx.attention``):
+The forms of a selection (``Pattern.select(q, k, edges)``, see ``gtx.attention``):
 
 - a bool mask (E, H) over the candidate edges: any chooser (``topk``, ``lsh``); the attention then
   runs per head over the kept edges, on any backend;
+- a ``KeySelection``: per query and head, the keys it reads (``topk``); ``attend_keys``;
+- a ``TokenBlockSelection``: per query token and head, the earlier blocks it reads besides its own
+  (``moba``, MoBA's gate); ``attend_token_blocks`` merges the blocks' partial softmaxes;
 - a ``BlockSelection``: per sample, head and query block of ``block`` positions, the key blocks it
-  reads (``moba``), always a subset of causal attention. ``attend_blocks`` runs it as one
-  block-sparse SDPA call over all heads, never building an edge list or an n x n matrix.
+  reads (``moba:...,gate=block``). ``attend_blocks`` runs it as one block-sparse SDPA call.
+
+The last three list no edges and never build an n x n matrix; all are subsets of their candidates.
 """
 
 from __future__ import annotations
@@ -158,3 +162,101 @@ def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSe
     score = torch.einsum("nhd,nhkd->nhk", q, ks).masked_fill(~sel.valid, float("-inf"))  # batched matmuls: no (n, H, K, D) product
     out = torch.einsum("nhk,nhkd->nhd", torch.softmax(score, -1), vs)
     return out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
+
+
+@dataclass
+class TokenBlockSelection:
+    """MoBA's choice, per query token: each token reads its own block causally and the earlier
+    blocks ``blocks[t, h, :]`` (indices within its sample, in blocks of ``block`` positions) where
+    ``valid``; shapes (n, H, K). Always a subset of causal attention. ``attend_token_blocks`` runs it."""
+
+    block: int
+    lens: list[int]
+    blocks: torch.Tensor
+    valid: torch.Tensor
+
+    def edges_per_head(self) -> float:
+        """Edges one head attends over, summed over the batch: the own blocks' causal part and a whole block per chosen one."""
+        own = sum(n * (n + 1) // 2 - _tail(n, self.block) for n in self.lens)
+        return own + float(self.valid.sum()) * self.block / self.valid.shape[1]
+
+    def as_mask(self, edges: EdgeSet) -> torch.Tensor:
+        """The same choice as a keep mask (E, H) over causal candidate edges."""
+        q_pos, k_pos = edges.positions()
+        qb, kb = (q_pos // self.block)[:, None], (k_pos // self.block)[:, None, None]
+        chosen = ((self.blocks[edges.dst] == kb) & self.valid[edges.dst]).any(-1)  # (E, H)
+        return chosen | (kb[..., 0] == qb)
+
+
+def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block: int, count: int) -> TokenBlockSelection:
+    """Per token and head, the ``count`` earlier blocks whose mean key scores highest with the token's
+    query (MoBA's gate): scores (B, L, H, n_blocks), never an n x n matrix. q, k (n, H, D) rows of
+    concatenated samples of ``lens``."""
+    n_blocks = -(-max(lens) // block)
+    length = n_blocks * block
+    means = block_means(k, lens, block)  # (B, H, n_blocks, D)
+    score = torch.einsum("blhd,bhnd->blhn", pad_samples(q, lens, length), means)
+    own = torch.arange(length, device=q.device) // block
+    later = torch.arange(n_blocks, device=q.device)[None, :] >= own[:, None]  # (L, n_blocks): the own block and after
+    score = score.masked_fill(later[None, :, None, :], float("-inf"))
+    top = score.topk(min(count, n_blocks), dim=-1)
+    rows = torch.cat([top.indices[i, :n] for i, n in enumerate(lens)]), torch.cat([top.values[i, :n] for i, n in enumerate(lens)])
+    return TokenBlockSelection(block, list(lens), rows[0], rows[1] > float("-inf"))
+
+
+def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection) -> torch.Tensor:
+    """Attention under a token-gated block selection: (n, H, D) in and out. The own block runs as
+    causal block-diagonal attention; the chosen earlier blocks as tiles of up to ``block`` queries
+    that chose the same block of the same head, scored against that block's keys; the partial
+    softmaxes merge by their log-sum-exp (as MoBA's own kernel does). Memory follows the edges:
+    (tokens x chosen blocks) rows of D, and block x block scores per tile."""
+    b, lens = sel.block, sel.lens
+    n, heads, dim = q.shape
+    n_b = -(-max(lens) // b)
+    length = n_b * b
+
+    def blocks(x):  # (n, H, D) -> (B, H, n_blocks, b, D)
+        return pad_samples(x, lens, length).view(len(lens), n_b, b, heads, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    kb, vb = blocks(k), blocks(v)
+    # own block: causal within it; padding keys lie after every real query of their block, so the causal mask hides them
+    scores = blocks(q) @ kb.transpose(-1, -2)  # (B, H, n_blocks, b, b)
+    scores = scores.masked_fill(~torch.ones(b, b, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    own_lse = scores.logsumexp(-1)
+    own = (scores - own_lse[..., None]).exp() @ vb  # (B, H, n_blocks, b, Dv)
+
+    def rows(x):  # (B, H, n_blocks, b, ...) -> (n, H, ...)
+        x = x.permute(0, 2, 3, 1, *range(4, x.dim())).reshape(len(lens), length, heads, *x.shape[4:])
+        return torch.cat([x[i, :m] for i, m in enumerate(lens)])
+
+    outs, lses = [rows(own)], [rows(own_lse)]  # per (token, head): the own block first
+    slots = sel.blocks.shape[-1]
+    if slots and bool(sel.valid.any()):
+        sample = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.as_tensor(lens, device=q.device))
+        token, head, slot = sel.valid.nonzero(as_tuple=True)  # the pairs (token, head, chosen block)
+        group = (sample[token] * heads + head) * n_b + sel.blocks[token, head, slot]  # which (sample, head, block) row of kb
+        order = torch.argsort(group, stable=True)
+        token, head, slot, group = token[order], head[order], slot[order], group[order]
+        first = torch.searchsorted(group, group, side="left")  # where each pair's group starts
+        rank = torch.arange(len(group), device=q.device) - first
+        tiles_per = torch.zeros(len(lens) * heads * n_b, dtype=torch.long, device=q.device).index_add_(0, group, torch.ones_like(group))
+        tiles_per = (tiles_per + b - 1) // b
+        tile = (torch.cumsum(tiles_per, 0) - tiles_per)[group] + rank // b
+        n_tiles = int(tiles_per.sum())
+        place = tile * b + rank % b  # each pair's row among the tiles' b query places
+        qt = torch.zeros(n_tiles * b, dim, dtype=q.dtype, device=q.device).index_copy(0, place, q[token, head]).view(n_tiles, b, dim)
+        key_rows = torch.zeros(n_tiles, dtype=torch.long, device=q.device).index_copy(0, tile, group)  # each tile's block
+        kt = kb.reshape(-1, b, dim).index_select(0, key_rows)
+        vt = vb.reshape(-1, b, vb.shape[-1]).index_select(0, key_rows)
+        s = qt @ kt.transpose(-1, -2)  # (tiles, b, b); earlier blocks are whole: no key is padding
+        lse = s.logsumexp(-1)
+        part = ((s - lse[..., None]).exp() @ vt).reshape(n_tiles * b, -1)[place]
+        pair_out = torch.zeros(n, heads, slots, part.shape[-1], dtype=part.dtype, device=q.device).index_put((token, head, slot), part)
+        pair_lse = torch.full((n, heads, slots), float("-inf"), dtype=lse.dtype, device=q.device)
+        pair_lse = pair_lse.index_put((token, head, slot), lse.reshape(-1)[place])
+        outs.append(pair_out.permute(0, 1, 3, 2))
+        lses.append(pair_lse)
+    out = torch.cat([outs[0][..., None], *outs[1:]], -1) if len(outs) > 1 else outs[0][..., None]  # (n, H, Dv, 1 + slots)
+    weight = torch.softmax(torch.cat([lses[0][..., None], *lses[1:]], -1), -1)  # each part's share of the whole softmax
+    merged = (out * weight[:, :, None, :]).sum(-1)
+    return merged if edges.keep is None else merged * edges.keep[:, None, None].to(merged.dtype)

@@ -1,0 +1,119 @@
+"""moba computes MoBA as its reference code defines it (MoonshotAI/MoBA, moba/moba_naive.py), written
+out here from the definition, not copied: per query token t in block i, gate scores q_t . mean(keys of
+block j) for the blocks j that end before block i; block i itself always; the k - 1 best others; a
+causal mask over the union; softmax over the kept keys. Checked on values and gradients."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gtx.attention.module import Attention
+from gtx.attention.selection import TokenBlockSelection
+from gtx.backends import get_backend
+from gtx.errors import GtxError
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import build_graph
+
+
+def moba_by_definition(q, k, v, lens, block, top):
+    """Dense MoBA, sample by sample: q, k, v (n, H, D), q already scaled; returns (n, H, D)."""
+    out, start = [], 0
+    for n in lens:
+        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        n_blocks = -(-n // block)
+        means = torch.stack([ks[j * block:(j + 1) * block].mean(0) for j in range(n_blocks)])  # (blocks, H, D)
+        gate = torch.einsum("thd,jhd->htj", qs, means)
+        own = torch.arange(n) // block
+        gate = gate.masked_fill(torch.arange(n_blocks)[None, :] >= own[:, None], float("-inf"))  # only blocks before the own one compete
+        keep = torch.zeros(gate.shape, dtype=torch.bool)
+        if top > 1 and n_blocks > 1:
+            best = gate.topk(min(top - 1, n_blocks), dim=-1)
+            keep.scatter_(-1, best.indices, best.values > float("-inf"))
+        keep |= torch.arange(n_blocks)[None, None, :] == own[None, :, None]  # the own block, always
+        mask = keep.repeat_interleave(block, dim=-1)[..., :n] & torch.ones(n, n, dtype=torch.bool).tril()
+        scores = torch.einsum("thd,shd->hts", qs, ks).masked_fill(~mask, float("-inf"))
+        out.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
+        start += n
+    return torch.cat(out)
+
+
+def gtx_moba(q, k, v, lens, block, top, backend="dense"):
+    pattern = parse_pattern(f"moba:b={block},k={top}")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    return Attention(get_backend(backend), pattern, q.shape[1])(q, k, v, edges)
+
+
+def values_and_grads(f, q, k, v):
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = f(q, k, v)
+    return out.detach(), torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [q, k, v])
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 90), min_size=1, max_size=3), block=st.integers(1, 16), top=st.integers(1, 6), seed=st.integers(0, 100))
+def test_moba_equals_its_definition_on_values_and_gradients(lens, block, top, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+    want, want_grads = values_and_grads(lambda *x: moba_by_definition(*x, lens, block, top), q, k, v)
+    got, grads = values_and_grads(lambda *x: gtx_moba(*x, lens, block, top), q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_long_ragged_samples_agree_on_every_backend():
+    lens, block, top = [300, 131, 257], 32, 4  # ragged last blocks, early tokens with fewer earlier blocks than k - 1
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), 2, 16, generator=g) * 0.5 for _ in range(3))
+    want = moba_by_definition(q, k, v, lens, block, top)
+    for backend in ("dense", "auto", "torch"):
+        torch.testing.assert_close(gtx_moba(q, k, v, lens, block, top, backend), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_choice_is_per_token_not_per_block():
+    # one sample, blocks of 4: a key block each query token prefers differently from its block's mean query
+    lens = [12]
+    q = torch.zeros(12, 1, 2)
+    k = torch.zeros(12, 1, 2)
+    k[0:4, 0, 0] = 1.0  # block 0 points along x
+    k[4:8, 0, 1] = 1.0  # block 1 along y
+    q[8, 0, 0], q[9, 0, 1] = 1.0, 1.0  # in block 2: token 8 likes block 0, token 9 block 1
+    pattern = parse_pattern("moba:b=4,k=2")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    sel = pattern.select(q, k, edges)
+    assert isinstance(sel, TokenBlockSelection)
+    assert sel.blocks[8, 0, 0] == 0 and sel.blocks[9, 0, 0] == 1
+    assert not sel.valid[:4].any() and sel.valid[4:].all()  # block 0 has no earlier block to choose
+
+
+def test_edges_per_query_count_what_each_token_reads():
+    pattern = parse_pattern("moba:b=4,k=2")
+    edges = build_graph(pattern, None, [12]).edges["dd"]
+    q, k = torch.randn(12, 2, 4), torch.randn(12, 2, 4)
+    sel = pattern.select(q, k, edges)
+    mask = sel.as_mask(edges)
+    assert sel.edges_per_head() == pytest.approx(mask.sum().item() / 2)  # the listed edges are the ones attended
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("moba:b=0", "need b >= 1 and k >= 1"), ("moba:k=0", "need b >= 1 and k >= 1"), ("moba:gate=row", "gate='row': choose token"),
+])
+def test_bad_settings_are_one_line(spec, message):
+    with pytest.raises(GtxError, match=message):
+        parse_pattern(spec)
+
+
+def test_block_gating_is_the_cheaper_variant_with_the_same_budget():
+    token, block = parse_pattern("moba:b=8,k=3"), parse_pattern("moba:b=8,k=3,gate=block")
+    assert token.budget == block.budget == 24 and token.spec == "moba:b=8,k=3,gate=token"
+
+
+def test_listing_the_chosen_edges_gives_the_same_attention():
+    # gtx plot attention lists a selection's edges (Attention.list_edges) to record their weights
+    pattern = parse_pattern("moba:b=4,k=2")
+    edges = build_graph(pattern, None, [13, 6]).edges["dd"]
+    q, k, v = (torch.randn(19, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    fast, listed = Attention(get_backend("torch"), pattern, 2), Attention(get_backend("torch"), pattern, 2)
+    listed.list_edges = True
+    torch.testing.assert_close(listed(q, k, v, edges), fast(q, k, v, edges), atol=1e-5, rtol=1e-5)
