@@ -207,56 +207,106 @@ def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block
 def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection) -> torch.Tensor:
     """Attention under a token-gated block selection: (n, H, D) in and out. The own block runs as
     causal block-diagonal attention; the chosen earlier blocks as tiles of up to ``block`` queries
-    that chose the same block of the same head, scored against that block's keys; the partial
-    softmaxes merge by their log-sum-exp (as MoBA's own kernel does). Memory follows the edges:
-    (tokens x chosen blocks) rows of D, and block x block scores per tile."""
-    b, lens = sel.block, sel.lens
-    n, heads, dim = q.shape
-    n_b = -(-max(lens) // b)
-    length = n_b * b
+    that chose the same block of the same head, against that block's keys; both on SDPA's fused CPU
+    kernel, their partial softmaxes merged by log-sum-exp (as MoBA's own kernel does). Memory
+    follows the edges: no n x n matrix, and per chosen block one row of D per query."""
+    out = _TokenBlocks.apply(q, k, v, _TokenBlockPlan(sel, q.shape[1], q.device))
+    return out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
 
-    def blocks(x):  # (n, H, D) -> (B, H, n_blocks, b, D)
-        return pad_samples(x, lens, length).view(len(lens), n_b, b, heads, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
-    kb, vb = blocks(k), blocks(v)
-    # own block: causal within it; padding keys lie after every real query of their block, so the causal mask hides them
-    scores = blocks(q) @ kb.transpose(-1, -2)  # (B, H, n_blocks, b, b)
-    scores = scores.masked_fill(~torch.ones(b, b, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    own_lse = scores.logsumexp(-1)
-    own = (scores - own_lse[..., None]).exp() @ vb  # (B, H, n_blocks, b, Dv)
+class _TokenBlockPlan:
+    """Where each (token, head, chosen block) pair sits among the tiles: tiles of ``block`` query
+    places, one tile group per (sample, head, block), filled in token order."""
 
-    def rows(x):  # (B, H, n_blocks, b, ...) -> (n, H, ...)
-        x = x.permute(0, 2, 3, 1, *range(4, x.dim())).reshape(len(lens), length, heads, *x.shape[4:])
-        return torch.cat([x[i, :m] for i, m in enumerate(lens)])
-
-    outs, lses = [rows(own)], [rows(own_lse)]  # per (token, head): the own block first
-    slots = sel.blocks.shape[-1]
-    if slots and bool(sel.valid.any()):
-        sample = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.as_tensor(lens, device=q.device))
-        token, head, slot = sel.valid.nonzero(as_tuple=True)  # the pairs (token, head, chosen block)
-        group = (sample[token] * heads + head) * n_b + sel.blocks[token, head, slot]  # which (sample, head, block) row of kb
+    def __init__(self, sel: TokenBlockSelection, heads: int, device):
+        self.block, self.lens, self.heads = sel.block, sel.lens, heads
+        self.n_b = -(-max(sel.lens) // sel.block)
+        b, n_b = self.block, self.n_b
+        sample = torch.repeat_interleave(torch.arange(len(sel.lens), device=device), torch.as_tensor(sel.lens, device=device))
+        token, head, slot = sel.valid.nonzero(as_tuple=True)
+        group = (sample[token] * heads + head) * n_b + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
         order = torch.argsort(group, stable=True)
-        token, head, slot, group = token[order], head[order], slot[order], group[order]
-        first = torch.searchsorted(group, group, side="left")  # where each pair's group starts
-        rank = torch.arange(len(group), device=q.device) - first
-        tiles_per = torch.zeros(len(lens) * heads * n_b, dtype=torch.long, device=q.device).index_add_(0, group, torch.ones_like(group))
-        tiles_per = (tiles_per + b - 1) // b
-        tile = (torch.cumsum(tiles_per, 0) - tiles_per)[group] + rank // b
-        n_tiles = int(tiles_per.sum())
-        place = tile * b + rank % b  # each pair's row among the tiles' b query places
-        qt = torch.zeros(n_tiles * b, dim, dtype=q.dtype, device=q.device).index_copy(0, place, q[token, head]).view(n_tiles, b, dim)
-        key_rows = torch.zeros(n_tiles, dtype=torch.long, device=q.device).index_copy(0, tile, group)  # each tile's block
-        kt = kb.reshape(-1, b, dim).index_select(0, key_rows)
-        vt = vb.reshape(-1, b, vb.shape[-1]).index_select(0, key_rows)
-        s = qt @ kt.transpose(-1, -2)  # (tiles, b, b); earlier blocks are whole: no key is padding
-        lse = s.logsumexp(-1)
-        part = ((s - lse[..., None]).exp() @ vt).reshape(n_tiles * b, -1)[place]
-        pair_out = torch.zeros(n, heads, slots, part.shape[-1], dtype=part.dtype, device=q.device).index_put((token, head, slot), part)
-        pair_lse = torch.full((n, heads, slots), float("-inf"), dtype=lse.dtype, device=q.device)
-        pair_lse = pair_lse.index_put((token, head, slot), lse.reshape(-1)[place])
-        outs.append(pair_out.permute(0, 1, 3, 2))
-        lses.append(pair_lse)
-    out = torch.cat([outs[0][..., None], *outs[1:]], -1) if len(outs) > 1 else outs[0][..., None]  # (n, H, Dv, 1 + slots)
-    weight = torch.softmax(torch.cat([lses[0][..., None], *lses[1:]], -1), -1)  # each part's share of the whole softmax
-    merged = (out * weight[:, :, None, :]).sum(-1)
-    return merged if edges.keep is None else merged * edges.keep[:, None, None].to(merged.dtype)
+        self.token, self.head, group = token[order], head[order], group[order]
+        self.pair = self.token * heads + self.head  # each pair's (token, head) row of (n * H, D) views
+        rank = torch.arange(len(group), device=device) - torch.searchsorted(group, group, side="left")
+        per_group = torch.zeros(len(sel.lens) * heads * n_b, dtype=torch.long, device=device).index_add_(0, group, torch.ones_like(group))
+        tiles = (per_group + b - 1) // b
+        tile = (torch.cumsum(tiles, 0) - tiles)[group] + rank // b
+        self.n_tiles = int(tiles.sum())
+        self.place = tile * b + rank % b  # each pair's query place among the tiles' n_tiles * b
+        self.key_rows = torch.zeros(self.n_tiles, dtype=torch.long, device=device).index_copy(0, tile, group)
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, H, D) -> (B * H * n_blocks, 1, b, D): every block of every sample and head, zero padded."""
+        b, n_b = self.block, self.n_b
+        x = pad_samples(x, self.lens, n_b * b).view(len(self.lens), n_b, b, self.heads, x.shape[-1]).permute(0, 3, 1, 2, 4)
+        return x.reshape(-1, 1, b, x.shape[-1])
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``blocks``' inverse: (B * H * n_blocks, 1, b, ...) -> (n, H, ...), padding dropped."""
+        length = self.n_b * self.block
+        x = x.reshape(len(self.lens), self.heads, length, *x.shape[3:]).transpose(1, 2)
+        if len(self.lens) == 1:
+            return x[0, :self.lens[0]]
+        return torch.cat([x[i, :m] for i, m in enumerate(self.lens)])
+
+    def tiles(self, pairs: torch.Tensor) -> torch.Tensor:
+        """(pairs, D) -> (n_tiles, 1, b, D): each pair's row in its tile, empty places zero."""
+        out = torch.zeros(self.n_tiles * self.block, pairs.shape[-1], dtype=pairs.dtype, device=pairs.device)
+        return out.index_copy(0, self.place, pairs).view(self.n_tiles, 1, self.block, -1)
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` viewed as (-1, last dim): index_select, several times faster than advanced indexing."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, rows)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _TokenBlocks(torch.autograd.Function):
+    """Own blocks and chosen blocks as separate softmaxes merged by log-sum-exp. Backward: each part
+    through SDPA's flash backward with the merged output and the part's share of the gradient, which
+    is the gradient of the merged softmax (the split-softmax identity FlashAttention's splits use)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _TokenBlockPlan):
+        kb, vb = plan.blocks(k), plan.blocks(v)
+        own, own_lse = _FLASH(plan.blocks(q), kb, vb, is_causal=True, scale=1.0)  # padding keys lie after every real query of their block
+        own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
+        pair = plan.pair
+        if plan.n_tiles:
+            kt, vt = kb.index_select(0, plan.key_rows), vb.index_select(0, plan.key_rows)
+            tile_out, tile_lse = _FLASH(plan.tiles(_take(q, pair)), kt, vt, scale=1.0)
+            part, part_lse = _take(tile_out, plan.place), tile_lse.reshape(-1).index_select(0, plan.place)
+        else:
+            tile_lse = torch.zeros(0, 1, plan.block, device=q.device)
+            part, part_lse = own.new_zeros(0, own.shape[-1]), own_lse.new_zeros(0)
+        top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
+        total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
+        lse = top + torch.log(total)
+        own_w, part_w = torch.exp(own_lse.reshape(-1) - lse), torch.exp(part_lse - lse[pair])
+        out = (own.reshape(-1, own.shape[-1]) * own_w[:, None]).index_add(0, pair, part * part_w[:, None]).view_as(own)
+        ctx.plan = plan
+        ctx.save_for_backward(q, kb, vb, out, own_lse, tile_lse, own_w, part_w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        q, kb, vb, out, own_lse, tile_lse, own_w, part_w = ctx.saved_tensors
+        grad = grad.contiguous()
+        dim = q.shape[-1]
+        blocks_lse = plan.blocks(own_lse[..., None])[..., 0]
+        dq, dkb, dvb = _FLASH_BACKWARD(plan.blocks(grad * own_w.view(*own_lse.shape, 1)), plan.blocks(q), kb, vb, plan.blocks(out), blocks_lse,
+                                       0.0, True, scale=1.0)
+        dq = plan.rows(dq)
+        if plan.n_tiles:
+            kt, vt = kb.index_select(0, plan.key_rows), vb.index_select(0, plan.key_rows)
+            dqt, dkt, dvt = _FLASH_BACKWARD(plan.tiles(_take(grad, plan.pair) * part_w[:, None]), plan.tiles(_take(q, plan.pair)), kt, vt,
+                                            plan.tiles(_take(out, plan.pair)), tile_lse, 0.0, False, scale=1.0)
+            dq = dq.reshape(-1, dim).index_add(0, plan.pair, _take(dqt, plan.place)).view_as(q)
+            dkb = dkb.index_add(0, plan.key_rows, dkt)
+            dvb = dvb.index_add(0, plan.key_rows, dvt)
+        return dq, plan.rows(dkb), plan.rows(dvb), None
