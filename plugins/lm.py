@@ -16,6 +16,11 @@ class LanguageModel(SelfAttentionStack):
 
     forms = ("lm",)
     stage, ntype = "dd", "dec"
+    torch_references = ("torch SDPA is_causal", "torch SDPA bool mask")  # GPT-style, is_causal or the pattern's mask
+
+    @classmethod
+    def references(cls, config):
+        return () if config.universal else cls.torch_references  # no plain-torch model shares one layer with ACT
 
     def __init__(self, config: StackConfig, src_vocab, tgt_vocab, attention):
         super().__init__(config, src_vocab, tgt_vocab, attention, share=True)

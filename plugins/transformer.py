@@ -28,6 +28,8 @@ class TransformerConfig:
 class Transformer(Seq2SeqModel):
     """Transformer encoder-decoder (Vaswani et al.) as message passing over ee, dd and ed edges."""
 
+    torch_references = ("torch.nn",)  # torch.nn.Transformer of the same sizes
+
     def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, attention):
         super().__init__(attention)
         self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale)

@@ -32,6 +32,8 @@ class UTConfig:
 class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
     """Universal Transformer with ACT: shared layers repeated per node until it halts."""
 
+    bench_variants = {"[act=false]": {"act": "false"}}  # every node runs max_depth steps: what halting saves
+
     def __init__(self, config: UTConfig, src_vocab, tgt_vocab, attention):
         super().__init__(attention)
         c = self.config = config

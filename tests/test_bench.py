@@ -113,9 +113,10 @@ def test_torch_lm_computes_gtx_lm_with_the_same_weights(spec, masked):
 
 def test_references_per_model():
     lm_config = MODELS.get("lm").config()
-    assert references("lm", lm_config, ["full", "local:w=4", "causal"]) == [(SDPA_CAUSAL, "causal"), (SDPA_MASK, "local:w=4")]
-    assert references("lm", MODELS.get("lm").config(universal=True), ["full"]) == []  # no ACT in plain torch
-    assert references("transformer", None, ["local:w=4"]) == [("torch.nn", "full")] and references("ut", None, ["full"]) == []
+    lm, transformer, ut = (MODELS.get(m).obj for m in ("lm", "transformer", "ut"))  # each model declares its references
+    assert references(lm, lm_config, ["full", "local:w=4", "causal"]) == [(SDPA_CAUSAL, "causal"), (SDPA_MASK, "local:w=4")]
+    assert references(lm, MODELS.get("lm").config(universal=True), ["full"]) == []  # no ACT in plain torch
+    assert references(transformer, None, ["local:w=4"]) == [("torch.nn", "full")] and references(ut, None, ["full"]) == []
 
 
 def test_bench_train_cli_repeats_pattern_and_compares_lm_with_sdpa(tmp_path):

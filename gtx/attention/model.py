@@ -182,6 +182,17 @@ class GraphModel(nn.Module):
     #: a modifier pattern the runner wraps around the chosen one (ACT), or None; see ``modifier``
     dynamic_pattern: str | None = None
 
+    #: plain-torch models ``gtx bench train`` times this one against (``gtx.measure.reference``): ``"torch.nn"``
+    #: (nn.Transformer), ``"torch SDPA is_causal"`` and ``"torch SDPA bool mask"`` (a causal LM); the first is the one compared with
+    torch_references: tuple[str, ...] = ()
+    #: settings ``gtx bench train`` also times as variants of the model: label -> settings (ut: ``[act=false]``)
+    bench_variants: dict[str, dict[str, str]] = {}
+
+    @classmethod
+    def references(cls, config) -> tuple[str, ...]:
+        """The plain-torch references of a model of this config (``torch_references`` by default)."""
+        return cls.torch_references
+
     @classmethod
     def modifier(cls, config) -> str | None:
         """The modifier pattern for a model of this config (models whose halting is a setting

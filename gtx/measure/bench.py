@@ -208,6 +208,7 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
     from gtx.experiments.runner import resolve_device
     from gtx.graph.spec import parse_pattern
     from gtx.measure.reference import NO_EDGES, TORCH_TRANSFORMER, SkipAttention, TrainCell, first_batches, memory_in_subprocess, references
+    from gtx.plugins.registry import MODELS
 
     specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
     dev, dirs = str(resolve_device(device)), tuple(map(str, plugins_dirs))
@@ -217,7 +218,8 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
         r = cell.resolve()
         variants.append(_Variant(cell, {**fields, "backend": cell.backend}, group, role, *cell.build(r), r))
 
-    for label, extra in [("", {}), ("[act=false]", {"act": "false"})] if model == "ut" else [("", {})]:
+    model_cls = MODELS.get(model).obj
+    for label, extra in [("", {}), *getattr(model_cls, "bench_variants", {}).items()]:
         group, sets = model + label, {**(settings or {}), **extra}
         for spec in specs:
             for b in backends:
@@ -227,7 +229,7 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
         if baseline:
             mine = [v.run for v in variants if v.group == group]
             config = (mine[0] if mine else TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev).resolve()).model_config
-            for kind, spec in references(model, config, specs):
+            for kind, spec in references(model_cls, config, specs):
                 fields = {"model": group, "pattern": spec}
                 if kind == TORCH_TRANSFORMER:  # another implementation, not the bound's model: no attention_ms
                     fields = {"model": "torch.nn.Transformer", "pattern": "full (padded, masked)"}

@@ -40,16 +40,21 @@ SDPA_CAUSAL, SDPA_MASK, TORCH_TRANSFORMER = "torch SDPA is_causal", "torch SDPA 
 COMPLETE = ("full", "causal")  # patterns whose dd mask is the causal one: is_causal covers them
 
 
-def references(model: str, model_config, specs: list[str]) -> list[tuple[str, str]]:
-    """The plain-torch reference rows of a model under the patterns ``specs``: (reference, pattern
-    spec) pairs, the first the one every row is compared with (``vs_reference``); [] where there
-    is none (universal models, models without a reference)."""
-    if model == "transformer":
-        return [(TORCH_TRANSFORMER, "full")]
-    if model == "lm" and not getattr(model_config, "universal", False):
-        # a mask stands for fixed patterns only: a selecting or biased one has no single mask
-        return [(SDPA_CAUSAL, "causal"), *((SDPA_MASK, s) for s in specs if s not in COMPLETE and parse_pattern(s).plain)]
-    return []
+def references(model_cls, model_config, specs: list[str]) -> list[tuple[str, str]]:
+    """The plain-torch reference rows of a model (the kinds its class declares, ``references``) under
+    the patterns ``specs``: (reference, pattern spec) pairs, the first the one every row is compared
+    with (``vs_reference``); [] where there is none."""
+    rows = []
+    for kind in getattr(model_cls, "references", lambda config: ())(model_config):
+        if kind == TORCH_TRANSFORMER:
+            rows.append((kind, "full"))
+        elif kind == SDPA_CAUSAL:
+            rows.append((kind, "causal"))
+        elif kind == SDPA_MASK:  # a mask stands for fixed patterns only: a selecting or biased one has no single mask
+            rows += [(kind, s) for s in specs if s not in COMPLETE and parse_pattern(s).plain]
+        else:
+            raise ValueError(f"unknown reference {kind!r}; references are {SDPA_CAUSAL!r}, {SDPA_MASK!r}, {TORCH_TRANSFORMER!r}")
+    return rows
 
 
 def reference_model(kind: str, model_config, task, pattern: str) -> nn.Module:
