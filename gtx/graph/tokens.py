@@ -27,13 +27,15 @@ class EdgeSet:
     sample is known to be (from the pattern), so that plain attention can run without reading a
     single edge; the edges of such a set are built only when something reads ``src`` or ``dst``
     (``build``). ``parent``/``keep``: for a subset made by ``filter_dst``, the full edge set and the
-    kept queries, so that backends can reuse the full set's plan (ACT filters every step)."""
+    kept queries, so that backends can reuse the full set's plan (ACT filters every step).
+    ``pattern``: the pattern that made the set; ``groups``: a head-grouped pattern's set per group.
+    A set is built whole: nothing of it changes after construction but the caches."""
 
     def __init__(self, src: torch.Tensor | None, dst: torch.Tensor | None, n_src: int, n_dst: int, stage: str = "",
                  q_lens: tuple[int, ...] | None = None, k_lens: tuple[int, ...] | None = None, parent: EdgeSet | None = None,
                  keep: torch.Tensor | None = None, *, structure: str | None = None,
                  build: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None, num_edges: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", pattern: Pattern | None = None, groups: Sequence[EdgeSet] = ()):
         self._edges = None if src is None else (src, dst)
         self._build, self._num_edges = build, num_edges
         self._device = torch.device(device) if src is None else src.device
@@ -41,8 +43,8 @@ class EdgeSet:
         self.q_lens, self.k_lens, self.structure = q_lens, k_lens, structure
         self.parent, self.keep = parent, keep
         self._plans: dict = {}
-        self.pattern: Pattern | None = None  # the pattern that made the set (batch_edges): what gtx.attention reads at run time
-        self.groups: list[EdgeSet] = []  # a head-grouped pattern's edge set per group (``heads(a,b)``)
+        self.pattern = pattern  # the pattern that made the set (batch_edges): what gtx.attention reads at run time
+        self.groups = list(groups)  # a head-grouped pattern's edge set per group (``heads(a,b)``)
 
     @property
     def root(self) -> EdgeSet:
@@ -94,17 +96,11 @@ class EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
-        same = {"q_lens": self.q_lens, "k_lens": self.k_lens, "structure": self.structure, "num_edges": self._num_edges}
+        same = {"q_lens": self.q_lens, "k_lens": self.k_lens, "structure": self.structure, "num_edges": self._num_edges,
+                "pattern": self.pattern, "groups": [g.to(device) for g in self.groups]}
         if self._edges is None:
-            out = EdgeSet(None, None, self.n_src, self.n_dst, self.stage, build=self._build, device=device, **same)
-        else:
-            out = EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, **same)
-        return out._like(self, [g.to(device) for g in self.groups])
-
-    def _like(self, other: EdgeSet, groups: list[EdgeSet]) -> EdgeSet:
-        """This set, made from ``other``: the same pattern, these groups."""
-        self.pattern, self.groups = other.pattern, groups
-        return self
+            return EdgeSet(None, None, self.n_src, self.n_dst, self.stage, build=self._build, device=device, **same)
+        return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, **same)
 
     def filter_dst(self, keep: torch.Tensor) -> EdgeSet:
         """The edges whose query is kept; ``keep`` is a bool tensor of shape (n_dst,). Order kept."""
@@ -113,7 +109,8 @@ class EdgeSet:
         kept = keep if self.keep is None else keep & self.keep
         groups = [g.filter_dst(keep) for g in self.groups]
         count = sum(g.num_edges for g in groups) // len(groups) if groups else None
-        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst, self.stage, parent=root, keep=kept, num_edges=count)._like(self, groups)
+        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst, self.stage, parent=root, keep=kept, num_edges=count,
+                       pattern=self.pattern, groups=groups)
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each edge's query and key position within its sample, (E,) int64 each (score biases read them)."""
@@ -193,17 +190,14 @@ def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Seq
         return torch.cat([p[0] for p in parts]) + k_off, torch.cat([p[1] for p in parts]) + q_off
 
     sizes = (sum(k_lens), sum(q_lens), stage, q_lens, k_lens)
-    if structure is None:
-        out = EdgeSet(*build(), *sizes)
-    else:
-        count = sum(nq * nk if structure == "complete" else nq * (nq + 1) // 2 for nq, nk in zip(q_lens, k_lens))
-        out = EdgeSet(None, None, *sizes, structure=structure, build=build, num_edges=count)
-    out.pattern = pattern
     if pattern.heads:  # attended group by group; the set itself is their union, counted as what one head attends to
-        out.groups = [batch_edges(g, stage, q_lens, k_lens) for g in pattern.heads]
-        out._num_edges = round(sum(g.num_edges for g in out.groups) / len(out.groups))
-        out.structure = None
-    return out
+        groups = [batch_edges(g, stage, q_lens, k_lens) for g in pattern.heads]
+        count = round(sum(g.num_edges for g in groups) / len(groups))
+        return EdgeSet(None, None, *sizes, build=build, num_edges=count, pattern=pattern, groups=groups)
+    if structure is None:
+        return EdgeSet(*build(), *sizes, pattern=pattern)
+    count = sum(nq * nk if structure == "complete" else nq * (nq + 1) // 2 for nq, nk in zip(q_lens, k_lens))
+    return EdgeSet(None, None, *sizes, structure=structure, build=build, num_edges=count, pattern=pattern)
 
 
 def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequence[int] | None = None) -> TokenGraph:
