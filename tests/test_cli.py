@@ -114,3 +114,13 @@ def test_warnings_reach_the_user_as_one_line_without_a_source_path(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and lines[0].startswith(f"warning: skipping {tmp_path / 'runs' / 'bad.csv'}: results do not match the schema")
     assert len(lines) == 2 and lines[1].startswith("Error: no runs under") and ".py:" not in out.stderr
+
+
+def test_under_torchrun_only_rank_0_prints_an_error(monkeypatch, tmp_path):
+    args = ["run", "--set", "heads=-2", "--results", str(tmp_path)]
+    monkeypatch.setenv("RANK", "1")
+    other = CliRunner().invoke(cli, args)
+    assert other.exit_code == 2 and other.output == ""  # the same error on every rank: said once
+    monkeypatch.setenv("RANK", "0")
+    main = CliRunner().invoke(cli, args)
+    assert main.exit_code == 2 and "needs heads in [1, inf)" in main.output
