@@ -92,6 +92,8 @@ def test_block_gated_moba_is_causal_attention_over_the_blocks_it_names(lens, b, 
         torch.testing.assert_close(out[:, h:h + 1], want, atol=1e-5, rtol=1e-5)
     gq, = torch.autograd.grad(out.sum(), q)
     assert torch.isfinite(gq).all()
+    listed = sum(len(explicit_edges(sel, h)[0]) for h in range(2)) / 2
+    assert sel.edges_per_head() == pytest.approx(listed)  # the results' edges per query count what was attended, padding left out
 
 
 @settings(max_examples=25, deadline=None)

@@ -51,7 +51,10 @@ class BlockSelection:
     def edges_per_head(self) -> float:
         """Edges one head attends over, summed over the batch (for the results' edges per query)."""
         own = sum(n * (n + 1) // 2 - _tail(n, self.block) for n in self.lens) if self.lens else 0
-        earlier = float(self.valid[..., 1:].sum()) * self.block * self.block / self.valid.shape[1]
+        n_blocks = self.valid.shape[2]
+        starts = torch.arange(n_blocks, device=self.valid.device) * self.block
+        queries = (torch.tensor(self.lens, device=self.valid.device)[:, None] - starts).clamp(0, self.block)  # (B, n_blocks): real queries per block
+        earlier = float((self.valid[..., 1:].sum(-1) * queries[:, None, :]).sum()) * self.block / self.valid.shape[1]
         return own + earlier
 
 
