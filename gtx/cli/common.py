@@ -8,7 +8,7 @@ import click
 
 from gtx.errors import GtxError
 from gtx.experiments.distributed import is_main_process
-from gtx.plugins.registry import load_plugins, task_metrics  # noqa: F401  (task_metrics: for the commands)
+from gtx.plugins.registry import load_plugins
 
 
 class CliError(click.ClickException):
