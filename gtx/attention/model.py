@@ -1,7 +1,7 @@
 """Building blocks shared by model plugins, and the interface the runner expects of a model.
 
 A model is a ``torch.nn.Module`` (``GraphModel``) whose ``forward(batch) -> Output`` gives logits
-for ``batch.targets``, and whose ``forms`` name the task forms it serves (``gtx.task``). A
+for ``batch.targets``, and whose ``forms`` name the task forms it serves (``gtx.data.task``). A
 sequence-to-sequence model (``Seq2SeqModel``) has::
 
     encode(src, src_pos, graph) -> Encoded          # encoder states (N_enc, d) and ACT statistics
@@ -177,7 +177,7 @@ def _renamed_attention(state_dict, prefix, *args) -> None:
 class GraphModel(nn.Module):
     """Base class of model plugins: holds the run's ``Attention`` module (``attention``); ``forward(batch) -> Output``."""
 
-    #: the task forms (``seq2seq``, ``lm``, ``classify``: ``gtx.task``) the model serves
+    #: the task forms (``seq2seq``, ``lm``, ``classify``: ``gtx.data.task``) the model serves
     forms: tuple[str, ...] = ("seq2seq",)
     #: a modifier pattern the runner wraps around the chosen one (ACT), or None; see ``modifier``
     dynamic_pattern: str | None = None
@@ -240,7 +240,7 @@ class Seq2SeqModel(GraphModel):
         return self.decode(self.encode(batch.src, batch.src_pos, batch.graph), batch.tgt_in, batch.tgt_pos, batch.graph)
 
     # Incremental decoding (optional): a model that keeps per-token state between decoding steps
-    # returns it from ``start_decoding``; ``gtx.decode`` then feeds one token per hypothesis per
+    # returns it from ``start_decoding``; ``gtx.attention.decode`` then feeds one token per hypothesis per
     # step instead of recomputing the whole prefix. Models returning None are decoded by recomputing.
 
     def start_decoding(self, encoded: Encoded, pattern):

@@ -9,7 +9,7 @@ A plain pattern's edges go straight to the backend. Beyond that a pattern may (`
   train and are checkpointed with the model;
 - select edges at run time from the queries and keys (``topk``, ``moba``, ``lsh``): per head, a
   subset of the pattern's own (candidate) edges. A selection is a bool mask (E, H) over the
-  candidate edges, or for block-sparse choosers a ``gtx.selection.BlockSelection``. Either way the
+  candidate edges, or for block-sparse choosers a ``gtx.attention.selection.BlockSelection``. Either way the
   selected edges are candidates, so the candidates' checks (no future edge in ``dd``) hold; a
   query left without an edge is an error naming the pattern.
 
@@ -52,7 +52,7 @@ class Attention(torch.nn.Module):
         for key, bias in _bias_modules(pattern, {}).items():
             self.biases[key] = self._build_bias(bias, heads)
         self.usage: dict[str, list[float]] = {}  # stage -> [selected edges, candidate edges], per head, since reset
-        self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.probe records)
+        self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.measure.probe records)
 
     @property
     def name(self) -> str:

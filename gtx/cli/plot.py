@@ -1,5 +1,5 @@
-"""``gtx plot`` and ``gtx report``: the click layer over gtx.plot and gtx.report (registered on the
-group by gtx/cli.py). The figures are made by the library; commands only save them and print the path."""
+"""``gtx plot`` and ``gtx report``: the click layer over gtx.pictures.plot and gtx.pictures.report (registered on the
+group by gtx/cli/__init__.py). The figures are made by the library; commands only save them and print the path."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``gtx runs`` and ``gtx show RUN``: what the runs of a results folder were (the logic: gtx/runs.py)."""
+"""``gtx runs`` and ``gtx show RUN``: what the runs of a results folder were (the logic: gtx/experiments/runs.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``gtx sweep``: the click layer over gtx.sweep (registered on the group by gtx/cli.py)."""
+"""``gtx sweep``: the click layer over gtx.experiments.sweep (registered on the group by gtx/cli/__init__.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ results. Knows nothing of click.
     from gtx.experiments.runner import RunConfig, run
     table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
 
-A run writes, after every epoch, its checkpoint (``gtx.checkpoint``) and then its rows: a run
+A run writes, after every epoch, its checkpoint (``gtx.experiments.checkpoint``) and then its rows: a run
 killed at any moment leaves a checkpoint holding at least the rows on disk, so ``resume`` never
 duplicates or loses an epoch.
 """

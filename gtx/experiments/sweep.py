@@ -294,7 +294,7 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
             on_failure: Callable[[Failure], None] = lambda f: None, poll_s: float = 0.1) -> list[Failure]:
     """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` with its
     output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on. A
-    cell is claimed first (``gtx.claims``): one that another sweep holds is counted, not run."""
+    cell is claimed first (``gtx.experiments.claims``): one that another sweep holds is counted, not run."""
     queue = [c for c in cells if c.action != "skip"]
     env = child_env(jobs)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -174,7 +174,7 @@ def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5
 class _Variant:
     """One row of ``bench_train``, built and timed in this process."""
 
-    cell: object  # its gtx.reference.TrainCell
+    cell: object  # its gtx.measure.reference.TrainCell
     fields: dict  # the row's model, pattern and backend columns
     group: str  # the model variant it is compared within
     role: str  # gtx, bound or reference
@@ -191,7 +191,7 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
 
     Rows per model variant (ut: also with halting off): each pattern x backend; with ``bound`` the
     model with attention skipped (``SkipAttention``, graphs under NO_EDGES): the ceiling for any
-    backend; with ``baseline`` the model's plain-torch references (``gtx.reference.references``:
+    backend; with ``baseline`` the model's plain-torch references (``gtx.measure.reference.references``:
     transformer: torch.nn.Transformer; lm: SDPA is_causal, and SDPA with the bool mask of each
     pattern but full/causal). Every variant is built first, then timed in ``rounds`` interleaved
     rounds of ``steps`` steps (a variant's round runs after every other variant's previous round),
@@ -201,7 +201,7 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
     possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both or
     where the bound is not faster; ``data_ms``: the part of a step spent building batches and
     graphs; ``attention_ms``: the step minus the bound's (rows of the bound's model);
-    ``peak_mem_mb`` (``memory``): ``gtx.reference.train_cell_memory`` over ``memory_steps``
+    ``peak_mem_mb`` (``memory``): ``gtx.measure.reference.train_cell_memory`` over ``memory_steps``
     steps, each variant in a fresh subprocess after the timed rounds (NaN without ``memory``)."""
     from collections import Counter
 

@@ -1,5 +1,5 @@
 """Look inside a trained model: run a checkpoint's model on examples and record its attention
-weights per edge and its ACT step counts. No plotting (``gtx.plot_model`` draws what this records).
+weights per edge and its ACT step counts. No plotting (``gtx.pictures.plot_model`` draws what this records).
 
     from gtx.measure import probe
     model, r, state = probe.load_model("results/checkpoints/<run_id>/best.pt")
@@ -35,7 +35,7 @@ FALLBACK_BACKEND = "torch"  # any device, takes score biases: for a checkpoint w
 
 def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", backend: str | None = None):
     """(model, r, state): the trained model of a checkpoint (a .pt path, or a run id under
-    ``results_dir``) in eval mode on ``device``, its resolved configuration (``gtx.config.resolve``)
+    ``results_dir``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
     unusable on ``device``. GtxError (one line) for a missing or foreign checkpoint."""
     from gtx.experiments.runner import trained_model  # the runner's own path: what trains is what is probed
@@ -153,7 +153,7 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
     groups and per-head selections are backend calls within it)."""
     attention = getattr(model, "attention", None)
     if not isinstance(attention, Attention):
-        raise GtxError(f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.runner")
+        raise GtxError(f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.experiments.runner")
     recorder, calls = Recorder(attention.backend), []
     counts = dict.fromkeys(STAGES, 0)
 

@@ -7,11 +7,11 @@
 - ``TorchTransformer``: the ``transformer`` model as ``torch.nn.Transformer`` with padding masks.
 
 Both read a gtx ``Batch`` and return ``Output`` logits (len(batch.targets), V) flat over samples,
-so ``gtx.train.Trainer`` trains them with the same optimiser, schedule, loss and clipping as the
+so ``gtx.experiments.train.Trainer`` trains them with the same optimiser, schedule, loss and clipping as the
 gtx models. Padding is built inside ``forward`` and counts as the reference's cost.
 
 ``TrainCell`` describes one row of ``gtx bench train`` (a gtx backend, the bound or a reference)
-so that a fresh process builds it again: ``python -m gtx.reference JSON`` measures its memory.
+so that a fresh process builds it again: ``python -m gtx.measure.reference JSON`` measures its memory.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class SkipAttention(Backend):
 
 
 
-# The rows of ``gtx bench train`` (``gtx.bench.bench_train``) as cells a fresh process builds again.
+# The rows of ``gtx bench train`` (``gtx.measure.bench.bench_train``) as cells a fresh process builds again.
 
 NO_EDGES = "local:w=0"  # the graphs of steps that read no edges (bound, references): one edge per query
 
@@ -282,7 +282,7 @@ def train_cell_memory(cell: TrainCell, steps: int = 3) -> float:
 
 
 def memory_in_subprocess(cell: TrainCell, steps: int = 3, timeout_s: float = 900) -> tuple[float, str]:
-    """(``train_cell_memory`` in MB, "") of the cell in a fresh process (``python -m gtx.reference``), or (NaN, why not)."""
+    """(``train_cell_memory`` in MB, "") of the cell in a fresh process (``python -m gtx.measure.reference``), or (NaN, why not)."""
     payload = json.dumps({"cell": dataclasses.asdict(cell), "steps": steps})
     try:
         proc = subprocess.run([sys.executable, "-m", "gtx.measure.reference", payload], capture_output=True, text=True, timeout=timeout_s,
@@ -294,6 +294,6 @@ def memory_in_subprocess(cell: TrainCell, steps: int = 3, timeout_s: float = 900
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mem_mb"], ""
 
 
-if __name__ == "__main__":  # python -m gtx.reference '{"cell": {...}, "steps": n}': one cell's memory, as JSON
+if __name__ == "__main__":  # python -m gtx.measure.reference '{"cell": {...}, "steps": n}': one cell's memory, as JSON
     args = json.loads(sys.argv[1])
     print(json.dumps({"peak_mem_mb": train_cell_memory(TrainCell(**{**args["cell"], "plugins_dirs": tuple(args["cell"]["plugins_dirs"])}), args["steps"])}))

@@ -1,5 +1,5 @@
 """Figures: attention patterns as adjacency images, accuracy against speed across runs, and a trained
-model's attention weights and ACT steps (``attention``, ``act``: drawn by ``gtx.plot_model``).
+model's attention weights and ACT steps (``attention``, ``act``: drawn by ``gtx.pictures.plot_model``).
 
 Every figure function returns a ``matplotlib.figure.Figure`` on an Agg canvas, made without pyplot:
 a notebook shows it inline, a script or the CLI writes it with ``save``, and nothing here changes
@@ -202,7 +202,7 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
     """Per group of ``by`` a column of two panels, ``MAX_COLUMNS`` groups to a row (more wrap). Top: the metric against training tokens/s, one point
     per pattern with error bars of the std over its runs (seeds) on both axes, the Pareto front as a
     dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. Computed
-    from ``gtx.results.load``'s per-epoch rows; GtxError if there are no runs or the metric has no values."""
+    from ``gtx.experiments.results.load``'s per-epoch rows; GtxError if there are no runs or the metric has no values."""
     by = list(by)
     if df.empty:
         raise GtxError("no runs to plot")
@@ -282,19 +282,19 @@ def attention_bench(df: pd.DataFrame) -> Figure:
 
 
 # ---------------------------------------------------------------------------------------------
-# Trained models: drawn by gtx.plot_model (imported on use: it loads checkpoints and models)
+# Trained models: drawn by gtx.pictures.plot_model (imported on use: it loads checkpoints and models)
 # ---------------------------------------------------------------------------------------------
 
 
 def attention(ref: str, example: int = 0, split: str = "test", layer: int | None = None, head: int | None = None, **kwargs) -> Figure:
-    """A checkpoint's attention weights on one example, per stage: ``gtx.plot_model.attention``."""
+    """A checkpoint's attention weights on one example, per stage: ``gtx.pictures.plot_model.attention``."""
     from gtx.pictures.plot_model import attention
 
     return attention(ref, example, split, layer, head, **kwargs)
 
 
 def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", **kwargs) -> Figure:
-    """A checkpoint's ACT steps per token and over a split: ``gtx.plot_model.act``."""
+    """A checkpoint's ACT steps per token and over a split: ``gtx.pictures.plot_model.act``."""
     from gtx.pictures.plot_model import act
 
     return act(ref, examples, split, **kwargs)

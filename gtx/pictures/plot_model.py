@@ -1,5 +1,5 @@
-"""Figures of a trained model (re-exported by ``gtx.plot``): its attention weights over the pattern's
-edges for one example, and its ACT step counts. ``gtx.probe`` runs the model and records; this
+"""Figures of a trained model (re-exported by ``gtx.pictures.plot``): its attention weights over the pattern's
+edges for one example, and its ACT step counts. ``gtx.measure.probe`` runs the model and records; this
 module only draws.
 
     from gtx.pictures import plot

@@ -1,7 +1,7 @@
 """The HTML report of a results folder: one self-contained page that opens from disk in a browser.
 
 Images are embedded as base64 PNG data URIs and the styling is inline: no server, no external CSS,
-no script. Sections: the ``gtx compare`` table, the results figure (``gtx.plot.results``), each
+no script. Sections: the ``gtx compare`` table, the results figure (``gtx.pictures.plot.results``), each
 pattern's picture at a typical length of its runs, and every run's configuration.
 """
 
@@ -47,7 +47,7 @@ def _note(text: str) -> str:
 
 
 def comparison_html(df: pd.DataFrame) -> str:
-    """``gtx compare``'s table (``gtx.compare.compare``, rendered by ``format_compare``) as an HTML
+    """``gtx compare``'s table (``gtx.experiments.compare.compare``, rendered by ``format_compare``) as an HTML
     table. The markdown rendering pads every column to a fixed width, so the separator line's '|' mark
     the column edges exactly, also around cells that hold a '|' themselves (``local:w=2|strided:l=4``)."""
     lines = format_compare(compare(df), "markdown").splitlines()
@@ -94,8 +94,8 @@ def configs_html(df: pd.DataFrame) -> str:
 
 
 def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str = "best_valid_token_acc") -> str:
-    """The report page of a results frame (``gtx.results.load``) as an HTML string; ``source`` names
-    where the runs came from. ``by`` and ``metric`` go to ``gtx.plot.results``. GtxError if there are
+    """The report page of a results frame (``gtx.experiments.results.load``) as an HTML string; ``source`` names
+    where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``. GtxError if there are
     no runs, or ``by`` or ``metric`` name nothing these runs have."""
     if df.empty:
         raise GtxError(f"no runs in {source or 'the results'}; run `gtx run` first")
