@@ -28,7 +28,7 @@ from gtx.experiments.stats import pareto_front
 from gtx.graph.pattern import STAGE_NAMES, STAGES, Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, possible_edges
-from gtx.pictures.figure import FORMATS, MAX_CELLS, ensure_parent, new_figure, png_bytes, save  # noqa: F401  (save, FORMATS: plot's API)
+from gtx.pictures.figure import MAX_CELLS, new_figure, save  # noqa: F401  (save: plot.save is the public way to write a figure)
 
 MAX_COLUMNS = 3  # groups side by side in the results figure: 7 in one row made it 3920 px wide
 MAX_POSITIONS = 100_000  # per side: beyond this the edge lists alone outgrow a workstation

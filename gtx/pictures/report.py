@@ -20,6 +20,7 @@ from gtx.experiments.compare import check_by, compare, format_compare
 from gtx.experiments.results import load, training_runs
 from gtx.graph.pattern import STAGES
 from gtx.pictures import plot
+from gtx.pictures.figure import ensure_parent, png_bytes
 
 DEFAULT_LEN = 64  # pattern pictures of runs without a recorded context_len
 MAX_LEN = 4096  # longer contexts are drawn at this length: building the edges of a longer one takes long
@@ -38,7 +39,7 @@ pre { background: #f7f7f7; padding: .7em; overflow-x: auto; font-size: .85em; }
 
 
 def _img(fig, alt: str) -> str:
-    data = base64.b64encode(plot.png_bytes(fig)).decode("ascii")
+    data = base64.b64encode(png_bytes(fig)).decode("ascii")
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
@@ -141,7 +142,7 @@ def write_report(results_dir: str | Path, path: str | Path | None = None, **kw) 
         raise GtxError(f"no runs under {results_dir / 'runs'}; run `gtx run` first, or pass --results DIR")
     path = Path(path) if path is not None else results_dir / "report.html"
     text = report(df, source=str(results_dir), **kw)
-    plot.ensure_parent(path)
+    ensure_parent(path)
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:
