@@ -117,3 +117,14 @@ def test_listing_the_chosen_edges_gives_the_same_attention():
     fast, listed = Attention(get_backend("torch"), pattern, 2), Attention(get_backend("torch"), pattern, 2)
     listed.list_edges = True
     torch.testing.assert_close(listed(q, k, v, edges), fast(q, k, v, edges), atol=1e-5, rtol=1e-5)
+
+
+def test_many_tiles_run_in_chunks_and_still_agree():
+    lens, block, top = [1200, 77], 8, 3  # about 900 tiles of chosen blocks: several chunks of 256
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+    want, want_grads = values_and_grads(lambda *x: moba_by_definition(*x, lens, block, top), q, k, v)
+    got, grads = values_and_grads(lambda *x: gtx_moba(*x, lens, block, top), q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)

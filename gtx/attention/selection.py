@@ -253,10 +253,20 @@ class _TokenBlockPlan:
             return x[0, :self.lens[0]]
         return torch.cat([x[i, :m] for i, m in enumerate(self.lens)])
 
-    def tiles(self, pairs: torch.Tensor) -> torch.Tensor:
-        """(pairs, D) -> (n_tiles, 1, b, D): each pair's row in its tile, empty places zero."""
-        out = torch.zeros(self.n_tiles * self.block, pairs.shape[-1], dtype=pairs.dtype, device=pairs.device)
-        return out.index_copy(0, self.place, pairs).view(self.n_tiles, 1, self.block, -1)
+    def chunks(self, size: int = 256):
+        """(first tile, key block rows, pair slice, places within the chunk) per chunk of ``size``
+        tiles: tiles run a chunk at a time, so that their copies of q, k, v and the gradients stay small."""
+        tile_of_pair = self.place // self.block  # ascending: pairs are in tile order
+        for t0 in range(0, self.n_tiles, size):
+            t1 = min(t0 + size, self.n_tiles)
+            p0, p1 = (int(torch.searchsorted(tile_of_pair, t)) for t in (t0, t1))
+            yield self.key_rows[t0:t1], slice(p0, p1), self.place[p0:p1] - t0 * self.block
+
+
+def _tiles(pairs: torch.Tensor, places: torch.Tensor, n_tiles: int, block: int) -> torch.Tensor:
+    """(pairs, D) -> (n_tiles, 1, block, D): each pair's row at its place in the tiles, empty places zero."""
+    out = torch.zeros(n_tiles * block, pairs.shape[-1], dtype=pairs.dtype, device=pairs.device)
+    return out.index_copy(0, places, pairs).view(n_tiles, 1, block, -1)
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -278,38 +288,40 @@ class _TokenBlocks(torch.autograd.Function):
         kb, vb = plan.blocks(k), plan.blocks(v)
         own, own_lse = _FLASH(plan.blocks(q), kb, vb, is_causal=True, scale=1.0)  # padding keys lie after every real query of their block
         own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
-        pair = plan.pair
-        if plan.n_tiles:
-            kt, vt = kb.index_select(0, plan.key_rows), vb.index_select(0, plan.key_rows)
-            tile_out, tile_lse = _FLASH(plan.tiles(_take(q, pair)), kt, vt, scale=1.0)
-            part, part_lse = _take(tile_out, plan.place), tile_lse.reshape(-1).index_select(0, plan.place)
-        else:
-            tile_lse = torch.zeros(0, 1, plan.block, device=q.device)
-            part, part_lse = own.new_zeros(0, own.shape[-1]), own_lse.new_zeros(0)
+        pair, b = plan.pair, plan.block
+        part, part_lse = own.new_empty(len(pair), own.shape[-1]), own_lse.new_empty(len(pair))
+        for rows, pairs, places in plan.chunks():
+            tile_out, tile_lse = _FLASH(_tiles(_take(q, pair[pairs]), places, len(rows), b), kb.index_select(0, rows), vb.index_select(0, rows),
+                                        scale=1.0)
+            part[pairs], part_lse[pairs] = _take(tile_out, places), tile_lse.reshape(-1).index_select(0, places)
         top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
         total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
         lse = top + torch.log(total)
         own_w, part_w = torch.exp(own_lse.reshape(-1) - lse), torch.exp(part_lse - lse[pair])
         out = (own.reshape(-1, own.shape[-1]) * own_w[:, None]).index_add(0, pair, part * part_w[:, None]).view_as(own)
         ctx.plan = plan
-        ctx.save_for_backward(q, kb, vb, out, own_lse, tile_lse, own_w, part_w)
+        ctx.save_for_backward(q, kb, vb, out, own_lse, part_lse, own_w, part_w)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         plan = ctx.plan
-        q, kb, vb, out, own_lse, tile_lse, own_w, part_w = ctx.saved_tensors
+        q, kb, vb, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
         grad = grad.contiguous()
-        dim = q.shape[-1]
+        dim, b = q.shape[-1], plan.block
         blocks_lse = plan.blocks(own_lse[..., None])[..., 0]
         dq, dkb, dvb = _FLASH_BACKWARD(plan.blocks(grad * own_w.view(*own_lse.shape, 1)), plan.blocks(q), kb, vb, plan.blocks(out), blocks_lse,
                                        0.0, True, scale=1.0)
-        dq = plan.rows(dq)
-        if plan.n_tiles:
-            kt, vt = kb.index_select(0, plan.key_rows), vb.index_select(0, plan.key_rows)
-            dqt, dkt, dvt = _FLASH_BACKWARD(plan.tiles(_take(grad, plan.pair) * part_w[:, None]), plan.tiles(_take(q, plan.pair)), kt, vt,
-                                            plan.tiles(_take(out, plan.pair)), tile_lse, 0.0, False, scale=1.0)
-            dq = dq.reshape(-1, dim).index_add(0, plan.pair, _take(dqt, plan.place)).view_as(q)
-            dkb = dkb.index_add(0, plan.key_rows, dkt)
-            dvb = dvb.index_add(0, plan.key_rows, dvt)
+        dq = plan.rows(dq).reshape(-1, dim)
+        for rows, pairs, places in plan.chunks():
+            pair = plan.pair[pairs]
+            n_tiles = len(rows)
+            lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[..., 0]  # empty places: 0, harmless where the gradient is 0
+            dqt, dkt, dvt = _FLASH_BACKWARD(_tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
+                                            _tiles(_take(q, pair), places, n_tiles, b), kb.index_select(0, rows), vb.index_select(0, rows),
+                                            _tiles(_take(out, pair), places, n_tiles, b), lse, 0.0, False, scale=1.0)
+            dq = dq.index_add(0, pair, _take(dqt, places))
+            dkb = dkb.index_add(0, rows, dkt)
+            dvb = dvb.index_add(0, rows, dvt)
+        dq = dq.view_as(q)
         return dq, plan.rows(dkb), plan.rows(dvb), None
