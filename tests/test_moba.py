@@ -128,3 +128,16 @@ def test_many_tiles_run_in_chunks_and_still_agree():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
+    # SDPA's fused kernel that returns the log-sum-exp exists on the CPU only; other devices run the tiles in torch ops
+    monkeypatch.setattr("gtx.attention.selection._FUSED_DEVICES", ())
+    lens, block, top = [150, 61], 16, 3
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+    want, want_grads = values_and_grads(lambda *x: moba_by_definition(*x, lens, block, top), q, k, v)
+    got, grads = values_and_grads(lambda *x: gtx_moba(*x, lens, block, top), q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -211,7 +211,7 @@ def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges
     """Attention under a token-gated block selection: (n, H, D) in and out. The own block runs as
     causal block-diagonal attention; the chosen earlier blocks as tiles of up to ``block`` queries
     that chose the same block of the same head, against that block's keys; both on SDPA's fused CPU
-    kernel, their partial softmaxes merged by log-sum-exp (as MoBA's own kernel does). Memory
+    kernel (plain torch ops on other devices), their partial softmaxes merged by log-sum-exp (as MoBA's own kernel does). Memory
     follows the edges: no n x n matrix, and per chosen block one row of D per query."""
     out = _TokenBlocks.apply(q, k, v, _TokenBlockPlan(sel, q.shape[1], q.device))
     return out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
@@ -274,25 +274,50 @@ def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, rows)
 
 
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FUSED_DEVICES = ("cpu",)  # where SDPA's fused kernel that returns the log-sum-exp exists (its CPU flash kernel)
+
+
+def _flash(q, k, v, causal: bool):
+    """Softmax attention of (T, 1, b, D) tiles, unscaled: (out, lse (T, 1, b)). Other devices than the
+    CPU run the same in plain torch ops: (T, b, b) scores, the size of the tiles' edges."""
+    if q.device.type in _FUSED_DEVICES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=1.0)
+    score = _scores(q, k, causal)
+    lse = torch.logsumexp(score, -1)
+    return torch.exp(score - lse[..., None]) @ v, lse
+
+
+def _flash_backward(grad, q, k, v, out, lse, causal: bool):
+    """Gradients (dq, dk, dv) of ``_flash`` given its output and log-sum-exp (which may be the merged ones)."""
+    if q.device.type in _FUSED_DEVICES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=1.0)
+    p = torch.exp(_scores(q, k, causal) - lse[..., None])
+    ds = p * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ grad
+
+
+def _scores(q, k, causal: bool):
+    score = q @ k.transpose(-1, -2)
+    if causal:
+        later = torch.ones(score.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        score = score.masked_fill(later, float("-inf"))
+    return score
 
 
 class _TokenBlocks(torch.autograd.Function):
     """Own blocks and chosen blocks as separate softmaxes merged by log-sum-exp. Backward: each part
-    through SDPA's flash backward with the merged output and the part's share of the gradient, which
+    through ``_flash_backward`` with the merged output and the part's share of the gradient, which
     is the gradient of the merged softmax (the split-softmax identity FlashAttention's splits use)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: _TokenBlockPlan):
         kb, vb = plan.blocks(k), plan.blocks(v)
-        own, own_lse = _FLASH(plan.blocks(q), kb, vb, is_causal=True, scale=1.0)  # padding keys lie after every real query of their block
+        own, own_lse = _flash(plan.blocks(q), kb, vb, True)  # padding keys lie after every real query of their block
         own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
         pair, b = plan.pair, plan.block
         part, part_lse = own.new_empty(len(pair), own.shape[-1]), own_lse.new_empty(len(pair))
         for rows, pairs, places in plan.chunks():
-            tile_out, tile_lse = _FLASH(_tiles(_take(q, pair[pairs]), places, len(rows), b), kb.index_select(0, rows), vb.index_select(0, rows),
-                                        scale=1.0)
+            tile_out, tile_lse = _flash(_tiles(_take(q, pair[pairs]), places, len(rows), b), kb.index_select(0, rows), vb.index_select(0, rows), False)
             part[pairs], part_lse[pairs] = _take(tile_out, places), tile_lse.reshape(-1).index_select(0, places)
         top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
         total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
@@ -310,16 +335,15 @@ class _TokenBlocks(torch.autograd.Function):
         grad = grad.contiguous()
         dim, b = q.shape[-1], plan.block
         blocks_lse = plan.blocks(own_lse[..., None])[..., 0]
-        dq, dkb, dvb = _FLASH_BACKWARD(plan.blocks(grad * own_w.view(*own_lse.shape, 1)), plan.blocks(q), kb, vb, plan.blocks(out), blocks_lse,
-                                       0.0, True, scale=1.0)
+        dq, dkb, dvb = _flash_backward(plan.blocks(grad * own_w.view(*own_lse.shape, 1)), plan.blocks(q), kb, vb, plan.blocks(out), blocks_lse, True)
         dq = plan.rows(dq).reshape(-1, dim)
         for rows, pairs, places in plan.chunks():
             pair = plan.pair[pairs]
             n_tiles = len(rows)
             lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[..., 0]  # empty places: 0, harmless where the gradient is 0
-            dqt, dkt, dvt = _FLASH_BACKWARD(_tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
+            dqt, dkt, dvt = _flash_backward(_tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
                                             _tiles(_take(q, pair), places, n_tiles, b), kb.index_select(0, rows), vb.index_select(0, rows),
-                                            _tiles(_take(out, pair), places, n_tiles, b), lse, 0.0, False, scale=1.0)
+                                            _tiles(_take(out, pair), places, n_tiles, b), lse, False)
             dq = dq.index_add(0, pair, _take(dqt, places))
             dkb = dkb.index_add(0, rows, dkt)
             dvb = dvb.index_add(0, rows, dvt)
