@@ -3,7 +3,7 @@ edges for one example, and its ACT step counts. ``gtx.measure.probe`` runs the m
 module only draws.
 
     from gtx.pictures import plot
-    plot.attention("results/checkpoints/<run_id>/best.pt", example=0)       # last layer, mean over heads
+    plot.attention("results/checkpoints/<run_id>/best.pt", example=0)       # last layer (ACT: the step with the most queries active), mean over heads
     plot.act("<run_id>", examples=[0, 1], results_dir="results")
 """
 
