@@ -141,3 +141,21 @@ def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks, valid, lens, message", [
+    ([[[1]], [[0]], [[0]]] + [[[0]]] * 3, [[[True]]] + [[[False]]] * 5, [6], "not before the query's own block"),  # token 0 names block 1
+    ([[[0]]] * 4 + [[[1]]] * 2, [[[False]]] * 4 + [[[True]]] * 2, [6], "not before the query's own block"),  # tokens 4, 5 name their own block
+    ([[[0]]] * 6, [[[False]]] * 6, [3, 3], "samples of \\[3, 3\\] tokens"),
+    ([[0]] * 6, [[False]] * 6, [6], "expected \\(6, 1, K\\)"),
+])
+def test_a_bad_token_block_selection_is_one_line_naming_the_pattern(blocks, valid, lens, message):
+    from gtx.attention.module import check_selection
+    from gtx.errors import PluginError
+    edges = build_graph(parse_pattern("moba:b=4,k=2"), None, [6]).edges["dd"]
+    sel = TokenBlockSelection(4, lens, torch.tensor(blocks), torch.tensor(valid))
+    with pytest.raises(PluginError, match=f"pattern 'mine' selected .*{message}") as err:
+        check_selection("mine", sel, edges, 1)
+    assert "\n" not in str(err.value)
+    good = torch.tensor([False] * 4 + [True] * 2)[:, None, None]  # tokens 4, 5 read block 0
+    check_selection("mine", TokenBlockSelection(4, [6], torch.zeros(6, 1, 1, dtype=torch.long), good), edges, 1)

@@ -232,8 +232,10 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
             bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
     elif isinstance(chosen, TokenBlockSelection):
         blocks, valid = chosen.blocks, chosen.valid
-        if blocks.dtype != torch.long or valid.dtype != torch.bool or blocks.shape != valid.shape or blocks.shape[:2] != (edges.n_dst, heads):
+        if blocks.dtype != torch.long or valid.dtype != torch.bool or blocks.shape != valid.shape or blocks.shape[:-1] != (edges.n_dst, heads):
             bad(f"blocks {tuple(blocks.shape)} {blocks.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
+        if tuple(chosen.lens) != edges.sample_lens()[0]:
+            bad(f"blocks over samples of {list(chosen.lens)} tokens, but its queries come in samples of {list(edges.sample_lens()[0])}")
         lens = torch.as_tensor(chosen.lens, device=blocks.device)
         position = torch.arange(edges.n_dst, device=blocks.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         if ((blocks >= (position // chosen.block)[:, None, None]) & valid).any() or ((blocks < 0) & valid).any():
