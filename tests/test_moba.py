@@ -159,3 +159,11 @@ def test_a_bad_token_block_selection_is_one_line_naming_the_pattern(blocks, vali
     assert "\n" not in str(err.value)
     good = torch.tensor([False] * 4 + [True] * 2)[:, None, None]  # tokens 4, 5 read block 0
     check_selection("mine", TokenBlockSelection(4, [6], torch.zeros(6, 1, 1, dtype=torch.long), good), edges, 1)
+
+
+@pytest.mark.parametrize("gate", ["token", "block"])
+def test_a_budget_of_every_candidate_is_refused(gate):
+    from gtx.attention.module import check_budget
+    with pytest.raises(GtxError, match="keeps up to 64 keys per query, but its candidates have at most 64"):
+        check_budget(parse_pattern(f"moba:b=16,k=4,gate={gate}"), ["dd"], 64)
+    check_budget(parse_pattern(f"moba:b=16,k=3,gate={gate}"), ["dd"], 64)
