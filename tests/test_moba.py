@@ -174,3 +174,39 @@ def test_a_budget_of_every_candidate_is_refused(gate):
     with pytest.raises(GtxError, match="keeps up to 64 keys per query, but its candidates have at most 64"):
         check_budget(parse_pattern(f"moba:b=16,k=4,gate={gate}"), ["dd"], 64)
     check_budget(parse_pattern(f"moba:b=16,k=3,gate={gate}"), ["dd"], 64)
+
+
+def block_gated_by_definition(q, k, v, lens, block, top):
+    """Dense ``gate=block``, sample by sample: query block i chooses once, by its mean query, the top - 1
+    earlier blocks by mean key; every query of block i reads them and block i causally. (n, H, D) in and out."""
+    out, start = [], 0
+    for n in lens:
+        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        n_blocks = -(-n // block)
+        mean_q, mean_k = (torch.stack([x[j * block:(j + 1) * block].float().mean(0) for j in range(n_blocks)]) for x in (qs, ks))
+        gate = torch.einsum("ihd,jhd->hij", mean_q, mean_k)  # (H, query block, key block)
+        gate = gate.masked_fill(torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril(-1).logical_not(), float("-inf"))
+        keep = torch.zeros(gate.shape, dtype=torch.bool)
+        if top > 1 and n_blocks > 1:
+            best = gate.topk(min(top - 1, n_blocks), dim=-1)
+            keep.scatter_(-1, best.indices, best.values > float("-inf"))
+        keep |= torch.eye(n_blocks, dtype=torch.bool)  # the own block, always
+        mask = keep.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :n, :n] & torch.ones(n, n, dtype=torch.bool).tril()
+        scores = torch.einsum("thd,shd->hts", qs, ks).masked_fill(~mask, float("-inf"))
+        out.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
+        start += n
+    return torch.cat(out)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), block=st.integers(1, 12), top=st.integers(1, 5), seed=st.integers(0, 100))
+def test_block_gating_equals_its_definition_on_values_and_gradients(lens, block, top, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+    pattern = parse_pattern(f"moba:b={block},k={top},gate=block")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    got, grads = values_and_grads(lambda *x: Attention(get_backend("auto"), pattern, 2)(*x, edges), q, k, v)
+    want, want_grads = values_and_grads(lambda *x: block_gated_by_definition(*x, lens, block, top), *(x.double() for x in (q, k, v)))
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-5)
