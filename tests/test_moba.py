@@ -57,9 +57,8 @@ def exact(lens, block, top, q, k, v):
     return out.float(), [g.float() for g in grads]
 
 
-@settings(max_examples=30, deadline=None)
-@given(lens=st.lists(st.integers(1, 90), min_size=1, max_size=3), block=st.integers(1, 16), top=st.integers(1, 6), seed=st.integers(0, 100))
-def test_moba_equals_its_definition_on_values_and_gradients(lens, block, top, seed):
+def assert_agrees_with_definition(lens, block, top, seed):
+    """gtx's moba on seeded random q, k, v (2 heads of 8) equals the definition: values and gradients at 1e-5."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
     want, want_grads = exact(lens, block, top, q, k, v)
@@ -67,6 +66,12 @@ def test_moba_equals_its_definition_on_values_and_gradients(lens, block, top, se
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 90), min_size=1, max_size=3), block=st.integers(1, 16), top=st.integers(1, 6), seed=st.integers(0, 100))
+def test_moba_equals_its_definition_on_values_and_gradients(lens, block, top, seed):
+    assert_agrees_with_definition(lens, block, top, seed)
 
 
 def test_long_ragged_samples_agree_on_every_backend():
@@ -128,26 +133,14 @@ def test_listing_the_chosen_edges_gives_the_same_attention():
 
 def test_many_tiles_run_in_chunks_and_still_agree():
     lens, block, top = [1200, 77], 8, 3  # about 900 tiles of chosen blocks: several chunks of 256
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
-    want, want_grads = exact(lens, block, top, q, k, v)
-    got, grads = values_and_grads(lambda *x: gtx_moba(*x, lens, block, top), q, k, v)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads, want_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_agrees_with_definition(lens, block, top, 1)
 
 
 def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     # SDPA's fused kernel that returns the log-sum-exp exists on the CPU only; other devices run the tiles in torch ops
     monkeypatch.setattr("gtx.attention.selection._FUSED_DEVICES", ())
     lens, block, top = [150, 61], 16, 3
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
-    want, want_grads = exact(lens, block, top, q, k, v)
-    got, grads = values_and_grads(lambda *x: gtx_moba(*x, lens, block, top), q, k, v)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for a, b in zip(grads, want_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_agrees_with_definition(lens, block, top, 2)
 
 
 @pytest.mark.parametrize("blocks, valid, lens, message", [
