@@ -11,6 +11,7 @@ from torch import nn
 from gtx import hookimpl
 from gtx.attention.engine import propagate_attention, update_graph
 from gtx.attention.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
+from gtx.attention.module import layer_attention
 from gtx.values import setting
 
 
@@ -35,24 +36,27 @@ class Transformer(Seq2SeqModel):
         self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale)
         self.encoder = nn.ModuleList(EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
         self.decoder = nn.ModuleList(DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
+        # each layer's own trainable attention (patterns with parameters: nsa, dsa)
+        self.enc_attention = nn.ModuleList(layer_attention(attention) for _ in self.encoder)
+        self.dec_attention = nn.ModuleList(layer_attention(attention) for _ in self.decoder)
         self.enc_norm, self.dec_norm = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
         self.init_weights()
 
     def encode(self, src, src_pos, graph):
         nodes = {"enc": {"x": self.embed.embed(self.embed.src, src, src_pos)}}
-        for layer in self.encoder:
-            update_graph(nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], self.attention)
+        for layer, attention in zip(self.encoder, self.enc_attention):
+            update_graph(nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], attention)
         return Encoded(self.enc_norm(nodes["enc"]["x"]))
 
     def decode(self, encoded, tgt_in, tgt_pos, graph):
         nodes = {"enc": {"x": encoded.x}, "dec": {"x": self.embed.embed(self.embed.tgt, tgt_in, tgt_pos)}}
-        for layer in self.decoder:
-            update_graph(nodes, "dd", graph.edges["dd"], [(layer.pre_self, "dec", None)], [(layer.post_self, "dec", None)], self.attention)
+        for layer, attention in zip(self.decoder, self.dec_attention):
+            update_graph(nodes, "dd", graph.edges["dd"], [(layer.pre_self, "dec", None)], [(layer.post_self, "dec", None)], attention)
             update_graph(
                 nodes, "ed", graph.edges["ed"],
                 [(layer.pre_query, "dec", None), (layer.pre_memory, "enc", None)],
                 [(layer.post_cross, "dec", None)],
-                self.attention,
+                attention,
             )
         return Output(self.embed.generator(self.dec_norm(nodes["dec"]["x"])))
 
@@ -67,10 +71,10 @@ class Transformer(Seq2SeqModel):
         for i, layer in enumerate(self.decoder):
             new = layer.pre_self({"x": x})
             state["k"][i], state["v"][i] = append_keys(state["k"][i], new["k"]), append_keys(state["v"][i], new["v"])
-            wv = propagate_attention(new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.attention)
+            wv = propagate_attention(new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.dec_attention[i])
             x = layer.post_self({"x": x, "wv": wv})["x"]
             memory = state["memory"][i]
-            wv = propagate_attention(layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.attention)
+            wv = propagate_attention(layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.dec_attention[i])
             x = layer.post_cross({"x": x, "wv": wv})["x"]
         return self.embed.generator(self.dec_norm(x)), state
 

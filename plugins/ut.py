@@ -12,6 +12,7 @@ from gtx import hookimpl
 from gtx.attention.act import AdaptiveComputation, Halting
 from gtx.attention.engine import apply_nodes, propagate_attention, update_graph
 from gtx.attention.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
+from gtx.attention.module import layer_attention
 from gtx.values import setting
 
 
@@ -40,6 +41,7 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
         self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
         self.dec_layer = DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
+        self.enc_attention, self.dec_attention = layer_attention(attention), layer_attention(attention)  # the shared layers' trainable attention
         self.halt_enc, self.halt_dec = Halting(c.dim), Halting(c.dim)
         self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
         self.enc_norm, self.dec_norm = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
@@ -54,7 +56,7 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 nodes, "ee", edges(graph.edges["ee"]),
                 [(self._step_forward(t), "enc", ids), (layer.pre, "enc", ids)],
                 [(layer.post, "enc", ids), *self._halting(self.halt_enc, "enc", ids, end)],
-                self.attention,
+                self.enc_attention,
             )
 
         self._steps(nodes["enc"], graph.pattern, step)
@@ -71,13 +73,13 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 nodes, "dd", edges(graph.edges["dd"]),
                 [(self._step_forward(t), "dec", ids), (layer.pre_self, "dec", ids)],
                 [(layer.post_self, "dec", ids)],
-                self.attention,
+                self.dec_attention,
             )
             update_graph(
                 nodes, "ed", edges(graph.edges["ed"]),
                 [(layer.pre_query, "dec", ids)],
                 [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)],
-                self.attention,
+                self.dec_attention,
             )
 
         self._steps(nodes["dec"], graph.pattern, step)
@@ -101,10 +103,10 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 apply_nodes(nodes, fn, "dec", ids)
             cache(t)
             k, v = state["k"][t].flatten(0, 1), state["v"][t].flatten(0, 1)
-            data["wv"] = propagate_attention(data["q"], k, v, keep(edges["dd"]), self.attention)
+            data["wv"] = propagate_attention(data["q"], k, v, keep(edges["dd"]), self.dec_attention)
             apply_nodes(nodes, layer.post_self, "dec", ids)
             apply_nodes(nodes, layer.pre_query, "dec", ids)
-            data["wv"] = propagate_attention(data["q"], memory["k"], memory["v"], keep(edges["ed"]), self.attention)
+            data["wv"] = propagate_attention(data["q"], memory["k"], memory["v"], keep(edges["ed"]), self.dec_attention)
             for fn, ntype, sel in [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)]:
                 apply_nodes(nodes, fn, ntype, sel)
 

@@ -58,14 +58,15 @@ def exact(lens, block, top, q, k, v):
 
 
 def assert_agrees_with_definition(lens, block, top, seed):
-    """gtx's moba on seeded random q, k, v (2 heads of 8) equals the definition: values and gradients at 1e-5."""
+    """gtx's moba on seeded random q, k, v (2 heads of 8) equals the definition: values at 1e-5, gradients
+    at 2e-5 (float32 sums over up to 90 keys: the worst seen is 1.2e-5 absolute, on a gradient of order 1)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
     want, want_grads = exact(lens, block, top, q, k, v)
     got, grads = values_and_grads(lambda *x: gtx_moba(*x, lens, block, top), q, k, v)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, want_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)

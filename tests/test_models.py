@@ -17,7 +17,8 @@ TINY = {"transformer": dict(layers=2, heads=2, dim=16, dim_ff=16), "ut": dict(he
 def build(name, task, backend="dense", seed=0, **overrides):
     entry = MODELS.get(name)
     torch.manual_seed(seed)
-    return entry.obj(entry.config(**{**TINY[name], **overrides}), task.src_vocab, task.tgt_vocab, get_backend(backend))
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    return entry.obj(entry.config(**{**TINY[name], **overrides}), task.src_vocab, task.tgt_vocab, backend)
 
 
 def pattern_for(name, spec):
@@ -61,12 +62,11 @@ class Recording:
 
 
 def test_act_halts_nodes_and_shrinks_edge_sets(tiny_task):
-    m = build("ut", tiny_task)
+    rec = Recording(get_backend("dense"))
+    m = build("ut", tiny_task, backend=rec)
     for halting in (m.halt_enc, m.halt_dec):  # make halting probabilities ~0.4 so nodes halt at step 3
         torch.nn.init.zeros_(halting.proj.weight)
         torch.nn.init.constant_(halting.proj.bias, -0.4)
-    rec = Recording(m.attention)
-    m.attention = rec
     batch = next(batches(tiny_task, "train", pattern_for("ut", "full"), 8))
     out = m(batch)
     enc_steps, dec_steps = out.steps
@@ -90,12 +90,11 @@ class HaltEvenNodesFirst(torch.nn.Module):
 
 
 def test_act_filtered_edges_shrink_when_some_nodes_halt(tiny_task):
-    m = build("ut", tiny_task)
+    rec = Recording(get_backend("dense"))
+    m = build("ut", tiny_task, backend=rec)
     batch = next(batches(tiny_task, "train", pattern_for("ut", "full"), 8))
     m.halt_enc = HaltEvenNodesFirst(batch.src.numel())
     even = m.halt_enc.even.squeeze(1)
-    rec = Recording(m.attention)
-    m.attention = rec
     enc = m.encode(batch.src, batch.src_pos, batch.graph)
     sizes = [e for e, _ in rec.calls]
     assert sizes[0] == batch.graph.edges["ee"].num_edges and sizes[1] < sizes[0]

@@ -56,7 +56,8 @@ def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam
     src_lens = batch.graph.src_lens
     encoded = _select(model.encode(batch.src, batch.src_pos, batch.graph), src_lens, beam)
     start = getattr(model, "start_decoding", None)  # models need not subclass Seq2SeqModel
-    state = start(encoded, pattern) if incremental and start else None
+    # patterns that choose or learn at run time see the whole prefix, as in training: no incremental step
+    state = start(encoded, pattern) if incremental and start and pattern.plain else None
     n_samples = len(src_lens)
     rep_lens = src_lens.repeat_interleave(beam).tolist()
     limits = torch.tensor([task.max_decode_len(n - 1) for n in rep_lens])  # sources end with <eos>

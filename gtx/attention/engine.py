@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 
-from gtx.attention.module import Attention
+from gtx.attention.module import Attention, LayerAttention
 from gtx.backends import Backend
 from gtx.graph.tokens import STAGE_TYPES, EdgeSet
 
@@ -29,7 +29,7 @@ def propagate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges
     Returns:
         (n_dst, H, Dv); zeros for a query without incoming edges.
     """
-    if edges.pattern is not None and not edges.pattern.plain and not isinstance(backend, Attention):
+    if edges.pattern is not None and not edges.pattern.plain and not isinstance(backend, (Attention, LayerAttention)):
         backend = Attention(backend)  # a model built with a bare backend: head groups, fixed biases and selections still apply
     return backend(q * q.shape[-1] ** -0.5, k, v, edges)
 

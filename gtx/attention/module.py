@@ -11,7 +11,10 @@ A plain pattern's edges go straight to the backend. Beyond that a pattern may (`
   subset of the pattern's own (candidate) edges. A selection is a bool mask (E, H) over the
   candidate edges, or for block-sparse choosers a ``gtx.attention.selection.BlockSelection``. Either way the
   selected edges are candidates, so the candidates' checks (no future edge in ``dd``) hold; a
-  query left without an edge is an error naming the pattern.
+  query left without an edge is an error naming the pattern;
+- bring attention with parameters of its own (``nsa``, ``dsa``): a ``gtx.attention.trainable.Trainable``
+  built per layer (``for_layer``), given the candidates and the backend; its auxiliary losses
+  reach the training loss through ``begin_step``/``take_losses``.
 
 The dense reference applies the same function: every backend that accepts biases is tested
 against it on values and gradients.
@@ -22,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from gtx.attention.selection import BlockSelection, KeySelection, TokenBlockSelection, attend_blocks, attend_keys, attend_token_blocks
+from gtx.attention.trainable import Run
 from gtx.backends import Backend
-from gtx.errors import GtxError, PluginError
+from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.graph.tokens import EdgeSet
 
 
@@ -43,16 +47,55 @@ def bias_key(bias: tuple[str, tuple]) -> str:
 
 class Attention(torch.nn.Module):
     """``attention(q, k, v, edges)`` as a backend is called (q pre-scaled; (n, H, D) tensors), for any
-    pattern; ``pattern`` and ``heads`` (the model's head count) build the pattern's bias modules."""
+    pattern; ``pattern``, ``heads`` (the model's head count) and ``head_dim`` build the pattern's bias
+    modules and trainable attention."""
 
-    def __init__(self, backend: Backend, pattern=None, heads: int | None = None):
+    def __init__(self, backend: Backend, pattern=None, heads: int | None = None, head_dim: int | None = None):
         super().__init__()
-        self.backend, self.heads = backend, heads
+        self.backend, self.heads, self.pattern, self.head_dim = backend, heads, pattern, head_dim
         self.biases = torch.nn.ModuleDict()
         for key, bias in _bias_modules(pattern, {}).items():
             self.biases[key] = self._build_bias(bias, heads)
+        self.trainable = self._build_trainable()  # shared by the layers of a model that never calls for_layer
         self.usage: dict[str, list[float]] = {}  # stage -> [selected edges, candidate edges], per head, since reset
+        self.stats: dict[str, list[float]] = {}  # trainable attention's losses and kept edges: name -> [sum, count], since reset
+        self.step, self.pending, self.frozen = 0, [], False  # the training step, its auxiliary losses, whether it trains them alone
         self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.measure.probe records)
+
+    def _build_trainable(self):
+        make = getattr(self.pattern, "trainable", None)
+        if make is None:
+            return None
+        if not self.heads or not self.head_dim:
+            raise GtxError(f"pattern {self.pattern.spec!r} has learned parameters: it needs the model's heads and dim settings")
+        with plugin_code(f"pattern {self.pattern.spec!r}", "while building its trainable attention"):
+            return make(self.heads, self.head_dim)
+
+    def for_layer(self) -> LayerAttention:
+        """This attention with trainable parts of one layer's own (the model's backend, biases and
+        counters shared). Once a model asks, the parts shared by all layers are dropped."""
+        self.trainable = None
+        return LayerAttention(self)
+
+    def begin_step(self, step: int) -> None:
+        """A training step starts: ``step`` optimizer steps were taken before it."""
+        self.step, self.pending, self.frozen = step, [], False
+
+    def take_losses(self) -> tuple[torch.Tensor | None, bool]:
+        """The step's auxiliary losses summed (None: none), and whether they train alone (the model frozen)."""
+        pending, self.pending = self.pending, []
+        return (sum(pending) if pending else None), self.frozen
+
+    def record(self, name: str, value: float, count: int) -> None:
+        total = self.stats.setdefault(name, [0.0, 0])
+        total[0] += value
+        total[1] += count
+
+    def reset_stats(self) -> dict[str, float]:
+        """The trainable attention's losses (mean per call) and kept edges (per query) since the last call."""
+        out = {name: total / count for name, (total, count) in self.stats.items() if count}
+        self.stats.clear()
+        return out
 
     @property
     def name(self) -> str:
@@ -93,14 +136,33 @@ class Attention(torch.nn.Module):
             raise PluginError(f"bias {bias[0]!r} returned {getattr(out, 'shape', type(out).__name__)}; expected ({edges.num_edges}, {len(heads)})")
         return out
 
-    def forward(self, q, k, v, edges: EdgeSet):
+    def forward(self, q, k, v, edges: EdgeSet, trainable=None):
+        """``trainable``: a layer's own trainable attention (``for_layer``), else this module's."""
         pattern = edges.pattern
         if pattern is None or pattern.plain:
             return self.backend(q, k, v, edges)
         self.heads = self.heads or q.shape[1]
-        out, used = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
+        if pattern.trainable is not None:
+            out, used = self._trained(q, k, v, edges, trainable if trainable is not None else self.trainable)
+        else:
+            out, used = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
         self._count(edges.stage, used, edges.num_edges)
         return out
+
+    def _trained(self, q, k, v, edges: EdgeSet, module) -> tuple[torch.Tensor, float]:
+        spec = edges.pattern.spec
+        if module is None:
+            raise GtxError(f"pattern {spec!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
+                           "pattern, heads, head_dim) so that they train")
+        if edges.stage not in module.stages:
+            return self.backend(q, k, v, edges), edges.num_edges
+        run = Run(self, spec)
+        out = module(q, k, v, edges, run)
+        if not isinstance(out, torch.Tensor) or out.shape[:2] != q.shape[:2]:
+            raise PluginError(f"pattern {spec!r} returned {getattr(out, 'shape', type(out).__name__)} from its trainable attention; "
+                              f"expected ({q.shape[0]}, {q.shape[1]}, Dv)")
+        out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
+        return out, run.edges
 
     def _attend(self, q, k, v, edges: EdgeSet, heads: torch.Tensor, bias) -> tuple[torch.Tensor, float]:
         """The output, and the edges one head attended over. ``heads``: the model's head indices
@@ -160,6 +222,28 @@ class Attention(torch.nn.Module):
         total[1] += candidates
 
 
+class LayerAttention(torch.nn.Module):
+    """One layer's attention (``Attention.for_layer``): the model's ``Attention`` with this layer's
+    own trainable parts (``trainable``, None for patterns without)."""
+
+    def __init__(self, shared: Attention):
+        super().__init__()
+        object.__setattr__(self, "shared", shared)  # not a submodule: the model holds it, and its biases, once
+        self.trainable = shared._build_trainable()
+
+    @property
+    def name(self) -> str:
+        return self.shared.name
+
+    def forward(self, q, k, v, edges: EdgeSet):
+        return self.shared(q, k, v, edges, trainable=self.trainable)
+
+
+def layer_attention(attention) -> torch.nn.Module:
+    """What one model layer attends with: ``attention.for_layer()``, or a bare backend wrapped."""
+    return attention.for_layer() if isinstance(attention, Attention) else Attention(attention)
+
+
 def _lens(edges: EdgeSet):
     return edges.root.q_lens, edges.root.k_lens
 
@@ -184,6 +268,8 @@ def check_keep(spec: str, keep, edges: EdgeSet, heads: int) -> torch.Tensor:
 def check_pattern(pattern, backend: Backend, heads: int | None) -> None:
     """What a run can check before it starts: head groups divide the model's heads, and a score
     bias meets a backend that applies biases."""
+    if pattern.trainable is not None and (pattern.bias is not None or pattern.heads):
+        raise GtxError(f"pattern {pattern.spec!r} brings its own trainable attention: it takes no score bias and no head groups; drop them")
     if pattern.bias is not None and not getattr(backend, "supports_bias", False):
         raise GtxError(f"backend {backend.name!r} cannot apply score biases (pattern {pattern.spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
     if pattern.heads:
@@ -191,6 +277,8 @@ def check_pattern(pattern, backend: Backend, heads: int | None) -> None:
         if heads is not None and heads % n:
             raise GtxError(f"pattern {pattern.spec!r} splits the heads into {n} groups but the model has {heads} heads; use a multiple of {n} (--heads)")
         for group in pattern.heads:
+            if group.trainable is not None:
+                raise GtxError(f"pattern {group.spec!r} brings its own trainable attention: it cannot be a head group of {pattern.spec!r}")
             check_pattern(group, backend, heads // n if heads else None)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from gtx.attention.act import AdaptiveComputation, Halting
 from gtx.attention.engine import update_graph
 from gtx.attention.model import Embeddings, EncoderLayer, GraphModel, PositionalEncoding
+from gtx.attention.module import layer_attention
 from gtx.values import setting
 
 
@@ -49,6 +50,7 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
         c = self.config = config
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, share, c.embed_scale, max_len=c.max_len)
         self.layers = nn.ModuleList(EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout) for _ in range(1 if c.universal else c.layers))
+        self.layer_attention = nn.ModuleList(layer_attention(attention) for _ in self.layers)  # each layer's own trainable attention
         if c.universal:
             self.halt = Halting(c.dim)
             self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
@@ -63,8 +65,8 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
         edges = graph.edges[self.stage]
         if not self.config.universal:
             nodes = {self.ntype: {"x": self.embed.embed(table, ids, pos)}}
-            for layer in self.layers:
-                update_graph(nodes, self.stage, edges, [(layer.pre, self.ntype, None)], [(layer.post, self.ntype, None)], self.attention)
+            for layer, attention in zip(self.layers, self.layer_attention):
+                update_graph(nodes, self.stage, edges, [(layer.pre, self.ntype, None)], [(layer.post, self.ntype, None)], attention)
             return self.norm(nodes[self.ntype]["x"]), None, []
         nodes = {self.ntype: self._state(table, ids, pos)}
         layer, ntype = self.layers[0], self.ntype
@@ -74,7 +76,7 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
                 nodes, self.stage, keep(edges),
                 [(self._step_forward(t), ntype, sel), (layer.pre, ntype, sel)],
                 [(layer.post, ntype, sel), *self._halting(self.halt, ntype, sel, end)],
-                self.attention,
+                self.layer_attention[0],
             )
 
         data = nodes[ntype]

@@ -67,8 +67,9 @@ def _results_dir(name: str, run_id: str | None = None) -> Path:
 
 
 def build_attention(r, backend: str) -> Attention:
-    """The run's backend, with its pattern's run-time parts (head groups, biases, selections)."""
-    return Attention(get_backend(backend, r.device), r.pattern, getattr(r.model_config, "heads", None))
+    """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
+    heads, dim = getattr(r.model_config, "heads", None), getattr(r.model_config, "dim", None)
+    return Attention(get_backend(backend, r.device), r.pattern, heads, dim // heads if heads and dim else None)
 
 
 def build_model(r, attention: Attention) -> torch.nn.Module:
@@ -87,7 +88,7 @@ def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime
 
 
 def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
-    extra = dict(stats.extra)
+    extra = {**stats.extra, **attention.reset_stats()}  # trainable attention's losses and kept edges per branch
     for stage, share in attention.reset_usage().items():  # a selecting pattern attended to this share of its candidate edges
         stats.edges[stage][0] *= share
     return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
@@ -165,7 +166,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     status = "failed"
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
-    attention.reset_choices(), attention.reset_usage()
+    attention.reset_choices(), attention.reset_usage(), attention.reset_stats()
     try:
         for epoch in range(start, r.train.epochs + 1):
             if trainer.done:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from gtx.attention.decode import decode
 from gtx.attention.model import GraphModel
+from gtx.attention.module import Attention
 from gtx.data.batch import IGNORE, Batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
@@ -184,8 +185,12 @@ class Trainer:
         c, stats = self.config, PhaseStats()
         self.forward.train()
         with Meter(self.device) as meter:
+            attention = getattr(self.model, "attention", None)
+            attention = attention if isinstance(attention, Attention) else None  # plain-torch references have none
             for batch in batches:
                 batch = batch.to(self.device)
+                if attention is not None:
+                    attention.begin_step(self.step)
                 out = self.forward(batch)
                 if self.task:  # plain-torch references in benchmarks train without a task
                     checks.model_output(self.model, out, len(batch.targets), len(self.task.tgt_vocab))
@@ -198,6 +203,9 @@ class Trainer:
                 loss = summed * (self.world.size / max(count, 1))
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
+                aux, frozen = attention.take_losses() if attention is not None else (None, False)
+                if aux is not None:  # a trainable pattern's own losses (DSA's indexer); alone while it freezes the model
+                    loss = aux if frozen else loss + aux
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if c.clip_norm:

@@ -67,6 +67,9 @@ class Pattern:
     bias: tuple[str, tuple] | None = None  # a registered score bias and its parameters, ``P+alibi``: (name, ((key, value), ...))
     select: Callable | None = None  # ``select(q, k, edges) -> Selection``: per head, a subset of this pattern's edges
     budget: int | None = None  # most keys a selection keeps per query: a run checks it is below the candidates
+    # ``trainable(heads, head_dim) -> gtx.attention.trainable.Trainable``: attention with parameters of its own (nsa, dsa),
+    # built once per model layer; it attends in place of the backend on this pattern's (candidate) edges
+    trainable: Callable | None = None
     # stage -> "complete" or "causal" where that holds by construction at every length: plain attention
     # then runs from the lengths alone, never listing the n^2 edges (tests check the claim against the rules)
     structures: Mapping[str, str] = field(default_factory=dict)
@@ -93,7 +96,7 @@ class Pattern:
     @property
     def plain(self) -> bool:
         """Fixed edges alike for every head, no bias: what every backend computes directly."""
-        return not self.heads and self.bias is None and self.select is None
+        return not self.heads and self.bias is None and self.select is None and self.trainable is None
 
     def rule(self, stage: str) -> Rule:
         if stage not in STAGES:

@@ -1,0 +1,92 @@
+"""Attention with parameters of its own: the extension point for trainable sparse attention.
+
+A pattern that sets ``trainable`` (``gtx.graph.pattern.Pattern``) brings a ``Trainable`` module.
+Every model gets it through the ``Attention`` it receives: built once per layer that calls
+``Attention.for_layer()`` (the built-in models do; a model that attends with its one ``Attention``
+shares one module across its layers), trained and checkpointed with the model::
+
+    class Gated(Trainable):
+        def __init__(self, heads, head_dim):           # what the factory receives
+            super().__init__()
+            self.gate = torch.nn.Linear(head_dim, 1)
+
+        def forward(self, q, k, v, edges, run):         # (n, H, D) each, q pre-scaled; -> (n, H, Dv)
+            out = run.attend(q, k, v, edges)            # the run's backend over any edge set
+            run.kept("all", edges.num_edges, edges.n_dst)   # edges per query, for the results
+            return out * torch.sigmoid(self.gate(q))
+
+It runs on the stages in ``stages`` (default: decoder self-attention, ``dd``); on the others the
+pattern's candidate edges go to the backend. ``edges`` are the candidates of whole causal
+sequences (``edges.root.structure == "causal"``; decoding recomputes the prefix for such
+patterns); an ACT step's subset (``edges.keep``) is applied to the output by the caller.
+``run.loss(name, value)`` adds an auxiliary loss to the training loss (DSA's indexer KL);
+``run.freeze_model()`` makes this step train the auxiliary losses alone (a warm-up with the model
+frozen). Losses and kept edges are averaged into each results row's ``metrics``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gtx.errors import GtxError
+from gtx.graph.tokens import EdgeSet
+
+
+class Trainable(torch.nn.Module):
+    """Base class of a pattern's trainable attention; see the module docstring for the contract."""
+
+    stages: tuple[str, ...] = ("dd",)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, run: Run) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Run:
+    """What a ``Trainable`` sees of the run: the backend, the optimizer step, and where its losses
+    and kept edges go. Made by ``Attention`` for one call."""
+
+    def __init__(self, owner, spec: str):
+        self._owner, self.spec = owner, spec
+        self.edges = 0.0  # edges one head attended over in this call, summed over the branches (``kept``)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken before this forward (0 outside training)."""
+        return self._owner.step
+
+    @property
+    def training(self) -> bool:
+        """Whether this forward trains (module in training mode, gradients on)."""
+        return self._owner.training and torch.is_grad_enabled()
+
+    def attend(self, q, k, v, edges: EdgeSet) -> torch.Tensor:
+        """Softmax attention over ``edges`` on the run's backend (q pre-scaled, (n, H, D))."""
+        return self._owner.backend(q, k, v, edges)
+
+    def loss(self, name: str, value: torch.Tensor) -> None:
+        """An auxiliary loss: added to the training loss when training; its mean is recorded."""
+        if value.dim() != 0 or not value.is_floating_point():
+            raise GtxError(f"pattern {self.spec!r} reported loss {name!r} as {tuple(value.shape)} {value.dtype}; expected a floating scalar")
+        if self.training:
+            self._owner.pending.append(value)
+        self._owner.record(name, float(value.detach()), 1)
+
+    def kept(self, branch: str, edges: float, queries: int) -> None:
+        """``edges`` one head attended over in ``branch``, summed over ``queries`` queries: the results'
+        ``kept_<branch>`` is per query; their sum over branches is the call's edges."""
+        self.edges += float(edges)
+        self._owner.record(f"kept_{branch}", float(edges), queries)
+
+    def freeze_model(self) -> None:
+        """This training step optimises the auxiliary losses alone: the model's loss is left out."""
+        if self.training:
+            self._owner.frozen = True
+
+
+def causal_lens(spec: str, edges: EdgeSet) -> list[int]:
+    """The sample lengths of causal candidates over whole sequences; a clear error for anything else."""
+    root = edges.root
+    if root.structure != "causal":
+        raise GtxError(f"pattern {spec!r} attends over whole causal sequences ({edges.stage}); these candidates are "
+                       f"{root.structure or 'listed edges'}: use it on a causal stage (dd) of an lm or seq2seq task")
+    return list(root.q_lens) if root.q_lens is not None else [root.n_dst]
