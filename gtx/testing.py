@@ -57,12 +57,12 @@ def check_agrees_with_dense(pattern: str | Pattern, lens: Sequence[int] = (5, 11
     for stage in ("ee", "dd"):
         edges = build_graph(p, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
         q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src))
-        reference = Attention(get_backend("dense"), p, heads)
-        for table in reference.parameters():  # learned biases away from zero, so that their gradients are compared
+        reference = Attention(get_backend("dense"), p, heads, dim)
+        for table in reference.parameters():  # learned parameters away from their start, so that their gradients are compared
             table.data = torch.randn(table.shape, generator=g)
         want, want_grads = _run(reference, q, k, v, edges)
         for name in backends:
-            attention = Attention(get_backend(name), p, heads)
+            attention = Attention(get_backend(name), p, heads, dim)
             attention.load_state_dict(reference.state_dict())
             got, grads = _run(attention, q, k, v, edges)
             where = f"pattern {p.spec!r}, stage {stage}, lengths {list(lens)}, backend {name}"

@@ -3,7 +3,8 @@
 from dataclasses import replace
 
 from gtx import hookimpl
-from gtx.attention.selection import top_keys, top_per_query
+from gtx.attention.keys import top_keys
+from gtx.attention.selection import top_per_query
 from gtx.errors import PatternError
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern

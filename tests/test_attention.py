@@ -7,8 +7,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.module import Attention
-from gtx.attention.selection import BlockSelection, KeySelection, attend_blocks, attend_keys
+from gtx.attention.selection import BlockSelection, attend_blocks
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import PluginError

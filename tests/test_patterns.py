@@ -43,6 +43,9 @@ CASES = {
     "moba": st.tuples(st.integers(1, 8), st.integers(1, 4), st.sampled_from(["token", "block"])).map(
         lambda a: (f"moba:b={a[0]},k={a[1]},gate={a[2]}", oracles.full())),
     "lsh": st.sampled_from([2, 4, 8]).map(lambda b: (f"lsh:buckets={b}", oracles.full())),
+    # trainable attention: its candidates are full (causal in dd); what it attends to: test_nsa.py, test_dsa.py
+    "nsa": st.tuples(st.integers(1, 8), st.integers(1, 8)).map(lambda a: (f"nsa:l={a[0]},d={min(a)},s={a[1]}", oracles.full())),
+    "dsa": st.integers(1, 8).map(lambda k: (f"dsa:k={k}", oracles.full())),
 }
 
 
@@ -240,7 +243,8 @@ def test_declared_structures_are_what_the_edges_say(name):
             assert declared.structure(stage, n_q, n_k) == counted.structure(stage, n_q, n_k), (stage, n_q, n_k)
 
 
-@pytest.mark.parametrize("spec", [*ALL_SPECS, "topk:k=2", "moba:b=4,k=2", "moba:b=4,k=2,gate=block", "heads(local:w=1,strided:l=3)+alibi"])
+@pytest.mark.parametrize("spec", [*ALL_SPECS, "topk:k=2", "moba:b=4,k=2", "moba:b=4,k=2,gate=block", "nsa:l=4,d=2,s=4,w=2",
+                                  "dsa:k=2,warmup=0", "heads(local:w=1,strided:l=3)+alibi"])
 def test_the_checks_pattern_authors_run_pass_on_the_built_in_patterns(spec):
     testing.check_pattern(spec, lengths=(1, 2, 5, 9))
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention.selection import BlockSelection, KeySelection, TokenBlockSelection, attend_blocks, attend_keys, attend_token_blocks
+from gtx.attention.keys import KeySelection, attend_keys
+from gtx.attention.selection import BlockSelection, TokenBlockSelection, attend_blocks, attend_token_blocks
 from gtx.attention.trainable import Run
 from gtx.backends import Backend
 from gtx.errors import GtxError, PluginError, plugin_code
@@ -293,6 +294,17 @@ def check_budget(pattern, stages, length: int) -> None:
             if p.budget >= most:
                 raise GtxError(f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
                                f"task's {length} tokens: it would attend to every candidate; choose a smaller budget (k, or b and k)")
+
+
+def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: str) -> None:
+    """A trainable pattern is built once before the run (its parameters checked against the model's
+    heads) and must serve one of the model's stages: else one line naming the pattern."""
+    if pattern.trainable is None:
+        return
+    module = Attention(None, pattern, heads, dim // heads if heads and dim else None).trainable
+    if not set(module.stages) & set(stages):
+        raise GtxError(f"pattern {pattern.spec!r} attends in {', '.join(module.stages)} only, but model {model!r} attends in "
+                       f"{', '.join(stages)} here: use it with a model and task that have {module.stages[0]} (lm, transformer, ut)")
 
 
 def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:

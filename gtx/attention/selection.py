@@ -4,7 +4,8 @@ The forms of a selection (``Pattern.select(q, k, edges)``, see ``gtx.attention``
 
 - a bool mask (E, H) over the candidate edges: any chooser (``topk``, ``lsh``); the attention then
   runs per head over the kept edges, on any backend;
-- a ``KeySelection``: per query and head, the keys it reads (``topk``); ``attend_keys``;
+- a ``gtx.attention.keys.KeySelection``: per query and head, the keys it reads (``topk``, ``dsa``);
+  ``attend_keys``;
 - a ``TokenBlockSelection``: per query token and head, the earlier blocks it reads besides its own
   (``moba``, MoBA's gate); ``attend_token_blocks`` merges the blocks' partial softmaxes;
 - a ``BlockSelection``: per sample, head and query block of ``block`` positions, the key blocks it
@@ -72,6 +73,11 @@ def pad_samples(x: torch.Tensor, lens: list[int], length: int) -> torch.Tensor:
     return torch.stack([F.pad(part, (0, 0, 0, 0, 0, length - len(part))) for part in torch.split(x, lens)])
 
 
+def unpad_samples(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """``pad_samples``' inverse: (B, length, ...) -> (sum(lens), ...), padding dropped."""
+    return x[0, :lens[0]] if len(lens) == 1 else torch.cat([x[i, :n] for i, n in enumerate(lens)])
+
+
 def block_means(x: torch.Tensor, lens: list[int], block: int) -> torch.Tensor:
     """(N, H, D) -> (B, H, n_blocks, D): the mean of each block's real rows (padding left out)."""
     n_blocks = -(-max(lens) // block)
@@ -107,64 +113,8 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: Edge
                       .transpose(3, 4).reshape(batch, heads, n_b, b, (slots - 1) * b)], -1)
     out = F.scaled_dot_product_attention(qb.reshape(-1, 1, b, dim), gather(kb), gather(vb), attn_mask=mask.reshape(-1, 1, b, slots * b), scale=1.0)
     out = out.view(batch, heads, length, v.shape[-1]).transpose(1, 2)  # (B, length, H, Dv)
-    rows = torch.cat([out[i, :n] for i, n in enumerate(lens)]) if len(lens) > 1 or lens[0] != length else out[0]
+    rows = unpad_samples(out, lens)
     return rows if edges.keep is None else rows * edges.keep[:, None, None].to(rows.dtype)
-
-
-@dataclass
-class KeySelection:
-    """Per query and head, the keys it attends to: ``keys`` (n_dst, H, K) key ids, ``valid`` (n_dst, H, K)
-    (a query with fewer candidates than K leaves slots invalid). Made from complete or causal
-    candidates without listing their edges (``topk``)."""
-
-    keys: torch.Tensor
-    valid: torch.Tensor
-
-    def edges_per_head(self) -> float:
-        return float(self.valid.sum()) / self.valid.shape[1]
-
-    def as_mask(self, edges: EdgeSet) -> torch.Tensor:
-        """The same choice as a keep mask (E, H) over the candidate edges."""
-        hit = (self.keys[edges.dst] == edges.src[:, None, None]) & self.valid[edges.dst]  # (E, H, K)
-        return hit.any(-1)
-
-
-def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512) -> KeySelection:
-    """The ``count`` best keys by q.k per query and head, for complete or causal candidates
-    (``edges.structure``), scored sample by sample in blocks of query rows: the n x n scores of one
-    block exist at a time, never an edge list."""
-    root = edges.root
-    causal = root.structure == "causal"
-    q_lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
-    k_lens = list(root.k_lens) if root.k_lens is not None else [root.n_src]
-    heads = q.shape[1]
-    keys = torch.zeros(q.shape[0], heads, count, dtype=torch.long, device=q.device)
-    valid = torch.zeros(q.shape[0], heads, count, dtype=torch.bool, device=q.device)
-    q_off = k_off = 0
-    for nq, nk in zip(q_lens, k_lens):
-        kk = k[k_off:k_off + nk].transpose(0, 1)  # (H, nk, D)
-        for r0 in range(0, nq, rows):
-            r1 = min(r0 + rows, nq)
-            score = q[q_off + r0:q_off + r1].transpose(0, 1) @ kk.transpose(1, 2)  # (H, rows, nk)
-            if causal:
-                later = torch.arange(nk, device=q.device)[None, :] > torch.arange(r0, r1, device=q.device)[:, None]
-                score = score.masked_fill(later, float("-inf"))
-            top = score.topk(min(count, nk), dim=-1)  # (H, rows, K)
-            width = top.indices.shape[-1]
-            keys[q_off + r0:q_off + r1, :, :width] = top.indices.permute(1, 0, 2) + k_off
-            valid[q_off + r0:q_off + r1, :, :width] = top.values.permute(1, 0, 2) > float("-inf")
-        q_off, k_off = q_off + nq, k_off + nk
-    return KeySelection(keys, valid)
-
-
-def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection) -> torch.Tensor:
-    """Attention of each query and head over its selected keys: (n, H, D) in and out."""
-    heads = q.shape[1]
-    rows = (sel.keys * heads + torch.arange(heads, device=q.device)[None, :, None]).flatten()  # (key, head) rows of k viewed (n_src * H, D)
-    ks, vs = (x.reshape(-1, x.shape[-1]).index_select(0, rows).view(*sel.keys.shape, x.shape[-1]) for x in (k, v))  # (n_dst, H, K, D)
-    score = torch.einsum("nhd,nhkd->nhk", q, ks).masked_fill(~sel.valid, float("-inf"))  # batched matmuls: no (n, H, K, D) product
-    out = torch.einsum("nhk,nhkd->nhd", torch.softmax(score, -1), vs)
-    return out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
 
 
 @dataclass
@@ -203,8 +153,7 @@ def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block
     later = torch.arange(n_blocks, device=q.device)[None, :] >= own[:, None]  # (L, n_blocks): the own block and after
     score = score.masked_fill(later[None, :, None, :], float("-inf"))
     top = score.topk(min(count, n_blocks), dim=-1)
-    rows = torch.cat([top.indices[i, :n] for i, n in enumerate(lens)]), torch.cat([top.values[i, :n] for i, n in enumerate(lens)])
-    return TokenBlockSelection(block, list(lens), rows[0], rows[1] > float("-inf"))
+    return TokenBlockSelection(block, list(lens), unpad_samples(top.indices, lens), unpad_samples(top.values, lens) > float("-inf"))
 
 
 def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection) -> torch.Tensor:
@@ -248,10 +197,7 @@ class _TokenBlockPlan:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``blocks``' inverse: (B * H * n_blocks, 1, b, ...) -> (n, H, ...), padding dropped."""
         length = self.n_b * self.block
-        x = x.reshape(len(self.lens), self.heads, length, *x.shape[3:]).transpose(1, 2)
-        if len(self.lens) == 1:
-            return x[0, :self.lens[0]]
-        return torch.cat([x[i, :m] for i, m in enumerate(self.lens)])
+        return unpad_samples(x.reshape(len(self.lens), self.heads, length, *x.shape[3:]).transpose(1, 2), self.lens)
 
     def chunks(self, size: int = 256):
         """(first tile, key block rows, pair slice, places within the chunk) per chunk of ``size``

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gtx.attention.model import model_forms
-from gtx.attention.module import check_budget, check_pattern
+from gtx.attention.module import check_budget, check_pattern, check_trainable
 from gtx.backends import get_backend
 from gtx.data.batch import make_batch
 from gtx.data.task import Task
@@ -187,6 +187,7 @@ def resolve(config: RunConfig) -> Resolved:
     probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
     check_budget(c.chosen, list(probe.edges), task.context_len())
+    check_trainable(c.chosen, list(probe.edges), getattr(c.model, "heads", None), getattr(c.model, "dim", None), config.model)
     return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys())
 
 

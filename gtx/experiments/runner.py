@@ -224,10 +224,24 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     attention = build_attention(r, config.backend)
     model = build_model(r, attention)
     try:
-        model.load_state_dict(state["model"])
+        loaded = model.load_state_dict(state["model"], strict=False)
     except RuntimeError as e:
         raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}") from None
+    learned = [key for key in loaded.missing_keys if _trainable_key(key)]
+    if learned:
+        trained = json.loads(state["common"])["pattern"]
+        raise GtxError(f"pattern {r.chosen.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
+                       f"({learned[0]}); evaluate it under a pattern without them, or train under {r.chosen.spec!r}")
+    # a trainable pattern's parameters are unused under another pattern: evaluating its model so is allowed
+    other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not _trainable_key(key))]
+    if other:
+        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: parameter {other[0]!r} "
+                       f"{'missing from the checkpoint' if other[0] in loaded.missing_keys else 'not in the model'}")
     return model, r, attention
+
+
+def _trainable_key(key: str) -> bool:
+    return key.startswith("trainable.") or ".trainable." in key
 
 
 def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "test", beam: int | None = None, pattern: str | None = None,

@@ -1,0 +1,73 @@
+"""Attention over compressed blocks of keys (NSA's compressed branch, arXiv 2502.11089 eq. 7).
+
+Each sample's keys are cut into blocks of ``size`` positions at ``stride`` (``sliding_blocks``); a
+pattern compresses each block to one key and one value. Block i holds positions
+``i * stride .. i * stride + size - 1`` and ends at ``ends[i]``; a query at position t sees the
+blocks that end at or before it (``ends[i] <= t``), so no future key leaks through a compressed
+one. A query that sees none gets zeros.
+
+Both functions run a block of query rows at a time: (rows x blocks) scores, never n x n.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gtx.attention.selection import pad_samples, unpad_samples
+
+ROWS = 1024  # query rows scored at once
+
+
+def sliding_blocks(x: torch.Tensor, lens: list[int], size: int, stride: int) -> torch.Tensor:
+    """(n, H, D) rows of concatenated samples -> (B, m, size, H, D): the blocks of ``size`` positions
+    at ``stride`` over each zero-padded sample, m = (max(lens) - size) // stride + 1 (0 if shorter)."""
+    length = max(lens)
+    padded = pad_samples(x, lens, length)  # (B, L, H, D)
+    if length < size:
+        return padded.new_zeros(len(lens), 0, size, *x.shape[1:])
+    return padded.unfold(1, size, stride).permute(0, 1, 4, 2, 3)
+
+
+def block_ends(m: int, size: int, stride: int, device) -> torch.Tensor:
+    """(m,) the last position of each of ``sliding_blocks``' blocks."""
+    return torch.arange(m, device=device) * stride + size - 1
+
+
+def compressed_keys_seen(lens: list[int], ends: torch.Tensor) -> int:
+    """Compressed keys one head attends over, summed over the queries of every sample."""
+    return sum(int((n - ends).clamp_min(0).sum()) for n in lens)
+
+
+def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], ends: torch.Tensor) -> torch.Tensor:
+    """Each query over the compressed blocks it sees: q (n, H, D) pre-scaled rows of samples
+    ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values. Returns (n, H, Dv), on
+    SDPA's kernel (a bool mask of rows x visible blocks per call)."""
+    length = max(lens)
+    qp = pad_samples(q, lens, length).transpose(1, 2)  # (B, H, L, D)
+    kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, m, D)
+    parts = []
+    for r0 in range(0, length, ROWS):
+        r1 = min(r0 + ROWS, length)
+        seen = int((ends <= r1 - 1).sum())  # ends ascend: the visible blocks are a prefix
+        if not seen:
+            parts.append(qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1]))
+            continue
+        mask = ends[None, :seen] <= torch.arange(r0, r1, device=q.device)[:, None]  # (rows, seen)
+        empty = ~mask[:, 0]  # rows that see no block yet: attend to block 0, then zeroed
+        out = F.scaled_dot_product_attention(qp[:, :, r0:r1], kt[:, :, :seen], vt[:, :, :seen], attn_mask=mask | empty[:, None], scale=1.0)
+        parts.append(out.masked_fill(empty[:, None], 0.0))
+    return unpad_samples(torch.cat(parts, 2).transpose(1, 2), lens)
+
+
+def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor):
+    """The compressed branch's attention weights, a block of query rows at a time: yields
+    (r0, r1, weights (B, H, r1 - r0, m)) over padded positions r0..r1, zero where a block is unseen."""
+    length = max(lens)
+    qp = pad_samples(q, lens, length).transpose(1, 2)
+    kt = kc.transpose(1, 2)
+    for r0 in range(0, length, ROWS):
+        r1 = min(r0 + ROWS, length)
+        seen = ends[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+        score = (qp[:, :, r0:r1] @ kt.transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+        yield r0, r1, torch.softmax(score, -1).nan_to_num_(0.0)

@@ -1,0 +1,138 @@
+"""Token-level selections: per query and head, the keys it reads (``topk``, ``dsa``).
+
+``attend_keys`` runs a ``KeySelection`` a block of query rows at a time, forward and backward
+(the backward recomputes each block's scores from the saved log-sum-exp, as FlashAttention does):
+the gathered keys and values of one block exist at a time, never the n x K x D copies of all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gtx.graph.tokens import EdgeSet
+
+_CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block of query rows
+
+
+@dataclass
+class KeySelection:
+    """Per query and head, the keys it attends to: ``keys`` (n_dst, H, K) key ids, ``valid`` (n_dst, H, K)
+    (a query with fewer candidates than K leaves slots invalid). Made from complete or causal
+    candidates without listing their edges (``topk``); a selection shared by the heads may be an
+    expanded view."""
+
+    keys: torch.Tensor
+    valid: torch.Tensor
+
+    def edges_per_head(self) -> float:
+        return float(self.valid.sum()) / self.valid.shape[1]
+
+    def as_mask(self, edges: EdgeSet) -> torch.Tensor:
+        """The same choice as a keep mask (E, H) over the candidate edges."""
+        hit = (self.keys[edges.dst] == edges.src[:, None, None]) & self.valid[edges.dst]  # (E, H, K)
+        return hit.any(-1)
+
+
+def query_blocks(edges: EdgeSet, rows: int):
+    """(query offset, key offset, key count, first row, last row + 1) per block of ``rows`` query rows
+    of each sample, for complete or causal candidates (``edges.root.structure``)."""
+    root = edges.root
+    q_lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
+    k_lens = list(root.k_lens) if root.k_lens is not None else [root.n_src]
+    q_off = k_off = 0
+    for nq, nk in zip(q_lens, k_lens):
+        for r0 in range(0, nq, rows):
+            yield q_off, k_off, nk, r0, min(r0 + rows, nq)
+        q_off, k_off = q_off + nq, k_off + nk
+
+
+def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512) -> KeySelection:
+    """The ``count`` best keys by q.k per query and head, for complete or causal candidates
+    (``edges.structure``), scored sample by sample in blocks of query rows: the n x n scores of one
+    block exist at a time, never an edge list."""
+    causal = edges.root.structure == "causal"
+    heads = q.shape[1]
+    keys = torch.zeros(q.shape[0], heads, count, dtype=torch.long, device=q.device)
+    valid = torch.zeros(q.shape[0], heads, count, dtype=torch.bool, device=q.device)
+    for q_off, k_off, nk, r0, r1 in query_blocks(edges, rows):
+        score = q[q_off + r0:q_off + r1].transpose(0, 1) @ k[k_off:k_off + nk].permute(1, 2, 0)  # (H, rows, nk)
+        if causal:
+            score = score.masked_fill(later_keys(r0, r1, nk, q.device), float("-inf"))
+        top = score.topk(min(count, nk), dim=-1)  # (H, rows, K)
+        width = top.indices.shape[-1]
+        keys[q_off + r0:q_off + r1, :, :width] = top.indices.permute(1, 0, 2) + k_off
+        valid[q_off + r0:q_off + r1, :, :width] = top.values.permute(1, 0, 2) > float("-inf")
+    return KeySelection(keys, valid)
+
+
+def later_keys(r0: int, r1: int, nk: int, device) -> torch.Tensor:
+    """(r1 - r0, nk): True where key position > query position, for query rows r0..r1 of a causal sample."""
+    return torch.arange(nk, device=device)[None, :] > torch.arange(r0, r1, device=device)[:, None]
+
+
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection,
+                probs: bool = False):
+    """Attention of each query and head over its selected keys: (n, H, D) in and out. ``probs``: also
+    the attention weights averaged over the heads, (n, K), without gradient (DSA's indexer target)."""
+    out, mean_p = _KeyAttention.apply(q, k, v, sel.keys, sel.valid)
+    out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
+    return (out, mean_p) if probs else out
+
+
+def _blocks(sel_keys: torch.Tensor, width: int):
+    n, heads, count = sel_keys.shape
+    rows = max(1, _CHUNK // max(1, heads * count * width))
+    for r0 in range(0, n, rows):
+        yield slice(r0, min(r0 + rows, n))
+
+
+def _gather(x: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
+    """(N, H, D) at (key, head) rows -> (*shape, D): index_select, several times faster than gather."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, rows.flatten()).view(*shape, x.shape[-1])
+
+
+def _rows(keys: torch.Tensor) -> torch.Tensor:
+    """(n, H, K) key ids -> their rows of a (N * H, D) view."""
+    return keys * keys.shape[1] + torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+
+
+def _scores(q, ks, valid):
+    return torch.einsum("nhd,nhkd->nhk", q, ks).masked_fill(~valid, float("-inf"))  # batched matmuls
+
+
+class _KeyAttention(torch.autograd.Function):
+    """Softmax over each query's selected keys, block by block; backward from the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keys, valid):
+        n, heads, count = keys.shape
+        out = q.new_zeros(n, heads, v.shape[-1])
+        lse = q.new_full((n, heads), float("-inf"))
+        mean_p = q.new_zeros(n, count)
+        for r in _blocks(keys, max(q.shape[-1], v.shape[-1])):
+            rows = _rows(keys[r])
+            score = _scores(q[r], _gather(k, rows, rows.shape), valid[r])
+            lse[r] = torch.logsumexp(score, -1)
+            p = torch.exp(score - lse[r, :, None]).nan_to_num_(0.0)  # a query without a valid key: no weight
+            out[r] = torch.einsum("nhk,nhkd->nhd", p, _gather(v, rows, rows.shape))
+            mean_p[r] = p.mean(1)
+        ctx.save_for_backward(q, k, v, keys, valid, out, lse)
+        ctx.mark_non_differentiable(mean_p)
+        return out, mean_p
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        q, k, v, keys, valid, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k).view(-1, k.shape[-1]), torch.zeros_like(v).view(-1, v.shape[-1])
+        delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
+        for r in _blocks(keys, max(q.shape[-1], v.shape[-1])):
+            rows = _rows(keys[r])
+            ks, vs = _gather(k, rows, rows.shape), _gather(v, rows, rows.shape)
+            p = torch.exp(_scores(q[r], ks, valid[r]) - lse[r, :, None]).nan_to_num_(0.0)
+            ds = p * (torch.einsum("nhd,nhkd->nhk", grad[r], vs) - delta[r, :, None])
+            dq[r] = torch.einsum("nhk,nhkd->nhd", ds, ks)
+            dk.index_add_(0, rows.flatten(), (ds[..., None] * q[r][:, :, None, :]).flatten(0, 2))
+            dv.index_add_(0, rows.flatten(), (p[..., None] * grad[r][:, :, None, :]).flatten(0, 2))
+        return dq, dk.view_as(k), dv.view_as(v), None, None

@@ -1,0 +1,166 @@
+"""dsa: DeepSeek Sparse Attention (DeepSeek-V3.2-Exp, 2025; the V3.2 report).
+
+A lightning indexer scores every earlier token for each query,
+``I(t, s) = sum_j w(t, j) * relu(q(t, j) . k(s))`` (a few heads j of small dimension, one key per
+token, weights from the query token), the top k tokens are kept, and the main attention runs over
+them. The indexer learns by KL divergence to the main attention: first a dense warm-up (the main
+attention dense; the model frozen unless ``freeze=false``), then sparse training with the KL
+restricted to the kept tokens. Its inputs are detached: the main loss never trains it, its KL
+never trains the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gtx import hookimpl, parse_pattern
+from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks
+from gtx.attention.trainable import Trainable, causal_lens
+
+ROWS = 256  # query rows the indexer scores at once: (rows x keys) scores, never n x n
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    k: int  # tokens kept per query
+    index_heads: int
+    index_dim: int
+    warmup: int  # optimizer steps of the dense warm-up
+    freeze: bool  # the model frozen during the warm-up (the report's stage 1)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer, as DeepSeek-V3.2-Exp's ``Indexer`` (float32, no FP8, no rotary part):
+    index queries and weights from the query token's input, one LayerNorm-ed index key per token."""
+
+    def __init__(self, query_dim: int, key_dim: int, heads: int, dim: int):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.wq = nn.Linear(query_dim, heads * dim)
+        self.wk = nn.Linear(key_dim, dim)
+        self.k_norm = nn.LayerNorm(dim)
+        self.weights = nn.Linear(query_dim, heads)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor):
+        """(n, query_dim), (N, key_dim) -> index queries (n, heads, dim), weights (n, heads), keys (N, dim)."""
+        w = self.weights(queries) * (self.heads ** -0.5 * self.dim ** -0.5)
+        return self.wq(queries).unflatten(-1, (self.heads, self.dim)), w, self.k_norm(self.wk(keys))
+
+
+def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
+    """I(t, s) = sum_j w(t, j) relu(iq(t, j) . ik(s)): iq (r, J, d), w (r, J), ik (S, d) -> (r, S);
+    ik may also be per query, (r, S, d)."""
+    dots = torch.einsum("rjd,sd->rjs", iq, ik) if ik.dim() == 2 else torch.einsum("rjd,rsd->rjs", iq, ik)
+    return torch.einsum("rjs,rj->rs", torch.relu(dots), w)
+
+
+def kl_to(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """sum over rows of KL(target || softmax(logits)) over the ``valid`` entries."""
+    logq = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), -1)
+    p = target.masked_fill(~valid, 0.0)
+    return (p * (torch.log(p.clamp_min(1e-30)) - logq.masked_fill(~valid, 0.0))).sum()
+
+
+class SparseIndexed(Trainable):
+    """One layer's DSA: its indexer, the top-k choice, the main attention over the kept tokens."""
+
+    def __init__(self, heads: int, head_dim: int, config: DSAConfig):
+        super().__init__()
+        self.config = config
+        self.indexer = Indexer(heads * head_dim, heads * head_dim, config.index_heads, config.index_dim)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained: a checkpoint knows its stage
+
+    def forward(self, q, k, v, edges, run):
+        c = self.config
+        causal_lens(run.spec, edges)
+        if run.training:
+            self.steps.fill_(run.step)
+        iq, w, ik = self.indexer(q.detach().flatten(1), k.detach().flatten(1))  # the indexer's input: detached
+        if int(self.steps) < c.warmup:
+            if run.training:
+                run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges))
+                if c.freeze:
+                    run.freeze_model()
+            run.kept("dense", edges.num_edges, edges.n_dst)
+            return run.attend(q, k, v, edges)
+        with torch.no_grad():
+            keys, valid = top_indexed(iq, w, ik, edges, c.k)
+        heads = q.shape[1]
+        out, p = attend_keys(q, k, v, edges, KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)), probs=True)
+        if run.training:
+            run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
+        run.kept("selected", float(valid.sum()), edges.n_dst)
+        return out
+
+    def dense_kl(self, q, k, iq, w, ik, edges) -> torch.Tensor:
+        """The warm-up's KL: the main attention's distribution summed over heads (then normalised)
+        against the indexer's softmax over every candidate, per query, summed over the batch and
+        divided by the queries. Row blocks are recomputed in the backward (checkpoint)."""
+        def block(q_r, iq_r, w_r, k_s, ik_s, hidden):
+            p = torch.softmax((q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)).masked_fill(hidden, float("-inf")), -1).mean(0)
+            return kl_to(p, index_scores(iq_r, w_r, ik_s), ~hidden)
+
+        total = q.new_zeros(())
+        for q_off, k_off, nk, r0, r1 in query_blocks(edges, ROWS):
+            rows, keys = slice(q_off + r0, q_off + r1), slice(k_off, k_off + nk)
+            total = total + checkpoint(block, q[rows], iq[rows], w[rows], k[keys], ik[keys], later_keys(r0, r1, nk, q.device), use_reentrant=False)
+        return total / q.shape[0]
+
+    def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
+        """After the warm-up: the main attention over the kept tokens (averaged over heads) against
+        the indexer's softmax over the same tokens, per query, averaged."""
+        def block(p_r, iq_r, w_r, ik_r, valid_r):
+            return kl_to(p_r, index_scores(iq_r, w_r, ik_r), valid_r)
+
+        total = p.new_zeros(())
+        for r0 in range(0, len(keys), ROWS):
+            r = slice(r0, r0 + ROWS)
+            total = total + checkpoint(block, p[r], iq[r], w[r], ik[keys[r]], valid[r], use_reentrant=False)
+        return total / len(keys)
+
+
+def top_indexed(iq, w, ik, edges, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the ``count`` earlier tokens (itself included) with the highest index score:
+    key ids (n, K) and valid (n, K); scored a block of query rows at a time."""
+    keys = torch.zeros(iq.shape[0], count, dtype=torch.long, device=iq.device)
+    valid = torch.zeros(iq.shape[0], count, dtype=torch.bool, device=iq.device)
+    for q_off, k_off, nk, r0, r1 in query_blocks(edges, ROWS):
+        rows = slice(q_off + r0, q_off + r1)
+        score = index_scores(iq[rows], w[rows], ik[k_off:k_off + nk]).masked_fill(later_keys(r0, r1, nk, iq.device), float("-inf"))
+        top = score.topk(min(count, nk), dim=-1)
+        width = top.indices.shape[-1]
+        keys[rows, :width] = top.indices + k_off
+        valid[rows, :width] = top.values > float("-inf")
+    return keys.masked_fill(~valid, 0), valid
+
+
+def dsa(k: int = 256, index_heads: int = 4, index_dim: int = 32, warmup: int = 100, freeze: bool = True):
+    """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included).
+
+    Note:
+        Decoder self-attention (``dd``) of whole causal sequences; other stages keep full
+        attention. Budget: k keys per query (queries with fewer earlier tokens keep all). The
+        indexer has ``index_heads`` heads of ``index_dim`` dimensions and reads the layer's
+        queries and keys (linear maps of the token states; DeepSeek's reads the states and the
+        query latent). For the first ``warmup`` optimizer steps attention is dense and the
+        indexer is fitted by KL to it, the model frozen (``freeze=false``: the model trains
+        densely meanwhile, for training from scratch); after, attention is sparse and the KL
+        covers the kept tokens. Results: ``indexer_kl_dense``, ``indexer_kl_sparse``,
+        ``kept_selected`` (keys per query). DeepSeek-V3.2 keeps 2048 of up to 128k tokens with
+        64 indexer heads of 128.
+    """
+    if k < 1:
+        raise ValueError(f"k={k}: dsa keeps k >= 1 tokens per query")
+    if index_heads < 1 or index_dim < 1 or warmup < 0:
+        raise ValueError(f"need index_heads >= 1, index_dim >= 1, warmup >= 0; got {index_heads}, {index_dim}, {warmup}")
+    config = DSAConfig(k, index_heads, index_dim, warmup, freeze)
+    return replace(parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k)
+
+
+@hookimpl
+def register_patterns(register):
+    register("dsa", dsa)

@@ -1,0 +1,149 @@
+"""nsa: Native Sparse Attention (DeepSeek, Yuan et al. 2025, arXiv 2502.11089).
+
+Three branches per query and head, mixed by learned sigmoid gates (the paper's eq. 5):
+compressed blocks of keys, selected blocks chosen from the compressed branch's weights, and a
+sliding window. Trained end to end; the choice of blocks has no gradient (as in the paper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from gtx import hookimpl, parse_pattern
+from gtx.attention.compressed import attend_compressed, block_ends, compressed_keys_seen, compressed_weights, sliding_blocks
+from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, unpad_samples
+from gtx.attention.trainable import Trainable, causal_lens
+from gtx.errors import GtxError
+from gtx.graph.tokens import batch_edges
+
+PHI = ("mlp", "mean")
+
+
+@dataclass(frozen=True)
+class NSAConfig:
+    l: int  # compression block (keys per compressed key)
+    d: int  # compression stride
+    s: int  # selection block
+    n: int  # selected blocks per query, the first and the two local ones included
+    w: int  # sliding window: the query and the w - 1 keys before it
+    phi: str  # how a block is compressed: mlp (the paper's) or mean pooling
+    g: int  # heads per group sharing one selection
+
+
+class Compressor(nn.Module):
+    """The paper's phi: a block of l keys (l, D) plus a learned intra-block position encoding, through
+    a two-layer MLP, to one key (D). Shared by the heads, one per layer for keys and one for values."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(size, dim))
+        self.mlp = nn.Sequential(nn.Linear(size * dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(B, m, l, H, D) -> (B, m, H, D)."""
+        return self.mlp((blocks + self.pos[:, None, :]).transpose(2, 3).flatten(3))
+
+
+class NativeSparse(Trainable):
+    """One layer's NSA: phi for keys and values, the gates, the three branches."""
+
+    def __init__(self, heads: int, head_dim: int, config: NSAConfig):
+        super().__init__()
+        if heads % config.g:
+            raise GtxError(f"nsa: g={config.g} heads per group does not divide the model's {heads} heads; choose a divisor of {heads}")
+        self.config = config
+        if config.phi == "mlp":
+            self.phi_k, self.phi_v = Compressor(config.l, head_dim), Compressor(config.l, head_dim)
+        self.gate = nn.Linear(heads * head_dim, 3 * heads)  # from the query token (q is a linear map of its state)
+        self.window = parse_pattern(f"local:w={config.w - 1}")
+        self._windows: dict = {}
+
+    def compress(self, x: torch.Tensor, lens: list[int], phi: Compressor | None) -> torch.Tensor:
+        blocks = sliding_blocks(x, lens, self.config.l, self.config.d)
+        return blocks.mean(2) if phi is None else phi(blocks)
+
+    def forward(self, q, k, v, edges, run):
+        c, heads = self.config, q.shape[1]
+        lens = causal_lens(run.spec, edges)
+        kc = self.compress(k, lens, getattr(self, "phi_k", None))  # (B, m, H, D)
+        vc = self.compress(v, lens, getattr(self, "phi_v", None))
+        ends = block_ends(kc.shape[1], c.l, c.d, q.device)
+        with torch.no_grad():
+            chosen = choose_blocks(q.detach(), kc.detach(), lens, ends, c)
+        window = self.window_edges(lens, q.device)
+        gates = torch.sigmoid(self.gate(q.flatten(1))).view(-1, heads, 3, 1)
+        out = (gates[:, :, 0] * attend_compressed(q, kc, vc, lens, ends)
+               + gates[:, :, 1] * attend_token_blocks(q, k, v, edges, chosen)
+               + gates[:, :, 2] * run.attend(q, k, v, window))
+        queries = sum(lens)
+        run.kept("compressed", compressed_keys_seen(lens, ends), queries)
+        run.kept("selected", chosen.edges_per_head(), queries)
+        run.kept("window", window.num_edges, queries)
+        return out
+
+    def window_edges(self, lens: list[int], device):
+        key = (tuple(lens), str(device))
+        if key not in self._windows:
+            if len(self._windows) > 256:
+                self._windows.clear()
+            self._windows[key] = batch_edges(self.window, "dd", lens, lens).to(device)
+        return self._windows[key]
+
+
+def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor, c: NSAConfig) -> TokenBlockSelection:
+    """Per query token, the selected blocks of ``c.s`` positions besides its own: importance is the
+    compressed branch's weight on the compressed blocks that overlap a selection block (eq. 9, for
+    any l, d and s), summed over the ``c.g`` heads of a group; the first block and the one before
+    the query's own always kept; the best of the rest up to ``c.n`` blocks in all (own included)."""
+    heads, length = q.shape[1], max(lens)
+    n_sel = -(-length // c.s)
+    j = torch.arange(n_sel, device=q.device)
+    overlap = ((j[None, :] >= ((ends - c.l + 1) // c.s)[:, None]) & (j[None, :] <= (ends // c.s)[:, None])).to(q.dtype)  # (m, n_sel)
+    width = min(c.n - 1, n_sel)
+    blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
+    valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
+    for r0, r1, weights in compressed_weights(q, kc, lens, ends):
+        score = weights @ overlap  # (B, H, rows, n_sel)
+        if c.g > 1:
+            score = score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
+        own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]
+        earlier = j[None, :] < own
+        forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
+        score = score.masked_fill(forced, float("inf")).masked_fill(~earlier, float("-inf"))
+        top = score.topk(width, dim=-1)
+        blocks[:, r0:r1] = top.indices.transpose(1, 2)
+        valid[:, r0:r1] = top.values.transpose(1, 2) > float("-inf")
+    return TokenBlockSelection(c.s, list(lens), unpad_samples(blocks, lens), unpad_samples(valid, lens))
+
+
+def nsa(l: int = 32, d: int = 16, s: int = 64, n: int = 4, w: int = 128, phi: str = "mlp", g: int = 1):
+    """NSA: compressed blocks of l keys at stride d, n selected blocks of s keys, a window of w keys.
+
+    Note:
+        Decoder self-attention (``dd``) of whole causal sequences; other stages keep full
+        attention. Budget per query at position t: about t/d compressed keys, n*s selected keys
+        (the first block, the two local ones and the n-3 best others), w window keys: at the
+        defaults 1024 + 256 + 128 at 16k tokens, 256 + 256 + 128 at 4k, 64 + 256 + 128 at 1k.
+        ``phi=mlp`` compresses a block by the paper's MLP with intra-block positions,
+        ``phi=mean`` by mean pooling (fla-org/native-sparse-attention's choice). ``g`` heads
+        share one selection (the paper's GQA group). Gates: sigmoid of a linear map of the
+        query, per head and branch. The paper's 64k-token setting is l=32, d=16, s=64, n=16, w=512.
+    """
+    if min(l, d, s, w, g) < 1:
+        raise ValueError(f"l, d, s, w and g must be >= 1, got l={l}, d={d}, s={s}, w={w}, g={g}")
+    if d > l:
+        raise ValueError(f"stride d={d} is larger than the compression block l={l}: keys between blocks would be skipped; choose d <= l")
+    if n < 3:
+        raise ValueError(f"n={n}: n counts the selected blocks including the first and the two local ones; choose n >= 3")
+    if phi not in PHI:
+        raise ValueError(f"phi={phi!r}: choose mlp (the paper's learned compression) or mean (mean pooling)")
+    config = NSAConfig(l, d, s, n, w, phi, g)
+    return replace(parse_pattern("full"), trainable=lambda heads, head_dim: NativeSparse(heads, head_dim, config))
+
+
+@hookimpl
+def register_patterns(register):
+    register("nsa", nsa)
