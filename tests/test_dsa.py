@@ -1,0 +1,155 @@
+"""dsa computes DeepSeek Sparse Attention, checked against its definition written out here (not the
+fetched code): DeepSeek-V3.2-Exp's ``Indexer`` scores I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s)) with
+q = wq(x_t) in J heads of d, k = LayerNorm(wk(x_s)) one per token, w = weights(x_t) J^-1/2 d^-1/2; the
+top k earlier tokens (itself included) are kept; the main attention is a softmax over them. Training
+(the V3.2 report): a dense warm-up in which the indexer fits KL(mean over heads of the dense attention
+|| softmax(I)) with the model frozen, then sparse attention and the KL over the kept tokens."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gtx.attention.module import Attention
+from gtx.backends import get_backend
+from gtx.cli import cli
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import build_graph
+
+
+def indexer_by_definition(indexer, x_q, x_k):
+    """(n, n) index scores of one sample, from the formula."""
+    J, d = indexer.heads, indexer.dim
+    q = indexer.wq(x_q).view(len(x_q), J, d)
+    k = torch.nn.functional.layer_norm(indexer.wk(x_k), (d,), indexer.k_norm.weight, indexer.k_norm.bias)
+    w = indexer.weights(x_q) * J ** -0.5 * d ** -0.5
+    return sum(w[:, j, None] * torch.relu(q[:, j] @ k.T) for j in range(J))
+
+
+def dsa_by_definition(attention, q, k, v, lens, top):
+    """Per sample: the indexer's top ``top`` earlier tokens per query, softmax attention over them,
+    and the sparse KL (mean over queries); the kept key sets returned to compare."""
+    indexer = attention.trainable.indexer
+    out, kls, kept, start = torch.zeros_like(q), [], [], 0
+    for n in lens:
+        rows = slice(start, start + n)
+        score = indexer_by_definition(indexer, q[rows].flatten(1).detach(), k[rows].flatten(1).detach())
+        score = score.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        for t in range(n):
+            keys = score[t].topk(min(top, t + 1)).indices.sort().values
+            kept.append(set(keys.tolist()))
+            s = torch.einsum("hd,khd->hk", q[start + t], k[start + keys])
+            p = torch.softmax(s, -1)
+            out[start + t] = torch.einsum("hk,khd->hd", p, v[start + keys])
+            target = p.detach().mean(0)
+            kls.append((target * (target.log() - torch.log_softmax(score[t, keys], 0))).sum())
+        start += n
+    return out, torch.stack(kls).mean(), kept
+
+
+@pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
+def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
+    torch.manual_seed(seed)
+    heads, dim = 2, 8
+    pattern = parse_pattern(f"dsa:k={top},index_heads=3,index_dim=4,warmup=0")
+    attention = Attention(get_backend("auto"), pattern, heads, dim)
+    reference = Attention(get_backend("dense"), pattern, heads, dim).double()
+    reference.load_state_dict(attention.state_dict())
+    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    attention.begin_step(0)
+    got = attention(*xs, build_graph(pattern, None, lens).edges["dd"])
+    (kl,) = attention.pending  # the step's auxiliary loss, as the trainer takes it
+    ys = [x.double().requires_grad_() for x in (q, k, v)]
+    want, want_kl, kept = dsa_by_definition(reference, *ys, lens, top)
+    torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
+    weights = torch.linspace(-1, 1, got.numel()).view_as(got)
+    for a, b in zip(torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)):
+        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(kl.detach(), want_kl.detach().float(), atol=1e-5, rtol=1e-5)
+    params = list(attention.trainable.indexer.parameters())
+    kl_grads = torch.autograd.grad(kl, params)
+    want_kl_grads = torch.autograd.grad(want_kl, list(reference.trainable.indexer.parameters()))
+    for a, b in zip(kl_grads, want_kl_grads):  # the KL trains the indexer, and only it: its inputs are detached
+        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
+    assert sum(len(s) for s in kept) == attention.reset_stats()["kept_selected"] * sum(lens)
+
+
+def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freezes_the_model():
+    torch.manual_seed(3)
+    lens, heads, dim = [30, 21], 2, 8
+    pattern = parse_pattern("dsa:k=4,index_heads=2,index_dim=4,warmup=2")
+    attention = Attention(get_backend("auto"), pattern, heads, dim)
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    attention.begin_step(1)  # the second step: still the warm-up
+    out = attention(q, k, v, edges)
+    dense = get_backend("dense")(q, k, v, build_graph(parse_pattern("causal"), None, lens).edges["dd"])
+    torch.testing.assert_close(out, dense)
+    kl, frozen = attention.take_losses()
+    assert frozen  # the trainer leaves the model's loss out of this step
+    want, start = [], 0
+    indexer = attention.trainable.indexer
+    for n in lens:
+        rows = slice(start, start + n)
+        score = indexer_by_definition(indexer, q[rows].flatten(1), k[rows].flatten(1))
+        later = torch.ones(n, n, dtype=torch.bool).triu(1)
+        p = torch.softmax(torch.einsum("thd,shd->hts", q[rows], k[rows]).masked_fill(later, float("-inf")), -1).mean(0)
+        logq = torch.log_softmax(score.masked_fill(later, float("-inf")), -1)
+        want.append((p * (p.clamp_min(1e-30).log() - logq.masked_fill(later, 0))).sum(-1))
+        start += n
+    torch.testing.assert_close(kl, torch.cat(want).mean())
+    attention.begin_step(2)  # warm-up over: sparse, and the model trains
+    attention(q, k, v, edges)
+    assert not attention.take_losses()[1] and "kept_selected" in attention.reset_stats()
+
+
+def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_its_stage(tmp_path):
+    from gtx.data.batch import batches
+    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+    from gtx.experiments.train import Trainer
+
+    config = RunConfig(task="recall", model="lm", pattern="dsa:k=8,index_heads=2,index_dim=4,warmup=2",
+                       settings={"seq_len": "64", "n_train": "8", "n_valid": "4", "n_test": "4", "dim": "16", "heads": "2", "dim_ff": "16",
+                                 "batch_size": "2", "max_steps": "2"}, results_dir=str(tmp_path))
+    r = resolve(config)
+    model = build_model(r, build_attention(r, "auto"))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    trainer = Trainer(model, r.train, 16, r.device, r.task)
+    trainer.train_epoch(batches(r.task, "train", r.pattern, 2))
+    after = model.state_dict()
+    changed = {key for key in before if not torch.equal(before[key], after[key])}
+    assert changed and all(".indexer." in key or key.endswith(".steps") for key in changed), sorted(changed)[:5]
+    assert int(model.layer_attention[0].trainable.steps) == 1  # the last training forward ran after one step
+    model.layer_attention[0].trainable.steps.fill_(2)  # as a checkpoint written after the warm-up
+    model.layer_attention[1].trainable.steps.fill_(2)
+    model.eval()
+    with torch.no_grad():
+        model(next(iter(batches(r.task, "valid", r.pattern, 2))))
+    assert "kept_selected" in model.attention.reset_stats()  # evaluation after the warm-up is sparse
+
+
+def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_refused(tmp_path):
+    base = ["--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=8", "--set", "n_valid=4", "--set", "n_test=4",
+            "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "2", "--set", "batch_size=4", "--quiet", "--results", str(tmp_path)]
+    result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=2,freeze=false"])
+    assert result.exit_code == 0, result.output
+    from gtx.experiments import results
+
+    rows = results.load(tmp_path)
+    train = [json.loads(m) for m in rows[rows.split == "train"].metrics]
+    assert "indexer_kl_dense" in train[0] and "indexer_kl_sparse" in train[1]
+    local = CliRunner().invoke(cli, ["run", *base, "--pattern", "local:w=8"])
+    assert local.exit_code == 0, local.output
+    run_id = results.load(tmp_path).query("pattern == 'local:w=8'").run_id.iloc[0]
+    refused = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path), "--pattern", "dsa:k=8"])
+    assert refused.exit_code == 2 and "attends with learned parameters that checkpoint" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec, message", [("dsa:k=0", "dsa keeps k >= 1 tokens per query"), ("dsa:k=2000", "keeps up to 2000 keys per query")])
+def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
+    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")])
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,198 @@
+"""nsa computes Native Sparse Attention (arXiv 2502.11089), checked against its definition written out
+here in float64, not against fetched code:
+
+- the selected and sliding branches as fla-org/native-sparse-attention's ``naive_nsa`` computes them
+  given block indices and gates: per query t, the keys of the listed blocks of s positions that are at
+  or before t, one softmax over them; the window is the keys t - w + 1 .. t; o = g_slc o_slc + g_swa o_swa;
+- the whole pattern: compressed keys phi(block) for blocks of l keys at stride d, seen by t when the
+  block ends at or before t, zeros when none is; importance of a selection block = the compressed
+  weights of the compressed blocks overlapping it, summed over a group's heads; the first block and the
+  one before the own always chosen, the own block implicit, the best others up to n; gates
+  sigmoid(linear(q)).
+"""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gtx.attention.module import Attention
+from gtx.attention.selection import TokenBlockSelection, attend_token_blocks
+from gtx.backends import get_backend
+from gtx.cli import cli
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import batch_edges, build_graph
+
+
+def selected_and_window_by_definition(q, k, v, lens, block_indices, block, window, g_slc, g_swa):
+    """naive_nsa's two branches: block_indices (n, H, S) per query, -1 for none; gates (n, H)."""
+    out, start = torch.zeros_like(q), 0
+    for n in lens:
+        for t in range(n):
+            for h in range(q.shape[1]):
+                qt = q[start + t, h]
+                chosen = sorted({b * block + i for b in block_indices[start + t, h].tolist() if b >= 0 for i in range(block) if b * block + i <= t})
+                win = list(range(max(0, t - window + 1), t + 1))
+                for keys, gate in ((chosen, g_slc), (win, g_swa)):
+                    ks, vs = k[start + torch.tensor(keys), h], v[start + torch.tensor(keys), h]
+                    out[start + t, h] = out[start + t, h] + gate[start + t, h] * torch.softmax(ks @ qt, 0) @ vs
+        start += n
+    return out
+
+
+def random_blocks(lens, heads, block, count, g):
+    """Per query and head: its own block and up to count - 1 distinct earlier ones, -1 padded."""
+    rows = []
+    for n in lens:
+        for t in range(n):
+            own = t // block
+            per_head = []
+            for _ in range(heads):
+                earlier = torch.randperm(own, generator=g)[:count - 1].tolist() if own else []
+                per_head.append([own, *earlier] + [-1] * (count - 1 - len(earlier)))
+            rows.append(per_head)
+    return torch.tensor(rows)
+
+
+def grads_of(f, *xs):
+    xs = [x.clone().requires_grad_() for x in xs]
+    out = f(*xs)
+    return out.detach(), torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
+
+
+@pytest.mark.parametrize("lens, block, count, window, seed", [
+    ([70], 16, 3, 8, 0), ([45, 30, 61], 8, 4, 16, 1), ([33], 64, 2, 5, 2), ([129, 17], 16, 8, 32, 3),
+])
+def test_selected_and_window_branches_equal_naive_nsa_given_blocks_and_gates(lens, block, count, window, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads, n = 2, sum(lens)
+    q, k, v = (torch.randn(n, heads, 16, generator=g) * 0.5 for _ in range(3))
+    g_slc, g_swa = torch.rand(n, heads, generator=g), torch.rand(n, heads, generator=g)
+    indices = random_blocks(lens, heads, block, count, g)
+    own = torch.cat([torch.arange(m) // block for m in lens])
+    earlier = indices[..., 1:]
+    sel = TokenBlockSelection(block, lens, earlier.clamp_min(0), earlier >= 0)
+    assert bool((indices[..., 0] == own[:, None]).all())
+    dd = build_graph(parse_pattern("causal"), None, lens).edges["dd"]
+    win = batch_edges(parse_pattern(f"local:w={window - 1}"), "dd", lens, lens)
+    backend = get_backend("auto")
+
+    def gtx_branches(q, k, v):
+        return g_slc[..., None] * attend_token_blocks(q, k, v, dd, sel) + g_swa[..., None] * backend(q, k, v, win)
+
+    def definition(q, k, v):
+        return selected_and_window_by_definition(q, k, v, lens, indices, block, window, g_slc.double(), g_swa.double())
+
+    got, got_grads = grads_of(gtx_branches, q, k, v)
+    want, want_grads = grads_of(definition, q.double(), k.double(), v.double())
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
+
+
+def nsa_by_definition(module, q, k, v, lens):
+    """The whole NSA of one layer, sample by sample, query by query, with ``module``'s parameters."""
+    c, heads = module.config, q.shape[1]
+    gates = torch.sigmoid(module.gate(q.flatten(1))).view(-1, heads, 3)
+    phi = {"k": getattr(module, "phi_k", None), "v": getattr(module, "phi_v", None)}
+    out, start = torch.zeros_like(q), 0
+    for n in lens:
+        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        m = (n - c.l) // c.d + 1 if n >= c.l else 0
+        blocks = {name: [x[i * c.d:i * c.d + c.l] for i in range(m)] for name, x in (("k", ks), ("v", vs))}
+        comp = {name: [b.mean(0) if phi[name] is None else phi[name](b[None, None])[0, 0] for b in bl] for name, bl in blocks.items()}
+        for t in range(n):
+            seen = [i for i in range(m) if i * c.d + c.l - 1 <= t]
+            own = t // c.s
+            for h in range(heads):
+                qt = qs[t, h]
+                o_cmp = torch.zeros_like(qt)
+                importance = torch.zeros(own + 1, dtype=q.dtype)
+                if seen:
+                    p = torch.softmax(torch.stack([comp["k"][i][h] @ qt for i in seen]), 0)
+                    o_cmp = sum(p[j] * comp["v"][i][h] for j, i in enumerate(seen))
+                for hh in range(h - h % c.g, h - h % c.g + c.g) if seen else ():  # the heads of h's group
+                    p = torch.softmax(torch.stack([comp["k"][i][hh] @ qs[t, hh] for i in seen]), 0).detach()
+                    for j, i in enumerate(seen):
+                        for b in range(own):
+                            if b * c.s <= i * c.d + c.l - 1 and i * c.d <= (b + 1) * c.s - 1:  # compressed block i overlaps block b
+                                importance[b] += p[j]
+                forced = {b for b in (0, own - 1) if 0 <= b < own}
+                rest = sorted(set(range(own)) - forced, key=lambda b: -float(importance[b]))
+                chosen = sorted(forced | set(rest[:max(0, c.n - 1 - len(forced))])) + [own]
+                keys = [s for b in chosen for s in range(b * c.s, (b + 1) * c.s) if s <= t]
+                o_slc = torch.softmax(ks[keys, h] @ qt, 0) @ vs[keys, h]
+                win = list(range(max(0, t - c.w + 1), t + 1))
+                o_win = torch.softmax(ks[win, h] @ qt, 0) @ vs[win, h]
+                out[start + t, h] = gates[start + t, h, 0] * o_cmp + gates[start + t, h, 1] * o_slc + gates[start + t, h, 2] * o_win
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("spec, lens, heads", [
+    ("nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", [70], 2),
+    ("nsa:l=8,d=4,s=16,n=3,w=5", [50, 37], 2),
+    ("nsa:l=6,d=3,s=8,n=5,w=12,g=2", [61, 20], 4),
+    ("nsa:l=4,d=4,s=4,n=6,w=4", [40], 2),
+])
+def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, heads):
+    torch.manual_seed(0)
+    pattern = parse_pattern(spec)
+    attention = Attention(get_backend("auto"), pattern, heads, 8)
+    for p in attention.parameters():  # away from the start: the position encodings begin at zero
+        p.data = torch.randn(p.shape) * 0.3
+    reference = Attention(get_backend("dense"), pattern, heads, 8).double()
+    reference.load_state_dict(attention.state_dict())
+    q, k, v = (torch.randn(sum(lens), heads, 8) for _ in range(3))
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = attention(*xs, build_graph(pattern, None, lens).edges["dd"])
+    weights = torch.linspace(-1, 1, got.numel()).view_as(got)
+    got_grads = torch.autograd.grad((got * weights).sum(), [*xs, *attention.trainable.parameters()])
+    ys = [x.double().requires_grad_() for x in (q, k, v)]
+    want = nsa_by_definition(reference.trainable, *ys, lens)
+    want_grads = torch.autograd.grad((want * weights.double()).sum(), [*ys, *reference.trainable.parameters()])
+    torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
+    names = ["q", "k", "v", *(n for n, _ in attention.trainable.named_parameters())]
+    for name, a, b in zip(names, got_grads, want_grads):
+        assert a.abs().sum() > 0, f"no gradient reaches {name}: phi, the gates and all three branches train"
+        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_no_future_key_reaches_a_query_through_any_branch():
+    torch.manual_seed(2)
+    pattern = parse_pattern("nsa:l=8,d=4,s=8,n=4,w=6")
+    attention = Attention(get_backend("auto"), pattern, 2, 8)
+    n = 50
+    q, k, v = (torch.randn(n, 2, 8, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v, build_graph(pattern, None, [n]).edges["dd"])
+    for t in (0, 7, 20, 33):
+        dk, dv = torch.autograd.grad(out[t].sum(), [k, v], retain_graph=True)
+        assert dk[t + 1:].abs().max() == 0 and dv[t + 1:].abs().max() == 0, t
+
+
+def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path):
+    from gtx.experiments import results
+
+    args = ["run", "--task", "recall", "--model", "lm", "--pattern", "nsa:l=8,d=4,s=16,n=3,w=16", "--set", "seq_len=96", "--set", "n_train=16",
+            "--set", "n_valid=4", "--set", "n_test=4", "--set", "layers=2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1",
+            "--quiet", "--results", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    rows = results.load(tmp_path)
+    metrics = json.loads(rows[rows.split == "train"].metrics.iloc[0])
+    assert {"kept_compressed", "kept_selected", "kept_window"} <= set(metrics)
+    assert 0 < metrics["kept_window"] <= 16 and metrics["kept_selected"] <= 3 * 16
+    ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
+    assert {key.split(".trainable.")[0] for key in ckpt if ".trainable." in key} == {"layer_attention.0", "layer_attention.1"}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nsa:l=8,d=16", "stride d=16 is larger than the compression block l=8"),
+    ("nsa:n=2", "n=2: n counts the selected blocks including the first and the two local ones"),
+    ("nsa:phi=max", "phi='max': choose mlp"),
+])
+def test_bad_nsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
+    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")])
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
