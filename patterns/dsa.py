@@ -40,10 +40,10 @@ class Indexer(nn.Module):
     def __init__(self, query_dim: int, key_dim: int, heads: int, dim: int):
         super().__init__()
         self.heads, self.dim = heads, dim
-        self.wq = nn.Linear(query_dim, heads * dim)
-        self.wk = nn.Linear(key_dim, dim)
-        self.k_norm = nn.LayerNorm(dim)
-        self.weights = nn.Linear(query_dim, heads)
+        self.wq = nn.Linear(query_dim, heads * dim, bias=False)  # DeepSeek's linears have no bias
+        self.wk = nn.Linear(key_dim, dim, bias=False)
+        self.k_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.weights = nn.Linear(query_dim, heads, bias=False)
 
     def forward(self, queries: torch.Tensor, keys: torch.Tensor):
         """(n, query_dim), (N, key_dim) -> index queries (n, heads, dim), weights (n, heads), keys (N, dim)."""

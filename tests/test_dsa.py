@@ -22,7 +22,7 @@ def indexer_by_definition(indexer, x_q, x_k):
     """(n, n) index scores of one sample, from the formula."""
     J, d = indexer.heads, indexer.dim
     q = indexer.wq(x_q).view(len(x_q), J, d)
-    k = torch.nn.functional.layer_norm(indexer.wk(x_k), (d,), indexer.k_norm.weight, indexer.k_norm.bias)
+    k = torch.nn.functional.layer_norm(indexer.wk(x_k), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6)
     w = indexer.weights(x_q) * J ** -0.5 * d ** -0.5
     return sum(w[:, j, None] * torch.relu(q[:, j] @ k.T) for j in range(J))
 
