@@ -55,7 +55,8 @@ def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.T
     """I(t, s) = sum_j w(t, j) relu(iq(t, j) . ik(s)): iq (r, J, d), w (r, J), ik (S, d) -> (r, S);
     ik may also be per query, (r, S, d)."""
     dots = torch.einsum("rjd,sd->rjs", iq, ik) if ik.dim() == 2 else torch.einsum("rjd,rsd->rjs", iq, ik)
-    return torch.einsum("rjs,rj->rs", torch.relu(dots), w)
+    dots = torch.relu(dots) if dots.requires_grad else dots.relu_()  # in place where no gradient needs the input
+    return torch.bmm(w.unsqueeze(1), dots).squeeze(1)
 
 
 def kl_to(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ def top_indexed(iq, w, ik, edges, count: int) -> tuple[torch.Tensor, torch.Tenso
     return keys.masked_fill(~valid, 0), valid
 
 
-def dsa(k: int = 256, index_heads: int = 4, index_dim: int = 32, warmup: int = 100, freeze: bool = True):
+def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 100, freeze: bool = True):
     """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included).
 
     Note:

@@ -36,15 +36,18 @@ class KeySelection:
 
 
 def query_blocks(edges: EdgeSet, rows: int):
-    """(query offset, key offset, key count, first row, last row + 1) per block of ``rows`` query rows
-    of each sample, for complete or causal candidates (``edges.root.structure``)."""
+    """(query offset, key offset, keys seen, first row, last row + 1) per block of ``rows`` query rows
+    of each sample, for complete or causal candidates (``edges.root.structure``): a causal block's
+    rows see no key after its last row, so only those before are scored."""
     root = edges.root
+    causal = root.structure == "causal"
     q_lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
     k_lens = list(root.k_lens) if root.k_lens is not None else [root.n_src]
     q_off = k_off = 0
     for nq, nk in zip(q_lens, k_lens):
         for r0 in range(0, nq, rows):
-            yield q_off, k_off, nk, r0, min(r0 + rows, nq)
+            r1 = min(r0 + rows, nq)
+            yield q_off, k_off, min(nk, r1) if causal else nk, r0, r1
         q_off, k_off = q_off + nq, k_off + nk
 
 
@@ -81,21 +84,27 @@ def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSe
     return (out, mean_p) if probs else out
 
 
-def _blocks(sel_keys: torch.Tensor, width: int):
-    n, heads, count = sel_keys.shape
+def _blocks(n: int, heads: int, count: int, width: int):
     rows = max(1, _CHUNK // max(1, heads * count * width))
     for r0 in range(0, n, rows):
         yield slice(r0, min(r0 + rows, n))
 
 
-def _gather(x: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
-    """(N, H, D) at (key, head) rows -> (*shape, D): index_select, several times faster than gather."""
-    return x.reshape(-1, x.shape[-1]).index_select(0, rows.flatten()).view(*shape, x.shape[-1])
+class _Gather:
+    """The selected keys' rows of (N, H, D) tensors as (n, H, K, D), for ``keys`` (n, H, K): index_select
+    on the (key, head) rows, several times faster than gather. (A choice shared by the heads gains
+    nothing from copying whole rows: the scores then need the heads first, another copy.)"""
 
+    def __init__(self, keys: torch.Tensor, heads: int):
+        self.rows = (keys * heads + torch.arange(heads, device=keys.device)[None, :, None]).flatten()
+        self.shape = keys.shape
 
-def _rows(keys: torch.Tensor) -> torch.Tensor:
-    """(n, H, K) key ids -> their rows of a (N * H, D) view."""
-    return keys * keys.shape[1] + torch.arange(keys.shape[1], device=keys.device)[None, :, None]
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.rows).view(*self.shape, x.shape[-1])
+
+    def add(self, into: torch.Tensor, pairs: torch.Tensor) -> None:
+        """``into`` (N, H, D) += (n, H, K, D) contributions at the gathered rows."""
+        into.view(-1, into.shape[-1]).index_add_(0, self.rows, pairs.flatten(0, 2))
 
 
 def _scores(q, ks, valid):
@@ -107,16 +116,16 @@ class _KeyAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keys, valid):
-        n, heads, count = keys.shape
+        n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
         out = q.new_zeros(n, heads, v.shape[-1])
         lse = q.new_full((n, heads), float("-inf"))
         mean_p = q.new_zeros(n, count)
-        for r in _blocks(keys, max(q.shape[-1], v.shape[-1])):
-            rows = _rows(keys[r])
-            score = _scores(q[r], _gather(k, rows, rows.shape), valid[r])
+        for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
+            gather = _Gather(keys[r], heads)
+            score = _scores(q[r], gather(k), valid[r])
             lse[r] = torch.logsumexp(score, -1)
             p = torch.exp(score - lse[r, :, None]).nan_to_num_(0.0)  # a query without a valid key: no weight
-            out[r] = torch.einsum("nhk,nhkd->nhd", p, _gather(v, rows, rows.shape))
+            out[r] = torch.einsum("nhk,nhkd->nhd", p, gather(v))
             mean_p[r] = p.mean(1)
         ctx.save_for_backward(q, k, v, keys, valid, out, lse)
         ctx.mark_non_differentiable(mean_p)
@@ -125,14 +134,15 @@ class _KeyAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         q, k, v, keys, valid, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k).view(-1, k.shape[-1]), torch.zeros_like(v).view(-1, v.shape[-1])
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
-        for r in _blocks(keys, max(q.shape[-1], v.shape[-1])):
-            rows = _rows(keys[r])
-            ks, vs = _gather(k, rows, rows.shape), _gather(v, rows, rows.shape)
+        n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
+        for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
+            gather = _Gather(keys[r], heads)
+            ks, vs = gather(k), gather(v)
             p = torch.exp(_scores(q[r], ks, valid[r]) - lse[r, :, None]).nan_to_num_(0.0)
             ds = p * (torch.einsum("nhd,nhkd->nhk", grad[r], vs) - delta[r, :, None])
             dq[r] = torch.einsum("nhk,nhkd->nhd", ds, ks)
-            dk.index_add_(0, rows.flatten(), (ds[..., None] * q[r][:, :, None, :]).flatten(0, 2))
-            dv.index_add_(0, rows.flatten(), (p[..., None] * grad[r][:, :, None, :]).flatten(0, 2))
-        return dq, dk.view_as(k), dv.view_as(v), None, None
+            gather.add(dk, ds[..., None] * q[r][:, :, None, :])
+            gather.add(dv, p[..., None] * grad[r][:, :, None, :])
+        return dq, dk, dv, None, None

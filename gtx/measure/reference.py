@@ -237,14 +237,13 @@ class TrainCell:
 
     def build(self, r):
         """(``Trainer`` of the cell's model for the resolved run ``r``, its attention backend or None), seeded alike."""
-        from gtx.attention.module import Attention
-        from gtx.backends import get_backend
+        from gtx.experiments.runner import build_attention
         from gtx.experiments.train import Trainer
         torch.manual_seed(0)
         be = None
         if self.gtx or self.backend == SkipAttention.name:
-            be = get_backend(self.backend, r.device) if self.gtx else SkipAttention()
-            attention = Attention(be, r.pattern, getattr(r.model_config, "heads", None)) if self.gtx else be
+            attention = build_attention(r, self.backend) if self.gtx else SkipAttention()
+            be = attention.backend if self.gtx else attention
             net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
         else:
             net = reference_model(self.backend, r.model_config, r.task, self.pattern)
