@@ -6,6 +6,7 @@ The public API for plugin authors and Python users (docs/api.md; kept stable by 
     from gtx import Pattern, parse_pattern, setting   # patterns, specs, config fields with ranges
     from gtx import Task, Vocab, GtxError, PatternError
     from gtx import load_results, plot, testing       # results tables, figures, checks for pattern authors
+    from gtx import Trainable                         # attention with parameters of its own (nsa, dsa)
 
 Everything else is internal. Modules moved into subpackages keep their old import paths
 (``gtx.pattern``, ``gtx.task``, ``gtx.runner``, ...): ``_MOVED`` maps them to their new places.
@@ -34,6 +35,7 @@ PUBLIC = {
     "load_results": ("gtx.experiments.results", "load"),
     "plot": ("gtx.pictures.plot", None),
     "testing": ("gtx.testing", None),
+    "Trainable": ("gtx.attention.trainable", "Trainable"),
 }
 __all__ = ["hookimpl", "hookspec", "__version__", *PUBLIC]
 

@@ -66,3 +66,32 @@ def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
         assert valid.edges_per_query_dd["near_max:margin=1.0"] < valid.edges_per_query_dd["full"]
     finally:
         plugins.unload_dir(folder)
+
+
+def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(tmp_path):
+    import json
+
+    import torch
+
+    from gtx.experiments.results import load
+    from gtx.plugins import registry as plugins
+
+    text = (DOCS / "writing-patterns.md").read_text()
+    folder = tmp_path / "trainable"
+    folder.mkdir()
+    (folder / "mixed.py").write_text(re.search(r"<!-- trainable-example -->\s*```python\n(.*?)```", text, re.S).group(1))
+    try:
+        args = ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8",
+                "--set", "layers=2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--quiet", "--results", str(tmp_path / "res"),
+                "--plugins-dir", str(folder), "--pattern", "mixed:w=4,l=8"]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        train = load(tmp_path / "res").query("split == 'train'").iloc[0]
+        assert {"kept_window", "kept_strided"} <= set(json.loads(train.metrics))
+        state = torch.load(next((tmp_path / "res").glob("checkpoints/*/last.pt")), weights_only=False)["model"]
+        gates = [state[f"layer_attention.{i}.trainable.gate.weight"] for i in (0, 1)]
+        assert not torch.equal(gates[0], gates[1])  # each layer's own gate, trained
+        bad = CliRunner().invoke(cli, [*args[:-1], "mixed:l=0"])
+        assert bad.exit_code == 2 and "need w >= 0 and l >= 1" in bad.output
+    finally:
+        plugins.unload_dir(folder)

@@ -69,7 +69,7 @@ def test_no_import_cycles():
 
 
 PUBLIC = ["hookimpl", "hookspec", "__version__", "Pattern", "parse_pattern", "setting", "Task", "Vocab", "GtxError", "PatternError",
-          "load_results", "plot", "testing"]
+          "load_results", "plot", "testing", "Trainable"]
 
 
 def test_the_public_api_is_what_docs_api_md_lists():
