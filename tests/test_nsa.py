@@ -185,6 +185,8 @@ def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path)
     assert 0 < metrics["kept_window"] <= 16 and metrics["kept_selected"] <= 3 * 16
     ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
     assert {key.split(".trainable.")[0] for key in ckpt if ".trainable." in key} == {"layer_attention.0", "layer_attention.1"}
+    drawn = CliRunner().invoke(cli, ["plot", "attention", rows.run_id.iloc[0], "--results", str(tmp_path), "-o", str(tmp_path / "a.png")])
+    assert drawn.exit_code == 2 and "cannot be recorded" in drawn.output and not (tmp_path / "a.png").exists()
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -154,6 +154,9 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
     attention = getattr(model, "attention", None)
     if not isinstance(attention, Attention):
         raise GtxError(f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.experiments.runner")
+    if attention.pattern is not None and attention.pattern.trainable is not None:
+        raise GtxError(f"pattern {attention.pattern.spec!r} mixes attentions of its own (trainable: branches, gates, compressed keys): "
+                       "its weights are not one edge set and cannot be recorded; plot a model trained under another pattern")
     recorder, calls = Recorder(attention.backend), []
     counts = dict.fromkeys(STAGES, 0)
 
