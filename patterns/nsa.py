@@ -136,8 +136,9 @@ def nsa(l: int = 32, d: int = 16, s: int = 64, n: int = 4, w: int = 128, phi: st
         raise ValueError(f"l, d, s, w and g must be >= 1, got l={l}, d={d}, s={s}, w={w}, g={g}")
     if d > l:
         raise ValueError(f"stride d={d} is larger than the compression block l={l}: keys between blocks would be skipped; choose d <= l")
-    if n < 3:
-        raise ValueError(f"n={n}: n counts the selected blocks including the first and the two local ones; choose n >= 3")
+    if n < 4:
+        raise ValueError(f"n={n}: n counts the selected blocks including the first and the two local ones, which are always kept; "
+                         "choose n >= 4 so that the content chooses at least one")
     if phi not in PHI:
         raise ValueError(f"phi={phi!r}: choose mlp (the paper's learned compression) or mean (mean pooling)")
     config = NSAConfig(l, d, s, n, w, phi, g)

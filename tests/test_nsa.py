@@ -132,7 +132,7 @@ def nsa_by_definition(module, q, k, v, lens):
 
 @pytest.mark.parametrize("spec, lens, heads", [
     ("nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", [70], 2),
-    ("nsa:l=8,d=4,s=16,n=3,w=5", [50, 37], 2),
+    ("nsa:l=8,d=4,s=16,n=4,w=5", [50, 37], 2),
     ("nsa:l=6,d=3,s=8,n=5,w=12,g=2", [61, 20], 4),
     ("nsa:l=4,d=4,s=4,n=6,w=4", [40], 2),
 ])
@@ -174,7 +174,7 @@ def test_no_future_key_reaches_a_query_through_any_branch():
 def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path):
     from gtx.experiments import results
 
-    args = ["run", "--task", "recall", "--model", "lm", "--pattern", "nsa:l=8,d=4,s=16,n=3,w=16", "--set", "seq_len=96", "--set", "n_train=16",
+    args = ["run", "--task", "recall", "--model", "lm", "--pattern", "nsa:l=8,d=4,s=16,n=4,w=16", "--set", "seq_len=96", "--set", "n_train=16",
             "--set", "n_valid=4", "--set", "n_test=4", "--set", "layers=2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1",
             "--quiet", "--results", str(tmp_path)]
     result = CliRunner().invoke(cli, args)
@@ -182,7 +182,7 @@ def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path)
     rows = results.load(tmp_path)
     metrics = json.loads(rows[rows.split == "train"].metrics.iloc[0])
     assert {"kept_compressed", "kept_selected", "kept_window"} <= set(metrics)
-    assert 0 < metrics["kept_window"] <= 16 and metrics["kept_selected"] <= 3 * 16
+    assert 0 < metrics["kept_window"] <= 16 and metrics["kept_selected"] <= 4 * 16
     ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
     assert {key.split(".trainable.")[0] for key in ckpt if ".trainable." in key} == {"layer_attention.0", "layer_attention.1"}
     drawn = CliRunner().invoke(cli, ["plot", "attention", rows.run_id.iloc[0], "--results", str(tmp_path), "-o", str(tmp_path / "a.png")])
@@ -191,7 +191,7 @@ def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path)
 
 @pytest.mark.parametrize("spec, message", [
     ("nsa:l=8,d=16", "stride d=16 is larger than the compression block l=8"),
-    ("nsa:n=2", "n=2: n counts the selected blocks including the first and the two local ones"),
+    ("nsa:n=3", "n=3: n counts the selected blocks including the first and the two local ones"),
     ("nsa:phi=max", "phi='max': choose mlp"),
 ])
 def test_bad_nsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):

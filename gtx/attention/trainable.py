@@ -51,7 +51,7 @@ class Run:
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken before this forward (0 outside training)."""
+        """Optimizer steps taken before the latest training forward (``Attention.begin_step``)."""
         return self._owner.step
 
     @property
