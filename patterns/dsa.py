@@ -114,13 +114,13 @@ class SparseIndexed(Trainable):
     def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
         """After the warm-up: the main attention over the kept tokens (averaged over heads) against
         the indexer's softmax over the same tokens, per query, averaged."""
-        def block(p_r, iq_r, w_r, ik_r, valid_r):
-            return kl_to(p_r, index_scores(iq_r, w_r, ik_r), valid_r)
+        def block(p_r, iq_r, w_r, ik, keys_r, valid_r):  # the kept keys gathered inside: the backward keeps no (rows, k, dim) copy
+            return kl_to(p_r, index_scores(iq_r, w_r, ik[keys_r]), valid_r)
 
         total = p.new_zeros(())
         for r0 in range(0, len(keys), ROWS):
             r = slice(r0, r0 + ROWS)
-            total = total + checkpoint(block, p[r], iq[r], w[r], ik[keys[r]], valid[r], use_reentrant=False)
+            total = total + checkpoint(block, p[r], iq[r], w[r], ik, keys[r], valid[r], use_reentrant=False)
         return total / len(keys)
 
 
