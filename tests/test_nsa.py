@@ -198,3 +198,14 @@ def test_bad_nsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message
     result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")])
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("model, pattern", [("ut", "nsa:l=4,d=2,s=4,n=4,w=4"), ("transformer", "dsa:k=4,warmup=1"), ("lm", "dsa:k=4,warmup=0")])
+def test_every_model_trains_and_decodes_with_a_trainable_pattern(tmp_path, model, pattern):
+    task = ["--task", "recall", "--set", "seq_len=48"] if model == "lm" else ["--task", "copy"]
+    result = CliRunner().invoke(cli, ["run", *task, "--model", model, "--pattern", pattern, "--set", "n_train=16", "--set", "n_valid=4",
+                                      "--set", "n_test=4", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--quiet",
+                                      "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
+    assert any(".trainable." in key for key in ckpt)

@@ -158,7 +158,8 @@ class Attention(torch.nn.Module):
         if edges.stage not in module.stages:
             return self.backend(q, k, v, edges), edges.num_edges
         run = Run(self, spec)
-        out = module(q, k, v, edges, run)
+        with plugin_code(f"pattern {spec!r}", "in its trainable attention"):
+            out = module(q, k, v, edges, run)
         if not isinstance(out, torch.Tensor) or out.shape[:2] != q.shape[:2]:
             raise PluginError(f"pattern {spec!r} returned {getattr(out, 'shape', type(out).__name__)} from its trainable attention; "
                               f"expected ({q.shape[0]}, {q.shape[1]}, Dv)")

@@ -86,7 +86,9 @@ class Run:
 def causal_lens(spec: str, edges: EdgeSet) -> list[int]:
     """The sample lengths of causal candidates over whole sequences; a clear error for anything else."""
     root = edges.root
-    if root.structure != "causal":
+    lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
+    single = root.structure == "complete" and root.n_src == root.n_dst == len(lens)  # samples of one token: causal too
+    if root.structure != "causal" and not single:
         raise GtxError(f"pattern {spec!r} attends over whole causal sequences ({edges.stage}); these candidates are "
                        f"{root.structure or 'listed edges'}: use it on a causal stage (dd) of an lm or seq2seq task")
-    return list(root.q_lens) if root.q_lens is not None else [root.n_dst]
+    return lens
