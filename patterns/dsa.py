@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
-from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks
+from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks, top_scored
 from gtx.attention.trainable import Trainable, causal_lens
 
 ROWS = 256  # query rows the indexer scores at once: (rows x keys) scores, never n x n
@@ -126,17 +126,8 @@ class SparseIndexed(Trainable):
 
 def top_indexed(iq, w, ik, edges, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` earlier tokens (itself included) with the highest index score:
-    key ids (n, K) and valid (n, K); scored a block of query rows at a time."""
-    keys = torch.zeros(iq.shape[0], count, dtype=torch.long, device=iq.device)
-    valid = torch.zeros(iq.shape[0], count, dtype=torch.bool, device=iq.device)
-    for q_off, k_off, nk, r0, r1 in query_blocks(edges, ROWS):
-        rows = slice(q_off + r0, q_off + r1)
-        score = index_scores(iq[rows], w[rows], ik[k_off:k_off + nk]).masked_fill(later_keys(r0, r1, nk, iq.device), float("-inf"))
-        top = score.topk(min(count, nk), dim=-1)
-        width = top.indices.shape[-1]
-        keys[rows, :width] = top.indices + k_off
-        valid[rows, :width] = top.values > float("-inf")
-    return keys.masked_fill(~valid, 0), valid
+    key ids (n, K) and valid (n, K); scored a block of query rows at a time (``top_scored``)."""
+    return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS)
 
 
 def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 100, freeze: bool = True):

@@ -51,23 +51,32 @@ def query_blocks(edges: EdgeSet, rows: int):
         q_off, k_off = q_off + nq, k_off + nk
 
 
-def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512) -> KeySelection:
-    """The ``count`` best keys by q.k per query and head, for complete or causal candidates
-    (``edges.structure``), scored sample by sample in blocks of query rows: the n x n scores of one
-    block exist at a time, never an edge list."""
+def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the ``count`` keys with the best ``score(query rows, key slice)`` -> (rows, *lead,
+    keys seen), for complete or causal candidates (``edges.structure``), scored sample by sample in
+    blocks of query rows (``query_blocks``): the scores of one block exist at a time, never an edge
+    list. Returns key ids and valid, (n_dst, *lead, count); invalid slots hold key 0."""
     causal = edges.root.structure == "causal"
-    heads = q.shape[1]
-    keys = torch.zeros(q.shape[0], heads, count, dtype=torch.long, device=q.device)
-    valid = torch.zeros(q.shape[0], heads, count, dtype=torch.bool, device=q.device)
+    keys = torch.zeros(edges.n_dst, *lead, count, dtype=torch.long, device=edges.device)
+    valid = torch.zeros(edges.n_dst, *lead, count, dtype=torch.bool, device=edges.device)
     for q_off, k_off, nk, r0, r1 in query_blocks(edges, rows):
-        score = q[q_off + r0:q_off + r1].transpose(0, 1) @ k[k_off:k_off + nk].permute(1, 2, 0)  # (H, rows, nk)
+        block = slice(q_off + r0, q_off + r1)
+        s = score(block, slice(k_off, k_off + nk))
         if causal:
-            score = score.masked_fill(later_keys(r0, r1, nk, q.device), float("-inf"))
-        top = score.topk(min(count, nk), dim=-1)  # (H, rows, K)
+            s = s.masked_fill(later_keys(r0, r1, nk, s.device).view(r1 - r0, *(1,) * len(lead), nk), float("-inf"))
+        top = s.topk(min(count, nk), dim=-1)
         width = top.indices.shape[-1]
-        keys[q_off + r0:q_off + r1, :, :width] = top.indices.permute(1, 0, 2) + k_off
-        valid[q_off + r0:q_off + r1, :, :width] = top.values.permute(1, 0, 2) > float("-inf")
-    return KeySelection(keys, valid)
+        keys[block, ..., :width] = top.indices + k_off
+        valid[block, ..., :width] = top.values > float("-inf")
+    return keys.masked_fill(~valid, 0), valid
+
+
+def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512) -> KeySelection:
+    """The ``count`` best keys by q.k per query and head (``top_scored``)."""
+    def score(block, keys):  # (rows, H, keys seen)
+        return (q[block].transpose(0, 1) @ k[keys].permute(1, 2, 0)).transpose(0, 1)
+
+    return KeySelection(*top_scored(edges, count, score, rows, lead=(q.shape[1],)))
 
 
 def later_keys(r0: int, r1: int, nk: int, device) -> torch.Tensor:
