@@ -61,6 +61,7 @@ class Attention(torch.nn.Module):
         self.usage: dict[str, list[float]] = {}  # stage -> [selected edges, candidate edges], per head, since reset
         self.stats: dict[str, list[float]] = {}  # trainable attention's losses and kept edges: name -> [sum, count], since reset
         self.step, self.pending, self.frozen = 0, [], False  # the training step, its auxiliary losses, whether it trains them alone
+        self.flops = 0.0  # forward FLOPs of the attention itself (q.k and the weighted sum of v over the attended edges), ever
         self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.measure.probe records)
 
     def _build_trainable(self):
@@ -141,6 +142,7 @@ class Attention(torch.nn.Module):
         """``trainable``: a layer's own trainable attention (``for_layer``), else this module's."""
         pattern = edges.pattern
         if pattern is None or pattern.plain:
+            self.flops += 2 * edges.num_edges * q.shape[1] * (q.shape[2] + v.shape[2])
             return self.backend(q, k, v, edges)
         self.heads = self.heads or q.shape[1]
         if pattern.trainable is not None:
@@ -148,6 +150,7 @@ class Attention(torch.nn.Module):
         else:
             out, used = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
         self._count(edges.stage, used, edges.num_edges)
+        self.flops += 2 * used * q.shape[1] * (q.shape[2] + v.shape[2])
         return out
 
     def _trained(self, q, k, v, edges: EdgeSet, module) -> tuple[torch.Tensor, float]:
@@ -284,17 +287,27 @@ def check_pattern(pattern, backend: Backend, heads: int | None) -> None:
             check_pattern(group, backend, heads // n if heads else None)
 
 
-def check_budget(pattern, stages, length: int) -> None:
-    """A selection that keeps at least as many keys as any query has candidates, at the task's
-    longest sequence, is its candidate pattern under another name: an error naming the fix."""
+def full_budget(pattern, stages, length: int) -> str | None:
+    """Why a selection keeps at least as many keys as any query has candidates at the task's longest
+    sequence (it is its candidate pattern under another name), else None."""
     for p in pattern.heads or (pattern,):
         if p.heads:
-            check_budget(p, stages, length)
+            why = full_budget(p, stages, length)
+            if why:
+                return why
         elif p.budget:
             most = max(int(torch.bincount(p.edges(stage, length, length)[1]).max()) for stage in stages)
             if p.budget >= most:
-                raise GtxError(f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
-                               f"task's {length} tokens: it would attend to every candidate; choose a smaller budget (k, or b and k)")
+                return (f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
+                        f"task's {length} tokens: it would attend to every candidate")
+    return None
+
+
+def check_budget(pattern, stages, length: int) -> None:
+    """``full_budget``'s reason as an error naming the fix."""
+    why = full_budget(pattern, stages, length)
+    if why:
+        raise GtxError(f"{why}; choose a smaller budget (k, or b and k)")
 
 
 def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: str) -> None:

@@ -25,6 +25,7 @@ from gtx import __version__
 from gtx.attention.model import model_forms
 from gtx.cli.bench import bench
 from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option
+from gtx.cli.frontier import frontier
 from gtx.cli.plot import plot, report
 from gtx.cli.runs import runs, show
 from gtx.cli.sweep import sweep
@@ -271,7 +272,7 @@ def plugins_list(show_all):
     click.echo(json.dumps(out, indent=2))
 
 
-for command in (bench, plot, report, runs, show, sweep):  # commands with modules of their own
+for command in (bench, frontier, plot, report, runs, show, sweep):  # commands with modules of their own
     cli.add_command(command)
 
 

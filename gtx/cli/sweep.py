@@ -38,24 +38,38 @@ def _shortcut_options(f):
     return f
 
 
+def grid_options(f):
+    """The options a sweep and a frontier share: the grid's axes but the pattern, and how to run it."""
+    options = [
+        click.option("--task", metavar="A[,B...]", help="Tasks, comma-separated [default: copy]."),
+        click.option("--model", metavar="A[,B...]", help="Models, comma-separated [default: transformer]."),
+        click.option("--backend", metavar="A[,B...]", help="Attention backends, comma-separated [default: auto]."),
+        click.option("--seeds", "--seed", "seeds", metavar="SEEDS", help="Seeds: a range 0-4 (inclusive), a list 0,2,5, or both 0-2,7 [default: 0]."),
+        _shortcut_options,
+        click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=V1[,V2...]",
+                     help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto]."),
+        click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Results folder shared by the runs [default: results]."),
+        click.option("-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1]."),
+        click.option("--dry-run", is_flag=True, help="Print a `gtx run` command per cell still to run (for any scheduler); run nothing."),
+        click.option("--launcher", type=click.Choice(["local", "submitit"]), default="local", show_default=True,
+                     help="local: -j processes here; submitit: one job per cell through submitit (Slurm, or cluster=local), resumed when requeued."),
+        click.option("--executor-opt", "executor_opts", multiple=True, metavar="KEY=VALUE",
+                     help="A submitit executor option (cluster=slurm|local, timeout_min=60, slurm_partition=dev, ...); repeatable."),
+        click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print."),
+        click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also passed to every run)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("grid_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--task", metavar="A[,B...]", help="Tasks, comma-separated [default: copy].")
-@click.option("--model", metavar="A[,B...]", help="Models, comma-separated [default: transformer].")
 @click.option("--pattern", "patterns", multiple=True, metavar="SPEC",
               help="One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].")
-@click.option("--backend", metavar="A[,B...]", help="Attention backends, comma-separated [default: auto].")
-@click.option("--seeds", "--seed", "seeds", metavar="SEEDS", help="Seeds: a range 0-4 (inclusive), a list 0,2,5, or both 0-2,7 [default: 0].")
-@_shortcut_options
-@click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=V1[,V2...]",
-              help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto].")
-@click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Results folder shared by the runs [default: results].")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1].")
-@click.option("--dry-run", is_flag=True, help="Print a `gtx run` command per cell still to run (for Slurm or any launcher); run nothing.")
-@click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print.")
-@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also passed to every run).")
-def sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, **shortcuts):
+@grid_options
+def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, **options):
     """Run the cross product of the given lists, one `gtx run` per cell; resumable.
 
     \b
@@ -68,12 +82,16 @@ def sweep(grid_file, task, model, patterns, backend, seeds, settings, device, re
     the grid file's stem or grid-<hash>. Exit status 1 if a cell failed, 2 on bad input (nothing runs).
     """
     try:
-        _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, shortcuts)
+        grid, results_dir, jobs = read_grid(grid_file, patterns, **options)
+        cells = sw.plan(grid, results_dir)
+        if run_cells(cells, sw.sweep_name(grid_file, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"], launcher, executor_opts):
+            raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
         raise CliError(str(e)) from None
 
 
-def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, results_dir, jobs, dry_run, quiet, plugins_dirs, shortcuts):
+def read_grid(grid_file, patterns, task, model, backend, seeds, settings, device, results_dir, jobs, plugins_dirs, **shortcuts):
+    """The grid of the options (over the grid file's keys), its results folder and jobs; loads the plugins."""
     from gtx.plugins.registry import PATTERNS, load_plugins
 
     load_plugins(dirs=plugins_dirs)
@@ -86,10 +104,14 @@ def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, r
     lists = {k: sw.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
     given["settings"] = {**given.get("settings", {}), **lists, **settings}
     file_results, file_jobs = given.pop("results", None), given.pop("jobs", None)
-    results_dir, jobs = results_dir or file_results or "results", jobs or file_jobs or 1
     grid = sw.make_grid(**{**given, **({"seeds": seeds} if seeds is not None else {}), **({"device": device} if device else {})})
-    cells = sw.plan(grid, results_dir)
-    name = sw.sweep_name(grid_file, cells)
+    return grid, results_dir or file_results or "results", jobs or file_jobs or 1
+
+
+def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: bool, quiet: bool, plugins_dirs,
+              launcher: str = "local", executor_opts: tuple[str, ...] = ()) -> int:
+    """Run (or with ``dry_run`` print) the cells not yet complete, with a progress line; the number that failed.
+    ``launcher`` ``submitit``: one job per cell (``gtx.experiments.cluster``), ``executor_opts`` its options."""
     counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
     rekeyed = sum(c.rekeyed for c in cells)
     if rekeyed and not quiet:
@@ -100,7 +122,7 @@ def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, r
             click.echo(line)
         if not quiet:
             click.echo(f"sweep {name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run", err=True)
-        return
+        return 0
 
     tty = sys.stderr.isatty()
     clear = "\r\x1b[K" if tty and not quiet else ""  # the progress line's place, before a message takes it
@@ -120,13 +142,22 @@ def _sweep(grid_file, task, model, patterns, backend, seeds, settings, device, r
                    f"{f.returncode}: {f.message}; log: {f.log}", err=True)
 
     started = time.monotonic()
-    log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
-    on_change(counts)
-    failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure)
+    if launcher == "submitit":
+        from gtx.experiments import cluster
+
+        log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "submitit", "submitit folder")
+        executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))  # refused options: before any job
+        on_change(counts)
+        failures = cluster.submit(cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure)
+    else:
+        if executor_opts:
+            raise GtxError("--executor-opt is for --launcher submitit; with the local launcher use -j N")
+        log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
+        on_change(counts)
+        failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure)
     if clear:
         click.echo(err=True)
     other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""
     click.echo(f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
                f"in {time.monotonic() - started:.1f} s; logs in {log_dir}")
-    if failures:
-        raise click.exceptions.Exit(1)
+    return len(failures)

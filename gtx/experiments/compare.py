@@ -31,6 +31,7 @@ from gtx.experiments.results import (
     training_runs,
 )
 from gtx.experiments.stats import paired_p, pareto_front, summarize, verdict, welch_p
+from gtx.graph.pattern import STAGES
 from gtx.plugins.registry import task_metrics as registered_task_metrics
 
 #: compare()'s per-run metrics before the task's own (``best_valid_<name>``) and the speed
@@ -68,6 +69,10 @@ def _per_run(rows: pd.DataFrame) -> dict:
         **{f"best_valid_{k}": v.min() if lower_is_better(k) else v.max() for k, v in task.items() if k not in COLUMNS},
         SPEED: last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
         "density": rows.density.mean(),
+        "edges_per_query": train[[f"edges_per_query_{s}" for s in STAGES]].mean().mean(),  # NaN stages left out
+        "train_flops": train.flops.sum(min_count=1),
+        "train_attn_flops": train.attn_flops.sum(min_count=1),
+        "train_s": train.wall_s.sum(min_count=1),
     }
 
 
@@ -95,6 +100,25 @@ def _clipped(values: pd.Series, metric: str):
     return s.mean, s.std, max(s.ci_low, lo), min(s.ci_high, hi)  # NaN stays NaN: max(nan, x) is nan
 
 
+def run_table(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None = None,
+              task_metrics: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per training run that a comparison counts (``training_runs``): the ``by`` columns,
+    ``task``, ``run_id``, ``experiment`` and ``cell``, the per-run values ``compare`` summarises (see
+    there), the cost (``train_flops``, ``train_attn_flops``: summed over the train rows; ``train_s``:
+    their wall seconds), ``edges_per_query`` (the train rows' mean, averaged over the model's stages)
+    and ``metric``, the name of the column the run is judged by."""
+    df = training_runs(df)
+    per = []
+    for run_id, rows in df.groupby("run_id", sort=False):
+        settings = settings_of(rows)
+        per.append({**{c: rows[c].iloc[0] for c in by}, **{c: rows[c].iloc[0] for c in ("task", "experiment", "cell")}, "run_id": run_id,
+                    "_settings": settings, "_experiment": _signature(settings), "_baseline": _signature(settings, ["pattern"]), **_per_run(rows)})
+    runs = pd.DataFrame(per)
+    if not runs.empty:
+        runs["metric"] = _metric_names(runs, metric, task_metrics)
+    return runs
+
+
 def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None = None,
             task_metrics: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per experiment within each group of ``by`` (seeds pooled), as numbers (``format_compare`` renders them).
@@ -116,16 +140,9 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
     tokens/s among those rows). ``attrs["metric"]``: the metric when all rows share one, else None.
     """
     by = check_by(by)
-    df = training_runs(df)
-    if df.empty:
+    runs = run_table(df, by, metric, task_metrics)
+    if runs.empty:
         return pd.DataFrame(columns=[*by, "runs"])
-    per = []
-    for run_id, rows in df.groupby("run_id", sort=False):
-        settings = settings_of(rows)
-        per.append({**{c: rows[c].iloc[0] for c in by}, "task": rows.task.iloc[0], "run_id": run_id, "_settings": settings,
-                    "_experiment": _signature(settings), "_baseline": _signature(settings, ["pattern"]), **_per_run(rows)})
-    runs = pd.DataFrame(per)
-    runs["metric"] = _metric_names(runs, metric, task_metrics)
     metrics = [c for c in runs.columns if c.startswith(("best_valid_", "test_"))]
     rows, samples = [], []
     for keys, group in runs.groupby([*by, "_experiment"], sort=True, dropna=False):
@@ -234,15 +251,15 @@ def format_compare(table: pd.DataFrame, fmt: str = "table") -> str:
     mean, std, lo, hi = (judged[k::4] for k in range(4))
     if not one:
         view["metric"] = table.metric.str.removeprefix("best_valid_")
-    view[one or "score"] = [_pm(m, s) for m, s in zip(mean, std)]
+    view[one or "score"] = [pm_text(m, s) for m, s in zip(mean, std)]
     view["ci95"] = ["-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(lo, hi)]
     names = [c.removesuffix("_mean") for c in table.columns if c.endswith("_mean")]
     for m in names:
         if m != one and table[f"{m}_mean"].notna().any() and (m != "best_valid_loss" or (table.metric == m).any()):
-            view[m] = [_pm(a, b) for a, b in zip(table[f"{m}_mean"], table[f"{m}_std"])]
+            view[m] = [pm_text(a, b) for a, b in zip(table[f"{m}_mean"], table[f"{m}_std"])]
     view["density"] = table.density
     view["speed_vs_full"] = table.speed_vs_full
-    view["welch_p"] = [_p(p) for p in table.p_vs_full]
+    view["welch_p"] = [p_text(p) for p in table.p_vs_full]
     view["vs_full"] = table.vs_full
     view["pareto"] = np.where(table.pareto, "*", "")
     return format_table(view, fmt)
@@ -250,20 +267,20 @@ def format_compare(table: pd.DataFrame, fmt: str = "table") -> str:
 
 def _format_evals(table: pd.DataFrame, fmt: str) -> str:
     view = table.loc[:, :"metric"].copy()
-    view["value"] = [_pm(m, s) for m, s in zip(table.value_mean, table.value_std)]
+    view["value"] = [pm_text(m, s) for m, s in zip(table.value_mean, table.value_std)]
     view["ci95"] = ["-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(table.value_ci_low, table.value_ci_high)]
     view["trained"] = table.trained_mean
-    view["delta"] = [_pm(m, s) for m, s in zip(table.delta_mean, table.delta_std)]
-    view["p"] = [_p(p) for p in table.p_vs_trained]
+    view["delta"] = [pm_text(m, s) for m, s in zip(table.delta_mean, table.delta_std)]
+    view["p"] = [p_text(p) for p in table.p_vs_trained]
     view["vs_trained"] = table.vs_trained
     return format_table(view, fmt)
 
 
-def _p(p: float) -> str:
+def p_text(p: float) -> str:
     return "-" if np.isnan(p) else "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
-def _pm(mean: float, std: float) -> str:
+def pm_text(mean: float, std: float) -> str:
     if np.isnan(std):
         return cell_text(mean)
     return f"{cell_text(mean)} ± {f'{std:.4f}' if abs(mean) < 10 else cell_text(std)}"  # std to the mean's precision

@@ -19,9 +19,10 @@ import pandas as pd
 from gtx.data.task import SPLITS
 from gtx.files import atomic_write
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+KEYED_SINCE = 4  # cell and experiment keys as today's: older files are rekeyed on load
 #: columns added since version 1, with the value older files get on load
-ADDED = {"context_len": pd.NA, "density": float("nan"), "cell": pd.NA, "experiment": pd.NA, "eval_of": pd.NA}
+ADDED = {"context_len": pd.NA, "density": float("nan"), "cell": pd.NA, "experiment": pd.NA, "eval_of": pd.NA, "flops": float("nan"), "attn_flops": float("nan")}
 #: the resolved configs an experiment's identity holds, as stored in the ``config`` column
 CONFIG_PARTS = ("model_config", "task_config", "train")
 
@@ -47,6 +48,8 @@ COLUMNS: dict[str, str] = {
     "tokens_per_s": "float64",  # tokens computed per second of wall time (decoder tokens; encoder tokens for classify)
     "wall_s": "float64",  # wall time of the phase (s)
     "peak_mem_mb": "float64",  # CUDA: peak allocated in the phase; CPU: peak RSS of the process
+    "flops": "float64",  # floating-point operations of the phase, counted (gtx.experiments.cost); train: forward and backward
+    "attn_flops": "float64",  # the attention's share of flops (q.k and the sum over v, on the edges attended); NaN before schema 5
     "context_len": "Int64",  # the longest sequence of the phase (tokens); <NA> in schema 1 files
     "density": "float64",  # edges over the edges the stages allow (dd: the causal triangle); 1.0 = full attention
     "edges_per_query_ee": "float64",
@@ -124,7 +127,7 @@ def load(results_dir: str | Path) -> pd.DataFrame:
         try:
             df = pd.read_csv(f, dtype=str, keep_default_na=False, na_values=[""])
             df = validate(df.assign(**{c: v for c, v in ADDED.items() if c not in df.columns}))
-            frames.append(validate(_rekey(df)) if len(df) and df.schema_version.iloc[0] < 4 else df)
+            frames.append(validate(_rekey(df)) if len(df) and df.schema_version.iloc[0] < KEYED_SINCE else df)
         except (ValueError, pd.errors.ParserError) as e:
             warnings.warn(f"skipping {f}: {e}", stacklevel=2)
     if not frames:

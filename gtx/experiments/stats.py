@@ -109,3 +109,27 @@ def pareto_front(x, y) -> np.ndarray:
         dominated = (candidates >= p[i]).all(axis=1) & (candidates > p[i]).any(axis=1)
         front[i] = not dominated.any()
     return front
+
+
+def tost_p(a, b, margin: float) -> float:
+    """p-value of the two one-sided tests (TOST, Welch's t) that the means of ``a`` and ``b`` differ
+    by less than ``margin`` (> 0, in the values' units): the larger of the p-values of H0 ``mean(a) -
+    mean(b) <= -margin`` and H0 ``mean(a) - mean(b) >= margin``. Below alpha: equivalent within the
+    margin (the 1 - 2 alpha interval of the difference lies inside it).
+
+    NaN when either side holds fewer than 2 values. Both constant: 0.0 if the means differ by less
+    than the margin, else 1.0 (the standard error is 0)."""
+    if not margin > 0:
+        raise ValueError(f"margin {margin}: an equivalence margin must be > 0")
+    a, b = _values(a), _values(b)
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    d = a.mean() - b.mean()
+    if va + vb == 0:
+        return 0.0 if abs(d) < margin else 1.0
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch-Satterthwaite
+    p_low = float(sps.t.sf((d + margin) / se, df))  # H0: d <= -margin
+    p_high = float(sps.t.cdf((d - margin) / se, df))  # H0: d >= margin
+    return max(p_low, p_high)

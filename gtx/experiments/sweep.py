@@ -172,7 +172,7 @@ def _label(config, swept: Iterable[str]) -> str:
 def cell_states(results_dir: str | Path) -> dict[str, tuple[bool, str, bool]]:
     """cell key -> (has a complete run, run id of its latest run, its complete runs predate schema 4),
     from the training rows under ``results_dir`` (``results.load`` recomputes the older files' keys)."""
-    from gtx.experiments.results import SCHEMA_VERSION, load
+    from gtx.experiments.results import KEYED_SINCE, load
 
     df = load(results_dir)
     df = df[df.eval_of.isna() & df.cell.notna()]
@@ -180,7 +180,7 @@ def cell_states(results_dir: str | Path) -> dict[str, tuple[bool, str, bool]]:
     for cell, rows in df.groupby("cell", sort=False):
         latest = rows.sort_values(["started_at", "run_id"]).run_id.iloc[-1]
         complete = rows[rows.run_id.isin(rows.run_id[rows.split == "test"])]
-        states[cell] = (len(complete) > 0, latest, len(complete) > 0 and bool((complete.schema_version < SCHEMA_VERSION).all()))
+        states[cell] = (len(complete) > 0, latest, len(complete) > 0 and bool((complete.schema_version < KEYED_SINCE).all()))
     return states
 
 
@@ -282,7 +282,7 @@ class Failure:
     message: str  # the log's last line: gtx's one-line error, or a traceback's last line
 
 
-def _last_line(log: Path, offset: int) -> str:
+def last_line(log: Path, offset: int) -> str:
     with open(log, "rb") as f:
         f.seek(offset)
         lines = [s for s in f.read().decode(errors="replace").splitlines() if s.strip()]
@@ -329,7 +329,7 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
                     counts.done += 1
                 else:
                     counts.failed += 1
-                    failures.append(Failure(cell, proc.returncode, log, _last_line(log, offset)))
+                    failures.append(Failure(cell, proc.returncode, log, last_line(log, offset)))
                     on_failure(failures[-1])
                 on_change(counts)
     finally:  # interrupted (Ctrl-C): stop the children rather than orphan them

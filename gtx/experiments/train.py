@@ -17,6 +17,7 @@ from gtx.attention.module import Attention
 from gtx.data.batch import IGNORE, Batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
+from gtx.experiments.cost import BACKWARD, FlopCount
 from gtx.experiments.distributed import World
 from gtx.graph.pattern import STAGES, Pattern
 from gtx.graph.tokens import possible_edges
@@ -59,6 +60,8 @@ class PhaseStats:
     groups: dict = field(default_factory=dict)  # group name -> [correct, scored]
     wall_s: float = 0.0
     peak_mem_mb: float = float("nan")
+    flops: float = 0.0  # counted (gtx.experiments.cost), a training step's backward included
+    attn_flops: float = 0.0  # the attention's share of them; NaN for a model that attends by itself
     extra: dict = field(default_factory=dict)
 
     def add(self, out, batch: Batch, loss: torch.Tensor) -> None:
@@ -103,6 +106,8 @@ class PhaseStats:
             "tokens_per_s": self.processed / self.wall_s if self.wall_s else float("nan"),
             "wall_s": self.wall_s,
             "peak_mem_mb": self.peak_mem_mb,
+            "flops": self.flops,
+            "attn_flops": self.attn_flops,
             "act_mean_steps": self.steps_sum / self.nodes if self.nodes else float("nan"),
             "context_len": self.context_len,
             "density": edges / possible if possible else float("nan"),
@@ -116,7 +121,7 @@ class PhaseStats:
             return parts[0]
         out = cls()
         for p in parts:
-            for name in ("loss_sum", "correct", "tokens", "steps_sum", "nodes", "processed"):
+            for name in ("loss_sum", "correct", "tokens", "steps_sum", "nodes", "processed", "flops", "attn_flops"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))
             out.context_len = max(out.context_len, p.context_len)
             for table, src in ((out.edges, p.edges), (out.groups, p.groups)):
@@ -184,7 +189,7 @@ class Trainer:
         The returned statistics are summed over ranks."""
         c, stats = self.config, PhaseStats()
         self.forward.train()
-        with Meter(self.device) as meter:
+        with Meter(self.device) as meter, FlopCount(self.model) as flops:
             attention = getattr(self.model, "attention", None)
             attention = attention if isinstance(attention, Attention) else None  # plain-torch references have none
             for batch in batches:
@@ -221,6 +226,7 @@ class Trainer:
                 if self.done:
                     break
         stats.wall_s, stats.peak_mem_mb = meter.wall_s, meter.peak_mb
+        stats.flops, stats.attn_flops = ((1 + BACKWARD) * f for f in (flops.total, flops.attention))
         stats = PhaseStats.merged(self.world.gather(stats))
         stats.extra = stats.task_metrics(self.task) if self.task else {}
         return stats
@@ -248,7 +254,10 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
     with Meter(device) as meter:
         for batch in batches:
             batch = batch.to(device)
-            out = model(batch)
+            with FlopCount(model) as flops:  # the teacher-forced pass alone: decoding is timed and costed apart
+                out = model(batch)
+            stats.flops += flops.total
+            stats.attn_flops += flops.attention
             checks.model_output(model, out, len(batch.targets), len(task.tgt_vocab))
             stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE))
             if decode_limit < 0 or len(hyps) < decode_limit:

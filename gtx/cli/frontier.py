@@ -1,0 +1,62 @@
+"""``gtx frontier``: the click layer over gtx.experiments.frontier (registered on the group by gtx/cli/__init__.py)."""
+
+from __future__ import annotations
+
+import click
+
+from gtx.cli.common import CliError
+from gtx.cli.sweep import grid_options, read_grid, run_cells
+from gtx.errors import GtxError
+from gtx.experiments import frontier as fr
+from gtx.experiments import sweep as sw
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--family", "families", multiple=True, required=True, metavar="NAME:P=B1,B2,...",
+              help="A pattern and its budgets: the one parameter with several values (local:w=16,32,64; moba:b=16,k=2,4,8); repeatable.")
+@click.option("--lengths", required=True, metavar="L1[,L2...]", help="Sequence lengths: values of the task's seq_len or context setting.")
+@click.option("--length-key", metavar="SETTING", help="The task setting the lengths set [default: seq_len, else context].")
+@click.option("--margin", type=float, default=0.01, show_default=True,
+              help="Equivalence margin in the metric's units: a budget is equivalent to full when TOST says |difference| < margin.")
+@click.option("--metric", help="Judge by this metric [default: each task's own, e.g. query_acc, bpc].")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option("--table-only", is_flag=True, help="Print the frontier of the runs already in --results; run nothing.")
+@grid_options
+def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry_run, quiet, launcher, executor_opts, **options):
+    """Accuracy against attention budget: every family's budgets and full, at every length, over seeds.
+
+    \b
+      gtx frontier --task recall --model lm --family local:w=16,32,64 --family moba:b=16,k=2,4 \\
+          --lengths 256,512,1024 --seeds 0-2 --set epochs=2 -j 2
+
+    The cells run as one `gtx sweep` (resumable: run it again to finish an interrupted frontier;
+    cells that any earlier sweep or frontier completed are reused). Then prints, per task, length and
+    setting, each budget's measured density and edges per query, the metric's mean ± std and 95%
+    interval, tokens/s, training GFLOP, and a TOST of equivalence with full at --margin; and per family
+    the smallest budget equivalent to full. Exit 1 if a cell failed, 2 on bad input (nothing runs).
+    """
+    try:
+        if not margin > 0:
+            raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+        grid, results_dir, jobs = read_grid(None, (), **options)
+        study = fr.Study([fr.parse_family(f) for f in families], sw.split_list(lengths, "--lengths"), grid, length_key)
+        cells, points = fr.plan_study(study, results_dir)
+        for note in study.notes:
+            click.echo(f"note: {note}", err=True)
+        failed = 0 if table_only else run_cells(cells, sw.sweep_name(None, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"],
+                                                  launcher, executor_opts)
+        if dry_run:
+            return
+        from gtx.experiments.results import format_table, load
+
+        table = fr.frontier_table(cells, points, load(results_dir), margin, metric)
+        if table.empty:
+            raise GtxError(f"no runs of this frontier under {results_dir} yet; run it without --table-only")
+        click.echo(fr.format_frontier(table, fmt))
+        click.echo(f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
+                   "smallest such budget per family (fewest edges per query):")
+        click.echo(format_table(fr.equivalent_budgets(table), fmt))
+        if failed:
+            raise click.exceptions.Exit(1)
+    except GtxError as e:  # also when called outside the gtx group, which converts them itself
+        raise CliError(str(e)) from None

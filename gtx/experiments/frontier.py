@@ -1,0 +1,300 @@
+"""The frontier: accuracy against attention budget, per task, length and model size, from one sweep.
+
+    families = [parse_family("local:w=16,32,64"), parse_family("moba:b=16,k=2,4")]
+    study = Study(families, lengths=["256", "512"], grid=make_grid(task=["recall"], model=["lm"], seeds="0-2"))
+    cells, dropped = plan_study(study, "results")     # sweep cells: full and every budget at every length
+    ...run them as a sweep (gtx.experiments.sweep.execute)...
+    table = frontier_table(study, cells, load("results"), margin=0.01)
+    smallest = equivalent_budgets(table)
+
+A *family* is a pattern with one budget parameter given several values (``moba:b=16,k=2,4,8``:
+``k`` is the budget). Its cells are ordinary sweep cells (``gtx.experiments.sweep``), so they resume,
+run in parallel and are reused by any later sweep or frontier that asks for the same experiment. A
+budget that attends to every candidate at a length is dropped there with a note: it would measure
+full attention under another name. Equivalence with ``full`` is a TOST (``stats.tost_p``) at a stated
+margin, never a non-significant difference. Knows nothing of click.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from gtx.errors import GtxError
+from gtx.experiments.compare import SPEED, p_text, pm_text, run_table
+from gtx.experiments.results import cell_text, format_table, lower_is_better, metric_range
+from gtx.experiments.stats import summarize, tost_p
+from gtx.experiments.sweep import Cell, Grid, plan, split_list
+from gtx.graph.spec import parse_pattern
+
+FULL = "full"
+ALPHA = 0.05
+NEARLY_FULL = 1 - 1e-9  # a fixed pattern's density at or above this attends to everything it may
+KEY_RE = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(.*)\Z", re.S)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A pattern and its budgets: ``specs[i]`` is the pattern with ``param`` = ``budgets[i]``
+    (``param`` None: one budget, the spec as given)."""
+
+    name: str
+    param: str | None
+    budgets: tuple[str, ...]
+    specs: tuple[str, ...]
+
+
+def parse_family(text: str) -> Family:
+    """``local:w=16,32,64`` or ``moba:b=16,k=2,4,8`` (the one parameter given several values is the
+    budget) or a single spec (``nsa``). Raises GtxError naming the family and the fix."""
+    name, _, params = text.strip().partition(":")
+    values: dict[str, list[str]] = {}
+    last = None
+    try:
+        items = split_list(params) if params else []
+    except GtxError:
+        raise GtxError(f"family {text!r}: an empty item between commas; write name:param=v1,v2,v3") from None
+    for item in items:
+        m = KEY_RE.match(item)
+        if m:
+            last = m[1]
+            if last in values:
+                raise GtxError(f"family {text!r}: parameter {last!r} is given twice; list its budgets once, {last}=a,b,c")
+            values[last] = [m[2].strip()]
+        elif last is None:
+            raise GtxError(f"family {text!r}: {item!r} follows no parameter; write name:param=v1,v2,v3")
+        else:
+            values[last].append(item)
+    swept = [k for k, v in values.items() if len(v) > 1]
+    if len(swept) > 1:
+        raise GtxError(f"family {text!r}: {', '.join(swept)} all have several values; a family sweeps one budget parameter (write one family per combination)")
+    param = swept[0] if swept else None
+    budgets = values[param] if param else [",".join(f"{k}={v[0]}" for k, v in values.items()) or "-"]
+    specs = []
+    for budget in (budgets if param else [None]):
+        spec = f"{name}:{','.join(f'{k}={budget if k == param else v[0]}' for k, v in values.items())}" if values else name
+        try:
+            pattern = parse_pattern(spec)
+        except GtxError as e:
+            raise GtxError(f"family {text!r}: {e}") from None
+        if pattern.spec == FULL:
+            raise GtxError(f"family {text!r}: full attention is every frontier's baseline already; give sparse patterns")
+        specs.append(pattern.spec)
+    if len(set(specs)) < len(specs):
+        raise GtxError(f"family {text!r}: two budgets give the same pattern; list each budget once")
+    return Family(name, param, tuple(budgets), tuple(specs))
+
+
+def length_key(task: str) -> str:
+    """The task setting that sets its sequence length: ``seq_len``, else ``context`` (``--length-key`` names another)."""
+    from gtx.plugins.registry import TASKS
+
+    names = {f.name for f in dataclasses.fields(TASKS.get(task).config)}
+    for key in ("seq_len", "context"):
+        if key in names:
+            return key
+    raise GtxError(f"task {task!r} has no seq_len or context setting; name the setting that sets its length with --length-key "
+                   f"(its settings: {', '.join(sorted(names))})")
+
+
+@dataclass
+class Study:
+    """A frontier's axes: the families, the lengths (values of the task's ``length_key`` setting,
+    None: found per task) and a sweep grid for the rest (tasks, models, seeds, sizes as settings)."""
+
+    families: list[Family]
+    lengths: list[str]
+    grid: Grid
+    length_key: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def key(self, task: str) -> str:
+        return self.length_key or length_key(task)
+
+
+@dataclass(frozen=True)
+class Point:
+    """What a cell is on the frontier: its family (None: the full baseline) and budget, its length
+    (the value of its task's setting ``length_key``)."""
+
+    family: str | None
+    budget: str
+    length: str
+    length_key: str
+    rank: int  # where the spec stands in the study: full first, then the families' budgets as given
+
+
+def plan_study(study: Study, results_dir) -> tuple[list[Cell], dict[str, Point]]:
+    """The study's sweep cells (``sweep.plan``: complete ones marked skip) and each cell key's ``Point``.
+    A budget that attends to every candidate at a length is left out there, with a line in
+    ``study.notes``; any other bad cell raises GtxError naming it, before anything runs."""
+    specs = {FULL: (None, "-")} | {s: (f.name, b) for f in study.families for b, s in zip(f.budgets, f.specs)}
+    cells: list[Cell] = []
+    points: dict[str, Point] = {}
+    for task in study.grid.task:
+        key = f"task.{study.key(task)}"
+        for length in study.lengths:
+            grid = dataclasses.replace(study.grid, task=[task], pattern=list(specs), settings={**study.grid.settings, key: [length]})
+            full_at = _full_budgets(grid, list(specs)[1:], length)
+            for f in study.families:
+                if set(f.specs) <= set(full_at):
+                    raise GtxError(f"family {f.specs[0] if len(f.specs) == 1 else f.name + ':' + str(f.param)}: every budget attends to every "
+                                   f"candidate at {task}'s {key.partition('.')[2]}={length} ({full_at[f.specs[0]]}); give smaller budgets or longer lengths")
+            for cell in plan(grid, results_dir):
+                spec = cell.config.pattern
+                if spec in full_at:
+                    continue
+                cells.append(dataclasses.replace(cell, index=len(cells)))
+                points[cell.key] = Point(*specs[spec], length, key, list(specs).index(spec))
+            study.notes += [f"{task} at {key.partition('.')[2]}={length}: {why}; left out" for why in dict.fromkeys(full_at.values())]
+    return cells, points
+
+
+def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
+    """The specs that attend to every candidate at this length, with why; checks every other cell of
+    ``grid``'s first seed, model and settings as ``gtx run`` would (data, positions, the edges)."""
+    from gtx.attention.module import full_budget
+    from gtx.data.batch import make_batch
+    from gtx.experiments.config import resolve
+    from gtx.experiments.runner import RunConfig
+    from gtx.experiments.train import PhaseStats
+
+    out = {}
+    for model in grid.model:
+        for values in _settings_product(grid.settings):
+            config = RunConfig(task=grid.task[0], model=model, pattern=FULL, backend=grid.backend[0], device=grid.device, seed=grid.seeds[0],
+                               settings=values)
+            where = f"task {config.task!r} model {model!r} at length {length}"
+            try:
+                r = resolve(config)
+            except GtxError as e:
+                raise GtxError(f"frontier {where}: {e}") from None
+            for spec in specs:
+                pattern = parse_pattern(spec)
+                probe = PhaseStats()
+                try:
+                    probe.graph_only(make_batch(r.task, "train", [0], pattern))
+                except GtxError as e:
+                    raise GtxError(f"frontier {where}: {e}") from None
+                stages, n = list(probe.edges), r.task.context_len()
+                why = full_budget(pattern, stages, n)
+                fixed = pattern.select is None and not pattern.heads and pattern.trainable is None
+                if fixed and min(probe.density(s) for s in stages) >= NEARLY_FULL:
+                    why = f"pattern {spec!r} attends to every candidate at {n} tokens (density 1.0)"
+                if why:
+                    out.setdefault(spec, why)
+    return out
+
+
+def _settings_product(settings: dict[str, list[str]]):
+    import itertools
+
+    for values in itertools.product(*settings.values()):
+        yield dict(zip(settings, values))
+
+
+def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame, margin: float,
+                   metric: str | None = None) -> pd.DataFrame:
+    """One row per experiment of the study that has runs (seeds pooled), numbers only.
+
+    Columns: ``task``, ``model``, ``length``, the study's other swept settings, ``family`` (``full``
+    for the baseline), ``budget``, ``pattern``, ``runs``, ``metric`` and its ``mean``, ``std``,
+    ``ci_low``, ``ci_high`` (95%, clipped to the metric's range), ``density`` and ``edges_per_query``
+    (measured: what the pattern kept), ``tokens_per_s``, ``speed_vs_full``, the cost (``train_flops``,
+    ``train_attn_flops``, ``train_s``: per run, means), ``tost_p`` against ``full`` of the same task,
+    model, length and settings (TOST at ``margin``, in the metric's units) and ``equivalent``
+    (tost_p < 0.05; NaN/False with fewer than 2 runs a side). Only the study's own cells count: runs of
+    other experiments in the folder never mix in."""
+    if not margin > 0:
+        raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+    swept = _swept(cells, {p.length_key for p in points.values()})
+    keyed = {c.key: c for c in cells}
+    runs = run_table(df[df.cell.isin(list(keyed))], ("pattern",), metric)
+    columns = ["task", "model", "length", *swept, "family", "budget", "pattern", "runs", "metric", "mean", "std", "ci_low", "ci_high",
+               "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "equivalent"]
+    if runs.empty:
+        return pd.DataFrame(columns=columns)
+    runs["value"] = [r[r["metric"]] for _, r in runs.iterrows()]
+    rows, samples = [], {}
+    for _, group in runs.groupby("experiment", sort=False):
+        cell = keyed[group.cell.iloc[0]]
+        point = points[cell.key]
+        name = group.metric.iloc[0]
+        s = summarize(group.value)
+        lo, hi = metric_range(name)
+        where = {"task": cell.config.task, "model": cell.config.model, "length": point.length, **{k: cell.config.settings[k] for k in swept}}
+        rows.append({**where, "family": point.family or FULL, "budget": point.budget, "_order": point.rank, "pattern": cell.config.pattern, "runs": s.n,
+                     "metric": name.removeprefix("best_valid_"), "mean": s.mean, "std": s.std, "ci_low": max(s.ci_low, lo), "ci_high": min(s.ci_high, hi),
+                     **{c: group[c].mean() for c in ("density", "edges_per_query")}, "tokens_per_s": group[SPEED].mean(),
+                     **{c: group[c].mean() for c in ("train_flops", "train_attn_flops", "train_s")}, "_where": tuple(where.values()),
+                     "_lower": lower_is_better(name)})
+        samples[len(rows) - 1] = group.value.to_numpy(dtype=float)
+    table = pd.DataFrame(rows)
+    table["speed_vs_full"], table["tost_p"], table["equivalent"] = np.nan, np.nan, False
+    for _, idx in table.groupby("_where", sort=False).groups.items():
+        full = [i for i in idx if table.at[i, "family"] == FULL]
+        if not full:
+            continue
+        f = full[0]
+        table.loc[idx, "speed_vs_full"] = table.loc[idx, "tokens_per_s"] / table.at[f, "tokens_per_s"]
+        for i in idx:
+            if i != f:
+                p = tost_p(samples[i], samples[f], margin)
+                table.loc[i, ["tost_p", "equivalent"]] = p, bool(p < ALPHA)
+    table = table.assign(_len=pd.to_numeric(table.length, errors="coerce"))
+    table = table.sort_values(["task", "model", *swept, "_len", "_order"], kind="stable")
+    table.attrs.update(margin=margin, alpha=ALPHA)
+    return table.drop(columns=["_where", "_lower", "_order", "_len"]).reset_index(drop=True)[columns]
+
+
+def _swept(cells: list[Cell], length_keys: set[str]) -> list[str]:
+    """Settings other than the length (a ``task.`` setting each cell sets to its point's length) that
+    take several values among the cells: model sizes and the like."""
+    keys = dict.fromkeys(k for c in cells for k in c.config.settings)
+    return [k for k in keys if len({c.config.settings.get(k) for c in cells}) > 1 and k not in length_keys]
+
+
+def equivalent_budgets(table: pd.DataFrame) -> pd.DataFrame:
+    """Per task, model, length, settings and family: the smallest budget (fewest edges per query)
+    equivalent to ``full`` (``frontier_table``'s ``equivalent``), its density and edges per query;
+    ``smallest`` is ``none`` where no budget is (``untested`` where no budget had 2 runs and a full)."""
+    keys = list(table.columns[:table.columns.get_loc("family")])
+    out = []
+    for values, group in table[table.family != FULL].groupby([*keys, "family"], sort=False):
+        ok = group[group.equivalent.astype(bool)].sort_values("edges_per_query")
+        row = {**dict(zip([*keys, "family"], values)), "budgets": len(group)}
+        if len(ok):
+            best = ok.iloc[0]
+            row.update(smallest=best.budget, pattern=best.pattern, density=best.density, edges_per_query=best.edges_per_query, tost_p=best.tost_p)
+        else:
+            row.update(smallest="none" if group.tost_p.notna().any() else "untested", pattern="-", density=math.nan, edges_per_query=math.nan,
+                       tost_p=math.nan)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
+    """``frontier_table`` rendered: CSV as numbers; table and markdown with ``mean ± std``, the 95%
+    interval, cost in GFLOP and ``tost_p``/``equivalent`` (``yes``, ``no``, ``-`` untested)."""
+    if fmt == "csv" or table.empty:
+        return format_table(table, fmt)
+    one = table.metric.nunique() == 1
+    view = table.loc[:, :"runs"].copy()
+    if not one:
+        view["metric"] = table.metric
+    view[table.metric.iloc[0] if one else "score"] = [pm_text(m, s) for m, s in zip(table["mean"], table["std"])]
+    view["ci95"] = ["-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(table.ci_low, table.ci_high)]
+    view["density"] = table.density
+    view["edges/query"] = table.edges_per_query
+    view["tokens/s"] = table.tokens_per_s
+    view["vs_full"] = table.speed_vs_full
+    view["train_gflop"] = table.train_flops / 1e9
+    view["attn_share"] = table.train_attn_flops / table.train_flops
+    view["tost_p"] = [p_text(p) for p in table.tost_p]
+    view["equivalent"] = ["-" if np.isnan(p) else "yes" if e else "no" for p, e in zip(table.tost_p, table.equivalent)]
+    return format_table(view, fmt)

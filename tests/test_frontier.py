@@ -1,0 +1,169 @@
+"""gtx frontier: families, TOST by hand, FLOP counting, and a tiny frontier end to end (killed and resumed)."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gtx.cli import cli
+from gtx.errors import GtxError
+from gtx.experiments.cost import FlopCount
+from gtx.experiments.frontier import parse_family
+from gtx.experiments.results import load
+from gtx.experiments.stats import tost_p
+
+
+def t_cdf_4(t):
+    """Student's t CDF with 4 degrees of freedom, in closed form (no scipy)."""
+    x = t / math.sqrt(t * t + 4)
+    return 0.5 + 0.75 * x * (1 - x * x / 3)
+
+
+def t_cdf_2(t):
+    return 0.5 + t / (2 * math.sqrt(2 + t * t))
+
+
+def test_tost_by_hand_equal_variances_three_each():
+    a, b = [0.90, 0.92, 0.94], [0.91, 0.93, 0.95]
+    # d = -0.01; each variance 0.0004, so se = sqrt(2 * 0.0004 / 3); Welch's df = 4 exactly
+    se = math.sqrt(2 * 0.0004 / 3)
+    for margin in (0.05, 0.02):
+        p_low = 1 - t_cdf_4((-0.01 + margin) / se)  # H0: d <= -margin
+        p_high = t_cdf_4((-0.01 - margin) / se)  # H0: d >= margin
+        assert tost_p(a, b, margin) == pytest.approx(max(p_low, p_high), rel=1e-9)
+    assert tost_p(a, b, 0.05) == pytest.approx(0.03524, abs=1e-5) and tost_p(a, b, 0.05) < 0.05  # equivalent within 5 points
+    assert tost_p(a, b, 0.02) > 0.05  # not within 2 points: too few seeds to tell
+
+
+def test_tost_by_hand_two_each_and_the_edges():
+    a, b = [1.0, 1.2], [1.05, 1.25]  # d = -0.05, both variances 0.02 over n = 2: Welch's df = 2, se = sqrt(0.02)
+    se = math.sqrt(0.02)
+    p = max(1 - t_cdf_2((-0.05 + 0.3) / se), t_cdf_2((-0.05 - 0.3) / se))
+    assert tost_p(a, b, 0.3) == pytest.approx(p, rel=1e-9)
+    assert tost_p([1, 1, 1], [1.005, 1.005], 0.01) == 0.0 and tost_p([1, 1], [1.02, 1.02], 0.01) == 1.0  # no spread
+    assert math.isnan(tost_p([1.0], [1.0, 2.0], 0.1)) and math.isnan(tost_p([1.0, math.nan], [1.0, 2.0], 0.1))
+    with pytest.raises(ValueError, match="margin"):
+        tost_p(a, b, 0.0)
+
+
+def test_tost_agrees_with_the_90_percent_interval():
+    """Equivalent at alpha = 0.05 exactly when the 90% Welch interval of the difference lies inside the margin."""
+    from scipy import stats as sps
+
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        a, b = (torch.rand(n, generator=rng).double().tolist() for n in (3, 4))
+        va, vb = torch.tensor(a).var().item() / 3, torch.tensor(b).var().item() / 4
+        df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+        d, half = sum(a) / 3 - sum(b) / 4, sps.t.ppf(0.95, df) * math.sqrt(va + vb)
+        margin = float(torch.rand(1, generator=rng)) * 0.5 + 0.01
+        assert (tost_p(a, b, margin) < 0.05) == (-margin < d - half and d + half < margin)
+
+
+def test_families():
+    f = parse_family("moba:b=16,k=2,4,8")
+    assert (f.name, f.param, f.budgets) == ("moba", "k", ("2", "4", "8"))
+    assert f.specs == tuple(f"moba:b=16,k={k},gate=token" for k in (2, 4, 8))
+    assert parse_family("local:w=4,8").specs == ("local:w=4", "local:w=8") and parse_family("nsa").param is None
+
+
+@pytest.mark.parametrize("text, match", [("local:q=1,2", "has no parameter 'q'"), ("moba:b=1,2,k=3,4", "one budget parameter"),
+                                         ("local:w=4,,8", "empty item"), ("local:16", "follows no parameter"), ("full", "baseline"),
+                                         ("nope:w=1,2", "unknown pattern"), ("local:w=4,4", "same pattern")])
+def test_bad_families(text, match):
+    with pytest.raises(GtxError, match=match):
+        parse_family(text)
+
+
+def test_flops_are_counted_per_linear_row_and_attended_edge():
+    from gtx.attention.module import Attention
+    from gtx.backends import get_backend
+    from gtx.graph.spec import parse_pattern
+    from gtx.graph.tokens import EdgeSet
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.attention = torch.nn.Linear(8, 6), Attention(get_backend("dense", torch.device("cpu")))
+
+        def forward(self, x, edges):
+            q = self.proj(x).view(len(x), 2, 3)
+            return self.attention(q, q, q, edges)
+
+    n = 10
+    src, dst = parse_pattern("local:w=3").edges("dd", n, n)
+    edges = EdgeSet(src, dst, n, n, "dd")
+    edges.pattern = parse_pattern("local:w=3")
+    model = Model()
+    with FlopCount(model) as f:
+        model(torch.randn(n, 8), edges)
+    assert f.dense == 2 * 8 * 6 * n
+    assert f.attention == 2 * len(src) * 2 * (3 + 3)  # per edge and head: q.k and the sum over v
+    assert f.total == f.dense + f.attention
+
+
+RECALL = ["--task", "recall", "--model", "lm", "--set", "n_pairs=2", "--set", "queries_per_key=1", "--set", "n_keys=4", "--set", "n_values=4",
+          "--set", "n_train=24", "--set", "n_valid=8", "--set", "n_test=8", "--set", "train_min_len=0", "--dim", "16", "--heads", "2",
+          "--dim-ff", "16", "--layers", "1", "--batch-size", "8", "--epochs", "2"]
+STUDY = ["--family", "local:w=4,24", "--lengths", "16,32", "--seeds", "0-1", "--margin", "0.5", "-j", "2", "--quiet"]
+FRONTIER = [sys.executable, "-m", "gtx.cli", "frontier"]
+TIMING = ["tokens/s", "vs_full"]  # measured, so never equal between two runs
+
+
+def science(output: str) -> list[list[str]]:
+    """The frontier table's rows without its timing columns."""
+    lines = [line.split("  ") for line in output.split("\n\n")[0].splitlines() if line.strip()]
+    rows = [[c.strip() for c in line if c.strip()] for line in lines]
+    keep = [i for i, name in enumerate(rows[0]) if name not in TIMING]
+    return [[row[i] for i in keep] for row in rows]
+
+
+def test_frontier_end_to_end_killed_and_run_again(tmp_path):
+    ref = tmp_path / "ref"
+    first = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(ref)])
+    assert first.exit_code == 0, first.output
+    assert "local:w=24' attends to every candidate at 15 tokens" in first.output  # dropped at length 16, kept at 32
+    table = science(first.output.split("sweep ")[-1].split("\n", 1)[1])
+    assert [row[:5] for row in table[1:]] == [["recall", "lm", "16", "full", "-"], ["recall", "lm", "16", "local", "4"],
+                                              ["recall", "lm", "32", "full", "-"], ["recall", "lm", "32", "local", "4"],
+                                              ["recall", "lm", "32", "local", "24"]]
+    assert load(ref).query("split == 'test'").cell.nunique() == 10  # 5 points x 2 seeds
+    again = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(ref), "--dry-run"])
+    assert again.exit_code == 0 and "gtx run" not in again.output  # every cell reused
+
+    res = tmp_path / "res"
+    proc = subprocess.Popen([*FRONTIER, *RECALL, *STUDY, "--results", str(res)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and len(list((res / "runs").glob("*.csv"))) < 3:
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert 0 < len(load(res).query("split == 'test'")) < 10  # killed midway
+    second = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(res)])
+    assert second.exit_code == 0, second.output
+    test = load(res).query("split == 'test'")
+    assert len(test) == 10 and test.cell.nunique() == 10  # every cell finished once
+    assert science(second.output.split("sweep ")[-1].split("\n", 1)[1]) == table
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "0"], "margin 0.0: an equivalence margin must be > 0"),
+    (["--family", "local:x=4,8", "--lengths", "16"], "has no parameter 'x'"),
+    (["--family", "local:w=4,8", "--lengths", "4"], "seq_len=4 is too small"),
+    (["--family", "local:w=4,8", "--lengths", "16", "--length-key", "nope"], "nope"),
+    (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
+])
+def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match):
+    result = CliRunner().invoke(cli, ["frontier", *RECALL, *args, "--results", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert match in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r" / "runs").exists()
