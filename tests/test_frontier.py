@@ -14,9 +14,11 @@ from click.testing import CliRunner
 from gtx.cli import cli
 from gtx.errors import GtxError
 from gtx.experiments.cost import FlopCount
-from gtx.experiments.frontier import parse_family
+from gtx.experiments.frontier import load_frontiers, parse_family
 from gtx.experiments.results import load
 from gtx.experiments.stats import tost_p
+from gtx.pictures import plot
+from gtx.pictures.report import write_report
 
 
 def t_cdf_4(t):
@@ -136,6 +138,9 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
     assert load(ref).query("split == 'test'").cell.nunique() == 10  # 5 points x 2 seeds
     again = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(ref), "--dry-run"])
     assert again.exit_code == 0 and "gtx run" not in again.output  # every cell reused
+    (name, saved), = load_frontiers(ref).items()  # the table as numbers, and its figure beside it
+    assert len(saved) == 5 and saved.length.tolist() == ["16", "16", "32", "32", "32"] and (ref / "frontiers" / f"{name}.png").is_file()
+    assert plot.frontier(saved).axes and "<h2>Frontiers</h2>" in write_report(ref).read_text()
 
     res = tmp_path / "res"
     proc = subprocess.Popen([*FRONTIER, *RECALL, *STUDY, "--results", str(res)], start_new_session=True,
@@ -167,3 +172,10 @@ def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match)
     assert result.exit_code == 2, result.output
     assert match in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r" / "runs").exists()
+
+
+def test_the_frontier_figure_refuses_other_tables():
+    import pandas as pd
+
+    with pytest.raises(GtxError, match="not a frontier table: missing"):
+        plot.frontier(pd.DataFrame({"task": ["copy"], "pattern": ["full"]}))

@@ -48,6 +48,9 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
         if dry_run:
             return
         from gtx.experiments.results import format_table, load
+        from gtx.files import atomic_write
+        from gtx.pictures import plot
+        from gtx.pictures.figure import save
 
         table = fr.frontier_table(cells, points, load(results_dir), margin, metric)
         if table.empty:
@@ -56,6 +59,11 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
         click.echo(f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
                    "smallest such budget per family (fewest edges per query):")
         click.echo(format_table(fr.equivalent_budgets(table), fmt))
+        saved = fr.frontier_dir(results_dir) / sw.sweep_name(None, cells).replace("grid-", "frontier-")
+        atomic_write(saved.with_suffix(".csv"), table.to_csv(index=False))
+        figure = save(plot.frontier(table), saved.with_suffix(".png"))
+        if not quiet:
+            click.echo(f"\nfrontier table: {saved.with_suffix('.csv')}; figure: {figure} (gtx report shows both)", err=True)
         if failed:
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -298,3 +299,13 @@ def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
     view["tost_p"] = [p_text(p) for p in table.tost_p]
     view["equivalent"] = ["-" if np.isnan(p) else "yes" if e else "no" for p, e in zip(table.tost_p, table.equivalent)]
     return format_table(view, fmt)
+
+
+def frontier_dir(results_dir) -> Path:
+    """Where ``gtx frontier`` keeps each study's table (``<name>.csv``) and figure (``<name>.png``)."""
+    return Path(results_dir) / "frontiers"
+
+
+def load_frontiers(results_dir) -> dict[str, pd.DataFrame]:
+    """Every frontier table saved under ``results_dir`` (``frontier_dir``), by name, as numbers."""
+    return {p.stem: pd.read_csv(p, dtype={"length": str, "budget": str}) for p in sorted(frontier_dir(results_dir).glob("*.csv"))}

@@ -281,6 +281,13 @@ def attention_bench(df: pd.DataFrame) -> Figure:
     return fig
 
 
+def frontier(table: pd.DataFrame) -> Figure:
+    """A frontier's metric against budget and against cost, per length: ``gtx.pictures.plot_frontier.frontier``."""
+    from gtx.pictures.plot_frontier import frontier
+
+    return frontier(table)
+
+
 # ---------------------------------------------------------------------------------------------
 # Trained models: drawn by gtx.pictures.plot_model (imported on use: it loads checkpoints and models)
 # ---------------------------------------------------------------------------------------------
@@ -300,4 +307,4 @@ def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", **k
     return act(ref, examples, split, **kwargs)
 
 
-__all__ = ["act", "attention", "pattern", "pattern_grid", "results", "run_table", "curve_table", "save", "attention_bench"]
+__all__ = ["act", "attention", "frontier", "pattern", "pattern_grid", "results", "run_table", "curve_table", "save", "attention_bench"]

@@ -17,6 +17,7 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.experiments.compare import check_by, compare, format_compare
+from gtx.experiments.frontier import format_frontier, load_frontiers
 from gtx.experiments.results import load, training_runs
 from gtx.graph.pattern import STAGES
 from gtx.pictures import plot
@@ -51,7 +52,12 @@ def comparison_html(df: pd.DataFrame) -> str:
     """``gtx compare``'s table (``gtx.experiments.compare.compare``, rendered by ``format_compare``) as an HTML
     table. The markdown rendering pads every column to a fixed width, so the separator line's '|' mark
     the column edges exactly, also around cells that hold a '|' themselves (``local:w=2|strided:l=4``)."""
-    lines = format_compare(compare(df), "markdown").splitlines()
+    return _html_table(format_compare(compare(df), "markdown"))
+
+
+def _html_table(markdown: str) -> str:
+    """A table rendered as gtx's fixed-width markdown, as an HTML table."""
+    lines = markdown.splitlines()
     edges = [i for i, ch in enumerate(lines[1]) if ch == "|"]
     cells = [[html.escape(line[a + 1:b].strip()) for a, b in zip(edges, edges[1:])] for line in lines]
     head = "".join(f"<th>{c}</th>" for c in cells[0])
@@ -94,10 +100,22 @@ def configs_html(df: pd.DataFrame) -> str:
     return "\n".join(parts)
 
 
-def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str = "best_valid_token_acc") -> str:
+def frontiers_html(frontiers: dict[str, pd.DataFrame]) -> str:
+    """Each saved frontier (``gtx.experiments.frontier.load_frontiers``): its table and figure."""
+    parts = []
+    for name, table in frontiers.items():
+        margin = f" at margin {table.attrs['margin']}" if "margin" in table.attrs else ""
+        parts.append(f"<h3>{html.escape(name)}</h3>\n{_html_table(format_frontier(table, 'markdown'))}\n"
+                     f"{_img(plot.frontier(table), f'frontier {name}: metric against budget and cost')}{_note('equivalent: TOST against full' + margin)}")
+    return "\n".join(parts)
+
+
+def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str = "best_valid_token_acc",
+           frontiers: dict[str, pd.DataFrame] | None = None) -> str:
     """The report page of a results frame (``gtx.experiments.results.load``) as an HTML string; ``source`` names
-    where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``. GtxError if there are
-    no runs, or ``by`` or ``metric`` name nothing these runs have."""
+    where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``; ``frontiers``
+    (``gtx.experiments.frontier.load_frontiers``) add a section. GtxError if there are no runs, or
+    ``by`` or ``metric`` name nothing these runs have."""
     if df.empty:
         raise GtxError(f"no runs in {source or 'the results'}; run `gtx run` first")
     by = check_by(by, df.columns)  # a bad --by or --metric is the user's error, not a note inside the page
@@ -105,6 +123,9 @@ def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str
         figure = _note("no results plot: these results hold only evaluations (gtx eval), no training runs")
     else:
         figure = _img(plot.results(df, by=by, metric=metric), "accuracy against speed, and learning curves")
+    frontier_section = "" if not frontiers else (
+        "<h2>Frontiers</h2>\n<p class=\"note\">As <code>gtx frontier</code> printed them: per length, each family's budgets against full, mean "
+        f"and 95% CI over seeds; top panels against edges per query, bottom against training FLOPs.</p>\n{frontiers_html(frontiers)}\n")
     n_runs = df["run_id"].nunique()
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = f"gtx report: {source}" if source else "gtx report"
@@ -122,7 +143,7 @@ patterns: {html.escape(", ".join(map(str, sorted(df["pattern"].unique()))))}. Ge
 <p class="note">Top: {html.escape(metric)} against training tokens/s, mean and std over runs (seeds), with the Pareto front.
 Bottom: the valid metric per epoch, mean and std over runs.</p>
 {figure}
-<h2>Patterns</h2>
+{frontier_section}<h2>Patterns</h2>
 <p class="note">Rows are queries, columns keys, dark cells edges; drawn at the runs' median context length (at most {MAX_LEN}).</p>
 {patterns_html(df)}
 <h2>Run configurations</h2>
@@ -141,7 +162,7 @@ def write_report(results_dir: str | Path, path: str | Path | None = None, **kw) 
     if df.empty:
         raise GtxError(f"no runs under {results_dir / 'runs'}; run `gtx run` first, or pass --results DIR")
     path = Path(path) if path is not None else results_dir / "report.html"
-    text = report(df, source=str(results_dir), **kw)
+    text = report(df, source=str(results_dir), frontiers=load_frontiers(results_dir), **kw)
     ensure_parent(path)
     try:
         path.write_text(text, encoding="utf-8")
