@@ -70,9 +70,10 @@ def test_tost_agrees_with_the_90_percent_interval():
 
 def test_families():
     f = parse_family("moba:b=16,k=2,4,8")
-    assert (f.name, f.param, f.budgets) == ("moba", "k", ("2", "4", "8"))
+    assert (f.name, f.param, f.budgets) == ("moba b=16", "k", ("2", "4", "8"))
     assert f.specs == tuple(f"moba:b=16,k={k},gate=token" for k in (2, 4, 8))
-    assert parse_family("local:w=4,8").specs == ("local:w=4", "local:w=8") and parse_family("nsa").param is None
+    assert parse_family("local:w=4,8").specs == ("local:w=4", "local:w=8") and parse_family("local:w=4,8").name == "local"
+    assert parse_family("moba:b=8,k=2,3,gate=block").name == "moba b=8 gate=block" and parse_family("nsa").param is None
 
 
 @pytest.mark.parametrize("text, match", [("local:q=1,2", "has no parameter 'q'"), ("moba:b=1,2,k=3,4", "one budget parameter"),

@@ -32,8 +32,10 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
     The cells run as one `gtx sweep` (resumable: run it again to finish an interrupted frontier;
     cells that any earlier sweep or frontier completed are reused). Then prints, per task, length and
     setting, each budget's measured density and edges per query, the metric's mean ± std and 95%
-    interval, tokens/s, training GFLOP, and a TOST of equivalence with full at --margin; and per family
-    the smallest budget equivalent to full. Exit 1 if a cell failed, 2 on bad input (nothing runs).
+    interval, tokens/s, training GFLOP, and a TOST of equivalence with full at --margin; per family
+    the smallest budget equivalent to full; and the cost front (across model sizes given as --set
+    dim=32,64: the cheapest rows for their metric). Table and figure are saved under
+    <results>/frontiers/. Exit 1 if a cell failed, 2 on bad input (nothing runs).
     """
     try:
         if not margin > 0:
@@ -59,6 +61,8 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
         click.echo(f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
                    "smallest such budget per family (fewest edges per query):")
         click.echo(format_table(fr.equivalent_budgets(table), fmt))
+        click.echo("\ncost front: per task and length, across sizes, families and budgets, the rows no cheaper row matches or beats:")
+        click.echo(fr.format_frontier(fr.cost_front(table), fmt))
         saved = fr.frontier_dir(results_dir) / sw.sweep_name(None, cells).replace("grid-", "frontier-")
         atomic_write(saved.with_suffix(".csv"), table.to_csv(index=False))
         figure = save(plot.frontier(table), saved.with_suffix(".png"))

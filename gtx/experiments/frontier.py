@@ -29,7 +29,7 @@ import pandas as pd
 from gtx.errors import GtxError
 from gtx.experiments.compare import SPEED, p_text, pm_text, run_table
 from gtx.experiments.results import cell_text, format_table, lower_is_better, metric_range
-from gtx.experiments.stats import summarize, tost_p
+from gtx.experiments.stats import pareto_front, summarize, tost_p
 from gtx.experiments.sweep import Cell, Grid, plan, split_list
 from gtx.graph.spec import parse_pattern
 
@@ -42,7 +42,8 @@ KEY_RE = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(.*)\Z", re.S)
 @dataclass(frozen=True)
 class Family:
     """A pattern and its budgets: ``specs[i]`` is the pattern with ``param`` = ``budgets[i]``
-    (``param`` None: one budget, the spec as given)."""
+    (``param`` None: one budget, the spec as given). ``name``: the pattern's name with the fixed
+    parameters given (``moba b=8 gate=block``), so two families of one pattern stay apart."""
 
     name: str
     param: str | None
@@ -88,7 +89,8 @@ def parse_family(text: str) -> Family:
         specs.append(pattern.spec)
     if len(set(specs)) < len(specs):
         raise GtxError(f"family {text!r}: two budgets give the same pattern; list each budget once")
-    return Family(name, param, tuple(budgets), tuple(specs))
+    fixed = " ".join(f"{k}={v[0]}" for k, v in values.items() if k != param) if param else ""
+    return Family(f"{name} {fixed}".strip(), param, tuple(budgets), tuple(specs))
 
 
 def length_key(task: str) -> str:
@@ -144,7 +146,7 @@ def plan_study(study: Study, results_dir) -> tuple[list[Cell], dict[str, Point]]
             full_at = _full_budgets(grid, list(specs)[1:], length)
             for f in study.families:
                 if set(f.specs) <= set(full_at):
-                    raise GtxError(f"family {f.specs[0] if len(f.specs) == 1 else f.name + ':' + str(f.param)}: every budget attends to every "
+                    raise GtxError(f"family {f.specs[0] if len(f.specs) == 1 else f.name}: every budget attends to every "
                                    f"candidate at {task}'s {key.partition('.')[2]}={length} ({full_at[f.specs[0]]}); give smaller budgets or longer lengths")
             for cell in plan(grid, results_dir):
                 spec = cell.config.pattern
@@ -279,9 +281,23 @@ def equivalent_budgets(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def cost_front(table: pd.DataFrame) -> pd.DataFrame:
+    """Per task and length, across models, sizes (the swept settings), families and budgets: the rows
+    on the Pareto front of training cost (``train_flops``, lower is better) against the metric,
+    cheapest first. "Does a larger sparse model beat a smaller dense one at equal cost?" is whether
+    a sparse row of the larger size sits on it, at or below the smaller ``full``'s cost."""
+    out = []
+    for _, rows in table.groupby(["task", "length"], sort=False):
+        sign = -1.0 if lower_is_better(f"best_valid_{rows.metric.iloc[0]}") else 1.0
+        front = pareto_front(-rows.train_flops, sign * rows["mean"])
+        out.append(rows[front].sort_values("train_flops"))
+    columns = [c for c in table.columns if c not in ("tokens_per_s", "speed_vs_full", "tost_p", "equivalent", "train_attn_flops")]
+    return pd.concat(out)[columns].reset_index(drop=True) if out else table[columns]
+
+
 def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
-    """``frontier_table`` rendered: CSV as numbers; table and markdown with ``mean ± std``, the 95%
-    interval, cost in GFLOP and ``tost_p``/``equivalent`` (``yes``, ``no``, ``-`` untested)."""
+    """``frontier_table`` (or ``cost_front``) rendered: CSV as numbers; table and markdown with ``mean ±
+    std``, the 95% interval, cost in GFLOP and ``tost_p``/``equivalent`` (``yes``, ``no``, ``-`` untested)."""
     if fmt == "csv" or table.empty:
         return format_table(table, fmt)
     one = table.metric.nunique() == 1
@@ -292,12 +308,15 @@ def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
     view["ci95"] = ["-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(table.ci_low, table.ci_high)]
     view["density"] = table.density
     view["edges/query"] = table.edges_per_query
-    view["tokens/s"] = table.tokens_per_s
-    view["vs_full"] = table.speed_vs_full
+    if "tokens_per_s" in table:
+        view["tokens/s"] = table.tokens_per_s
+        view["vs_full"] = table.speed_vs_full
     view["train_gflop"] = table.train_flops / 1e9
-    view["attn_share"] = table.train_attn_flops / table.train_flops
-    view["tost_p"] = [p_text(p) for p in table.tost_p]
-    view["equivalent"] = ["-" if np.isnan(p) else "yes" if e else "no" for p, e in zip(table.tost_p, table.equivalent)]
+    view["train_s"] = table.train_s
+    if "tost_p" in table:
+        view["attn_share"] = table.train_attn_flops / table.train_flops
+        view["tost_p"] = [p_text(p) for p in table.tost_p]
+        view["equivalent"] = ["-" if np.isnan(p) else "yes" if e else "no" for p, e in zip(table.tost_p, table.equivalent)]
     return format_table(view, fmt)
 
 

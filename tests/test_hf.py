@@ -1,0 +1,144 @@
+"""--model hf: transformers' own causal LMs (llama, qwen2, gpt2) with every attention layer run by gtx.
+
+Checked against the same weights under transformers' own attention: ``full`` (on ``dd``: causal)
+gives SDPA's logits, ``local:w`` gives an eager attention with the window's boolean mask, per
+sample of a packed batch; gradients reach every weight; content-chosen and trainable patterns run.
+"""
+
+import copy
+import math
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("transformers")  # the test extra installs it; CI always runs these
+
+from gtx.attention.module import Attention  # noqa: E402
+from gtx.backends import get_backend  # noqa: E402
+from gtx.cli import cli  # noqa: E402
+from gtx.data.batch import make_batch  # noqa: E402
+from gtx.errors import GtxError  # noqa: E402
+from gtx.graph.spec import parse_pattern  # noqa: E402
+from gtx.plugins.registry import MODELS, TASKS  # noqa: E402
+
+SIZES = {"llama": {"kv_heads": 2}, "qwen2": {"kv_heads": 1}, "gpt2": {}}
+
+
+def recall_task(seq_len=48):
+    entry = TASKS.get("recall")
+    task = entry.obj("recall", entry.config(seq_len=seq_len, n_pairs=2, queries_per_key=2, n_keys=4, n_values=4, n_train=8, n_valid=4, n_test=4,
+                                            train_min_len=0))
+    task.splits()
+    return task
+
+
+def hf_model(family, spec, task, seed=0):
+    entry = MODELS.get("hf")
+    pattern = parse_pattern(spec)
+    config = entry.config(family=family, layers=2, heads=4, dim=32, dim_ff=64, max_len=64, **SIZES[family])
+    torch.manual_seed(seed)
+    model = entry.obj(config, task.src_vocab, task.tgt_vocab, Attention(get_backend("auto"), pattern, 4, 8))
+    return model.eval(), pattern
+
+
+def same_weights(model, implementation):
+    """transformers' own model with ``model``'s weights, under one of its attention implementations."""
+    import transformers
+
+    config = copy.deepcopy(model.hf.config)  # the implementation is the config's: a shared config would switch model.hf too
+    other = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    other.load_state_dict(model.hf.state_dict())
+    return other.eval()
+
+
+def per_sample(batch):
+    """(start, end) of each sample's nodes in the packed batch."""
+    starts = (batch.tgt_pos == 0).nonzero().flatten().tolist()
+    return list(zip(starts, [*starts[1:], len(batch.tgt_pos)]))
+
+
+@pytest.mark.parametrize("family", list(SIZES))
+def test_full_is_transformers_own_sdpa(family):
+    task = recall_task()
+    model, pattern = hf_model(family, "full", task)
+    batch = make_batch(task, "valid", [0, 1, 2], pattern)  # three samples packed in one row
+    own = same_weights(model, "sdpa")
+    assert model.hf.config._attn_implementation == "gtx" and own.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        logits = model(batch).logits
+        for a, b in per_sample(batch):
+            expected = own(input_ids=batch.tgt_in[None, a:b], use_cache=False).logits[0]
+            torch.testing.assert_close(logits[a:b], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_local_window_is_eager_attention_with_its_mask(family):
+    import transformers
+
+    w, task = 5, recall_task()
+    model, pattern = hf_model(family, f"local:w={w}", task)
+
+    def window(q, k):
+        return (k <= q) & (q - k <= w)  # the query itself and the w keys before it
+
+    def windowed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """Eager attention, written out: scores, the window as a boolean mask, softmax, values."""
+        n, groups = query.shape[2], query.shape[1] // key.shape[1]
+        key, value = (x.repeat_interleave(groups, 1) for x in (key, value))
+        scores = query @ key.transpose(-1, -2) * (scaling or query.shape[-1] ** -0.5)
+        q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        scores = scores.masked_fill(~window(q, k), -math.inf)
+        return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+    transformers.AttentionInterface.register("test_window", windowed)
+    assert torch.equal(pattern.dense("dd", 9, 9), window(torch.arange(9)[:, None], torch.arange(9)[None, :]))  # gtx's local:w is this mask
+    reference = same_weights(model, "test_window")
+    batch = make_batch(task, "valid", [0, 3], pattern)
+    with torch.no_grad():
+        logits = model(batch).logits
+        for a, b in per_sample(batch):
+            torch.testing.assert_close(logits[a:b], reference(input_ids=batch.tgt_in[None, a:b], use_cache=False).logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("spec", ["local:w=8", "moba:b=8,k=2", "nsa:l=8,d=4,s=8,n=4,w=8"])
+def test_gradients_reach_every_weight(spec):
+    task = recall_task()
+    model, pattern = hf_model("llama", spec, task)
+    batch = make_batch(task, "train", [0, 1], pattern)
+    out = model.train()(batch)
+    torch.nn.functional.cross_entropy(out.logits, batch.targets, ignore_index=-100).backward()
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum())]
+    assert not missing, missing
+
+
+def test_run_trains_and_writes_rows(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "hf", "--set", "family=qwen2", "--set", "kv_heads=2", "--set", "dim=32",
+                                      "--set", "seq_len=32", "--set", "n_pairs=2", "--set", "queries_per_key=1", "--set", "n_train=16",
+                                      "--set", "n_valid=4", "--set", "n_test=4", "--pattern", "local:w=8", "--epochs", "1", "--quiet",
+                                      "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    from gtx.experiments.results import load
+
+    df = load(tmp_path)
+    assert set(df.split) == {"train", "valid", "test"} and (df.attn_flops > 0).all() and (df.flops > df.attn_flops).all()
+
+
+@pytest.mark.parametrize("settings, match", [(["family=bert"], "family='bert': choose llama, qwen2, gpt2"),
+                                             (["family=gpt2", "kv_heads=2"], "gpt2 has no grouped-query attention"),
+                                             (["heads=4", "kv_heads=3"], "heads of kv_heads"),
+                                             (["max_len=16"], "has positions for 16")])
+def test_bad_settings_are_one_line(tmp_path, settings, match):
+    args = [a for s in settings for a in ("--set", s)]
+    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "hf", *args, "--set", "seq_len=32", "--set", "n_pairs=2",
+                                      "--set", "queries_per_key=1", "--epochs", "1", "--results", str(tmp_path)])
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_without_transformers_one_line_says_how_to_install(monkeypatch):
+    module = sys.modules[MODELS.get("hf").obj.__module__]
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(GtxError, match=r"install it: pip install -e '.\[hf\]'"):
+        module.transformers()
