@@ -142,3 +142,18 @@ def test_without_transformers_one_line_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(GtxError, match=r"install it: pip install -e '.\[hf\]'"):
         module.transformers()
+
+
+def test_bench_prefill_rows(tmp_path):
+    result = CliRunner().invoke(cli, ["bench", "prefill", "--family", "gpt2", "--pattern", "full", "--pattern", "local:w=8", "--lengths", "32",
+                                      "--repeats", "1", "--format", "csv", "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    (path,) = (tmp_path / "bench").glob("prefill-*.csv")
+    df = pd.read_csv(path)
+    assert df[["attention", "pattern"]].values.tolist() == [["transformers sdpa", "causal"], ["gtx", "full"], ["gtx", "local:w=8"]]
+    assert df.vs_sdpa.iloc[0] == 1.0 and (df.ms > 0).all() and (df.tokens_per_s > 0).all()
+    bad = CliRunner().invoke(cli, ["bench", "prefill", "--set", "heads=3", "--lengths", "32"])
+    errors = [line for line in bad.output.splitlines() if not line.startswith("warning:")]  # bench warns on a busy machine
+    assert bad.exit_code == 2 and len(errors) == 1 and "heads" in errors[0], bad.output

@@ -12,7 +12,7 @@ from gtx.plugins.registry import BACKENDS, load_plugins
 
 @click.group(cls=GtxGroup)
 def bench():
-    """Benchmarks: attention kernels, and training throughput. Tables land under <results>/bench/."""
+    """Benchmarks: attention kernels, training throughput, a transformers model's prefill. Tables land under <results>/bench/."""
     note = busy_note()
     if note:
         click.echo(f"warning: {note}", err=True)
@@ -115,4 +115,29 @@ def bench_train(task, model, patterns, backends, steps, rounds, settings, baseli
                                bound=bound, rounds=rounds, memory=memory, plugins_dirs=plugins_dirs, log=lambda s: click.echo(s, err=True))
     path = gtx_bench.save(df, results_dir, "train")
     click.echo(format_table(df.drop(columns=["choice"]), fmt))
+    click.echo(f"table: {path}", err=True)
+
+
+@bench.command(name="prefill")
+@click.option("--family", default="llama", show_default=True, help="The transformers family of the hf model: llama, qwen2 or gpt2.")
+@click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable).")
+@click.option("--lengths", default="4096,16384", show_default=True, help="Sequence lengths, comma-separated.")
+@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="An hf model setting (layers, heads, kv_heads, dim, dim_ff).")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median).")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir):
+    """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,
+    against the same weights on transformers' own SDPA; peak memory growth per row. Needs pip install -e '.[hf]'.
+
+    \b
+      gtx bench prefill --family llama --pattern full --pattern local:w=256 --lengths 4096,16384
+    """
+    from gtx.measure import bench as gtx_bench
+    from gtx.measure.prefill import bench_prefill as run
+
+    load_plugins()
+    df = run(family, patterns, [int(n) for n in csv_list(lengths)], settings, repeats, log=lambda s: click.echo(s, err=True))
+    path = gtx_bench.save(df, results_dir, "prefill")
+    click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)

@@ -212,12 +212,13 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
     ``train_attn_flops``, ``train_s``: per run, means), ``tost_p`` against ``full`` of the same task,
     model, length and settings (TOST at ``margin``, in the metric's units) and ``equivalent``
     (tost_p < 0.05; NaN/False with fewer than 2 runs a side). Only the study's own cells count: runs of
-    other experiments in the folder never mix in."""
+    other experiments in the folder never mix in, and only finished runs (with test rows) count."""
     if not margin > 0:
         raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
     swept = _swept(cells, {p.length_key for p in points.values()})
     keyed = {c.key: c for c in cells}
-    runs = run_table(df[df.cell.isin(list(keyed))], ("pattern",), metric)
+    finished = df.run_id.isin(df.run_id[df.split == "test"])  # a run still training (or killed) has no final word yet
+    runs = run_table(df[df.cell.isin(list(keyed)) & finished], ("pattern",), metric)
     columns = ["task", "model", "length", *swept, "family", "budget", "pattern", "runs", "metric", "mean", "std", "ci_low", "ci_high",
                "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "equivalent"]
     if runs.empty:

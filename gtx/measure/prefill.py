@@ -1,0 +1,100 @@
+"""``gtx bench prefill``: a transformers causal LM's forward pass over one long sequence (a prefill),
+its attention run by gtx under each pattern, against the same weights on transformers' own SDPA.
+
+    df = bench_prefill("llama", patterns=["full", "local:w=256"], lengths=[4096, 16384])
+
+The model is ``--model hf``'s (``plugins/hf.py``), randomly initialised: speed does not depend on
+the weights. Each row times ``repeats`` forward passes without gradients (the median, after one
+warm-up) and measures the pass's peak memory growth over the loaded model (``gtx.memory``).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+import torch
+
+from gtx.memory import peak_mb, reset_peak
+
+SDPA = "transformers sdpa"
+VOCAB = 256  # tokens of the random model: the embedding and the output layer stay small beside the attention
+
+
+class _Vocab:
+    def __len__(self) -> int:
+        return VOCAB
+
+
+def _config(family: str, settings: dict[str, str], length: int):
+    """The hf model's config from ``--set`` strings, checked as ``gtx run`` checks them."""
+    from gtx.experiments.config import build_configs
+    from gtx.plugins.registry import MODELS
+
+    return build_configs({"family": family, "max_len": str(length), **settings}, {"model": ("hf", MODELS.get("hf").config)})["model"]
+
+
+def _gtx_model(config, pattern):
+    """The hf plugin's model with gtx's attention under ``pattern`` (its trainable parts built for it)."""
+    from gtx.attention.module import Attention
+    from gtx.backends import get_backend
+    from gtx.plugins.registry import MODELS
+
+    torch.manual_seed(0)
+    attention = Attention(get_backend("auto"), pattern, config.heads, config.dim // config.heads)
+    return MODELS.get("hf").obj(config, _Vocab(), _Vocab(), attention).eval()
+
+
+def _sdpa_model(model):
+    """``model``'s transformers model with its weights, under transformers' own SDPA attention."""
+    import transformers
+
+    sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.hf.config), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(model.hf.state_dict())
+    return sdpa
+
+
+def _time(repeats: int, forward: Callable, *args, **kwargs) -> tuple[float, float]:
+    """(median ms, peak memory growth in MB) of ``forward(*args, **kwargs)``, after one warm-up pass."""
+    with torch.no_grad():
+        forward(*args, **kwargs)
+        base = reset_peak()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            forward(*args, **kwargs)
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times), peak_mb() - base
+
+
+def bench_prefill(family: str = "llama", patterns: Sequence[str] = ("full",), lengths: Sequence[int] = (4096,), settings: dict[str, str] | None = None,
+                  repeats: int = 3, log: Callable[[str], None] = lambda s: None) -> pd.DataFrame:
+    """Rows per length: transformers' SDPA (``is_causal``: the best kernel plain torch has for a causal
+    prefill), then gtx under each pattern. Columns: family, length, attention, pattern, ms,
+    tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes)."""
+    from gtx.data.batch import Batch
+    from gtx.graph.spec import parse_pattern
+    from gtx.graph.tokens import build_graph, positions
+
+    rows = []
+    for n in lengths:
+        config = _config(family, dict(settings or {}), n)
+        sdpa = _sdpa_model(_gtx_model(config, parse_pattern("full")))
+        ids = torch.randint(VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+        ms, mem = _time(repeats, sdpa, input_ids=ids[None], use_cache=False)
+        rows.append({"family": family, "length": n, "attention": SDPA, "pattern": "causal", "ms": ms, "peak_mem_mb": mem})
+        log(f"{family} {n:>6} {SDPA:<24} {ms:10.1f} ms {mem:8.1f} MB")
+        for spec in patterns:
+            pattern = parse_pattern(spec)
+            model = _gtx_model(config, pattern)
+            batch = Batch(None, None, ids, positions(torch.tensor([n])), ids, build_graph(pattern, None, [n]), "test", [0])
+            ms, mem = _time(repeats, model, batch)
+            rows.append({"family": family, "length": n, "attention": "gtx", "pattern": pattern.spec, "ms": ms, "peak_mem_mb": mem})
+            log(f"{family} {n:>6} gtx {pattern.spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
+    df = pd.DataFrame(rows)
+    df["tokens_per_s"] = df.length / (df.ms / 1000)
+    df["vs_sdpa"] = df.groupby("length").ms.transform(lambda ms: ms.iloc[0]) / df.ms
+    return df[["family", "length", "attention", "pattern", "ms", "tokens_per_s", "vs_sdpa", "peak_mem_mb"]]
