@@ -41,3 +41,19 @@ def test_world_shards_and_merges():
     merged = PhaseStats.merged(parts)
     assert merged.tokens == 8 and merged.processed == 40 and merged.wall_s == 3.0 and merged.edges["ee"] == [10, 4, 20]
     assert merged.row()["tokens_per_s"] == pytest.approx(40 / 3)  # the global figure: all tokens over the slowest rank
+
+
+def test_a_sweep_runs_its_cells_data_parallel(tmp_path):
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+
+    grid = ["sweep", "--seeds", "1", "--epochs", "1", *ARGS[5:-1], "--nproc-per-node", "2", "--results", str(tmp_path), "--quiet"]
+    dry = CliRunner().invoke(cli, [*grid, "--dry-run"])
+    assert dry.output.startswith("torchrun --standalone --nproc-per-node 2 -m gtx.cli run --task copy"), dry.output
+    result = CliRunner().invoke(cli, grid)
+    assert result.exit_code == 0, result.output
+    df = load(tmp_path)
+    assert df.run_id.nunique() == 1 and set(df.split) == {"train", "valid", "test"}  # one run, written by rank 0
+    (log,) = (tmp_path / "sweeps").glob("*/logs/0.log")
+    assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m gtx.cli run" in log.read_text()

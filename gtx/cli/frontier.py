@@ -22,7 +22,7 @@ from gtx.experiments import sweep as sw
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--table-only", is_flag=True, help="Print the frontier of the runs already in --results; run nothing.")
 @grid_options
-def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry_run, quiet, launcher, executor_opts, **options):
+def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry_run, quiet, launcher, executor_opts, nproc, **options):
     """Accuracy against attention budget: every family's budgets and full, at every length, over seeds.
 
     \b
@@ -46,7 +46,7 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
         for note in study.notes:
             click.echo(f"note: {note}", err=True)
         failed = 0 if table_only else run_cells(cells, sw.sweep_name(None, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"],
-                                                  launcher, executor_opts)
+                                                  launcher, executor_opts, nproc)
         if dry_run:
             return
         from gtx.experiments.results import format_table, load

@@ -56,6 +56,8 @@ def grid_options(f):
                      help="local: -j processes here; submitit: one job per cell through submitit (Slurm, or cluster=local), resumed when requeued."),
         click.option("--executor-opt", "executor_opts", multiple=True, metavar="KEY=VALUE",
                      help="A submitit executor option (cluster=slurm|local, timeout_min=60, slurm_partition=dev, ...); repeatable."),
+        click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Processes per cell: above 1, each cell is one data-parallel run under torchrun (rank 0 writes)."),
         click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print."),
         click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also passed to every run)."),
     ]
@@ -69,7 +71,7 @@ def grid_options(f):
 @click.option("--pattern", "patterns", multiple=True, metavar="SPEC",
               help="One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].")
 @grid_options
-def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, **options):
+def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, **options):
     """Run the cross product of the given lists, one `gtx run` per cell; resumable.
 
     \b
@@ -84,7 +86,7 @@ def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, **option
     try:
         grid, results_dir, jobs = read_grid(grid_file, patterns, **options)
         cells = sw.plan(grid, results_dir)
-        if run_cells(cells, sw.sweep_name(grid_file, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"], launcher, executor_opts):
+        if run_cells(cells, sw.sweep_name(grid_file, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"], launcher, executor_opts, nproc):
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
         raise CliError(str(e)) from None
@@ -109,7 +111,7 @@ def read_grid(grid_file, patterns, task, model, backend, seeds, settings, device
 
 
 def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: bool, quiet: bool, plugins_dirs,
-              launcher: str = "local", executor_opts: tuple[str, ...] = ()) -> int:
+              launcher: str = "local", executor_opts: tuple[str, ...] = (), nproc: int = 1) -> int:
     """Run (or with ``dry_run`` print) the cells not yet complete, with a progress line; the number that failed.
     ``launcher`` ``submitit``: one job per cell (``gtx.experiments.cluster``), ``executor_opts`` its options."""
     counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
@@ -118,7 +120,7 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
         click.echo(f"sweep {name}: {rekeyed} of the complete cells are runs written before results schema 4, matched by keys recomputed "
                    "from their stored settings (schema 3's keys could mix tasks)", err=True)
     if dry_run:
-        for line in sw.dry_run_lines(cells, results_dir, plugins_dirs):
+        for line in sw.dry_run_lines(cells, results_dir, plugins_dirs, nproc):
             click.echo(line)
         if not quiet:
             click.echo(f"sweep {name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run", err=True)
@@ -148,13 +150,13 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
         log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "submitit", "submitit folder")
         executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))  # refused options: before any job
         on_change(counts)
-        failures = cluster.submit(cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure)
+        failures = cluster.submit(cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc)
     else:
         if executor_opts:
             raise GtxError("--executor-opt is for --launcher submitit; with the local launcher use -j N")
         log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
         on_change(counts)
-        failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure)
+        failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc)
     if clear:
         click.echo(err=True)
     other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments.sweep import Cell, Counts, Failure, cell_states, child_env, last_checkpoint, last_line, run_args
+from gtx.experiments.sweep import Cell, Counts, Failure, cell_states, child_env, last_checkpoint, last_line, launcher_argv, run_args
 
 INSTALL = "pip install 'gtx[cluster]' (or pip install submitit)"
 
@@ -73,8 +72,8 @@ class CellJob:
     ``gtx run`` exit status, raising on a failure so that the job fails; ``checkpoint()`` (called by
     submitit on preemption or time-out) stops the child and resubmits the job, which resumes."""
 
-    def __init__(self, cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = ()):
-        self.cell, self.results_dir, self.plugins_dirs = cell, str(results_dir), [str(d) for d in plugins_dirs]
+    def __init__(self, cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (), nproc: int = 1):
+        self.cell, self.results_dir, self.plugins_dirs, self.nproc = cell, str(results_dir), [str(d) for d in plugins_dirs], nproc
         self._child: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict:
@@ -86,9 +85,9 @@ class CellJob:
             return 0
         resume = latest is not None and last_checkpoint(self.results_dir, latest).is_file()
         cell = Cell(self.cell.index, self.cell.config, self.cell.key, self.cell.label, "resume" if resume else "run", latest if resume else None)
-        argv = [sys.executable, "-m", "gtx.cli", *run_args(cell, self.results_dir, self.plugins_dirs)]
+        argv = [*launcher_argv(self.nproc), *run_args(cell, self.results_dir, self.plugins_dirs)]
         print(f"==> {' '.join(argv)}", flush=True)
-        self._child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=child_env(1))  # one log: the job's stdout
+        self._child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=child_env(self.nproc))  # one log: the job's stdout
         while (code := self._child.poll()) is None:  # not wait(): it holds a lock that checkpoint()'s poll, in a signal handler, would need
             time.sleep(0.2)
         if code:
@@ -108,10 +107,11 @@ class CellJob:
 
 def submit(cells: list[Cell], counts: Counts, executor, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (),
            on_change: Callable[[Counts], None] = lambda c: None, on_failure: Callable[[Failure], None] = lambda f: None,
-           poll_s: float = 0.5) -> list[Failure]:
-    """Submit every cell not marked skip as one job, then wait for them all (as ``sweep.execute``)."""
+           poll_s: float = 0.5, nproc: int = 1) -> list[Failure]:
+    """Submit every cell not marked skip as one job (``nproc`` > 1: a torchrun of that many processes
+    inside it), then wait for them all (as ``sweep.execute``)."""
     queue = [c for c in cells if c.action != "skip"]
-    jobs = [(cell, executor.submit(CellJob(cell, results_dir, plugins_dirs))) for cell in queue]
+    jobs = [(cell, executor.submit(CellJob(cell, results_dir, plugins_dirs, nproc))) for cell in queue]
     counts.running = len(jobs)
     on_change(counts)
     failures: list[Failure] = []

@@ -18,6 +18,7 @@ margin, never a non-significant difference. Knows nothing of click.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -187,16 +188,22 @@ def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
                 stages, n = list(probe.edges), r.task.context_len()
                 why = full_budget(pattern, stages, n)
                 fixed = pattern.select is None and not pattern.heads and pattern.trainable is None
-                if fixed and min(probe.density(s) for s in stages) >= NEARLY_FULL:
+                if fixed and all(_density(pattern, stage, n) >= NEARLY_FULL for stage in stages):  # at the longest sequence, not a short one
                     why = f"pattern {spec!r} attends to every candidate at {n} tokens (density 1.0)"
                 if why:
                     out.setdefault(spec, why)
     return out
 
 
-def _settings_product(settings: dict[str, list[str]]):
-    import itertools
+def _density(pattern, stage: str, n: int) -> float:
+    """A fixed pattern's edges over the stage's possible ones on one sequence of ``n`` tokens."""
+    from gtx.graph.tokens import EdgeSet, possible_edges
 
+    src, dst = pattern.edges(stage, n, n)
+    return len(src) / possible_edges(EdgeSet(src, dst, n, n, stage))
+
+
+def _settings_product(settings: dict[str, list[str]]):
     for values in itertools.product(*settings.values()):
         yield dict(zip(settings, values))
 

@@ -236,9 +236,18 @@ def run_args(cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | P
     return [*args, *(a for d in plugins_dirs for a in ("--plugins-dir", str(d))), "--quiet"]
 
 
-def dry_run_lines(cells: list[Cell], results_dir: str | Path, plugins_dirs: Iterable[str | Path] = ()) -> list[str]:
+def launcher_argv(nproc: int = 1, program: str | None = None) -> list[str]:
+    """What starts ``gtx`` for a cell: the Python running this (``program``: that command instead),
+    or torchrun with ``nproc`` processes of one data-parallel run (rank 0 writes)."""
+    if nproc > 1:
+        return ["torchrun" if program else sys.executable, *([] if program else ["-m", "torch.distributed.run"]), "--standalone",
+                "--nproc-per-node", str(nproc), "-m", "gtx.cli"]
+    return [program] if program else [sys.executable, "-m", "gtx.cli"]
+
+
+def dry_run_lines(cells: list[Cell], results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (), nproc: int = 1) -> list[str]:
     """One shell command per cell still to run, for any scheduler sharing the results folder."""
-    return [shlex.join(["gtx", *run_args(c, results_dir, plugins_dirs)]) for c in cells if c.action != "skip"]
+    return [shlex.join([*launcher_argv(nproc, "gtx"), *run_args(c, results_dir, plugins_dirs)]) for c in cells if c.action != "skip"]
 
 
 def sweep_name(grid_file: str | Path | None, cells: list[Cell]) -> str:
@@ -291,12 +300,13 @@ def last_line(log: Path, offset: int) -> str:
 
 def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str | Path, jobs: int = 1,
             plugins_dirs: Iterable[str | Path] = (), on_change: Callable[[Counts], None] = lambda c: None,
-            on_failure: Callable[[Failure], None] = lambda f: None, poll_s: float = 0.1) -> list[Failure]:
-    """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` with its
+            on_failure: Callable[[Failure], None] = lambda f: None, poll_s: float = 0.1, nproc: int = 1) -> list[Failure]:
+    """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` (under
+    torchrun with ``nproc`` processes when ``nproc`` > 1) with its
     output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on. A
     cell is claimed first (``gtx.experiments.claims``): one that another sweep holds is counted, not run."""
     queue = [c for c in cells if c.action != "skip"]
-    env = child_env(jobs)
+    env = child_env(jobs * nproc)
     log_dir.mkdir(parents=True, exist_ok=True)
     running: list[tuple[Cell, subprocess.Popen, Path, int]] = []
     failures: list[Failure] = []
@@ -308,7 +318,7 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
                     counts.elsewhere += 1
                     on_change(counts)
                     continue
-                argv = [sys.executable, "-m", "gtx.cli", *run_args(cell, results_dir, plugins_dirs)]
+                argv = [*launcher_argv(nproc), *run_args(cell, results_dir, plugins_dirs)]
                 log = log_dir / f"{cell.index}.log"
                 with open(log, "a") as f:  # appended: an earlier attempt's output stays readable
                     blank = "\n" if f.tell() else ""  # a blank line between attempts
