@@ -81,7 +81,9 @@ def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, *
     A cell with a complete run in --results is skipped, so running the same sweep again finishes an
     interrupted one: an incomplete run with a checkpoint is resumed (gtx run --resume), any other
     cell runs afresh. Each run's output goes to <results>/sweeps/<name>/logs/<cell>.log, <name> being
-    the grid file's stem or grid-<hash>. Exit status 1 if a cell failed, 2 on bad input (nothing runs).
+    the grid file's stem or grid-<hash>. --launcher submitit makes each cell a cluster job (Slurm, or
+    --executor-opt cluster=local) that resumes when requeued; --nproc-per-node N runs each cell under
+    torchrun. Exit status 1 if a cell failed, 2 on bad input (nothing runs).
     """
     try:
         grid, results_dir, jobs = read_grid(grid_file, patterns, **options)
@@ -114,6 +116,8 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
               launcher: str = "local", executor_opts: tuple[str, ...] = (), nproc: int = 1) -> int:
     """Run (or with ``dry_run`` print) the cells not yet complete, with a progress line; the number that failed.
     ``launcher`` ``submitit``: one job per cell (``gtx.experiments.cluster``), ``executor_opts`` its options."""
+    if executor_opts and launcher != "submitit":
+        raise GtxError("--executor-opt is for --launcher submitit; with the local launcher use -j N")
     counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
     rekeyed = sum(c.rekeyed for c in cells)
     if rekeyed and not quiet:
@@ -152,8 +156,6 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
         on_change(counts)
         failures = cluster.submit(cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc)
     else:
-        if executor_opts:
-            raise GtxError("--executor-opt is for --launcher submitit; with the local launcher use -j N")
         log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
         on_change(counts)
         failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc)
