@@ -159,7 +159,7 @@ class Recall(Task):
         vocab = Vocab(keys + values)  # fixed: every key and value, seen in training or not
         return vocab, vocab
 
-    def phase_metrics(self, loss, groups):
+    def phase_metrics(self, loss, groups, split):
         correct = sum(c for c, _ in groups.values())
         scored = sum(n for _, n in groups.values())
         return {

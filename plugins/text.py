@@ -20,6 +20,12 @@ and text8 (10^8 tokens each) this is the standard 90M/5M/5M split. ``train_token
 
 The metric is ``bpc``: the mean cross-entropy per predicted token in bits (nats / ln 2); at byte
 level this is bits per byte, still reported as bpc (as enwik8 results are).
+
+With a model that reads text with its own tokenizer (``--model hf --set path=DIR``), each split's
+text (cut 90/5/5 by characters as above) is written in the model's tokens, and ``train_tokens`` and
+``eval_tokens`` count characters, so models with different tokenizers read the same text. ``bpc``
+is then bits per UTF-8 byte of the predicted text (the nats of a split's predictions over its
+bytes), comparable across tokenizers and, on ASCII text, with character-level models.
 """
 
 from __future__ import annotations
@@ -142,6 +148,7 @@ class Text(Task):
     form = "lm"
     metric = "bpc"
     cache = False  # reading the file is fast; megabytes of windows do not belong in a JSON cache
+    text = True
     # 128 windows of 512+ tokens (the trainer's default) is 64k+ tokens a step: minutes per step on a CPU
     train_defaults = {"batch_size": 16, "eval_batch_size": 16}
 
@@ -175,11 +182,16 @@ class Text(Task):
             raise ValueError(f"data_file {self.path} has {n:,} {unit}, too short for one window of context+1={c.context + 1} in each of "
                              f"train/valid/test (90/5/5); it must be at least {need:,} {unit}, or lower --set context")
         a, b = split_bounds(n)
-        return {
-            "train": Windows(text, 0, a, c.context, c.train_tokens),
-            "valid": Windows(text, a, b, c.context, c.eval_tokens),
-            "test": Windows(text, b, n, c.context, c.eval_tokens),
-        }
+        bounds = {"train": (0, a, c.train_tokens), "valid": (a, b, c.eval_tokens), "test": (b, n, c.eval_tokens)}
+        if self.tokenizer is None:
+            return {split: Windows(text, start, end, c.context, limit) for split, (start, end, limit) in bounds.items()}
+        splits, self._tokens_per_byte = {}, {}
+        for split, (start, end, limit) in bounds.items():
+            tokens = self.tokenizer.tokenize(text[start : min(end, start + limit) if limit else end])
+            splits[split] = Windows(tokens, 0, len(tokens), c.context)
+            predicted = tokens[1 : 1 + len(splits[split]) * c.context]
+            self._tokens_per_byte[split] = len(predicted) / max(self.tokenizer.n_bytes(predicted), 1)
+        return splits
 
     def vocabularies(self, train):
         """One vocabulary for input and output: all 256 bytes, or the characters of the whole train
@@ -191,9 +203,10 @@ class Text(Task):
     def context_len(self) -> int:
         return self.config.context
 
-    def phase_metrics(self, loss, groups):
-        """``bpc``: ``loss`` (mean nats per predicted token) in bits."""
-        return {"bpc": loss / math.log(2)}
+    def phase_metrics(self, loss, groups, split):
+        """``bpc``: ``loss`` (mean nats per predicted token) in bits; per byte under a model's tokenizer."""
+        per_token = loss / math.log(2)
+        return {"bpc": per_token * self._tokens_per_byte[split] if self.tokenizer is not None else per_token}
 
 
 @hookimpl

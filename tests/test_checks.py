@@ -122,7 +122,7 @@ BAD_PLUGINS = {
 
         class Chatty(COPY.obj):
             """Copy, with a metric that is a sentence."""
-            def phase_metrics(self, loss, groups):
+            def phase_metrics(self, loss, groups, split):
                 return {"mood": "good"}
 
         @hookimpl

@@ -194,6 +194,13 @@ class GraphModel(nn.Module):
         return cls.torch_references
 
     @classmethod
+    def tokenizer(cls, config):
+        """The ``gtx.data.vocab.Tokenizer`` a model of this config reads text with (a pretrained
+        model's own), or None: the task's vocabulary is the model's. Tasks written in text
+        (``Task.text``) then write their examples with it; other tasks are refused."""
+        return None
+
+    @classmethod
     def modifier(cls, config) -> str | None:
         """The modifier pattern for a model of this config (models whose halting is a setting
         override this); by default ``dynamic_pattern``."""

@@ -147,7 +147,7 @@ def tasks():
 @click.option("--model", default="transformer", show_default=True, help="Model name (gtx models).")
 @click.option("--pattern", default="full", show_default=True, help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).")
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Attention backend (gtx backends).")
-@click.option("--epochs", type=click.IntRange(min=1), help=f"Training epochs [default: {TrainConfig.epochs}].")
+@click.option("--epochs", type=click.IntRange(min=0), help=f"Training epochs; 0 scores the model untrained (a pretrained one) [default: {TrainConfig.epochs}].")
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help=f"Examples per batch [default: {TrainConfig.batch_size}].")
 @click.option("--layers", type=click.IntRange(min=1), help="Model layers (model setting).")

@@ -47,16 +47,22 @@ class Task:
         metric: the valid-split metric that judges a run of this task (``gtx compare``'s default,
             ``gtx runs``' column): a results column (``token_acc``, ``seq_acc``) or a key of
             ``phase_metrics``/``metrics`` (``bpc``, ``query_acc``, ``bleu``).
+        text: the task can write its examples in text with a model's own tokenizer (``tokenizer``).
+        tokenizer: set by the runner before any data is made when the model reads text with its own
+            tokenizer (a pretrained model; ``gtx.data.vocab.Tokenizer``): a ``text`` task then writes
+            with ``tokenizer.tokenize`` and its vocabulary is ``tokenizer.vocab``. None otherwise.
     """
 
     form = "seq2seq"
     metric = "token_acc"
     eos = True
     cache = True
+    text = False
     train_defaults: dict = {}
 
     def __init__(self, name: str, config):
         self.name, self.config = name, config
+        self.tokenizer = None
         self._splits: dict[str, list[Example]] | None = None
 
     def generate(self) -> dict[str, list[Example]]:
@@ -65,17 +71,21 @@ class Task:
 
     def splits(self) -> dict[str, list[Example]]:
         if self._splits is None:
+            if self.tokenizer is not None and not self.text:
+                raise GtxError(f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
+                               "give it a task written in text (gtx tasks lists them: text, needle)")
             with plugin_code(f"task {self.name!r}", "while making its data", settings=f"task {self.name!r}"):
                 self._splits = self._load_or_generate()
             checks.examples(f"task {self.name!r}", self._splits)
             for split in SPLITS:
                 if not self._splits.get(split):
                     raise GtxError(f"task {self.name!r} produced no {split} examples; check its settings")
-            self.src_vocab, self.tgt_vocab = self.vocabularies(self._splits["train"])
+            self.src_vocab, self.tgt_vocab = ((self.tokenizer.vocab,) * 2 if self.tokenizer is not None
+                                              else self.vocabularies(self._splits["train"]))
         return self._splits
 
     def _load_or_generate(self) -> dict[str, list[Example]]:
-        if not self.cache:
+        if not self.cache or self.tokenizer is not None:  # the cache key knows the config, not the tokenizer
             return self.generate()
         key = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
         path = cache_dir() / "data" / self.name / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
@@ -97,10 +107,10 @@ class Task:
         longest = max(len(x) for split in self.splits().values() for x, _ in split)
         return longest - 1 if self.form == "lm" else longest + (self.form == "seq2seq")  # lm: inputs; seq2seq: + <eos>
 
-    def phase_metrics(self, loss: float, groups: dict[str, tuple[int, int]]) -> dict:
-        """Task metrics of one phase of teacher-forced predictions (train or evaluation): ``loss`` is
-        the mean cross-entropy (nats) per scored target, ``groups`` maps each group name to
-        (correct, scored) targets (lm tasks with groups)."""
+    def phase_metrics(self, loss: float, groups: dict[str, tuple[int, int]], split: str) -> dict:
+        """Task metrics of one phase of teacher-forced predictions over one split (train, valid or
+        test): ``loss`` is the mean cross-entropy (nats) per scored target, ``groups`` maps each
+        group name to (correct, scored) targets (lm tasks with groups)."""
         return {}
 
     def max_decode_len(self, src_len: int) -> int:

@@ -175,6 +175,8 @@ def resolve(config: RunConfig) -> Resolved:
     device = resolve_device(config.device)
     check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
+    tokenizer = getattr(c.model_entry.obj, "tokenizer", None)
+    task.tokenizer = tokenizer(c.model) if tokenizer else None
     if task.form not in model_forms(c.model_entry.obj):
         fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
         raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")

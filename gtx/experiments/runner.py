@@ -168,21 +168,24 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
     attention.reset_choices(), attention.reset_usage(), attention.reset_stats()
     try:
-        for epoch in range(start, r.train.epochs + 1):
+        for epoch in range(start, r.train.epochs + 1) if r.train.epochs else [0]:  # epoch 0: the model untrained, scored
             if trainer.done:
                 break
-            tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress and world.main else (lambda: None)
-            shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
-            new = [_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), attention)]
+            new = []
+            if epoch:
+                tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress and world.main else (lambda: None)
+                shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
+                new.append(_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), attention))
+                say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)")
             # every rank evaluates the whole split: no coordination, and every rank's model is the same
             valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
                              decode_limit=r.train.decode_valid)
             new.append(_row(common, epoch, "valid", valid, attention))
             rows += new
-            best_now = new[1]["loss"] < best
-            best = min(best, new[1]["loss"])
+            best_now = new[-1]["loss"] < best
+            best = min(best, new[-1]["loss"])
             rng = world.gather(torch.get_rng_state())
-            if world.main:
+            if world.main and epoch:
                 snapshot = {**trainer.state_dict(), "run_config": dataclasses.asdict(config), "common": json.dumps(common), "epoch": epoch,
                             "rows": json.dumps(rows), "best_valid_loss": best, "rng": rng,
                             "vocab": {"src": r.task.src_vocab.itos, "tgt": r.task.tgt_vocab.itos}}
@@ -192,13 +195,14 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                 write_run(results_dir, run_id, rows)
                 loggers.call("epoch_end", epoch, new)
             last = epoch
-            say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s) | "
-                f"valid acc {new[1]['token_acc']:.4f} " + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
+            say(f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
+                + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
         beam = getattr(r.task_config, "beam", 1)
         test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
         rows.append(_row(common, last, "test", test, attention))
         if world.main:
-            checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
+            if snapshot is not None:
+                checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
             write_run(results_dir, run_id, rows)
         status = "finished"
     except NonFiniteLoss as e:

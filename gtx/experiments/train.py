@@ -28,7 +28,7 @@ from gtx.values import setting
 
 @dataclass
 class TrainConfig:
-    epochs: int = setting(4, "passes over the training split", "[1, inf)")
+    epochs: int = setting(4, "passes over the training split; 0: score the model as built or loaded (a pretrained one) on valid and test", "[0, inf)")
     max_steps: int = setting(0, "stop after this many optimizer steps (0: no limit)", "[0, inf)")
     batch_size: int = setting(128, "examples per batch", "[1, inf)")
     eval_batch_size: int = setting(256, range="[1, inf)")
@@ -63,11 +63,13 @@ class PhaseStats:
     flops: float = 0.0  # counted (gtx.experiments.cost), a training step's backward included
     attn_flops: float = 0.0  # the attention's share of them; NaN for a model that attends by itself
     extra: dict = field(default_factory=dict)
+    split: str = ""  # the split the batches came from
 
     def add(self, out, batch: Batch, loss: torch.Tensor) -> None:
         """Add one batch; ``loss`` is the mean cross-entropy over its scored targets."""
         scored = batch.targets != IGNORE
         n = int(scored.sum())
+        self.split = batch.split
         hit = (out.logits.argmax(-1) == batch.targets) & scored
         self.loss_sum += float(loss) * n
         self.correct += int(hit.sum())
@@ -119,7 +121,7 @@ class PhaseStats:
         """One phase's statistics from its ranks' parts: sums added; wall time and memory the slowest rank's."""
         if len(parts) == 1:
             return parts[0]
-        out = cls()
+        out = cls(split=parts[0].split)
         for p in parts:
             for name in ("loss_sum", "correct", "tokens", "steps_sum", "nodes", "processed", "flops", "attn_flops"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))
@@ -138,7 +140,7 @@ class PhaseStats:
 
     def task_metrics(self, task: Task) -> dict:
         groups = {g: tuple(v) for g, v in self.groups.items()}
-        return checks.metrics(f"task {task.name!r} phase_metrics", task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups))
+        return checks.metrics(f"task {task.name!r} phase_metrics", task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups, self.split))
 
     def edges_per_query(self, stage: str) -> float:
         edges, queries, _ = self.edges.get(stage, (0, 0, 0))
