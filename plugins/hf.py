@@ -30,6 +30,8 @@ from gtx import GtxError, hookimpl, setting
 from gtx.attention.model import GraphModel, Output
 from gtx.attention.module import layer_attention
 from gtx.data.vocab import ModelVocab, Tokenizer
+from gtx.graph.pattern import Pattern
+from gtx.graph.tokens import EdgeSet, batch_edges, build_graph
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 INSTALL = "pip install -e '.[hf]' (transformers)"
@@ -58,7 +60,8 @@ class HFConfig:
         except re.error as e:
             raise ValueError(f"train_params={self.train_params!r} is not a regular expression ({e})") from None
         if self.path:
-            self.max_len = pretrained_positions(Path(self.path))
+            for name, value in pretrained_sizes(Path(self.path)).items():
+                setattr(self, name, value)
             return
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}: choose {', '.join(FAMILIES)}")
@@ -69,9 +72,9 @@ class HFConfig:
             raise ValueError(f"kv_heads={self.kv_heads}: gpt2 has no grouped-query attention; leave kv_heads at 0")
 
 
-def pretrained_positions(folder: Path) -> int:
-    """The positions of the model saved in ``folder``, once the folder is checked to hold a config,
-    weights and a tokenizer."""
+def pretrained_sizes(folder: Path) -> dict:
+    """The family and sizes (``HFConfig``'s fields) of the model saved in ``folder``, once the folder
+    is checked to hold a config, weights and a tokenizer: what a run records and its attention is built for."""
     where = f"path={folder}"
     if not (folder / "config.json").is_file():
         raise ValueError(f"{where} has no config.json; give a folder written by save_pretrained (config, weights and tokenizer)")
@@ -79,11 +82,15 @@ def pretrained_positions(folder: Path) -> int:
         raise ValueError(f"{where} has no weights ({' or '.join(WEIGHTS)}); save the model there with save_pretrained")
     if not any((folder / t).is_file() for t in TOKENIZER):
         raise ValueError(f"{where} has no tokenizer ({', '.join(TOKENIZER)}); save the model's tokenizer there with save_pretrained")
-    config = json.loads((folder / "config.json").read_text())
-    positions = next((config[k] for k in POSITIONS if k in config), None)
+    raw = json.loads((folder / "config.json").read_text())
+    positions = next((raw[k] for k in POSITIONS if k in raw), None)
     if not isinstance(positions, int):
         raise ValueError(f"{where}: config.json names no positions ({' or '.join(POSITIONS)}); its model cannot say how long a text it reads")
-    return positions
+    c = transformers().AutoConfig.from_pretrained(folder)  # its attribute maps read every family's names (n_embd: hidden_size)
+    heads = c.num_attention_heads
+    return {"family": c.model_type, "layers": c.num_hidden_layers, "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+            "dim": c.hidden_size, "dim_ff": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+            "max_len": positions}
 
 
 class HFTokenizer(Tokenizer):
@@ -107,6 +114,7 @@ def transformers():
         import transformers
     except ModuleNotFoundError:
         raise GtxError(f"model 'hf' needs Hugging Face transformers; install it: {INSTALL}") from None
+    transformers.utils.logging.disable_progress_bar()  # a bar per loaded model: noise in a run's log
     if "gtx" not in transformers.AttentionInterface._global_mapping:
         transformers.AttentionInterface.register("gtx", gtx_attention)
     return transformers
@@ -136,8 +144,23 @@ def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, 
     return attention(q, k, v, holder.edges)[None], None
 
 
+def check_cacheable(pattern: Pattern, cache: bool) -> None:
+    if cache and not pattern.plain:
+        raise GtxError(f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)")
+
+
 class _Edges:
     edges = None
+
+
+@dataclass
+class Generated:
+    """``tokens``: the ids generated; ``cached``: the most keys per layer a query read from while
+    decoding (with the cache: what it held; without: every position); ``positions``: the queries' span."""
+
+    tokens: list[int]
+    cached: int
+    positions: int
 
 
 class HFModel(GraphModel):
@@ -172,14 +195,103 @@ class HFModel(GraphModel):
             object.__setattr__(module, "gtx", (own, self._holder))  # not a submodule: layer_attention holds it
 
     def forward(self, batch) -> Output:
-        self._holder.edges = batch.graph.edges["dd"]
+        return Output(self._logits(batch.tgt_in, batch.tgt_pos, batch.graph.edges["dd"]))
+
+    def _logits(self, ids, positions, edges: EdgeSet, cache=None) -> torch.Tensor:
+        """(N, vocab) logits of one packed row of ``ids`` at ``positions`` over ``edges`` (keys: the
+        cached ones, then these); ``cache``: a transformers cache these keys and values join."""
+        self._holder.edges = edges
         try:
-            out = self.hf(input_ids=batch.tgt_in[None], position_ids=batch.tgt_pos[None], use_cache=False)
+            out = self.hf(input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None)
         finally:
             self._holder.edges = None
-        return Output(out.logits[0])
+        return out.logits[0]
+
+    @torch.no_grad()
+    def generate(self, ids: list[int], new: int, pattern: Pattern, cache: bool = True) -> Generated:
+        """``new`` tokens after the prompt ``ids``, greedily, each query reading the keys ``pattern``'s
+        ``dd`` rule gives it. With ``cache`` (fixed patterns): the prompt runs once, then each new token
+        alone over cached keys and values, and a cached key is dropped as soon as no later position
+        reads it, so the cache holds what the pattern can still read (``local:w``: the last w + 1
+        keys). Without: the whole sequence again at every step (the reference)."""
+        check_cacheable(pattern, cache)
+        self.eval()
+        device = next(self.parameters()).device
+        seq, most = list(ids), 0
+        if not cache:
+            for _ in range(new):
+                n = len(seq)
+                logits = self._logits(torch.tensor(seq, device=device), torch.arange(n, device=device),
+                                      build_graph(pattern, None, [n]).edges["dd"].to(device))
+                seq.append(int(logits[-1].argmax()))
+            return Generated(seq[len(ids):], len(ids) + new - 1, len(ids) + new - 1)
+        n = len(ids) + new - 1  # the positions that run as queries: the last token generated is never read
+        edges = batch_edges(pattern, "dd", [n], [n])
+        last_reader = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, edges.src, edges.dst, "amax")
+        kv = transformers().DynamicCache()
+        kept = torch.arange(len(ids))
+        logits = self._logits(torch.tensor(ids, device=device), kept.to(device), build_graph(pattern, None, [len(ids)]).edges["dd"].to(device), kv)
+        for t in range(len(ids), n + 1):
+            alive = last_reader[kept] >= t  # False: no query from position t on reads this key
+            if not alive.all():
+                for layer in kv.layers:
+                    layer.keys, layer.values = layer.keys[:, :, alive.to(device)], layer.values[:, :, alive.to(device)]
+                kept = kept[alive]
+            most = max(most, len(kept) + 1)  # with the key of the token about to be read
+            seq.append(int(logits[-1].argmax()))
+            if t == n:
+                break
+            kept = torch.cat([kept, torch.tensor([t])])
+            mine = edges.dst == t
+            step = EdgeSet(torch.searchsorted(kept, edges.src[mine]), torch.zeros(int(mine.sum()), dtype=torch.long), len(kept), 1, "dd")
+            logits = self._logits(torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv)
+        return Generated(seq[len(ids):], most, n)
 
 
 @hookimpl
 def register_models(register):
     register("hf", HFModel, config=HFConfig)
+
+
+@hookimpl
+def register_commands(cli):
+    import click
+
+    from gtx.attention.module import Attention, check_pattern
+    from gtx.backends import get_backend
+    from gtx.cli.common import key_value
+    from gtx.experiments.config import build_configs, resolve_device
+    from gtx.graph.spec import parse_pattern
+
+    @cli.command()
+    @click.option("--prompt", required=True, help="The text to continue.")
+    @click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE",
+                  help="An hf model setting: path=DIR (a save_pretrained folder) is needed.")
+    @click.option("--pattern", default="full", show_default=True, help="The pattern every query reads its keys by.")
+    @click.option("--new", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens to generate.")
+    @click.option("--cache/--no-cache", default=True, show_default=True,
+                  help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.")
+    @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+    def generate(prompt, settings, pattern, new, cache, device):
+        """Continue a text greedily with a pretrained transformers model (--model hf) under a pattern.
+
+        \b
+          gtx generate --set path=DIR --pattern local:w=256 --prompt "Once upon a time" --new 64
+        """
+        config = build_configs(settings, {"model": ("hf", HFConfig)})["model"]
+        if not config.path:
+            raise GtxError("gtx generate reads text with the model's own tokenizer: give --set path=DIR (a save_pretrained folder)")
+        p, where = parse_pattern(pattern), resolve_device(device)
+        backend = get_backend("auto", where)
+        check_pattern(p, backend, config.heads)
+        check_cacheable(p, cache)
+        tokenizer = HFModel.tokenizer(config)
+        ids = tokenizer.vocab.encode(tokenizer.tokenize(prompt))
+        if not ids or len(ids) + new > config.max_len:
+            raise GtxError(f"--prompt of {len(ids)} tokens and --new {new}: the model has {config.max_len} positions; "
+                           "give a non-empty prompt and at most that many tokens in all")
+        model = HFModel(config, tokenizer.vocab, tokenizer.vocab, Attention(backend, p, config.heads, config.dim // config.heads)).to(where)
+        out = model.generate(ids, new, p, cache)
+        click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))
+        held = f"the cache held at most {out.cached} keys per layer" if cache else "no cache: every query read the whole sequence"
+        click.echo(f"{len(out.tokens)} tokens under {p.spec}; {held} (of {out.positions} positions)", err=True)

@@ -18,7 +18,7 @@ def save_tiny(folder: Path, family: str = "llama", vocab_size: int = 300, positi
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
     n = len(tokenizer)
     if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=n, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=positions)
+        config = transformers.GPT2Config(vocab_size=n, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=positions, bos_token_id=0, eos_token_id=0)
     else:
         cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
         config = cls(vocab_size=n, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -155,11 +155,11 @@ def test_bucket_edges_fit_a_window_of_32():
 
 def test_phase_metrics():
     task = make()
-    m = task.phase_metrics(1.0, {"d0032-0063": (1, 4), "d0000-0031": (3, 4), "d0064-0127": (0, 0)})
+    m = task.phase_metrics(1.0, {"d0032-0063": (1, 4), "d0000-0031": (3, 4), "d0064-0127": (0, 0)}, "valid")
     assert m["query_acc"] == 0.5
     assert m["query_acc_by_distance"] == {"d0000-0031": 0.75, "d0032-0063": 0.25}
     assert list(m["queries_by_distance"].items()) == [("d0000-0031", 4), ("d0032-0063", 4), ("d0064-0127", 0)]
-    assert math.isnan(task.phase_metrics(1.0, {})["query_acc"])
+    assert math.isnan(task.phase_metrics(1.0, {}, "valid")["query_acc"])
 
 
 def test_bad_settings_in_splits_become_gtx_errors(monkeypatch):

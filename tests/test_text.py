@@ -44,7 +44,7 @@ def test_windows_tile_the_splits_in_order(tmp_path):
         assert "".join(w[1:] for w in windows) == text[start + 1 : start + 1 + 8 * len(windows)]
     with pytest.raises(IndexError):
         data["test"][len(data["test"])]
-    assert task.context_len() == 8 and task.phase_metrics(math.log(2), {}) == {"bpc": pytest.approx(1.0)}
+    assert task.context_len() == 8 and task.phase_metrics(math.log(2), {}, "valid") == {"bpc": pytest.approx(1.0)}
     assert task.src_vocab is task.tgt_vocab and task.src_vocab.itos[4:] == sorted(set(text[:1800]))
     batch = make_batch(task, "valid", [0, 1], parse_pattern("causal"))
     assert batch.tgt_in.numel() == batch.targets.numel() == 16 and batch.src is None

@@ -1,0 +1,145 @@
+"""--model hf --set path=DIR: a save_pretrained folder's model and tokenizer under gtx patterns.
+
+Scored untrained (``--epochs 0``) in bits per byte against the same weights under transformers'
+own SDPA, fine-tuned on a subset of its weights, evaluated under another pattern, and generating
+with a key/value cache that keeps only the keys the pattern can still read.
+"""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("transformers")  # the test extra installs it; CI always runs these
+
+from pretrained import save_tiny  # noqa: E402
+
+from gtx import plugins  # noqa: E402
+from gtx.attention.module import Attention  # noqa: E402
+from gtx.backends import get_backend  # noqa: E402
+from gtx.cli import cli  # noqa: E402
+from gtx.experiments.checkpoint import checkpoint_dir  # noqa: E402
+from gtx.experiments.results import load  # noqa: E402
+from gtx.graph.spec import parse_pattern  # noqa: E402
+from gtx.plugins.registry import MODELS, TASKS  # noqa: E402
+
+TEXT = ["--task", "text", "--set", "context=32", "--set", "train_tokens=600", "--set", "eval_tokens=300", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    return {family: save_tiny(root / family, family) for family in ("llama", "gpt2")}
+
+
+def run(folder, *args):
+    return CliRunner().invoke(cli, ["run", "--model", "hf", "--set", f"path={folder}", *args])
+
+
+def model(folder, spec):
+    entry = MODELS.get("hf")
+    config = entry.config(path=str(folder))
+    tokenizer = entry.obj.tokenizer(config)
+    pattern = parse_pattern(spec)
+    attention = Attention(get_backend("auto"), pattern, config.heads, config.dim // config.heads)
+    return entry.obj(config, tokenizer.vocab, tokenizer.vocab, attention).eval(), tokenizer, pattern
+
+
+def test_the_folder_gives_sizes_positions_and_tokenizer(folders):
+    config = MODELS.get("hf").config(path=str(folders["llama"]))
+    assert (config.family, config.layers, config.heads, config.kv_heads, config.dim, config.max_len) == ("llama", 2, 4, 2, 32, 256)
+    _, tokenizer, _ = model(folders["gpt2"], "full")
+    tokens = tokenizer.tokenize("the lazy dog")
+    assert tokenizer.detokenize(tokens) == "the lazy dog" and tokenizer.n_bytes(tokens) == 12
+    assert tokenizer.vocab.decode(tokenizer.vocab.encode(tokens)) == tokens  # ids are the tokenizer's own
+
+
+def test_untrained_bits_per_byte_are_transformers_own(folders, tmp_path):
+    """--epochs 0 scores the folder's weights: valid bpc is the nats of SDPA's predictions of the
+    same windows over the bytes they write, in bits."""
+    result = run(folders["llama"], *TEXT, "--epochs", "0", "--results", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    df = load(tmp_path)
+    assert df.split.tolist() == ["valid", "test"] and (df.epoch == 0).all()
+    assert not checkpoint_dir(tmp_path, df.run_id.iloc[0]).exists()  # nothing trained: the weights are the folder's
+
+    import transformers
+
+    sdpa = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"], attn_implementation="sdpa").eval()
+    _, tokenizer, _ = model(folders["llama"], "full")
+    task = TASKS.get("text").obj("text", TASKS.get("text").config(context=32, train_tokens=600, eval_tokens=300))
+    task.tokenizer = tokenizer
+    nats, text = 0.0, []
+    for window, _ in task.splits()["valid"]:
+        ids = torch.tensor(tokenizer.vocab.encode(window))
+        with torch.no_grad():
+            logits = sdpa(input_ids=ids[None]).logits[0, :-1]
+        nats += float(torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum"))
+        text += window[1:]
+    assert json.loads(df.query("split == 'valid'").metrics.iloc[0])["bpc"] == pytest.approx(nats / math.log(2) / tokenizer.n_bytes(text), rel=1e-4)
+
+
+def test_three_patterns_untrained_compare(folders, tmp_path):
+    for spec in ("full", "local:w=8", "moba:b=8,k=2"):
+        assert run(folders["gpt2"], *TEXT, "--epochs", "0", "--pattern", spec, "--results", str(tmp_path)).exit_code == 0
+    result = CliRunner().invoke(cli, ["compare", "--results", str(tmp_path), "--format", "csv"])
+    assert result.exit_code == 0 and result.output.count("\ntext,hf,") == 3, result.output
+
+
+def test_fine_tune_a_subset_then_evaluate_under_another_pattern(folders, tmp_path):
+    result = run(folders["llama"], *TEXT, "--set", "train_params=self_attn", "--epochs", "1", "--results", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    run_id = load(tmp_path).run_id.iloc[0]
+    trained = torch.load(checkpoint_dir(tmp_path, run_id) / "last.pt", weights_only=False)["model"]
+    original, _, _ = model(folders["llama"], "full")
+    for name, before in original.state_dict().items():
+        assert torch.equal(before, trained[name]) != ("self_attn" in name), name  # only the attention's weights moved
+    again = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path), "--pattern", "local:w=8"])
+    assert again.exit_code == 0, again.output
+    assert load(tmp_path).query("eval_of == @run_id").pattern.tolist() == ["local:w=8"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("spec, held", [("full", 17), ("local:w=4", 5), ("longformer:w=3,g=1", 5)])
+def test_generation_with_the_cache_equals_without(folders, family, spec, held):
+    m, tokenizer, pattern = model(folders[family], spec)
+    prompt = tokenizer.vocab.encode(tokenizer.tokenize("a needle in the"))
+    assert len(prompt) == 6  # 6 + 12 - 1 positions run as queries: full attention holds them all
+    cached, again = m.generate(prompt, 12, pattern, cache=True), m.generate(prompt, 12, pattern, cache=False)
+    assert cached.tokens == again.tokens and len(cached.tokens) == 12
+    assert cached.cached == held  # a window keeps its last w + 1 keys; longformer its global first key too
+
+
+def test_generate_command_and_its_refusals(folders):
+    plugins.call_each("register_commands", cli=cli)  # what gtx's entry point does before running a command
+    ok = CliRunner().invoke(cli, ["generate", "--set", f"path={folders['llama']}", "--pattern", "local:w=4", "--prompt", "the quick", "--new", "6"])
+    assert ok.exit_code == 0 and ok.output.startswith("the quick") and "the cache held at most 5 keys per layer" in ok.output, ok.output
+    for args, match in ((["--pattern", "moba:b=4,k=2"], "without the cache (--no-cache)"), ([], "give --set path=DIR"),
+                        (["--new", "300"], "the model has 256 positions")):
+        path = [] if not args else ["--set", f"path={folders['llama']}"]
+        bad = CliRunner().invoke(cli, ["generate", *path, *args, "--prompt", "the quick"])
+        assert bad.exit_code == 2 and match in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+
+
+@pytest.mark.parametrize("remove, match", [("config.json", "has no config.json"), ("model.safetensors", "has no weights"),
+                                           ("tokenizer.json", "has no tokenizer")])
+def test_incomplete_folders_are_one_line(folders, tmp_path, remove, match):
+    folder = tmp_path / "model"
+    shutil.copytree(folders["gpt2"], folder)
+    (folder / remove).unlink()
+    result = run(folder, *TEXT, "--epochs", "0", "--results", str(tmp_path / "r"))
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, match", [(["--task", "recall"], "writes its own symbols, not text"),
+                                         (["--task", "text", "--set", "context=300"], "has positions for 256"),
+                                         (["--task", "text", "--set", "context=32", "--set", "train_params=nothing_is_called_this"], "matches no parameter")])
+def test_bad_runs_are_one_line(folders, tmp_path, args, match):
+    result = run(folders["gpt2"], *args, "--epochs", "1", "--results", str(tmp_path))
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "runs").exists()
+
