@@ -177,7 +177,10 @@ class HFModel(GraphModel):
         t = transformers()
         self.config = config
         if config.path:
-            self.hf = t.AutoModelForCausalLM.from_pretrained(config.path, attn_implementation="gtx", dtype=torch.float32)
+            try:
+                self.hf = t.AutoModelForCausalLM.from_pretrained(config.path, attn_implementation="gtx", dtype=torch.float32)
+            except ValueError as e:  # transformers' words for a family that is no causal LM, or whose attention is its own code
+                raise GtxError(f"path={config.path}: transformers cannot load it as a causal LM with gtx's attention: {str(e).splitlines()[0]}") from None
         else:
             self.hf = t.AutoModelForCausalLM.from_config(hf_config(config, len(tgt_vocab)), attn_implementation="gtx")
         if config.train_params:

@@ -152,7 +152,7 @@ def test_bench_prefill_rows(tmp_path):
 
     (path,) = (tmp_path / "bench").glob("prefill-*.csv")
     df = pd.read_csv(path)
-    assert df[["attention", "pattern"]].values.tolist() == [["transformers sdpa", "causal"], ["gtx", "full"], ["gtx", "local:w=8"]]
+    assert df[["attention", "pattern"]].values.tolist() == [["transformers sdpa", "causal"], ["no attention", "-"], ["gtx", "full"], ["gtx", "local:w=8"]]
     assert df.vs_sdpa.iloc[0] == 1.0 and (df.ms > 0).all() and (df.tokens_per_s > 0).all()
     bad = CliRunner().invoke(cli, ["bench", "prefill", "--set", "heads=3", "--lengths", "32"])
     errors = [line for line in bad.output.splitlines() if not line.startswith("warning:")]  # bench warns on a busy machine

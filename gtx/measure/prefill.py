@@ -21,6 +21,7 @@ import torch
 from gtx.memory import peak_mb, reset_peak
 
 SDPA = "transformers sdpa"
+CEILING = "no attention"  # the same model with each query's output its own value: what no attention kernel can beat
 VOCAB = 256  # tokens of the random model: the embedding and the output layer stay small beside the attention
 
 
@@ -48,13 +49,19 @@ def _gtx_model(config, pattern):
     return MODELS.get("hf").obj(config, _Vocab(), _Vocab(), attention).eval()
 
 
-def _sdpa_model(model):
-    """``model``'s transformers model with its weights, under transformers' own SDPA attention."""
+def _no_attention(module, query, key, value, attention_mask=None, **kwargs):
+    """transformers' attention contract with no attention: each query's output is its own position's value."""
+    return value.repeat_interleave(query.shape[1] // value.shape[1], 1).transpose(1, 2), None
+
+
+def _same_weights(model, implementation: str):
+    """``model``'s transformers model with its weights, under one of transformers' attention implementations."""
     import transformers
 
-    sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.hf.config), attn_implementation="sdpa").eval()
-    sdpa.load_state_dict(model.hf.state_dict())
-    return sdpa
+    transformers.AttentionInterface.register(CEILING, _no_attention)
+    other = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.hf.config), attn_implementation=implementation).eval()
+    other.load_state_dict(model.hf.state_dict())
+    return other
 
 
 def _time(repeats: int, forward: Callable, *args, **kwargs) -> tuple[float, float]:
@@ -73,7 +80,7 @@ def _time(repeats: int, forward: Callable, *args, **kwargs) -> tuple[float, floa
 def bench_prefill(family: str = "llama", patterns: Sequence[str] = ("full",), lengths: Sequence[int] = (4096,), settings: dict[str, str] | None = None,
                   repeats: int = 3, log: Callable[[str], None] = lambda s: None) -> pd.DataFrame:
     """Rows per length: transformers' SDPA (``is_causal``: the best kernel plain torch has for a causal
-    prefill), then gtx under each pattern. Columns: family, length, attention, pattern, ms,
+    prefill), the same model without attention (the ceiling), then gtx under each pattern. Columns: family, length, attention, pattern, ms,
     tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes)."""
     from gtx.data.batch import Batch
     from gtx.graph.spec import parse_pattern
@@ -82,11 +89,13 @@ def bench_prefill(family: str = "llama", patterns: Sequence[str] = ("full",), le
     rows = []
     for n in lengths:
         config = _config(family, dict(settings or {}), n)
-        sdpa = _sdpa_model(_gtx_model(config, parse_pattern("full")))
+        reference = _gtx_model(config, parse_pattern("full"))
         ids = torch.randint(VOCAB, (n,), generator=torch.Generator().manual_seed(n))
-        ms, mem = _time(repeats, sdpa, input_ids=ids[None], use_cache=False)
-        rows.append({"family": family, "length": n, "attention": SDPA, "pattern": "causal", "ms": ms, "peak_mem_mb": mem})
-        log(f"{family} {n:>6} {SDPA:<24} {ms:10.1f} ms {mem:8.1f} MB")
+        for implementation, pattern in (("sdpa", "causal"), (CEILING, "-")):
+            ms, mem = _time(repeats, _same_weights(reference, implementation), input_ids=ids[None], use_cache=False)
+            name = SDPA if implementation == "sdpa" else CEILING
+            rows.append({"family": family, "length": n, "attention": name, "pattern": pattern, "ms": ms, "peak_mem_mb": mem})
+            log(f"{family} {n:>6} {name:<24} {ms:10.1f} ms {mem:8.1f} MB")
         for spec in patterns:
             pattern = parse_pattern(spec)
             model = _gtx_model(config, pattern)
