@@ -184,8 +184,8 @@ def resolve(config: RunConfig) -> Resolved:
     max_len = getattr(c.model, "max_len", None)
     if max_len is not None and task.context_len() > max_len:
         raise GtxError(f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
-                       f"for {max_len}; shorten the task's sequences, or raise --set max_len={task.context_len()} where the model's "
-                       "positions are a setting (a pretrained model's are its own)")
+                       f"for {max_len}; " + (f"they are the pretrained model's (path={c.model.path}): shorten the task's sequences"
+                                             if getattr(c.model, "path", "") else f"raise --set max_len={task.context_len()} or shorten the task's sequences"))
     probe = PhaseStats()
     probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
