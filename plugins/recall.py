@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gtx import hookimpl
-from gtx.data.task import Task, Vocab, disjoint_splits
+from gtx.data.task import Task, Vocab, disjoint_splits, grouped_accuracy
 from gtx.values import setting
 
 FIRST_BUCKET = 32  # distances 0..31 share the first bucket: within a local:w=32 window
@@ -160,13 +160,7 @@ class Recall(Task):
         return vocab, vocab
 
     def phase_metrics(self, loss, groups, split):
-        correct = sum(c for c, _ in groups.values())
-        scored = sum(n for _, n in groups.values())
-        return {
-            "query_acc": correct / scored if scored else float("nan"),
-            "query_acc_by_distance": {g: c / n for g, (c, n) in sorted(groups.items()) if n},
-            "queries_by_distance": {g: n for g, (_, n) in sorted(groups.items())},
-        }
+        return grouped_accuracy(groups, "query_acc", "distance", "queries")
 
 
 @hookimpl

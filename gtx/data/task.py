@@ -27,7 +27,8 @@ from gtx.errors import GtxError, plugin_code
 from gtx.files import atomic_write, cache_dir
 from gtx.plugins import checks
 
-__all__ = ["SPLITS", "Example", "Task", "Vocab", "disjoint_splits", "edit_distance", "stable_fraction"]  # Vocab: task plugins import it here
+# Vocab: task plugins import it here
+__all__ = ["SPLITS", "Example", "Task", "Vocab", "disjoint_splits", "edit_distance", "grouped_accuracy", "stable_fraction"]
 
 SPLITS = ("train", "valid", "test")
 Example = tuple[Sequence[str], Sequence[str]]  # per form: (source, target), (tokens, groups) or (tokens, [label])
@@ -123,6 +124,16 @@ class Task:
 
     def seq_acc(self, hypotheses, references) -> float:
         return sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
+
+
+def grouped_accuracy(groups: dict[str, tuple[int, int]], metric: str, by: str, counted: str) -> dict:
+    """``phase_metrics`` of an lm task that scores a few predictions per example, in named groups:
+    ``metric`` (accuracy over every scored prediction; NaN if none), ``<metric>_by_<by>`` {group:
+    accuracy} and ``<counted>_by_<by>`` {group: predictions scored}."""
+    correct = sum(c for c, _ in groups.values())
+    scored = sum(n for _, n in groups.values())
+    return {metric: correct / scored if scored else float("nan"), f"{metric}_by_{by}": {g: c / n for g, (c, n) in sorted(groups.items()) if n},
+            f"{counted}_by_{by}": {g: n for g, (_, n) in sorted(groups.items())}}
 
 
 def disjoint_splits(draw, sizes: dict[str, int], max_tries: int = 100) -> dict[str, list[Example]]:
