@@ -231,6 +231,7 @@ class HFModel(GraphModel):
         n = len(ids) + new - 1  # the positions that run as queries: the last token generated is never read
         edges = batch_edges(pattern, "dd", [n], [n])
         last_reader = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, edges.src, edges.dst, "amax")
+        rows = torch.searchsorted(edges.dst, torch.arange(n + 1))  # edges are sorted by query: query t's are rows[t]:rows[t + 1]
         kv = transformers().DynamicCache()
         kept = torch.arange(len(ids))
         logits = self._logits(torch.tensor(ids, device=device), kept.to(device), build_graph(pattern, None, [len(ids)]).edges["dd"].to(device), kv)
@@ -245,8 +246,8 @@ class HFModel(GraphModel):
             if t == n:
                 break
             kept = torch.cat([kept, torch.tensor([t])])
-            mine = edges.dst == t
-            step = EdgeSet(torch.searchsorted(kept, edges.src[mine]), torch.zeros(int(mine.sum()), dtype=torch.long), len(kept), 1, "dd")
+            src = edges.src[rows[t]:rows[t + 1]]
+            step = EdgeSet(torch.searchsorted(kept, src), torch.zeros(len(src), dtype=torch.long), len(kept), 1, "dd")
             logits = self._logits(torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv)
         return Generated(seq[len(ids):], most, n)
 
