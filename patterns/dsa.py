@@ -7,6 +7,11 @@ them. The indexer learns by KL divergence to the main attention: first a dense w
 attention dense; the model frozen unless ``freeze=false``), then sparse training with the KL
 restricted to the kept tokens. Its inputs are detached: the main loss never trains it, its KL
 never trains the model.
+
+``b > 1`` moves the same method from tokens to blocks of ``b`` positions (the corner of the
+granularity x scoring-proxy frame that MiniMax's MSA takes): the indexer scores a block by its mean
+index key, each token reads its own block (causally) and the ``k / b - 1`` earlier blocks it scores
+highest, on MoBA's per-token block kernel, and the KL targets are the main attention's mass per block.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
 from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks, top_scored
+from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 
 ROWS = 256  # query rows the indexer scores at once: (rows x keys) scores, never n x n
@@ -31,6 +37,7 @@ class DSAConfig:
     index_dim: int
     warmup: int  # optimizer steps of the dense warm-up
     freeze: bool  # the model frozen during the warm-up (the report's stage 1)
+    b: int = 1  # 1: tokens are chosen (DSA); > 1: blocks of b positions (MSA's corner), k / b of them read
 
 
 class Indexer(nn.Module):
@@ -77,17 +84,25 @@ class SparseIndexed(Trainable):
 
     def forward(self, q, k, v, edges, run):
         c = self.config
-        causal_lens(run.spec, edges)
+        lens = causal_lens(run.spec, edges)
         if run.training:
             self.steps.fill_(run.step)
         iq, w, ik = self.indexer(q.detach().flatten(1), k.detach().flatten(1))  # the indexer's input: detached
+        blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
         if int(self.steps) < c.warmup:
             if run.training:
-                run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges))
+                run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges, blocks))
                 if c.freeze:
                     run.freeze_model()
             run.kept("dense", edges.num_edges, edges.n_dst)
             return run.attend(q, k, v, edges)
+        if blocks is not None:
+            with torch.no_grad():
+                sel = blocks.top(iq, w, c.k // c.b - 1, q.shape[1])
+            if run.training:
+                run.loss("indexer_kl_sparse", blocks.sparse_kl(q.detach(), k.detach(), iq, w, sel))
+            run.kept("selected", sel.edges_per_head(), edges.n_dst)
+            return attend_token_blocks(q, k, v, edges, sel)
         with torch.no_grad():
             keys, valid = top_indexed(iq, w, ik, edges, c.k)
         heads = q.shape[1]
@@ -97,18 +112,22 @@ class SparseIndexed(Trainable):
         run.kept("selected", float(valid.sum()), edges.n_dst)
         return out
 
-    def dense_kl(self, q, k, iq, w, ik, edges) -> torch.Tensor:
+    def dense_kl(self, q, k, iq, w, ik, edges, blocks: BlockIndex | None = None) -> torch.Tensor:
         """The warm-up's KL: the main attention's distribution summed over heads (then normalised)
         against the indexer's softmax over every candidate, per query, summed over the batch and
-        divided by the queries. Row blocks are recomputed in the backward (checkpoint)."""
+        divided by the queries; with ``blocks``, both as masses per block (a query's own block and
+        those before it). Row blocks are recomputed in the backward (checkpoint)."""
         def block(q_r, iq_r, w_r, k_s, ik_s, hidden):
             p = torch.softmax((q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)).masked_fill(hidden, float("-inf")), -1).mean(0)
-            return kl_to(p, index_scores(iq_r, w_r, ik_s), ~hidden)
+            if blocks is not None:  # ik_s: the sample's block index keys; hidden: per block
+                p, hidden = per_block(p, blocks.size), blocks.after(hidden)
+            return kl_to(p, index_scores(iq_r, w_r, ik_s[:p.shape[-1]]), ~hidden)
 
         total = q.new_zeros(())
-        for q_off, k_off, nk, r0, r1 in query_blocks(edges, ROWS):
+        for sample, (q_off, k_off, nk, r0, r1) in enumerate_samples(query_blocks(edges, ROWS)):
             rows, keys = slice(q_off + r0, q_off + r1), slice(k_off, k_off + nk)
-            total = total + checkpoint(block, q[rows], iq[rows], w[rows], k[keys], ik[keys], later_keys(r0, r1, nk, q.device), use_reentrant=False)
+            ik_s = ik[keys] if blocks is None else blocks.keys[sample]
+            total = total + checkpoint(block, q[rows], iq[rows], w[rows], k[keys], ik_s, later_keys(r0, r1, nk, q.device), use_reentrant=False)
         return total / q.shape[0]
 
     def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
@@ -124,14 +143,92 @@ class SparseIndexed(Trainable):
         return total / len(keys)
 
 
+def enumerate_samples(blocks):
+    """``query_blocks``' tuples, each with the index of the sample it belongs to (samples are never empty)."""
+    sample, offset = -1, None
+    for item in blocks:
+        if item[0] != offset:
+            sample, offset = sample + 1, item[0]
+        yield sample, item
+
+
+def per_block(p: torch.Tensor, size: int) -> torch.Tensor:
+    """(rows, keys) weights -> (rows, ceil(keys / size)): each block's sum."""
+    return torch.nn.functional.pad(p, (0, -p.shape[-1] % size)).unflatten(-1, (-1, size)).sum(-1)
+
+
+class BlockIndex:
+    """The indexer over blocks of ``size`` positions (``dsa:b``): a block's index key is the mean of
+    its tokens' (``keys``: (B, n_blocks, index_dim) per sample of ``lens``), its score for a query
+    I(t, block) = sum_j w(t, j) relu(q(t, j) . mean key)."""
+
+    def __init__(self, ik: torch.Tensor, lens: list[int], size: int):
+        self.size, self.lens = size, lens
+        self.keys = block_means(ik[:, None], lens, size)[:, 0]
+        self.length = self.keys.shape[1] * size
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, ...) rows of the samples -> (B, n_blocks * size, ...), zero-padded."""
+        return pad_samples(x[..., None], self.lens, self.length)[..., 0] if x.dim() == 2 else pad_samples(x, self.lens, self.length)
+
+    def after(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A (rows, keys) mask of keys after each query -> the same per block (a block after the query's own)."""
+        return hidden[:, ::self.size]
+
+    def top(self, iq, w, count: int, heads: int) -> TokenBlockSelection:
+        """Per token, the ``count`` earlier blocks with the highest index score (its own it reads anyway),
+        shared by the ``heads``; scored a block of query rows at a time, never n x n."""
+        size, lens = self.size, self.lens
+        iqp, wp = self.pad(iq), self.pad(w)
+        n_blocks = self.keys.shape[1]
+        blocks = torch.zeros(len(lens), self.length, count, dtype=torch.long, device=iq.device)
+        valid = torch.zeros(len(lens), self.length, count, dtype=torch.bool, device=iq.device)
+        later = torch.arange(n_blocks, device=iq.device)[None, :] >= (torch.arange(self.length, device=iq.device) // size)[:, None]
+        for i, n in enumerate(lens):
+            for r0 in range(0, n, ROWS):
+                r = slice(r0, min(r0 + ROWS, n))
+                top = index_scores(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")).topk(min(count, n_blocks), -1)
+                blocks[i, r, :top.indices.shape[-1]] = top.indices
+                valid[i, r, :top.indices.shape[-1]] = top.values > float("-inf")
+        blocks, valid = (unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous() for x in (blocks.masked_fill(~valid, 0), valid))
+        return TokenBlockSelection(size, list(lens), blocks, valid)
+
+    def sparse_kl(self, q, k, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
+        """After the warm-up: the main attention's mass on each block a token reads (its own, causally,
+        and the chosen ones; averaged over heads) against the indexer's softmax over the same blocks,
+        per query, averaged. The masses come from each block's log-sum-exp of q.k, without gradient."""
+        size, lens = self.size, self.lens
+        kp = self.pad(k).unflatten(1, (-1, size))  # (B, n_blocks, size, H, D)
+        qp, iqp, wp, chosen, ok = (self.pad(x) for x in (q, iq, w, sel.blocks[:, 0], sel.valid[:, 0]))
+        pos = torch.arange(self.length, device=q.device)
+        total = q.new_zeros(())
+        for i, n in enumerate(lens):
+            for r0 in range(0, n, ROWS):
+                r = slice(r0, min(r0 + ROWS, n))
+                idx = torch.cat([(pos[r] // size)[:, None], chosen[i, r]], 1)  # (rows, 1 + K): the own block first
+                read = torch.cat([torch.ones_like(ok[i, r][:, :1]), ok[i, r]], 1)
+                with torch.no_grad():
+                    s = torch.einsum("rhd,rkshd->rhks", qp[i, r], kp[i][idx])
+                    hidden = idx[..., None] * size + torch.arange(size, device=q.device) > pos[r, None, None]  # the own block's later keys
+                    lse = s.masked_fill(hidden[:, None], float("-inf")).logsumexp(-1).masked_fill(~read[:, None], float("-inf"))
+                    p = torch.softmax(lse, -1).mean(1)
+                total = total + checkpoint(_block_kl, p, iqp[i, r], wp[i, r], self.keys[i], idx, read, use_reentrant=False)
+        return total / sum(lens)
+
+
+def _block_kl(p, iq, w, keys, idx, read):
+    return kl_to(p, index_scores(iq, w, keys[idx]), read)
+
+
 def top_indexed(iq, w, ik, edges, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` earlier tokens (itself included) with the highest index score:
     key ids (n, K) and valid (n, K); scored a block of query rows at a time (``top_scored``)."""
     return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS)
 
 
-def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 100, freeze: bool = True):
-    """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included).
+def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 100, freeze: bool = True, b: int = 1):
+    """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included);
+    with b > 1, the k / b blocks of b positions (its own and the best earlier ones: MSA's corner).
 
     Note:
         Decoder self-attention (``dd``) of whole causal sequences; other stages keep full
@@ -143,13 +240,17 @@ def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 1
         densely meanwhile, for training from scratch); after, attention is sparse and the KL
         covers the kept tokens. Results: ``indexer_kl_dense``, ``indexer_kl_sparse``,
         ``kept_selected`` (keys per query). DeepSeek-V3.2 keeps 2048 of up to 128k tokens with
-        64 indexer heads of 128.
+        64 indexer heads of 128. ``b > 1``: blocks scored by their mean index key, read on MoBA's
+        per-token block kernel, the KL over block masses; k a multiple of b, at least 2b.
     """
     if k < 1:
         raise ValueError(f"k={k}: dsa keeps k >= 1 tokens per query")
     if index_heads < 1 or index_dim < 1 or warmup < 0:
         raise ValueError(f"need index_heads >= 1, index_dim >= 1, warmup >= 0; got {index_heads}, {index_dim}, {warmup}")
-    config = DSAConfig(k, index_heads, index_dim, warmup, freeze)
+    if b < 1 or (b > 1 and (k % b or k < 2 * b)):
+        raise ValueError(f"b={b}, k={k}: blocks of b >= 1 positions; with b > 1, k (keys read) must be a multiple of b and at least 2b "
+                         f"(the own block and one chosen), e.g. k={2 * max(b, 1)}")
+    config = DSAConfig(k, index_heads, index_dim, warmup, freeze, b)
     return replace(parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k)
 
 

@@ -6,6 +6,7 @@ top k earlier tokens (itself included) are kept; the main attention is a softmax
 || softmax(I)) with the model frozen, then sparse attention and the KL over the kept tokens."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -148,8 +149,84 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
     assert len(refused.output.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("spec, message", [("dsa:k=0", "dsa keeps k >= 1 tokens per query"), ("dsa:k=2000", "keeps up to 2000 keys per query")])
+@pytest.mark.parametrize("spec, message", [("dsa:k=0", "dsa keeps k >= 1 tokens per query"), ("dsa:k=2000", "keeps up to 2000 keys per query"),
+                                           ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"), ("dsa:k=16,b=16", "at least 2b")])
 def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
     result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")])
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def blocks_by_definition(attention, q, k, v, lens, top, size, chosen_by):
+    """``dsa:b=size``, per sample from the formula: a block's index key is the mean of its tokens', a
+    token reads its own block (up to itself) and the ``top / size - 1`` earlier blocks it scores
+    highest; softmax attention over those keys; the sparse KL over block masses (mean over queries),
+    and the warm-up's KL over every block up to the token's own. Scores tie often (a relu of a
+    negative dot is 0), so the blocks are ``chosen_by(token)``, checked here to be a top set."""
+    indexer = attention.trainable.indexer
+    out, sparse, dense, start = torch.zeros_like(q), [], [], 0
+    for n in lens:
+        rows = slice(start, start + n)
+        J, d = indexer.heads, indexer.dim
+        x_q, x_k = q[rows].flatten(1).detach(), k[rows].flatten(1).detach()
+        iq, w = indexer.wq(x_q).view(n, J, d), indexer.weights(x_q) * J ** -0.5 * d ** -0.5
+        ik = torch.nn.functional.layer_norm(indexer.wk(x_k), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6)
+        means = torch.stack([ik[j:j + size].mean(0) for j in range(0, n, size)])
+        score = sum(w[:, j, None] * torch.relu(iq[:, j] @ means.T) for j in range(J))  # (n, blocks)
+        for t in range(n):
+            own = t // size
+            chosen = chosen_by(start + t)
+            assert len(chosen) == min(top // size - 1, own) and len(set(chosen)) == len(chosen) and all(b < own for b in chosen)
+            left = [b for b in range(own) if b not in chosen]
+            assert not left or score[t, chosen].min() >= score[t, left].max() - 1e-9  # no block left out scores higher
+            keys = list(range(own * size, t + 1)) + [p for b in chosen for p in range(b * size, (b + 1) * size)]
+            p = torch.softmax(torch.einsum("hd,khd->hk", q[start + t], k[start + torch.tensor(keys)]), -1)
+            out[start + t] = torch.einsum("hk,khd->hd", p, v[start + torch.tensor(keys)])
+            target = torch.stack([p.detach().mean(0)[:t + 1 - own * size].sum()] + [p.detach().mean(0)[t + 1 - own * size + i * size:][:size].sum()
+                                                                                      for i in range(len(chosen))])
+            logq = torch.log_softmax(score[t, [own, *chosen]], 0)
+            sparse.append((target * (target.log() - logq)).sum())
+            causal = torch.softmax(torch.einsum("hd,khd->hk", q[start + t], k[start:start + t + 1]), -1).detach().mean(0)
+            mass = torch.stack([causal[b * size:(b + 1) * size].sum() for b in range(own + 1)])
+            dense.append((mass * (mass.clamp_min(1e-30).log() - torch.log_softmax(score[t, :own + 1], 0))).sum())
+        start += n
+    return out, torch.stack(sparse).mean(), torch.stack(dense).mean()
+
+
+@pytest.mark.parametrize("lens, top, size, seed", [([40], 12, 4, 0), ([33, 50, 9], 16, 8, 1), ([64], 10, 5, 2)])
+def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, seed):
+    """The MSA corner: DSA's indexer and losses at block granularity, read on MoBA's per-token kernel."""
+    torch.manual_seed(seed)
+    heads, dim = 2, 8
+    pattern = parse_pattern(f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1")
+    attention = Attention(get_backend("auto"), pattern, heads, dim)
+    reference = Attention(get_backend("dense"), pattern, heads, dim).double()
+    reference.load_state_dict(attention.state_dict())
+    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    dsa = sys.modules[type(attention.trainable).__module__]
+    iq, w, ik = attention.trainable.indexer(q.flatten(1), k.flatten(1))
+    sel = dsa.BlockIndex(ik, lens, size).top(iq, w, top // size - 1, heads)
+
+    def chosen_by(t):
+        return sel.blocks[t, 0][sel.valid[t, 0]].tolist()
+
+    ys = [x.double().requires_grad_() for x in (q, k, v)]
+    want, want_sparse, want_dense = blocks_by_definition(reference, *ys, lens, top, size, chosen_by)
+    attention.begin_step(0)  # the warm-up: dense, the KL over block masses
+    attention(q, k, v, edges)
+    (dense,) = attention.pending
+    torch.testing.assert_close(dense.detach(), want_dense.detach().float(), atol=1e-5, rtol=1e-5)
+    attention.take_losses()
+    attention.begin_step(1)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = attention(*xs, edges)
+    (sparse,) = attention.pending
+    torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
+    weights = torch.linspace(-1, 1, got.numel()).view_as(got)
+    for a, b in zip(torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)):
+        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse.detach(), want_sparse.detach().float(), atol=1e-5, rtol=1e-5)
+    params, want_params = list(attention.trainable.indexer.parameters()), list(reference.trainable.indexer.parameters())
+    for a, b in zip(torch.autograd.grad(sparse, params), torch.autograd.grad(want_sparse, want_params)):
+        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
