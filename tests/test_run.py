@@ -92,6 +92,7 @@ def test_models_and_tasks_list_like_patterns():
     tasks = gtx("tasks").output
     for name in ("copy", "sort", "reverse", "addition", "listops", "g2p", "translation"):
         assert any(line.startswith(name) for line in tasks.splitlines()), name
+    assert [line.split()[0] for line in tasks.splitlines() if "lm, text" in line] == ["needle", "text"]  # what a pretrained model's tokenizer writes
 
 
 def test_runs_are_reproducible_from_the_seed(tmp_path):

@@ -138,8 +138,8 @@ def models():
 @cli.command()
 @plugins_dir_option
 def tasks():
-    """List tasks, their form (seq2seq, lm, classify) and their settings."""
-    _list_registry(TASKS, lambda cls: cls.form)
+    """List tasks, their form (seq2seq, lm, classify; "text": written with a pretrained model's tokenizer when it has one) and their settings."""
+    _list_registry(TASKS, lambda cls: f"{cls.form}, text" if getattr(cls, "text", False) else cls.form)
 
 
 @cli.command()
