@@ -99,10 +99,11 @@ class SparseIndexed(Trainable):
         if blocks is not None:
             with torch.no_grad():
                 sel = blocks.top(iq, w, c.k // c.b - 1, q.shape[1])
+            out, mass = attend_token_blocks(q, k, v, edges, sel, masses=True)
             if run.training:
-                run.loss("indexer_kl_sparse", blocks.sparse_kl(q.detach(), k.detach(), iq, w, sel))
+                run.loss("indexer_kl_sparse", blocks.sparse_kl(mass, iq, w, sel))
             run.kept("selected", sel.edges_per_head(), edges.n_dst)
-            return attend_token_blocks(q, k, v, edges, sel)
+            return out
         with torch.no_grad():
             keys, valid = top_indexed(iq, w, ik, edges, c.k)
         heads = q.shape[1]
@@ -193,27 +194,21 @@ class BlockIndex:
         blocks, valid = (unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous() for x in (blocks.masked_fill(~valid, 0), valid))
         return TokenBlockSelection(size, list(lens), blocks, valid)
 
-    def sparse_kl(self, q, k, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
-        """After the warm-up: the main attention's mass on each block a token reads (its own, causally,
-        and the chosen ones; averaged over heads) against the indexer's softmax over the same blocks,
-        per query, averaged. The masses come from each block's log-sum-exp of q.k, without gradient."""
-        size, lens = self.size, self.lens
-        kp = self.pad(k).unflatten(1, (-1, size))  # (B, n_blocks, size, H, D)
-        qp, iqp, wp, chosen, ok = (self.pad(x) for x in (q, iq, w, sel.blocks[:, 0], sel.valid[:, 0]))
-        pos = torch.arange(self.length, device=q.device)
-        total = q.new_zeros(())
-        for i, n in enumerate(lens):
-            for r0 in range(0, n, ROWS):
-                r = slice(r0, min(r0 + ROWS, n))
-                idx = torch.cat([(pos[r] // size)[:, None], chosen[i, r]], 1)  # (rows, 1 + K): the own block first
-                read = torch.cat([torch.ones_like(ok[i, r][:, :1]), ok[i, r]], 1)
-                with torch.no_grad():
-                    s = torch.einsum("rhd,rkshd->rhks", qp[i, r], kp[i][idx])
-                    hidden = idx[..., None] * size + torch.arange(size, device=q.device) > pos[r, None, None]  # the own block's later keys
-                    lse = s.masked_fill(hidden[:, None], float("-inf")).logsumexp(-1).masked_fill(~read[:, None], float("-inf"))
-                    p = torch.softmax(lse, -1).mean(1)
-                total = total + checkpoint(_block_kl, p, iqp[i, r], wp[i, r], self.keys[i], idx, read, use_reentrant=False)
-        return total / sum(lens)
+    def sparse_kl(self, mass: torch.Tensor, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
+        """After the warm-up: the main attention's mass on each block a token reads (``mass``: its own
+        block first, then the chosen ones, averaged over heads, as ``attend_token_blocks`` gives it)
+        against the indexer's softmax over the same blocks, per query, averaged."""
+        n_blocks = self.keys.shape[1]
+        sample = torch.repeat_interleave(torch.arange(len(self.lens), device=iq.device), torch.as_tensor(self.lens, device=iq.device))
+        pos = torch.cat([torch.arange(n, device=iq.device) for n in self.lens])
+        idx = sample[:, None] * n_blocks + torch.cat([(pos // self.size)[:, None], sel.blocks[:, 0]], 1)  # (n, 1 + K) rows of keys
+        read = torch.cat([torch.ones_like(sel.valid[:, :1, 0]), sel.valid[:, 0]], 1)
+        keys = self.keys.reshape(-1, self.keys.shape[-1])
+        total = iq.new_zeros(())
+        for r0 in range(0, len(idx), ROWS):
+            r = slice(r0, r0 + ROWS)
+            total = total + checkpoint(_block_kl, mass[r], iq[r], w[r], keys, idx[r], read[r], use_reentrant=False)
+        return total / len(idx)
 
 
 def _block_kl(p, iq, w, keys, idx, read):

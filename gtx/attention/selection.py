@@ -156,14 +156,18 @@ def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block
     return TokenBlockSelection(block, list(lens), unpad_samples(top.indices, lens), unpad_samples(top.values, lens) > float("-inf"))
 
 
-def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection) -> torch.Tensor:
+def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection,
+                        masses: bool = False):
     """Attention under a token-gated block selection: (n, H, D) in and out. The own block runs as
     causal block-diagonal attention; the chosen earlier blocks as tiles of up to ``block`` queries
     that chose the same block of the same head, against that block's keys; both on SDPA's fused CPU
     kernel (plain torch ops on other devices), their partial softmaxes merged by log-sum-exp (as MoBA's own kernel does). Memory
-    follows the edges: no n x n matrix, and per chosen block one row of D per query."""
-    out = _TokenBlocks.apply(q, k, v, _TokenBlockPlan(sel, q.shape[1], q.device))
-    return out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
+    follows the edges: no n x n matrix, and per chosen block one row of D per query. ``masses``: also
+    each block's share of the attention, averaged over the heads, without gradient: (n, 1 + K), the
+    own block first, then ``sel.blocks``' slots (0 where a slot is not valid)."""
+    out, mass = _TokenBlocks.apply(q, k, v, _TokenBlockPlan(sel, q.shape[1], q.device))
+    out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
+    return (out, mass.mean(1)) if masses else out
 
 
 class _TokenBlockPlan:
@@ -178,7 +182,8 @@ class _TokenBlockPlan:
         token, head, slot = sel.valid.nonzero(as_tuple=True)
         group = (sample[token] * heads + head) * n_b + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
         order = torch.argsort(group, stable=True)
-        self.token, self.head, group = token[order], head[order], group[order]
+        self.token, self.head, self.slot, group = token[order], head[order], slot[order], group[order]
+        self.slots = sel.blocks.shape[-1]
         self.pair = self.token * heads + self.head  # each pair's (token, head) row of (n * H, D) views
         rank = torch.arange(len(group), device=device) - torch.searchsorted(group, group, side="left")
         per_group = torch.zeros(len(sel.lens) * heads * n_b, dtype=torch.long, device=device).index_add_(0, group, torch.ones_like(group))
@@ -270,12 +275,16 @@ class _TokenBlocks(torch.autograd.Function):
         lse = top + torch.log(total)
         own_w, part_w = torch.exp(own_lse.reshape(-1) - lse), torch.exp(part_lse - lse[pair])
         out = (own.reshape(-1, own.shape[-1]) * own_w[:, None]).index_add(0, pair, part * part_w[:, None]).view_as(own)
+        mass = own_w.new_zeros(*own_lse.shape, 1 + plan.slots)  # (n, H, 1 + K): each block's share of the softmax
+        mass[..., 0] = own_w.view_as(own_lse)
+        mass[plan.token, plan.head, 1 + plan.slot] = part_w
         ctx.plan = plan
+        ctx.mark_non_differentiable(mass)
         ctx.save_for_backward(q, kb, vb, out, own_lse, part_lse, own_w, part_w)
-        return out
+        return out, mass
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         plan = ctx.plan
         q, kb, vb, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
         grad = grad.contiguous()
