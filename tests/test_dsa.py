@@ -49,15 +49,19 @@ def dsa_by_definition(attention, q, k, v, lens, top):
     return out, torch.stack(kls).mean(), kept
 
 
-@pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
-def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
+def twins(spec, lens, seed, heads=2, dim=8):
+    """The pattern's attention, a float64 copy with the same parameters on the dense backend, and random q, k, v."""
     torch.manual_seed(seed)
-    heads, dim = 2, 8
-    pattern = parse_pattern(f"dsa:k={top},index_heads=3,index_dim=4,warmup=0")
+    pattern = parse_pattern(spec)
     attention = Attention(get_backend("auto"), pattern, heads, dim)
     reference = Attention(get_backend("dense"), pattern, heads, dim).double()
     reference.load_state_dict(attention.state_dict())
-    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    return pattern, attention, reference, *(torch.randn(sum(lens), heads, dim) for _ in range(3))
+
+
+@pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
+def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
+    pattern, attention, reference, q, k, v = twins(f"dsa:k={top},index_heads=3,index_dim=4,warmup=0", lens, seed)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     attention.begin_step(0)
     got = attention(*xs, build_graph(pattern, None, lens).edges["dd"])
@@ -196,17 +200,11 @@ def blocks_by_definition(attention, q, k, v, lens, top, size, chosen_by):
 @pytest.mark.parametrize("lens, top, size, seed", [([40], 12, 4, 0), ([33, 50, 9], 16, 8, 1), ([64], 10, 5, 2)])
 def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, seed):
     """The MSA corner: DSA's indexer and losses at block granularity, read on MoBA's per-token kernel."""
-    torch.manual_seed(seed)
-    heads, dim = 2, 8
-    pattern = parse_pattern(f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1")
-    attention = Attention(get_backend("auto"), pattern, heads, dim)
-    reference = Attention(get_backend("dense"), pattern, heads, dim).double()
-    reference.load_state_dict(attention.state_dict())
-    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    pattern, attention, reference, q, k, v = twins(f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1", lens, seed)
     edges = build_graph(pattern, None, lens).edges["dd"]
     dsa = sys.modules[type(attention.trainable).__module__]
     iq, w, ik = attention.trainable.indexer(q.flatten(1), k.flatten(1))
-    sel = dsa.BlockIndex(ik, lens, size).top(iq, w, top // size - 1, heads)
+    sel = dsa.BlockIndex(ik, lens, size).top(iq, w, top // size - 1, q.shape[1])
 
     def chosen_by(t):
         return sel.blocks[t, 0][sel.valid[t, 0]].tolist()
