@@ -101,12 +101,15 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
     heads, length = q.shape[1], max(lens)
     n_sel = -(-length // c.s)
     j = torch.arange(n_sel, device=q.device)
-    overlap = ((j[None, :] >= ((ends - c.l + 1) // c.s)[:, None]) & (j[None, :] <= (ends // c.s)[:, None])).to(q.dtype)  # (m, n_sel)
+    first, last = (ends - c.l + 1) // c.s, ends // c.s  # the selection blocks each compressed block overlaps: first..last
+    spans = [(first + o, first + o <= last) for o in range(int((last - first).max()) + 1 if len(ends) else 0)]
     width = min(c.n - 1, n_sel)
     blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
     valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
     for r0, r1, weights in compressed_weights(q, kc, lens, ends):
-        score = weights @ overlap  # (B, H, rows, n_sel)
+        score = weights.new_zeros(*weights.shape[:-1], n_sel)  # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
+        for target, real in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
+            score.index_add_(-1, target[real], weights[..., real])
         if c.g > 1:
             score = score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
         own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]

@@ -135,6 +135,7 @@ def nsa_by_definition(module, q, k, v, lens):
     ("nsa:l=8,d=4,s=16,n=4,w=5", [50, 37], 2),
     ("nsa:l=6,d=3,s=8,n=5,w=12,g=2", [61, 20], 4),
     ("nsa:l=4,d=4,s=4,n=6,w=4", [40], 2),
+    ("nsa:l=8,d=4,s=4,n=5,w=6", [45], 2),  # a compressed block spans 2 or 3 selection blocks
 ])
 def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, heads):
     torch.manual_seed(0)
