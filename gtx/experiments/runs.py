@@ -94,7 +94,8 @@ def summary(df: pd.DataFrame, results_dir: str | Path, metrics: dict[str, str]) 
     n_train=300``; empty where all runs agree): a model's among the runs of that model, a task's and
     the training settings among the runs of that task (tasks set their own training defaults)."""
     runs = [rows for _, rows in df.groupby("run_id", sort=False)]
-    runs.sort(key=lambda rows: (rows.started_at.iloc[0], rows.run_id.iloc[0]))
+    # started_at has whole seconds: an evaluation started in its run's second still comes after it
+    runs.sort(key=lambda rows: (rows.started_at.iloc[0], isinstance(rows.eval_of.iloc[0], str), rows.run_id.iloc[0]))
     configs = [config_of(rows) for rows in runs]
     settings = differing([flat_settings(r) for r in runs], [{"model": r.model.iloc[0], "task": r.task.iloc[0], "train": r.task.iloc[0]} for r in runs])
     out = []
