@@ -108,8 +108,10 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
     valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
     for r0, r1, weights in compressed_weights(q, kc, lens, ends):
         score = weights.new_zeros(*weights.shape[:-1], n_sel)  # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
+        seen = weights.shape[-1]  # the compressed blocks that end before r1
         for target, real in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
-            score.index_add_(-1, target[real], weights[..., real])
+            real = real[:seen]
+            score.index_add_(-1, target[:seen][real], weights[..., real])
         if c.g > 1:
             score = score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
         own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]

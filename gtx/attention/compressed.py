@@ -62,12 +62,14 @@ def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens:
 
 def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor):
     """The compressed branch's attention weights, a block of query rows at a time: yields
-    (r0, r1, weights (B, H, r1 - r0, m)) over padded positions r0..r1, zero where a block is unseen."""
+    (r0, r1, weights (B, H, r1 - r0, seen)) over padded positions r0..r1 and the blocks that end
+    before r1 (a prefix: ends ascend; later blocks have weight 0), zero where a block is unseen."""
     length = max(lens)
     qp = pad_samples(q, lens, length).transpose(1, 2)
     kt = kc.transpose(1, 2)
     for r0 in range(0, length, ROWS):
         r1 = min(r0 + ROWS, length)
-        seen = ends[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
-        score = (qp[:, :, r0:r1] @ kt.transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+        n_seen = int((ends <= r1 - 1).sum())  # causal: half the (rows x blocks) scores on average
+        seen = ends[None, :n_seen] <= torch.arange(r0, r1, device=q.device)[:, None]
+        score = (qp[:, :, r0:r1] @ kt[:, :, :n_seen].transpose(-1, -2)).masked_fill(~seen, float("-inf"))
         yield r0, r1, torch.softmax(score, -1).nan_to_num_(0.0)
