@@ -97,7 +97,6 @@ class HFTokenizer(Tokenizer):
     """A transformers tokenizer saved beside its model, as gtx's tasks write with it."""
 
     def __init__(self, folder: str):
-        self.name = folder
         self.hf = transformers().AutoTokenizer.from_pretrained(folder)
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
         self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))

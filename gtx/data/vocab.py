@@ -47,7 +47,6 @@ class Tokenizer:
     """What a model that reads text with its own tokenizer gives the tasks (``GraphModel.tokenizer``):
     ``vocab`` (a ``ModelVocab``), ``tokenize(text) -> tokens`` and ``detokenize(tokens) -> text``."""
 
-    name: str = "tokenizer"
     vocab: Vocab
 
     def tokenize(self, text: str) -> list[str]:
