@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments.sweep import Cell, Counts, Failure, cell_states, child_env, last_checkpoint, last_line, launcher_argv, run_args
+from gtx.experiments.sweep import Cell, Counts, Failure, as_results_stand, cell_states, child_env, last_line, launcher_argv, run_args
 
 INSTALL = "pip install 'gtx[cluster]' (or pip install submitit)"
 
@@ -80,11 +80,9 @@ class CellJob:
         return {**self.__dict__, "_child": None}  # a process does not travel with the job
 
     def __call__(self) -> int:
-        complete, latest, _ = cell_states(self.results_dir).get(self.cell.key, (False, None, False))
-        if complete:
+        cell = as_results_stand(self.cell, cell_states(self.results_dir), self.results_dir)  # as they stand now, requeued or not
+        if cell.action == "skip":
             return 0
-        resume = latest is not None and last_checkpoint(self.results_dir, latest).is_file()
-        cell = Cell(self.cell.index, self.cell.config, self.cell.key, self.cell.label, "resume" if resume else "run", latest if resume else None)
         argv = [*launcher_argv(self.nproc), *run_args(cell, self.results_dir, self.plugins_dirs)]
         print(f"==> {' '.join(argv)}", flush=True)
         self._child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=child_env(self.nproc))  # one log: the job's stdout

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gtx.errors import GtxError
@@ -215,13 +215,16 @@ def plan(grid: Grid, results_dir: str | Path) -> list[Cell]:
             seen.add(key)
             cells.append(Cell(len(cells), config, key, label))
     states = cell_states(results_dir)
-    for cell in cells:
-        complete, latest, cell.rekeyed = states.get(cell.key, (False, None, False))
-        if complete:
-            cell.action = "skip"
-        elif latest and last_checkpoint(results_dir, latest).is_file():
-            cell.action, cell.run_id = "resume", latest
-    return cells
+    return [as_results_stand(cell, states, results_dir) for cell in cells]
+
+
+def as_results_stand(cell: Cell, states: dict[str, tuple[bool, str, bool]], results_dir: str | Path) -> Cell:
+    """``cell`` with the action the results call for (``states``: ``cell_states``): ``skip`` a complete
+    cell, ``resume`` its latest run where that run left a checkpoint, else ``run``."""
+    complete, latest, rekeyed = states.get(cell.key, (False, None, False))
+    resume = not complete and latest is not None and last_checkpoint(results_dir, latest).is_file()
+    return replace(cell, action="skip" if complete else "resume" if resume else "run", run_id=latest if resume else None,
+                               rekeyed=rekeyed)
 
 
 def run_args(cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = ()) -> list[str]:
@@ -239,10 +242,10 @@ def run_args(cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | P
 def launcher_argv(nproc: int = 1, program: str | None = None) -> list[str]:
     """What starts ``gtx`` for a cell: the Python running this (``program``: that command instead),
     or torchrun with ``nproc`` processes of one data-parallel run (rank 0 writes)."""
-    if nproc > 1:
-        return ["torchrun" if program else sys.executable, *([] if program else ["-m", "torch.distributed.run"]), "--standalone",
-                "--nproc-per-node", str(nproc), "-m", "gtx.cli"]
-    return [program] if program else [sys.executable, "-m", "gtx.cli"]
+    if nproc == 1:
+        return [program] if program else [sys.executable, "-m", "gtx.cli"]
+    torchrun = ["torchrun"] if program else [sys.executable, "-m", "torch.distributed.run"]
+    return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "gtx.cli"]
 
 
 def dry_run_lines(cells: list[Cell], results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (), nproc: int = 1) -> list[str]:
