@@ -38,8 +38,7 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
     <results>/frontiers/. Exit 1 if a cell failed, 2 on bad input (nothing runs).
     """
     try:
-        if not margin > 0:
-            raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+        fr.check_margin(margin)  # before anything runs
         grid, results_dir, jobs = read_grid(None, (), **options)
         study = fr.Study([fr.parse_family(f) for f in families], sw.split_list(lengths, "--lengths"), grid, length_key)
         cells, points = fr.plan_study(study, results_dir)

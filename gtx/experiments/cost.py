@@ -9,6 +9,8 @@ through the linear layers they use. A training step counts its forward ``1 + BAC
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gtx.attention.module import Attention
@@ -41,4 +43,4 @@ class FlopCount:
 
     @property
     def total(self) -> float:
-        return self.dense + (0.0 if self.attention != self.attention else self.attention)
+        return self.dense + (0.0 if math.isnan(self.attention) else self.attention)

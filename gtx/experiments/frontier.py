@@ -2,9 +2,9 @@
 
     families = [parse_family("local:w=16,32,64"), parse_family("moba:b=16,k=2,4")]
     study = Study(families, lengths=["256", "512"], grid=make_grid(task=["recall"], model=["lm"], seeds="0-2"))
-    cells, dropped = plan_study(study, "results")     # sweep cells: full and every budget at every length
+    cells, points = plan_study(study, "results")      # sweep cells: full and every budget at every length
     ...run them as a sweep (gtx.experiments.sweep.execute)...
-    table = frontier_table(study, cells, load("results"), margin=0.01)
+    table = frontier_table(cells, points, load("results"), margin=0.01)
     smallest = equivalent_budgets(table)
 
 A *family* is a pattern with one budget parameter given several values (``moba:b=16,k=2,4,8``:
@@ -208,6 +208,11 @@ def _settings_product(settings: dict[str, list[str]]):
         yield dict(zip(settings, values))
 
 
+def check_margin(margin: float) -> None:
+    if not margin > 0:
+        raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+
+
 def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame, margin: float,
                    metric: str | None = None) -> pd.DataFrame:
     """One row per experiment of the study that has runs (seeds pooled), numbers only.
@@ -220,8 +225,7 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
     model, length and settings (TOST at ``margin``, in the metric's units) and ``equivalent``
     (tost_p < 0.05; NaN/False with fewer than 2 runs a side). Only the study's own cells count: runs of
     other experiments in the folder never mix in, and only finished runs (with test rows) count."""
-    if not margin > 0:
-        raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+    check_margin(margin)
     swept = _swept(cells, {p.length_key for p in points.values()})
     keyed = {c.key: c for c in cells}
     finished = df.run_id.isin(df.run_id[df.split == "test"])  # a run still training (or killed) has no final word yet

@@ -12,9 +12,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from gtx.errors import GtxError
+from gtx.experiments.frontier import FULL
 from gtx.pictures.figure import new_figure
 
-FULL = "full"
 NEEDED = ["task", "model", "length", "family", "pattern", "mean", "ci_low", "ci_high", "edges_per_query", "train_flops"]
 
 
