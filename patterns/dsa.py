@@ -23,11 +23,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
-from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks, top_scored
+from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_to, top_indexed
+from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
-
-ROWS = 256  # query rows the indexer scores at once: (rows x keys) scores, never n x n
 
 
 @dataclass(frozen=True)
@@ -56,21 +55,6 @@ class Indexer(nn.Module):
         """(n, query_dim), (N, key_dim) -> index queries (n, heads, dim), weights (n, heads), keys (N, dim)."""
         w = self.weights(queries) * (self.heads ** -0.5 * self.dim ** -0.5)
         return self.wq(queries).unflatten(-1, (self.heads, self.dim)), w, self.k_norm(self.wk(keys))
-
-
-def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
-    """I(t, s) = sum_j w(t, j) relu(iq(t, j) . ik(s)): iq (r, J, d), w (r, J), ik (S, d) -> (r, S);
-    ik may also be per query, (r, S, d)."""
-    dots = torch.einsum("rjd,sd->rjs", iq, ik) if ik.dim() == 2 else torch.einsum("rjd,rsd->rjs", iq, ik)
-    dots = torch.relu(dots) if dots.requires_grad else dots.relu_()  # in place where no gradient needs the input
-    return torch.bmm(w.unsqueeze(1), dots).squeeze(1)
-
-
-def kl_to(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """sum over rows of KL(target || softmax(logits)) over the ``valid`` entries."""
-    logq = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), -1)
-    p = target.masked_fill(~valid, 0.0)
-    return (p * (torch.log(p.clamp_min(1e-30)) - logq.masked_fill(~valid, 0.0))).sum()
 
 
 class SparseIndexed(Trainable):
@@ -134,14 +118,7 @@ class SparseIndexed(Trainable):
     def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
         """After the warm-up: the main attention over the kept tokens (averaged over heads) against
         the indexer's softmax over the same tokens, per query, averaged."""
-        def block(p_r, iq_r, w_r, ik, keys_r, valid_r):  # the kept keys gathered inside: the backward keeps no (rows, k, dim) copy
-            return kl_to(p_r, index_scores(iq_r, w_r, ik[keys_r]), valid_r)
-
-        total = p.new_zeros(())
-        for r0 in range(0, len(keys), ROWS):
-            r = slice(r0, r0 + ROWS)
-            total = total + checkpoint(block, p[r], iq[r], w[r], ik, keys[r], valid[r], use_reentrant=False)
-        return total / len(keys)
+        return index_kl(p, iq, w, ik, keys, valid) / len(keys)
 
 
 def enumerate_samples(blocks):
@@ -213,12 +190,6 @@ class BlockIndex:
 
 def _block_kl(p, iq, w, keys, idx, read):
     return kl_to(p, index_scores(iq, w, keys[idx]), read)
-
-
-def top_indexed(iq, w, ik, edges, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query, the ``count`` earlier tokens (itself included) with the highest index score:
-    key ids (n, K) and valid (n, K); scored a block of query rows at a time (``top_scored``)."""
-    return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS)
 
 
 def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 100, freeze: bool = True, b: int = 1):

@@ -1,7 +1,8 @@
 """dsa computes DeepSeek Sparse Attention, checked against its definition written out here (not the
 fetched code): DeepSeek-V3.2-Exp's ``Indexer`` scores I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s)) with
 q = wq(x_t) in J heads of d, k = LayerNorm(wk(x_s)) one per token, w = weights(x_t) J^-1/2 d^-1/2; the
-top k earlier tokens (itself included) are kept; the main attention is a softmax over them. Training
+top k earlier tokens (itself included) are kept, equal scores preferring the later token (a relu
+makes zeros common); the main attention is a softmax over them. Training
 (the V3.2 report): a dense warm-up in which the indexer fits KL(mean over heads of the dense attention
 || softmax(I)) with the model frozen, then sparse attention and the KL over the kept tokens."""
 
@@ -38,7 +39,8 @@ def dsa_by_definition(attention, q, k, v, lens, top):
         score = indexer_by_definition(indexer, q[rows].flatten(1).detach(), k[rows].flatten(1).detach())
         score = score.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         for t in range(n):
-            keys = score[t].topk(min(top, t + 1)).indices.sort().values
+            best = sorted(range(t + 1), key=lambda s: (score[t, s].item(), s), reverse=True)[:top]  # equal scores: the later key first
+            keys = torch.tensor(sorted(best))
             kept.append(set(keys.tolist()))
             s = torch.einsum("hd,khd->hk", q[start + t], k[start + keys])
             p = torch.softmax(s, -1)

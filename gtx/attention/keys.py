@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gtx.attention import native
 from gtx.graph.tokens import EdgeSet
 
 _CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block of query rows
@@ -51,11 +52,13 @@ def query_blocks(edges: EdgeSet, rows: int):
         q_off, k_off = q_off + nq, k_off + nk
 
 
-def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ...] = (),
+               later_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` keys with the best ``score(query rows, key slice)`` -> (rows, *lead,
     keys seen), for complete or causal candidates (``edges.structure``), scored sample by sample in
     blocks of query rows (``query_blocks``): the scores of one block exist at a time, never an edge
-    list. Returns key ids and valid, (n_dst, *lead, count); invalid slots hold key 0."""
+    list. Returns key ids and valid, (n_dst, *lead, count); invalid slots hold key 0. ``later_first``:
+    equal scores rank the later key first (a sort, slower than ``topk``'s unspecified order)."""
     causal = edges.root.structure == "causal"
     keys = torch.zeros(edges.n_dst, *lead, count, dtype=torch.long, device=edges.device)
     valid = torch.zeros(edges.n_dst, *lead, count, dtype=torch.bool, device=edges.device)
@@ -64,10 +67,14 @@ def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ..
         s = score(block, slice(k_off, k_off + nk))
         if causal:
             s = s.masked_fill(later_keys(r0, r1, nk, s.device).view(r1 - r0, *(1,) * len(lead), nk), float("-inf"))
-        top = s.topk(min(count, nk), dim=-1)
-        width = top.indices.shape[-1]
-        keys[block, ..., :width] = top.indices + k_off
-        valid[block, ..., :width] = top.values > float("-inf")
+        if later_first:  # a stable sort of the keys in reverse order: equal scores rank the later key first
+            values, order = s.flip(-1).sort(dim=-1, descending=True, stable=True)
+            values, indices = values[..., :count], nk - 1 - order[..., :count]
+        else:
+            values, indices = s.topk(min(count, nk), dim=-1)
+        width = indices.shape[-1]
+        keys[block, ..., :width] = indices + k_off
+        valid[block, ..., :width] = values > float("-inf")
     return keys.masked_fill(~valid, 0), valid
 
 
@@ -121,21 +128,14 @@ def _scores(q, ks, valid):
 
 
 class _KeyAttention(torch.autograd.Function):
-    """Softmax over each query's selected keys, block by block; backward from the log-sum-exp."""
+    """Softmax over each query's selected keys; backward from the log-sum-exp. On the CPU in float32
+    the C kernel (``keys_kernel.c``) reads the selected keys in place; elsewhere blocks of query rows
+    gather them (``_Gather``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, keys, valid):
-        n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
-        out = q.new_zeros(n, heads, v.shape[-1])
-        lse = q.new_full((n, heads), float("-inf"))
-        mean_p = q.new_zeros(n, count)
-        for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
-            gather = _Gather(keys[r], heads)
-            score = _scores(q[r], gather(k), valid[r])
-            lse[r] = torch.logsumexp(score, -1)
-            p = torch.exp(score - lse[r, :, None]).nan_to_num_(0.0)  # a query without a valid key: no weight
-            out[r] = torch.einsum("nhk,nhkd->nhd", p, gather(v))
-            mean_p[r] = p.mean(1)
+        forward = _forward_native if native.kernel("keys_kernel", q, k, v) else _forward_torch
+        out, lse, mean_p = forward(q, k, v, keys, valid)
         ctx.save_for_backward(q, k, v, keys, valid, out, lse)
         ctx.mark_non_differentiable(mean_p)
         return out, mean_p
@@ -143,15 +143,70 @@ class _KeyAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         q, k, v, keys, valid, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
-        n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
-        for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
-            gather = _Gather(keys[r], heads)
-            ks, vs = gather(k), gather(v)
-            p = torch.exp(_scores(q[r], ks, valid[r]) - lse[r, :, None]).nan_to_num_(0.0)
-            ds = p * (torch.einsum("nhd,nhkd->nhk", grad[r], vs) - delta[r, :, None])
-            dq[r] = torch.einsum("nhk,nhkd->nhd", ds, ks)
-            gather.add(dk, ds[..., None] * q[r][:, :, None, :])
-            gather.add(dv, p[..., None] * grad[r][:, :, None, :])
-        return dq, dk, dv, None, None
+        backward = _backward_native if native.kernel("keys_kernel", q, k, v) else _backward_torch
+        return *backward(q, k, v, keys, valid, grad.contiguous(), out, lse), None, None
+
+
+def _native_args(q, k, v, keys, valid):
+    if keys.stride(-1) != 1 or keys.stride() != valid.stride():
+        keys, valid = keys.contiguous(), valid.contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    shape = (q.shape[1], keys.shape[2], q.shape[2], v.shape[2])
+    return shape, (q, k, v, keys, valid), (keys.stride(0), keys.stride(1))
+
+
+def _forward_native(q, k, v, keys, valid):
+    lib = native.load("keys_kernel")
+    shape, tensors, strides = _native_args(q, k, v, keys, valid)
+    n, (heads, count) = q.shape[0], shape[:2]
+    out, lse, mean_p = q.new_empty(n, heads, v.shape[-1]), q.new_empty(n, heads), q.new_empty(n, count)
+    ptrs = [native.pointer(t) for t in (*tensors, out, lse, mean_p)]
+    native.split_rows(lambda _, i0, i1: lib.gtx_keys_forward(*native.ints(i0, i1, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:]), n)
+    return out, lse, mean_p
+
+
+def _backward_native(q, k, v, keys, valid, grad, out, lse):
+    lib = native.load("keys_kernel")
+    shape, tensors, strides = _native_args(q, k, v, keys, valid)
+    threads = max(1, min(torch.get_num_threads(), q.shape[0]))
+    dq = torch.empty_like(q)
+    dks = [torch.zeros_like(k) for _ in range(threads)]  # each thread adds into its own, summed after
+    dvs = [torch.zeros_like(v) for _ in range(threads)]
+    ptrs = [native.pointer(t) for t in (*tensors, grad, out, lse, dq)]
+
+    def call(t, i0, i1):
+        return lib.gtx_keys_backward(*native.ints(i0, i1, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:],
+                                     native.pointer(dks[t]), native.pointer(dvs[t]))
+
+    native.split_rows(call, q.shape[0], threads)
+    return dq, sum(dks[1:], dks[0]), sum(dvs[1:], dvs[0])
+
+
+def _forward_torch(q, k, v, keys, valid):
+    n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
+    out = q.new_zeros(n, heads, v.shape[-1])
+    lse = q.new_full((n, heads), float("-inf"))
+    mean_p = q.new_zeros(n, count)
+    for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
+        gather = _Gather(keys[r], heads)
+        score = _scores(q[r], gather(k), valid[r])
+        lse[r] = torch.logsumexp(score, -1)
+        p = torch.exp(score - lse[r, :, None]).nan_to_num_(0.0)  # a query without a valid key: no weight
+        out[r] = torch.einsum("nhk,nhkd->nhd", p, gather(v))
+        mean_p[r] = p.mean(1)
+    return out, lse, mean_p
+
+
+def _backward_torch(q, k, v, keys, valid, grad, out, lse):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
+    n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
+    for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
+        gather = _Gather(keys[r], heads)
+        ks, vs = gather(k), gather(v)
+        p = torch.exp(_scores(q[r], ks, valid[r]) - lse[r, :, None]).nan_to_num_(0.0)
+        ds = p * (torch.einsum("nhd,nhkd->nhk", grad[r], vs) - delta[r, :, None])
+        dq[r] = torch.einsum("nhk,nhkd->nhd", ds, ks)
+        gather.add(dk, ds[..., None] * q[r][:, :, None, :])
+        gather.add(dv, p[..., None] * grad[r][:, :, None, :])
+    return dq, dk, dv

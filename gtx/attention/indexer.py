@@ -1,0 +1,109 @@
+"""A lightning indexer's scores, choice and KL loss (DSA, DeepSeek-V3.2): the scoring proxy of
+token-level learned selection.
+
+``I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s))`` for index queries q (n, J, d), weights w (n, J)
+and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
+of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
+``keys_kernel.c`` fuse each step (scores, heap top-k; scores, KL and its gradients); elsewhere the
+same definitions run as torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from gtx.attention import native
+from gtx.attention.keys import top_scored
+from gtx.graph.tokens import EdgeSet
+
+ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
+TILE = 128  # keys per tile of the C kernel's index keys (keys_kernel.c's TILE)
+
+
+def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
+    """I(t, s) = sum_j w(t, j) relu(iq(t, j) . ik(s)): iq (r, J, d), w (r, J), ik (S, d) -> (r, S);
+    ik may also be per query, (r, S, d)."""
+    dots = torch.einsum("rjd,sd->rjs", iq, ik) if ik.dim() == 2 else torch.einsum("rjd,rsd->rjs", iq, ik)
+    dots = torch.relu(dots) if dots.requires_grad else dots.relu_()  # in place where no gradient needs the input
+    return torch.bmm(w.unsqueeze(1), dots).squeeze(1)
+
+
+def kl_to(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """sum over rows of KL(target || softmax(logits)) over the ``valid`` entries."""
+    logq = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), -1)
+    p = target.masked_fill(~valid, 0.0)
+    return (p * (torch.log(p.clamp_min(1e-30)) - logq.masked_fill(~valid, 0.0))).sum()
+
+
+def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
+    highest index score, equal scores preferring the later key: key ids (n, K) and valid (n, K)
+    (invalid slots hold key 0). No gradient."""
+    lib = native.kernel("keys_kernel", iq, w, ik)
+    if lib is None:
+        return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True)
+    keys = torch.zeros(edges.n_dst, count, dtype=torch.long)
+    valid = torch.zeros(edges.n_dst, count, dtype=torch.bool)
+    causal = int(edges.root.structure == "causal")
+    iq, w = iq.contiguous(), w.contiguous()
+    q_off = k_off = 0
+    for nq, nk in zip(*edges.sample_lens()):
+        _top_sample(lib, iq[q_off:], w[q_off:], tiles(ik[k_off:k_off + nk]), keys[q_off:], valid[q_off:], nq, nk, causal, k_off)
+        q_off, k_off = q_off + nq, k_off + nk
+    return keys, valid
+
+
+def tiles(ik: torch.Tensor) -> torch.Tensor:
+    """(nk, d) index keys -> (ceil(nk / TILE), d, TILE), zero-padded: a tile of keys the kernel reads
+    as d contiguous rows (a (d, nk) layout would put rows a power of two apart, into one cache set)."""
+    padded = torch.nn.functional.pad(ik, (0, 0, 0, -len(ik) % TILE))
+    return padded.view(-1, TILE, ik.shape[1]).transpose(1, 2).contiguous()
+
+
+def _top_sample(lib, iq, w, ik_tiles, keys, valid, nq: int, nk: int, causal: int, offset: int) -> None:
+    """One sample's rows (views from its first query and key): keys, valid written, groups of 8 rows
+    dealt to the threads in turn (later causal rows cost more)."""
+    heads, dim = iq.shape[1:]
+    ptrs = [native.pointer(x) for x in (iq, w, ik_tiles)], [native.pointer(x) for x in (keys, valid)]
+    parts = max(1, min(torch.get_num_threads(), -(-nq // 8)))
+    native.run_parts(lambda part: lib.gtx_top_index(*native.ints(part, parts, nq, nk, heads, dim), *ptrs[0],
+                                                    *native.ints(causal, keys.shape[1], offset), *ptrs[1]), parts)
+
+
+def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
+    """sum over queries of KL(p || softmax(I over the kept keys)): targets p (n, K) over keys (n, K)
+    (valid (n, K)); gradients reach iq, w and ik only. Never an (n, K, d) copy of index keys."""
+    if native.kernel("keys_kernel", iq, w, ik) is not None:
+        return _IndexKL.apply(p, iq, w, ik, keys, valid)
+
+    def block(p_r, iq_r, w_r, ik, keys_r, valid_r):  # the kept keys gathered inside: the backward keeps no (rows, K, d) copy
+        return kl_to(p_r, index_scores(iq_r, w_r, ik[keys_r]), valid_r)
+
+    total = p.new_zeros(())
+    for r0 in range(0, len(keys), ROWS):
+        r = slice(r0, r0 + ROWS)
+        total = total + checkpoint(block, p[r], iq[r], w[r], ik, keys[r], valid[r], use_reentrant=False)
+    return total
+
+
+class _IndexKL(torch.autograd.Function):
+    """The C kernel computes the loss and its gradients in one pass; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, p, iq, w, ik, keys, valid):
+        lib = native.load("keys_kernel")
+        iq, w, ik, keys, valid, p = (x.contiguous() for x in (iq, w, ik, keys, valid, p))
+        loss, diq, dw = p.new_empty(len(keys)), torch.empty_like(iq), torch.empty_like(w)
+        threads = max(1, min(torch.get_num_threads(), len(keys)))
+        diks = [torch.zeros_like(ik) for _ in range(threads)]  # each thread adds into its own, summed after
+        ptrs = [native.pointer(x) for x in (iq, w, ik, keys, valid, p, loss, diq, dw)]
+        native.split_rows(lambda t, a, b: lib.gtx_index_kl(*native.ints(a, b, iq.shape[1], keys.shape[1], iq.shape[2]),
+                                                           *ptrs, native.pointer(diks[t])), len(keys), threads)
+        ctx.save_for_backward(diq, dw, sum(diks[1:], diks[0]))
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        diq, dw, dik = ctx.saved_tensors
+        return None, diq * grad, dw * grad, dik * grad, None, None

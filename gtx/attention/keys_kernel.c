@@ -1,0 +1,295 @@
+/* Attention of each query and head over its selected keys, on the CPU, one query at a time: the
+ * selected keys are read where they lie (no gathered copy), scores live in a (heads x K) buffer.
+ * Built and loaded by gtx/attention/native.py; called on a range of query rows [i0, i1) so that
+ * several threads can share one call (each with its own dk, dv in the backward).
+ *
+ * Layouts (float32, row-major, contiguous): q (n, H, D), k (N, H, D), v (N, H, E), out (n, H, E),
+ * lse (n, H), mean_p (n, K) or NULL. keys (int64) and valid (uint8) are (n, H, K) with row strides
+ * sn and head strides sh in elements (sh = 0: one choice shared by the heads), K contiguous.
+ * q arrives scaled: a score is q . k. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* e^x to about 2 ulp (Cephes' expf polynomial), 0 below -87: plain arithmetic, so that loops of it
+ * vectorize (glibc's expf is a call per element). */
+static inline float exp_approx(float x) {
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
+               + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)(n < -126.0f ? -126.0f : n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : y * scale;
+}
+
+static float dot(const float *a, const float *b, int64_t d) {
+    float s = 0.0f;
+    for (int64_t x = 0; x < d; x++) s += a[x] * b[x];
+    return s;
+}
+
+static void axpy(float *y, float a, const float *x, int64_t d) {
+    for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
+}
+
+#define AHEAD 8 /* keys prefetched ahead: a selected key's row is a random read */
+
+static void prefetch_row(const float *row, int64_t len) {
+    for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(row + x);  /* 16 floats: a cache line */
+}
+
+/* Softmax weights of query i into p (H x K; 0 for an invalid slot) from its scores, and lse
+ * (given in lse_in, or computed into lse_out). Keys outer, heads inner: a key shared by the heads
+ * is one contiguous row. */
+static void weights(int64_t i, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
+                    const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                    const float *lse_in, float *lse_out, float *p) {
+    const int64_t *key = keys + i * sn;
+    const uint8_t *ok = valid + i * sn;
+    for (int64_t j = 0; j < K; j++) {
+        if (j + AHEAD < K) prefetch_row(k + key[j + AHEAD] * H * D, H * D);
+        for (int64_t h = 0; h < H; h++)
+            p[h * K + j] = ok[h * sh + j] ? dot(q + (i * H + h) * D, k + (key[h * sh + j] * H + h) * D, D) : -INFINITY;
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float *ph = p + h * K, m = -INFINITY, l;
+        for (int64_t j = 0; j < K; j++) m = ph[j] > m ? ph[j] : m;
+        if (lse_in) {
+            l = lse_in[i * H + h];
+        } else if (m == -INFINITY) {
+            l = -INFINITY;
+        } else {
+            float z = 0.0f;
+            for (int64_t j = 0; j < K; j++) ph[j] = exp_approx(ph[j] - m);  /* e^-inf = 0 */
+            for (int64_t j = 0; j < K; j++) z += ph[j];
+            for (int64_t j = 0; j < K; j++) ph[j] /= z;
+            if (lse_out) lse_out[i * H + h] = m + logf(z);
+            continue;
+        }
+        if (lse_out) lse_out[i * H + h] = l;
+        for (int64_t j = 0; j < K; j++) ph[j] = l == -INFINITY ? 0.0f : exp_approx(ph[j] - l);
+    }
+}
+
+int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
+                     const float *q, const float *k, const float *v,
+                     const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                     float *out, float *lse, float *mean_p) {
+    float *p = malloc(sizeof(float) * H * K);
+    if (!p) return 1;
+    for (int64_t i = i0; i < i1; i++) {
+        weights(i, H, K, D, q, k, keys, valid, sn, sh, NULL, lse, p);
+        float *o = out + i * H * E;
+        const int64_t *key = keys + i * sn;
+        for (int64_t e = 0; e < H * E; e++) o[e] = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            if (j + AHEAD < K) prefetch_row(v + key[j + AHEAD] * H * E, H * E);
+            for (int64_t h = 0; h < H; h++)
+                if (p[h * K + j] != 0.0f) axpy(o + h * E, p[h * K + j], v + (key[h * sh + j] * H + h) * E, E);
+        }
+        if (mean_p)
+            for (int64_t j = 0; j < K; j++) {
+                float s = 0.0f;
+                for (int64_t h = 0; h < H; h++) s += p[h * K + j];
+                mean_p[i * K + j] = s / (float)H;
+            }
+    }
+    free(p);
+    return 0;
+}
+
+/* dq rows [i0, i1) are written; dk, dv (N, H, D / E) are added to (a thread's own buffers). */
+int gtx_keys_backward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
+                      const float *q, const float *k, const float *v,
+                      const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                      const float *grad, const float *out, const float *lse,
+                      float *dq, float *dk, float *dv) {
+    float *p = malloc(sizeof(float) * H * K), *delta = malloc(sizeof(float) * H);
+    if (!p || !delta) return free(p), free(delta), 1;
+    for (int64_t i = i0; i < i1; i++) {
+        weights(i, H, K, D, q, k, keys, valid, sn, sh, lse, NULL, p);
+        const int64_t *key = keys + i * sn;
+        const float *g = grad + i * H * E, *qi = q + i * H * D;
+        float *dqi = dq + i * H * D;
+        for (int64_t h = 0; h < H; h++) delta[h] = dot(g + h * E, out + (i * H + h) * E, E);  /* the softmax backward's row term */
+        for (int64_t x = 0; x < H * D; x++) dqi[x] = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            if (j + AHEAD < K) {
+                int64_t ahead = key[j + AHEAD];
+                prefetch_row(k + ahead * H * D, H * D), prefetch_row(dk + ahead * H * D, H * D);
+                prefetch_row(v + ahead * H * E, H * E), prefetch_row(dv + ahead * H * E, H * E);
+            }
+            for (int64_t h = 0; h < H; h++) {
+                float pj = p[h * K + j];
+                if (pj == 0.0f) continue;
+                int64_t row = key[h * sh + j] * H + h;
+                float ds = pj * (dot(g + h * E, v + row * E, E) - delta[h]);
+                axpy(dqi + h * D, ds, k + row * D, D);
+                axpy(dk + row * D, ds, qi + h * D, D);
+                axpy(dv + row * E, pj, g + h * E, E);
+            }
+        }
+    }
+    free(delta);
+    free(p);
+    return 0;
+}
+
+/* A lightning indexer's choice (DSA), for the n query rows of one sample: index queries iq (n, J, d),
+ * weights w (n, J), index keys in tiles of TILE keys transposed, ik_tiles (ceil(nk / TILE), d, TILE). Row t
+ * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) over the keys it sees (s <= t for causal rows,
+ * else all nk) and keeps the `count` best: keys (n, count) as s + offset, valid (n, count); a row that
+ * sees fewer leaves slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
+ * against tiles of keys, latest tile first, into a buffer of up to 2 count candidates per row; a full
+ * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
+ * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
+ * does groups part, part + parts, ... of GROUP rows. */
+static int better(float a, int64_t ka, float b, int64_t kb) { return a > b || (a == b && ka > kb); }
+
+static void swap(float *score, int64_t *key, int64_t a, int64_t b) {
+    float s = score[a]; score[a] = score[b]; score[b] = s;
+    int64_t k = key[a]; key[a] = key[b]; key[b] = k;
+}
+
+/* Reorders (score, key)[0, size) so that its best `count` come first; returns the worst score among them. */
+static float keep_best(float *score, int64_t *key, int64_t size, int64_t count) {
+    int64_t lo = 0, hi = size - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2, store = lo;
+        swap(score, key, mid, hi);  /* the middle element as pivot, parked at hi */
+        for (int64_t x = lo; x < hi; x++) {  /* branch-free: on random scores a branch would miss half the time */
+            swap(score, key, x, store);
+            store += better(score[store], key[store], score[hi], key[hi]);
+        }
+        swap(score, key, store, hi);  /* [lo, store) better than the pivot, now at store */
+        if (store == count - 1 || store == count) break;
+        if (store < count) lo = store + 1; else hi = store - 1;
+    }
+    float worst = INFINITY;
+    for (int64_t x = 0; x < count; x++) worst = score[x] < worst ? score[x] : worst;
+    return worst;
+}
+
+#define GROUP 32 /* query rows scored together: each tile of index keys is read once per group */
+#define TILE 128 /* keys per tile: gtx/attention/indexer.py's TILE */
+#define CANDIDATES 4 /* a row's candidate buffer, in multiples of count */
+typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AVX register, or two SSE */
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+/* out[s] = q . k(s) for the `width` keys of a tile, k(s) = column s of k_t (d rows of TILE): 16 keys
+ * at a time, their sums in registers. */
+static void tile_dots(float *out, const float *q, const float *k_t, int64_t d, int64_t width) {
+    int64_t s = 0;
+    for (; s + 16 <= width; s += 16) {
+        v8 a0 = {0}, a1 = {0};
+        for (int64_t c = 0; c < d; c++) {
+            a0 += q[c] * load8(k_t + c * TILE + s);
+            a1 += q[c] * load8(k_t + c * TILE + s + 8);
+        }
+        memcpy(out + s, &a0, sizeof a0), memcpy(out + s + 8, &a1, sizeof a1);
+    }
+    for (; s < width; s++) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < d; c++) acc += q[c] * k_t[c * TILE + s];
+        out[s] = acc;
+    }
+}
+
+int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
+                  const float *iq, const float *w, const float *ik_tiles, int64_t causal,
+                  int64_t count, int64_t offset, int64_t *keys, uint8_t *valid) {
+    float *dots = malloc(sizeof(float) * GROUP * J * TILE), *score = malloc(sizeof(float) * GROUP * CANDIDATES * count);
+    int64_t *key = malloc(sizeof(int64_t) * GROUP * CANDIDATES * count);
+    if (!dots || !score || !key) return free(dots), free(score), free(key), 1;
+    for (int64_t g0 = part * GROUP; g0 < n; g0 += parts * GROUP) {  /* groups dealt round-robin: causal rows grow */
+        int64_t rows = n - g0 < GROUP ? n - g0 : GROUP, size[GROUP], seen[GROUP];
+        float bar[GROUP];
+        for (int64_t r = 0; r < rows; r++) {
+            seen[r] = causal ? (g0 + r + 1 < nk ? g0 + r + 1 : nk) : nk;
+            size[r] = 0, bar[r] = -INFINITY;  /* latest first: an equal score is an earlier key, never better */
+        }
+        int64_t last = seen[rows - 1];
+        for (int64_t s0 = (last - 1) / TILE * TILE; s0 >= 0; s0 -= TILE) {
+            int64_t width = last - s0 < TILE ? last - s0 : TILE;
+            for (int64_t r = 0; r < rows * J; r++) tile_dots(dots + r * width, iq + (g0 * J + r) * d, ik_tiles + s0 * d, d, width);
+            for (int64_t r = 0; r < rows; r++) {
+                float *row = dots + r * J * width, *sc = score + r * CANDIDATES * count;
+                int64_t *ky = key + r * CANDIDATES * count;
+                for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f ? row[s] : 0.0f);
+                for (int64_t a = 1; a < J; a++) {
+                    const float *da = row + a * width, wa = w[(g0 + r) * J + a];
+                    for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f ? da[s] : 0.0f);
+                }
+                for (int64_t s = (seen[r] - s0 < width ? seen[r] - s0 : width) - 1; s >= 0; s--) {
+                    sc[size[r]] = row[s], ky[size[r]] = s0 + s;  /* written always, kept if it passes: no branch to miss */
+                    size[r] += row[s] > bar[r];
+                    if (size[r] == CANDIDATES * count) bar[r] = keep_best(sc, ky, size[r], count), size[r] = count;
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float *sc = score + r * CANDIDATES * count;
+            int64_t *ky = key + r * CANDIDATES * count, t = g0 + r;
+            if (size[r] > count) keep_best(sc, ky, size[r], count), size[r] = count;
+            for (int64_t j = 0; j < count; j++) {
+                valid[t * count + j] = j < size[r];
+                keys[t * count + j] = j < size[r] ? ky[j] + offset : 0;
+            }
+        }
+    }
+    free(dots), free(score), free(key);
+    return 0;
+}
+
+/* The indexer's KL over the kept keys (DSA's sparse stage), rows [i0, i1): for row t with targets p
+ * (n, K) over keys (n, K) (valid (n, K)), I_j = sum_a w(t, a) relu(iq(t, a) . ik(key_j)) (iq (n, J, d),
+ * w (n, J), ik (N, d)), loss[t] = sum_j p_j (log p_j - log softmax(I)_j) over the valid j, and its
+ * gradients: diq, dw rows written, dik (N, d) added to (a thread's own buffer). */
+int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
+                 const float *iq, const float *w, const float *ik, const int64_t *keys, const uint8_t *valid,
+                 const float *p, float *loss, float *diq, float *dw, float *dik) {
+    float *dots = malloc(sizeof(float) * (J + 1) * K), *score = dots + J * K;
+    if (!dots) return 1;
+    for (int64_t t = i0; t < i1; t++) {
+        const int64_t *key = keys + t * K;
+        const uint8_t *ok = valid + t * K;
+        const float *pt = p + t * K, *wt = w + t * J, *qt = iq + t * J * d;
+        float m = -INFINITY, z = 0.0f, mass = 0.0f, l = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            if (j + AHEAD < K) prefetch_row(ik + key[j + AHEAD] * d, d);
+            score[j] = 0.0f;
+            for (int64_t a = 0; a < J; a++) {
+                float x = dots[a * K + j] = dot(qt + a * d, ik + key[j] * d, d);
+                score[j] += wt[a] * (x > 0.0f ? x : 0.0f);
+            }
+            if (ok[j] && score[j] > m) m = score[j];
+        }
+        for (int64_t x = 0; x < J * d; x++) diq[t * J * d + x] = 0.0f;
+        for (int64_t a = 0; a < J; a++) dw[t * J + a] = 0.0f;
+        loss[t] = 0.0f;
+        if (m == -INFINITY) continue;  /* no valid key: nothing to fit */
+        for (int64_t j = 0; j < K; j++)
+            if (ok[j]) z += exp_approx(score[j] - m), mass += pt[j];
+        float lse = m + logf(z);
+        for (int64_t j = 0; j < K; j++) {
+            if (!ok[j]) continue;
+            if (pt[j] > 0.0f) l += pt[j] * (logf(pt[j]) - (score[j] - lse));
+            float g = exp_approx(score[j] - lse) * mass - pt[j];  /* d loss / d I_j */
+            for (int64_t a = 0; a < J; a++) {
+                float x = dots[a * K + j];
+                if (x <= 0.0f) continue;
+                dw[t * J + a] += g * x;
+                axpy(diq + (t * J + a) * d, g * wt[a], ik + key[j] * d, d);
+                axpy(dik + key[j] * d, g * wt[a], qt + a * d, d);
+            }
+        }
+        loss[t] = l;
+    }
+    free(dots);
+    return 0;
+}
