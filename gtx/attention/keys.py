@@ -166,20 +166,17 @@ def _forward_native(q, k, v, keys, valid):
 
 
 def _backward_native(q, k, v, keys, valid, grad, out, lse):
+    """Threads take disjoint heads of every query: each adds to its own part of dk and dv rows."""
     lib = native.load("keys_kernel")
     shape, tensors, strides = _native_args(q, k, v, keys, valid)
-    threads = max(1, min(torch.get_num_threads(), q.shape[0]))
-    dq = torch.empty_like(q)
-    dks = [torch.zeros_like(k) for _ in range(threads)]  # each thread adds into its own, summed after
-    dvs = [torch.zeros_like(v) for _ in range(threads)]
-    ptrs = [native.pointer(t) for t in (*tensors, grad, out, lse, dq)]
-
-    def call(t, i0, i1):
-        return lib.gtx_keys_backward(*native.ints(i0, i1, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:],
-                                     native.pointer(dks[t]), native.pointer(dvs[t]))
-
-    native.split_rows(call, q.shape[0], threads)
-    return dq, sum(dks[1:], dks[0]), sum(dvs[1:], dvs[0])
+    heads = shape[0]
+    threads = max(1, min(torch.get_num_threads(), heads))
+    bounds = [heads * t // threads for t in range(threads + 1)]
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    ptrs = [native.pointer(t) for t in (*tensors, grad, out, lse, dq, dk, dv)]
+    native.run_parts(lambda t: lib.gtx_keys_backward(*native.ints(bounds[t], bounds[t + 1], q.shape[0], *shape), *ptrs[:5],
+                                                     *native.ints(*strides), *ptrs[5:]), threads)
+    return dq, dk, dv
 
 
 def _forward_torch(q, k, v, keys, valid):

@@ -42,20 +42,20 @@ static void prefetch_row(const float *row, int64_t len) {
     for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(row + x);  /* 16 floats: a cache line */
 }
 
-/* Softmax weights of query i into p (H x K; 0 for an invalid slot) from its scores, and lse
- * (given in lse_in, or computed into lse_out). Keys outer, heads inner: a key shared by the heads
- * is one contiguous row. */
-static void weights(int64_t i, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
+/* Softmax weights of query i, heads [h0, h1), into p (H x K; 0 for an invalid slot) from its scores,
+ * and lse (given in lse_in, or computed into lse_out). Keys outer, heads inner: a key shared by the
+ * heads is one contiguous row. */
+static void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
                     const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                     const float *lse_in, float *lse_out, float *p) {
     const int64_t *key = keys + i * sn;
     const uint8_t *ok = valid + i * sn;
     for (int64_t j = 0; j < K; j++) {
-        if (j + AHEAD < K) prefetch_row(k + key[j + AHEAD] * H * D, H * D);
-        for (int64_t h = 0; h < H; h++)
+        if (j + AHEAD < K) prefetch_row(k + (key[j + AHEAD] * H + h0) * D, (h1 - h0) * D);
+        for (int64_t h = h0; h < h1; h++)
             p[h * K + j] = ok[h * sh + j] ? dot(q + (i * H + h) * D, k + (key[h * sh + j] * H + h) * D, D) : -INFINITY;
     }
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         float *ph = p + h * K, m = -INFINITY, l;
         for (int64_t j = 0; j < K; j++) m = ph[j] > m ? ph[j] : m;
         if (lse_in) {
@@ -82,7 +82,7 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
     float *p = malloc(sizeof(float) * H * K);
     if (!p) return 1;
     for (int64_t i = i0; i < i1; i++) {
-        weights(i, H, K, D, q, k, keys, valid, sn, sh, NULL, lse, p);
+        weights(i, 0, H, H, K, D, q, k, keys, valid, sn, sh, NULL, lse, p);
         float *o = out + i * H * E;
         const int64_t *key = keys + i * sn;
         for (int64_t e = 0; e < H * E; e++) o[e] = 0.0f;
@@ -102,28 +102,29 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
     return 0;
 }
 
-/* dq rows [i0, i1) are written; dk, dv (N, H, D / E) are added to (a thread's own buffers). */
-int gtx_keys_backward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
+/* Heads [h0, h1) of every query: their dq written, their dk, dv (N, H, D / E) added to, so that
+ * threads with disjoint heads share dk and dv. */
+int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, int64_t D, int64_t E,
                       const float *q, const float *k, const float *v,
                       const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                       const float *grad, const float *out, const float *lse,
                       float *dq, float *dk, float *dv) {
     float *p = malloc(sizeof(float) * H * K), *delta = malloc(sizeof(float) * H);
     if (!p || !delta) return free(p), free(delta), 1;
-    for (int64_t i = i0; i < i1; i++) {
-        weights(i, H, K, D, q, k, keys, valid, sn, sh, lse, NULL, p);
+    for (int64_t i = 0; i < n; i++) {
+        weights(i, h0, h1, H, K, D, q, k, keys, valid, sn, sh, lse, NULL, p);
         const int64_t *key = keys + i * sn;
         const float *g = grad + i * H * E, *qi = q + i * H * D;
         float *dqi = dq + i * H * D;
-        for (int64_t h = 0; h < H; h++) delta[h] = dot(g + h * E, out + (i * H + h) * E, E);  /* the softmax backward's row term */
-        for (int64_t x = 0; x < H * D; x++) dqi[x] = 0.0f;
+        for (int64_t h = h0; h < h1; h++) delta[h] = dot(g + h * E, out + (i * H + h) * E, E);  /* the softmax backward's row term */
+        for (int64_t x = h0 * D; x < h1 * D; x++) dqi[x] = 0.0f;
         for (int64_t j = 0; j < K; j++) {
             if (j + AHEAD < K) {
-                int64_t ahead = key[j + AHEAD];
-                prefetch_row(k + ahead * H * D, H * D), prefetch_row(dk + ahead * H * D, H * D);
-                prefetch_row(v + ahead * H * E, H * E), prefetch_row(dv + ahead * H * E, H * E);
+                int64_t ahead = key[j + AHEAD] * H + h0;
+                prefetch_row(k + ahead * D, (h1 - h0) * D), prefetch_row(dk + ahead * D, (h1 - h0) * D);
+                prefetch_row(v + ahead * E, (h1 - h0) * E), prefetch_row(dv + ahead * E, (h1 - h0) * E);
             }
-            for (int64_t h = 0; h < H; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 float pj = p[h * K + j];
                 if (pj == 0.0f) continue;
                 int64_t row = key[h * sh + j] * H + h;
@@ -144,7 +145,7 @@ int gtx_keys_backward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, i
  * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) over the keys it sees (s <= t for causal rows,
  * else all nk) and keeps the `count` best: keys (n, count) as s + offset, valid (n, count); a row that
  * sees fewer leaves slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
- * against tiles of keys, latest tile first, into a buffer of up to 2 count candidates per row; a full
+ * against tiles of keys, latest tile first, into a buffer of CANDIDATES x count per row; a full
  * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
  * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
  * does groups part, part + parts, ... of GROUP rows. */
