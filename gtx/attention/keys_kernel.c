@@ -156,12 +156,22 @@ static void swap(float *score, int64_t *key, int64_t a, int64_t b) {
     int64_t k = key[a]; key[a] = key[b]; key[b] = k;
 }
 
-/* Reorders (score, key)[0, size) so that its best `count` come first; returns the worst score among them. */
+#define SAMPLE 31 /* elements a first pivot is chosen from */
+
+/* Reorders (score, key)[0, size) so that its best `count` come first; returns the worst score among
+ * them. Quickselect; its first pivot is the element of a sample whose rank in the sample matches
+ * count's in the whole, so that one or two partitions usually suffice. */
 static float keep_best(float *score, int64_t *key, int64_t size, int64_t count) {
-    int64_t lo = 0, hi = size - 1;
+    int64_t lo = 0, hi = size - 1, mid = size / 2;
+    if (size >= 4 * SAMPLE) {  /* sort a strided sample (insertion sort, best first) to its front */
+        for (int64_t x = 0; x < SAMPLE; x++) swap(score, key, x, x * (size / SAMPLE));
+        for (int64_t x = 1; x < SAMPLE; x++)
+            for (int64_t y = x; y > 0 && better(score[y], key[y], score[y - 1], key[y - 1]); y--) swap(score, key, y, y - 1);
+        mid = count * SAMPLE / size;
+    }
     while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2, store = lo;
-        swap(score, key, mid, hi);  /* the middle element as pivot, parked at hi */
+        int64_t store = lo;
+        swap(score, key, mid, hi);  /* the pivot, parked at hi */
         for (int64_t x = lo; x < hi; x++) {  /* branch-free: on random scores a branch would miss half the time */
             swap(score, key, x, store);
             store += better(score[store], key[store], score[hi], key[hi]);
@@ -169,6 +179,7 @@ static float keep_best(float *score, int64_t *key, int64_t size, int64_t count) 
         swap(score, key, store, hi);  /* [lo, store) better than the pivot, now at store */
         if (store == count - 1 || store == count) break;
         if (store < count) lo = store + 1; else hi = store - 1;
+        mid = lo + (hi - lo) / 2;
     }
     float worst = INFINITY;
     for (int64_t x = 0; x < count; x++) worst = score[x] < worst ? score[x] : worst;
