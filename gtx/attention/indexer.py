@@ -38,12 +38,12 @@ def kl_to(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> to
 
 def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
-    highest index score, equal scores preferring the later key: key ids (n, K) and valid (n, K)
-    (invalid slots hold key 0). No gradient."""
+    highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
+    kernel) and valid (n, K) (invalid slots hold key 0). No gradient."""
     lib = native.kernel("keys_kernel", iq, w, ik)
     if lib is None:
         return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True)
-    keys = torch.zeros(edges.n_dst, count, dtype=torch.long)
+    keys = torch.zeros(edges.n_dst, count, dtype=torch.int32)  # the C kernels' key ids: half the memory of int64
     valid = torch.zeros(edges.n_dst, count, dtype=torch.bool)
     causal = int(edges.root.structure == "causal")
     iq, w = iq.contiguous(), w.contiguous()
@@ -93,7 +93,8 @@ class _IndexKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, iq, w, ik, keys, valid):
         lib = native.load("keys_kernel")
-        iq, w, ik, keys, valid, p = (x.contiguous() for x in (iq, w, ik, keys, valid, p))
+        iq, w, ik, valid, p = (x.contiguous() for x in (iq, w, ik, valid, p))
+        keys = keys.to(torch.int32).contiguous()
         loss, diq, dw = p.new_empty(len(keys)), torch.empty_like(iq), torch.empty_like(w)
         threads = max(1, min(torch.get_num_threads(), len(keys)))
         diks = [torch.zeros_like(ik) for _ in range(threads)]  # each thread adds into its own, summed after

@@ -148,6 +148,7 @@ class _KeyAttention(torch.autograd.Function):
 
 
 def _native_args(q, k, v, keys, valid):
+    keys = keys.to(torch.int32)  # the kernel's key ids (``top_indexed`` makes them so: no copy)
     if keys.stride(-1) != 1 or keys.stride() != valid.stride():
         keys, valid = keys.contiguous(), valid.contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

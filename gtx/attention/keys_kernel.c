@@ -1,12 +1,12 @@
-/* Attention of each query and head over its selected keys, on the CPU, one query at a time: the
- * selected keys are read where they lie (no gathered copy), scores live in a (heads x K) buffer.
- * Built and loaded by gtx/attention/native.py; called on a range of query rows [i0, i1) so that
- * several threads can share one call (each with its own dk, dv in the backward).
+/* Token-selection kernels for the CPU, built and loaded by gtx/attention/native.py: attention of each
+ * query and head over its selected keys (read where they lie, no gathered copy; scores in a
+ * (heads x K) buffer), a lightning indexer's top-k choice and its KL loss. Each call takes a part of
+ * the work (rows or heads) so that several threads share it.
  *
  * Layouts (float32, row-major, contiguous): q (n, H, D), k (N, H, D), v (N, H, E), out (n, H, E),
- * lse (n, H), mean_p (n, K) or NULL. keys (int64) and valid (uint8) are (n, H, K) with row strides
- * sn and head strides sh in elements (sh = 0: one choice shared by the heads), K contiguous.
- * q arrives scaled: a score is q . k. */
+ * lse (n, H), mean_p (n, K) or NULL. keys (int32: a selection holds n x K of them) and valid (uint8)
+ * are (n, H, K) with row strides sn and head strides sh in elements (sh = 0: one choice shared by
+ * the heads), K contiguous. q arrives scaled: a score is q . k. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,14 +46,14 @@ static void prefetch_row(const float *row, int64_t len) {
  * and lse (given in lse_in, or computed into lse_out). Keys outer, heads inner: a key shared by the
  * heads is one contiguous row. */
 static void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
-                    const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                    const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                     const float *lse_in, float *lse_out, float *p) {
-    const int64_t *key = keys + i * sn;
+    const int32_t *key = keys + i * sn;
     const uint8_t *ok = valid + i * sn;
     for (int64_t j = 0; j < K; j++) {
-        if (j + AHEAD < K) prefetch_row(k + (key[j + AHEAD] * H + h0) * D, (h1 - h0) * D);
+        if (j + AHEAD < K) prefetch_row(k + ((int64_t)key[j + AHEAD] * H + h0) * D, (h1 - h0) * D);
         for (int64_t h = h0; h < h1; h++)
-            p[h * K + j] = ok[h * sh + j] ? dot(q + (i * H + h) * D, k + (key[h * sh + j] * H + h) * D, D) : -INFINITY;
+            p[h * K + j] = ok[h * sh + j] ? dot(q + (i * H + h) * D, k + ((int64_t)key[h * sh + j] * H + h) * D, D) : -INFINITY;
     }
     for (int64_t h = h0; h < h1; h++) {
         float *ph = p + h * K, m = -INFINITY, l;
@@ -77,19 +77,19 @@ static void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int
 
 int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
                      const float *q, const float *k, const float *v,
-                     const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                     const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                      float *out, float *lse, float *mean_p) {
     float *p = malloc(sizeof(float) * H * K);
     if (!p) return 1;
     for (int64_t i = i0; i < i1; i++) {
         weights(i, 0, H, H, K, D, q, k, keys, valid, sn, sh, NULL, lse, p);
         float *o = out + i * H * E;
-        const int64_t *key = keys + i * sn;
+        const int32_t *key = keys + i * sn;
         for (int64_t e = 0; e < H * E; e++) o[e] = 0.0f;
         for (int64_t j = 0; j < K; j++) {
-            if (j + AHEAD < K) prefetch_row(v + key[j + AHEAD] * H * E, H * E);
+            if (j + AHEAD < K) prefetch_row(v + (int64_t)key[j + AHEAD] * H * E, H * E);
             for (int64_t h = 0; h < H; h++)
-                if (p[h * K + j] != 0.0f) axpy(o + h * E, p[h * K + j], v + (key[h * sh + j] * H + h) * E, E);
+                if (p[h * K + j] != 0.0f) axpy(o + h * E, p[h * K + j], v + ((int64_t)key[h * sh + j] * H + h) * E, E);
         }
         if (mean_p)
             for (int64_t j = 0; j < K; j++) {
@@ -106,28 +106,28 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
  * threads with disjoint heads share dk and dv. */
 int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, int64_t D, int64_t E,
                       const float *q, const float *k, const float *v,
-                      const int64_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                       const float *grad, const float *out, const float *lse,
                       float *dq, float *dk, float *dv) {
     float *p = malloc(sizeof(float) * H * K), *delta = malloc(sizeof(float) * H);
     if (!p || !delta) return free(p), free(delta), 1;
     for (int64_t i = 0; i < n; i++) {
         weights(i, h0, h1, H, K, D, q, k, keys, valid, sn, sh, lse, NULL, p);
-        const int64_t *key = keys + i * sn;
+        const int32_t *key = keys + i * sn;
         const float *g = grad + i * H * E, *qi = q + i * H * D;
         float *dqi = dq + i * H * D;
         for (int64_t h = h0; h < h1; h++) delta[h] = dot(g + h * E, out + (i * H + h) * E, E);  /* the softmax backward's row term */
         for (int64_t x = h0 * D; x < h1 * D; x++) dqi[x] = 0.0f;
         for (int64_t j = 0; j < K; j++) {
             if (j + AHEAD < K) {
-                int64_t ahead = key[j + AHEAD] * H + h0;
+                int64_t ahead = (int64_t)key[j + AHEAD] * H + h0;
                 prefetch_row(k + ahead * D, (h1 - h0) * D), prefetch_row(dk + ahead * D, (h1 - h0) * D);
                 prefetch_row(v + ahead * E, (h1 - h0) * E), prefetch_row(dv + ahead * E, (h1 - h0) * E);
             }
             for (int64_t h = h0; h < h1; h++) {
                 float pj = p[h * K + j];
                 if (pj == 0.0f) continue;
-                int64_t row = key[h * sh + j] * H + h;
+                int64_t row = (int64_t)key[h * sh + j] * H + h;
                 float ds = pj * (dot(g + h * E, v + row * E, E) - delta[h]);
                 axpy(dqi + h * D, ds, k + row * D, D);
                 axpy(dk + row * D, ds, qi + h * D, D);
@@ -214,7 +214,7 @@ static void tile_dots(float *out, const float *q, const float *k_t, int64_t d, i
 
 int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
                   const float *iq, const float *w, const float *ik_tiles, int64_t causal,
-                  int64_t count, int64_t offset, int64_t *keys, uint8_t *valid) {
+                  int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
     float *dots = malloc(sizeof(float) * GROUP * J * TILE), *score = malloc(sizeof(float) * GROUP * CANDIDATES * count);
     int64_t *key = malloc(sizeof(int64_t) * GROUP * CANDIDATES * count);
     if (!dots || !score || !key) return free(dots), free(score), free(key), 1;
@@ -263,20 +263,20 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
  * w (n, J), ik (N, d)), loss[t] = sum_j p_j (log p_j - log softmax(I)_j) over the valid j, and its
  * gradients: diq, dw rows written, dik (N, d) added to (a thread's own buffer). */
 int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
-                 const float *iq, const float *w, const float *ik, const int64_t *keys, const uint8_t *valid,
+                 const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
                  const float *p, float *loss, float *diq, float *dw, float *dik) {
     float *dots = malloc(sizeof(float) * (J + 1) * K), *score = dots + J * K;
     if (!dots) return 1;
     for (int64_t t = i0; t < i1; t++) {
-        const int64_t *key = keys + t * K;
+        const int32_t *key = keys + t * K;
         const uint8_t *ok = valid + t * K;
         const float *pt = p + t * K, *wt = w + t * J, *qt = iq + t * J * d;
         float m = -INFINITY, z = 0.0f, mass = 0.0f, l = 0.0f;
         for (int64_t j = 0; j < K; j++) {
-            if (j + AHEAD < K) prefetch_row(ik + key[j + AHEAD] * d, d);
+            if (j + AHEAD < K) prefetch_row(ik + (int64_t)key[j + AHEAD] * d, d);
             score[j] = 0.0f;
             for (int64_t a = 0; a < J; a++) {
-                float x = dots[a * K + j] = dot(qt + a * d, ik + key[j] * d, d);
+                float x = dots[a * K + j] = dot(qt + a * d, ik + (int64_t)key[j] * d, d);
                 score[j] += wt[a] * (x > 0.0f ? x : 0.0f);
             }
             if (ok[j] && score[j] > m) m = score[j];
@@ -296,8 +296,8 @@ int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
                 float x = dots[a * K + j];
                 if (x <= 0.0f) continue;
                 dw[t * J + a] += g * x;
-                axpy(diq + (t * J + a) * d, g * wt[a], ik + key[j] * d, d);
-                axpy(dik + key[j] * d, g * wt[a], qt + a * d, d);
+                axpy(diq + (t * J + a) * d, g * wt[a], ik + (int64_t)key[j] * d, d);
+                axpy(dik + (int64_t)key[j] * d, g * wt[a], qt + a * d, d);
             }
         }
         loss[t] = l;
