@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gtx import hookimpl, parse_pattern
 from gtx.attention.compressed import attend_compressed, block_ends, compressed_keys_seen, compressed_weights, sliding_blocks
-from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, unpad_samples
+from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 from gtx.errors import GtxError
 from gtx.graph.tokens import batch_edges
@@ -37,14 +38,25 @@ class Compressor(nn.Module):
     """The paper's phi: a block of l keys (l, D) plus a learned intra-block position encoding, through
     a two-layer MLP, to one key (D). Shared by the heads, one per layer for keys and one for values."""
 
-    def __init__(self, size: int, dim: int):
+    def __init__(self, size: int, stride: int, dim: int):
         super().__init__()
+        self.size, self.stride = size, stride
         self.pos = nn.Parameter(torch.zeros(size, dim))
         self.mlp = nn.Sequential(nn.Linear(size * dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
-    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
-        """(B, m, l, H, D) -> (B, m, H, D)."""
-        return self.mlp((blocks + self.pos[:, None, :]).transpose(2, 3).flatten(3))
+    def forward(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, H, D) zero-padded samples, L >= l -> (B, m, H, D), one key per block of l positions at
+        the stride. The first linear map over a flattened block is a convolution (kernel l, stride d)
+        and the position encoding a constant it adds per block: the backward keeps the sequence, not
+        its l/d-times-larger blocks."""
+        batch, length, heads, dim = padded.shape
+        first = self.mlp[0]
+        kernel = first.weight.view(-1, self.size, dim).transpose(1, 2)  # (2D, D, l): [o, c, p] = W[o, p * D + c]
+        bias = first.bias + first.weight @ self.pos.flatten()
+        x = padded.permute(0, 2, 3, 1).reshape(batch * heads, dim, length)
+        hidden = F.conv1d(x, kernel, bias, stride=self.stride)  # (B * H, 2D, m)
+        hidden = hidden.view(batch, heads, -1, hidden.shape[-1]).permute(0, 3, 1, 2)  # (B, m, H, 2D)
+        return self.mlp[2](self.mlp[1](hidden))
 
 
 class NativeSparse(Trainable):
@@ -56,14 +68,17 @@ class NativeSparse(Trainable):
             raise GtxError(f"nsa: g={config.g} heads per group does not divide the model's {heads} heads; choose a divisor of {heads}")
         self.config = config
         if config.phi == "mlp":
-            self.phi_k, self.phi_v = Compressor(config.l, head_dim), Compressor(config.l, head_dim)
+            self.phi_k, self.phi_v = Compressor(config.l, config.d, head_dim), Compressor(config.l, config.d, head_dim)
         self.gate = nn.Linear(heads * head_dim, 3 * heads)  # from the query token (q is a linear map of its state)
         self.window = parse_pattern(f"local:w={config.w - 1}")
         self._windows: dict = {}
 
     def compress(self, x: torch.Tensor, lens: list[int], phi: Compressor | None) -> torch.Tensor:
-        blocks = sliding_blocks(x, lens, self.config.l, self.config.d)
-        return blocks.mean(2) if phi is None else phi(blocks)
+        """(n, H, D) rows of the samples -> (B, m, H, D), one key per block (``sliding_blocks``)."""
+        c, length = self.config, max(lens)
+        if phi is None or length < c.l:
+            return sliding_blocks(x, lens, c.l, c.d).mean(2)  # no block at all when shorter than one
+        return phi(pad_samples(x, lens, length))
 
     def forward(self, q, k, v, edges, run):
         c, heads = self.config, q.shape[1]

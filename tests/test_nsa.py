@@ -91,6 +91,12 @@ def test_selected_and_window_branches_equal_naive_nsa_given_blocks_and_gates(len
         torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
 
 
+def mlp_of_block(phi, block):
+    """The paper's phi on one block (l, H, D): per head, the MLP of the block's l keys plus their
+    position encodings, flattened -> (H, D)."""
+    return phi.mlp((block + phi.pos[:, None, :]).transpose(0, 1).flatten(1))
+
+
 def nsa_by_definition(module, q, k, v, lens):
     """The whole NSA of one layer, sample by sample, query by query, with ``module``'s parameters."""
     c, heads = module.config, q.shape[1]
@@ -101,7 +107,7 @@ def nsa_by_definition(module, q, k, v, lens):
         qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
         m = (n - c.l) // c.d + 1 if n >= c.l else 0
         blocks = {name: [x[i * c.d:i * c.d + c.l] for i in range(m)] for name, x in (("k", ks), ("v", vs))}
-        comp = {name: [b.mean(0) if phi[name] is None else phi[name](b[None, None])[0, 0] for b in bl] for name, bl in blocks.items()}
+        comp = {name: [b.mean(0) if phi[name] is None else mlp_of_block(phi[name], b) for b in bl] for name, bl in blocks.items()}
         for t in range(n):
             seen = [i for i in range(m) if i * c.d + c.l - 1 <= t]
             own = t // c.s
