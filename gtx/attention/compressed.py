@@ -15,7 +15,7 @@ import torch
 
 from gtx.attention.selection import pad_samples, unpad_samples
 
-ROWS = 1024  # query rows scored at once
+ROWS = 256  # query rows scored at once
 
 
 def sliding_blocks(x: torch.Tensor, lens: list[int], size: int, stride: int) -> torch.Tensor:
