@@ -12,10 +12,12 @@ Both functions run a block of query rows at a time: (rows x blocks) scores, neve
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gtx.attention.selection import pad_samples, unpad_samples
 
-ROWS = 256  # query rows scored at once
+ROWS = 1024  # query rows scored at once
 
 
 def sliding_blocks(x: torch.Tensor, lens: list[int], size: int, stride: int) -> torch.Tensor:
@@ -40,13 +42,27 @@ def compressed_keys_seen(lens: list[int], ends: torch.Tensor) -> int:
 
 def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], ends: torch.Tensor) -> torch.Tensor:
     """Each query over the compressed blocks it sees: q (n, H, D) pre-scaled rows of samples
-    ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values. Returns (n, H, Dv). A
-    block of query rows at a time, forward and backward (the backward recomputes the weights from
-    the saved log-sum-exp): what the backward keeps is q, kc, vc and one number per row."""
+    ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values. Returns (n, H, Dv), on
+    SDPA's kernel a block of query rows at a time (a bool mask of rows x visible blocks per call),
+    each call recomputed in the backward (checkpoint): the backward keeps q, kc and vc, not SDPA's
+    state of every block of rows."""
     length = max(lens)
     qp = pad_samples(q, lens, length).transpose(1, 2)  # (B, H, L, D)
-    out = _Compressed.apply(qp, kc.transpose(1, 2), vc.transpose(1, 2), ends)
-    return unpad_samples(out.transpose(1, 2), lens)
+    kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, m, D)
+    parts = []
+    for r0, r1, visible in _row_blocks(length, ends):
+        if not visible.shape[1]:
+            parts.append(qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1]))
+            continue
+        seen = visible.shape[1]
+        parts.append(checkpoint(_attend_rows, qp[:, :, r0:r1], kt[:, :, :seen], vt[:, :, :seen], visible, use_reentrant=False))
+    return unpad_samples(torch.cat(parts, 2).transpose(1, 2), lens)
+
+
+def _attend_rows(q, kt, vt, visible):
+    empty = ~visible[:, 0]  # rows that see no block yet: attend to block 0, then zeroed
+    out = F.scaled_dot_product_attention(q, kt, vt, attn_mask=visible | empty[:, None], scale=1.0)
+    return out.masked_fill(empty[:, None], 0.0)
 
 
 def _row_blocks(length: int, ends: torch.Tensor):
@@ -58,46 +74,6 @@ def _row_blocks(length: int, ends: torch.Tensor):
         yield r0, r1, ends[None, :seen] <= torch.arange(r0, r1, device=ends.device)[:, None]
 
 
-def _weights(q, kt, visible, lse=None):
-    """Softmax weights of a block of rows (B, H, rows, seen) over the blocks each sees, and their
-    log-sum-exp; a row that sees none gets zeros."""
-    score = (q @ kt[:, :, :visible.shape[1]].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(score, -1, keepdim=True) if lse is None else lse
-    return torch.exp(score - lse).nan_to_num_(0.0), lse
-
-
-class _Compressed(torch.autograd.Function):
-    """Attention of (B, H, L, D) padded queries over (B, H, m, D) compressed keys, row blocks at a time."""
-
-    @staticmethod
-    def forward(ctx, q, kt, vt, ends):
-        out = q.new_zeros(*q.shape[:3], vt.shape[-1])
-        lse = q.new_full((*q.shape[:3], 1), float("-inf"))
-        for r0, r1, visible in _row_blocks(q.shape[2], ends):
-            if visible.shape[1]:
-                p, lse[:, :, r0:r1] = _weights(q[:, :, r0:r1], kt, visible)
-                out[:, :, r0:r1] = p @ vt[:, :, :visible.shape[1]]
-        ctx.save_for_backward(q, kt, vt, ends, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, kt, vt, ends, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kt), torch.zeros_like(vt)
-        for r0, r1, visible in _row_blocks(q.shape[2], ends):
-            seen = visible.shape[1]
-            if not seen:
-                continue
-            rows = slice(r0, r1)
-            p, _ = _weights(q[:, :, rows], kt, visible, lse[:, :, rows])
-            dp = grad[:, :, rows] @ vt[:, :, :seen].transpose(-1, -2)
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True))  # the row term from p itself: float32 rounding as the forward's
-            dq[:, :, rows] = ds @ kt[:, :, :seen]
-            dk[:, :, :seen] += ds.transpose(-1, -2) @ q[:, :, rows]
-            dv[:, :, :seen] += p.transpose(-1, -2) @ grad[:, :, rows]
-        return dq, dk, dv, None
-
-
 def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor):
     """The compressed branch's attention weights, a block of query rows at a time: yields
     (r0, r1, weights (B, H, r1 - r0, seen)) over padded positions r0..r1 and the blocks that end
@@ -105,4 +81,5 @@ def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends:
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)
     kt = kc.transpose(1, 2)
     for r0, r1, visible in _row_blocks(qp.shape[2], ends):
-        yield r0, r1, _weights(qp[:, :, r0:r1], kt, visible)[0]
+        score = (qp[:, :, r0:r1] @ kt[:, :, :visible.shape[1]].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+        yield r0, r1, torch.softmax(score, -1).nan_to_num_(0.0)
