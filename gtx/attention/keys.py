@@ -1,8 +1,9 @@
 """Token-level selections: per query and head, the keys it reads (``topk``, ``dsa``).
 
-``attend_keys`` runs a ``KeySelection`` a block of query rows at a time, forward and backward
-(the backward recomputes each block's scores from the saved log-sum-exp, as FlashAttention does):
-the gathered keys and values of one block exist at a time, never the n x K x D copies of all.
+``attend_keys`` runs a ``KeySelection`` on the CPU in float32 on a C kernel (``keys_kernel.c``) that
+reads the selected keys where they lie; elsewhere a block of query rows at a time, gathering them.
+Either way the backward recomputes the scores from the saved log-sum-exp, as FlashAttention does,
+and no n x K x D copy of the keys exists.
 """
 
 from __future__ import annotations
