@@ -4,8 +4,8 @@ token-level learned selection.
 ``I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s))`` for index queries q (n, J, d), weights w (n, J)
 and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
-``keys_kernel.c`` fuse each step (scores, heap top-k; scores, KL and its gradients); elsewhere the
-same definitions run as torch ops.
+``keys_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
+its gradients); elsewhere the same definitions run as torch ops.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from gtx.graph.tokens import EdgeSet
 
 ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
 TILE = 128  # keys per tile of the C kernel's index keys (keys_kernel.c's TILE)
+GROUP = 32  # query rows the C kernel scores together (keys_kernel.c's GROUP)
 
 
 def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
@@ -62,11 +63,11 @@ def tiles(ik: torch.Tensor) -> torch.Tensor:
 
 
 def _top_sample(lib, iq, w, ik_tiles, keys, valid, nq: int, nk: int, causal: int, offset: int) -> None:
-    """One sample's rows (views from its first query and key): keys, valid written, groups of 8 rows
-    dealt to the threads in turn (later causal rows cost more)."""
+    """One sample's rows (views from its first query and key): keys, valid written, the kernel's groups
+    of GROUP rows dealt to the threads in turn (later causal rows cost more)."""
     heads, dim = iq.shape[1:]
     ptrs = [native.pointer(x) for x in (iq, w, ik_tiles)], [native.pointer(x) for x in (keys, valid)]
-    parts = max(1, min(torch.get_num_threads(), -(-nq // 8)))
+    parts = max(1, min(torch.get_num_threads(), -(-nq // GROUP)))
     native.run_parts(lambda part: lib.gtx_top_index(*native.ints(part, parts, nq, nk, heads, dim), *ptrs[0],
                                                     *native.ints(causal, keys.shape[1], offset), *ptrs[1]), parts)
 

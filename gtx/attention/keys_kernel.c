@@ -186,7 +186,7 @@ static float keep_best(float *score, int64_t *key, int64_t size, int64_t count) 
     return worst;
 }
 
-#define GROUP 32 /* query rows scored together: each tile of index keys is read once per group */
+#define GROUP 32 /* query rows scored together, each tile of index keys read once per group: indexer.py's GROUP */
 #define TILE 128 /* keys per tile: gtx/attention/indexer.py's TILE */
 #define CANDIDATES 4 /* a row's candidate buffer, in multiples of count */
 typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AVX register, or two SSE */
