@@ -141,7 +141,8 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
     assert again.exit_code == 0 and "gtx run" not in again.output  # every cell reused
     (name, saved), = load_frontiers(ref).items()  # the table as numbers, and its figure beside it
     assert len(saved) == 5 and saved.length.tolist() == ["16", "16", "32", "32", "32"] and (ref / "frontiers" / f"{name}.png").is_file()
-    assert plot.frontier(saved).axes and "<h2>Frontiers</h2>" in write_report(ref).read_text()
+    page = write_report(ref).read_text()
+    assert plot.frontier(saved).axes and "<h2>Frontiers</h2>" in page and "TOST against full at margin 0.5" in page  # the saved table keeps its margin
 
     res = tmp_path / "res"
     proc = subprocess.Popen([*FRONTIER, *RECALL, *STUDY, "--results", str(res)], start_new_session=True,

@@ -222,8 +222,9 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
     ``ci_low``, ``ci_high`` (95%, clipped to the metric's range), ``density`` and ``edges_per_query``
     (measured: what the pattern kept), ``tokens_per_s``, ``speed_vs_full``, the cost (``train_flops``,
     ``train_attn_flops``, ``train_s``: per run, means), ``tost_p`` against ``full`` of the same task,
-    model, length and settings (TOST at ``margin``, in the metric's units) and ``equivalent``
-    (tost_p < 0.05; NaN/False with fewer than 2 runs a side). Only the study's own cells count: runs of
+    model, length and settings (TOST at ``margin``, in the metric's units, kept as the ``margin`` column
+    so that a saved table still says it) and ``equivalent`` (tost_p < 0.05; NaN/False with fewer than
+    2 runs a side). Only the study's own cells count: runs of
     other experiments in the folder never mix in, and only finished runs (with test rows) count."""
     check_margin(margin)
     swept = _swept(cells, {p.length_key for p in points.values()})
@@ -231,7 +232,7 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
     finished = df.run_id.isin(df.run_id[df.split == "test"])  # a run still training (or killed) has no final word yet
     runs = run_table(df[df.cell.isin(list(keyed)) & finished], ("pattern",), metric)
     columns = ["task", "model", "length", *swept, "family", "budget", "pattern", "runs", "metric", "mean", "std", "ci_low", "ci_high",
-               "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "equivalent"]
+               "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "margin", "equivalent"]
     if runs.empty:
         return pd.DataFrame(columns=columns)
     runs["value"] = [r[r["metric"]] for _, r in runs.iterrows()]
@@ -250,7 +251,7 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
                      "_lower": lower_is_better(name)})
         samples[len(rows) - 1] = group.value.to_numpy(dtype=float)
     table = pd.DataFrame(rows)
-    table["speed_vs_full"], table["tost_p"], table["equivalent"] = np.nan, np.nan, False
+    table["speed_vs_full"], table["tost_p"], table["margin"], table["equivalent"] = np.nan, np.nan, margin, False
     for _, idx in table.groupby("_where", sort=False).groups.items():
         full = [i for i in idx if table.at[i, "family"] == FULL]
         if not full:
@@ -263,7 +264,6 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
                 table.loc[i, ["tost_p", "equivalent"]] = p, bool(p < ALPHA)
     table = table.assign(_len=pd.to_numeric(table.length, errors="coerce"))
     table = table.sort_values(["task", "model", *swept, "_len", "_order"], kind="stable")
-    table.attrs.update(margin=margin, alpha=ALPHA)
     return table.drop(columns=["_where", "_lower", "_order", "_len"]).reset_index(drop=True)[columns]
 
 
@@ -303,7 +303,7 @@ def cost_front(table: pd.DataFrame) -> pd.DataFrame:
         sign = -1.0 if lower_is_better(f"best_valid_{rows.metric.iloc[0]}") else 1.0
         front = pareto_front(-rows.train_flops, sign * rows["mean"])
         out.append(rows[front].sort_values("train_flops"))
-    columns = [c for c in table.columns if c not in ("tokens_per_s", "speed_vs_full", "tost_p", "equivalent", "train_attn_flops")]
+    columns = [c for c in table.columns if c not in ("tokens_per_s", "speed_vs_full", "tost_p", "margin", "equivalent", "train_attn_flops")]
     return pd.concat(out)[columns].reset_index(drop=True) if out else table[columns]
 
 

@@ -104,7 +104,7 @@ def frontiers_html(frontiers: dict[str, pd.DataFrame]) -> str:
     """Each saved frontier (``gtx.experiments.frontier.load_frontiers``): its table and figure."""
     parts = []
     for name, table in frontiers.items():
-        margin = f" at margin {table.attrs['margin']}" if "margin" in table.attrs else ""
+        margin = f" at margin {table['margin'].iloc[0]:g}" if "margin" in table and len(table) else ""
         parts.append(f"<h3>{html.escape(name)}</h3>\n{_html_table(format_frontier(table, 'markdown'))}\n"
                      f"{_img(plot.frontier(table), f'frontier {name}: metric against budget and cost')}{_note('equivalent: TOST against full' + margin)}")
     return "\n".join(parts)
