@@ -293,7 +293,7 @@ def register_commands(cli):
         if not ids or len(ids) + new > config.max_len:
             raise GtxError(f"--prompt of {len(ids)} tokens and --new {new}: the model has {config.max_len} positions; "
                            "give a non-empty prompt and at most that many tokens in all")
-        model = HFModel(config, tokenizer.vocab, tokenizer.vocab, Attention(backend, p, config.heads, config.dim // config.heads)).to(where)
+        model = HFModel(config, tokenizer.vocab, tokenizer.vocab, Attention.for_width(backend, p, config.heads, config.dim)).to(where)
         out = model.generate(ids, new, p, cache)
         click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))
         held = f"the cache held at most {out.cached} keys per layer" if cache else "no cache: every query read the whole sequence"

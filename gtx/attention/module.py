@@ -64,6 +64,12 @@ class Attention(torch.nn.Module):
         self.flops = 0.0  # forward FLOPs of the attention itself (q.k and the weighted sum of v over the attended edges), ever
         self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.measure.probe records)
 
+    @classmethod
+    def for_width(cls, backend: Backend, pattern, heads: int | None, dim: int | None) -> Attention:
+        """For a model of ``dim`` features in ``heads`` heads (``dim // heads`` each); either may be
+        None for a model that states no heads."""
+        return cls(backend, pattern, heads, dim // heads if heads and dim else None)
+
     def _build_trainable(self):
         make = getattr(self.pattern, "trainable", None)
         if make is None:
@@ -315,7 +321,7 @@ def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: 
     heads) and must serve one of the model's stages: else one line naming the pattern."""
     if pattern.trainable is None:
         return
-    module = Attention(None, pattern, heads, dim // heads if heads and dim else None).trainable
+    module = Attention.for_width(None, pattern, heads, dim).trainable
     if not set(module.stages) & set(stages):
         raise GtxError(f"pattern {pattern.spec!r} attends in {', '.join(module.stages)} only, but model {model!r} attends in "
                        f"{', '.join(stages)} here: use it with a model and task that have {module.stages[0]} (lm, transformer, ut)")

@@ -69,7 +69,7 @@ def _results_dir(name: str, run_id: str | None = None) -> Path:
 def build_attention(r, backend: str) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
     heads, dim = getattr(r.model_config, "heads", None), getattr(r.model_config, "dim", None)
-    return Attention(get_backend(backend, r.device), r.pattern, heads, dim // heads if heads and dim else None)
+    return Attention.for_width(get_backend(backend, r.device), r.pattern, heads, dim)
 
 
 def build_model(r, attention: Attention) -> torch.nn.Module:

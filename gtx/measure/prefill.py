@@ -45,7 +45,7 @@ def _gtx_model(config, pattern):
     from gtx.plugins.registry import MODELS
 
     torch.manual_seed(0)
-    attention = Attention(get_backend("auto"), pattern, config.heads, config.dim // config.heads)
+    attention = Attention.for_width(get_backend("auto"), pattern, config.heads, config.dim)
     return MODELS.get("hf").obj(config, _Vocab(), _Vocab(), attention).eval()
 
 
