@@ -299,8 +299,8 @@ class _TokenBlocks(torch.autograd.Function):
             dqt, dkt, dvt = _flash_backward(_tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
                                             _tiles(_take(q, pair), places, n_tiles, b), kb.index_select(0, rows), vb.index_select(0, rows),
                                             _tiles(_take(out, pair), places, n_tiles, b), lse, False)
-            dq = dq.index_add(0, pair, _take(dqt, places))
-            dkb = dkb.index_add(0, rows, dkt)
-            dvb = dvb.index_add(0, rows, dvt)
+            dq.index_add_(0, pair, _take(dqt, places))  # in place: a copy per chunk would move all of dq, dk, dv each time
+            dkb.index_add_(0, rows, dkt)
+            dvb.index_add_(0, rows, dvt)
         dq = dq.view_as(q)
         return dq, plan.rows(dkb), plan.rows(dvb), None
