@@ -143,17 +143,23 @@ class TokenBlockSelection:
 
 def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block: int, count: int) -> TokenBlockSelection:
     """Per token and head, the ``count`` earlier blocks whose mean key scores highest with the token's
-    query (MoBA's gate): scores (B, L, H, n_blocks), never an n x n matrix. q, k (n, H, D) rows of
-    concatenated samples of ``lens``."""
-    n_blocks = -(-max(lens) // block)
-    length = n_blocks * block
+    query (MoBA's gate): scores (L, H, blocks of the sample) one sample at a time, never an n x n
+    matrix. q, k (n, H, D) rows of concatenated samples of ``lens``."""
     means = block_means(k, lens, block)  # (B, H, n_blocks, D)
-    score = torch.einsum("blhd,bhnd->blhn", pad_samples(q, lens, length), means)
-    own = torch.arange(length, device=q.device) // block
-    later = torch.arange(n_blocks, device=q.device)[None, :] >= own[:, None]  # (L, n_blocks): the own block and after
-    score = score.masked_fill(later[None, :, None, :], float("-inf"))
-    top = score.topk(min(count, n_blocks), dim=-1)
-    return TokenBlockSelection(block, list(lens), unpad_samples(top.indices, lens), unpad_samples(top.values, lens) > float("-inf"))
+    slots = min(count, means.shape[2])
+    blocks = torch.zeros(*q.shape[:2], slots, dtype=torch.long, device=q.device)
+    valid = torch.zeros(*q.shape[:2], slots, dtype=torch.bool, device=q.device)
+    start = 0
+    for i, n in enumerate(lens):  # a sample at a time: padded to the longest, recall's mixed lengths scored 3.5-9x more
+        n_b = -(-n // block)
+        score = torch.einsum("lhd,hnd->lhn", q[start:start + n], means[i, :, :n_b])
+        own = torch.arange(n, device=q.device) // block
+        later = torch.arange(n_b, device=q.device)[None, :] >= own[:, None]  # (L, n_b): the own block and after
+        top = score.masked_fill(later[:, None, :], float("-inf")).topk(min(slots, n_b), dim=-1)
+        blocks[start:start + n, :, :top.indices.shape[-1]] = top.indices
+        valid[start:start + n, :, :top.indices.shape[-1]] = top.values > float("-inf")
+        start += n
+    return TokenBlockSelection(block, list(lens), blocks, valid)
 
 
 def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection,
