@@ -121,7 +121,7 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
     width = min(c.n - 1, n_sel)
     blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
     valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
-    for r0, r1, weights in compressed_weights(q, kc, lens, ends):
+    for r0, r1, take, weights in compressed_weights(q, kc, lens, ends):
         score = weights.new_zeros(*weights.shape[:-1], n_sel)  # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
         seen = weights.shape[-1]  # the compressed blocks that end before r1
         for target, real in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
@@ -134,8 +134,9 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
         score = score.masked_fill(forced, float("inf")).masked_fill(~earlier, float("-inf"))
         top = score.topk(width, dim=-1)
-        blocks[:, r0:r1] = top.indices.transpose(1, 2)
-        valid[:, r0:r1] = top.values.transpose(1, 2) > float("-inf")
+        rows = slice(None) if take.every else take.samples
+        blocks[rows, r0:r1] = top.indices.transpose(1, 2)
+        valid[rows, r0:r1] = top.values.transpose(1, 2) > float("-inf")
     return TokenBlockSelection(c.s, list(lens), unpad_samples(blocks, lens), unpad_samples(valid, lens))
 
 

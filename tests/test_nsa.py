@@ -17,6 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from gtx.attention import compressed
 from gtx.attention.module import Attention
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks
 from gtx.backends import get_backend
@@ -164,6 +165,13 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
     for name, a, b in zip(names, got_grads, want_grads):
         assert a.abs().sum() > 0, f"no gradient reaches {name}: phi, the gates and all three branches train"
         torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
+def test_blocks_of_rows_past_a_shorter_sample_leave_it_out(monkeypatch, spec):
+    """Rows in blocks of 16: the later blocks hold rows of the longer samples only, and score only them."""
+    monkeypatch.setattr(compressed, "ROWS", 16)
+    test_nsa_equals_its_definition_on_values_and_every_gradient(spec, [70, 23, 41], 4)
 
 
 def test_no_future_key_reaches_a_query_through_any_branch():

@@ -46,16 +46,15 @@ def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens:
     SDPA's kernel a block of query rows at a time (a bool mask of rows x visible blocks per call),
     each call recomputed in the backward (checkpoint): the backward keeps q, kc and vc, not SDPA's
     state of every block of rows."""
-    length = max(lens)
-    qp = pad_samples(q, lens, length).transpose(1, 2)  # (B, H, L, D)
+    qp = pad_samples(q, lens, max(lens)).transpose(1, 2)  # (B, H, L, D)
     kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, m, D)
     parts = []
-    for r0, r1, visible in _row_blocks(length, ends):
-        if not visible.shape[1]:
-            parts.append(qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1]))
-            continue
-        seen = visible.shape[1]
-        parts.append(checkpoint(_attend_rows, qp[:, :, r0:r1], kt[:, :, :seen], vt[:, :, :seen], visible, use_reentrant=False))
+    for r0, r1, take, visible in _row_blocks(lens, ends):
+        part = qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1])
+        if seen := visible.shape[1]:
+            rows = checkpoint(_attend_rows, take(qp[:, :, r0:r1]), take(kt[:, :, :seen]), take(vt[:, :, :seen]), visible, use_reentrant=False)
+            part = rows if take.every else part.index_copy(0, take.samples, rows)
+        parts.append(part)
     return unpad_samples(torch.cat(parts, 2).transpose(1, 2), lens)
 
 
@@ -65,21 +64,37 @@ def _attend_rows(q, kt, vt, visible):
     return out.masked_fill(empty[:, None], 0.0)
 
 
-def _row_blocks(length: int, ends: torch.Tensor):
-    """(r0, r1, visible (rows, seen)) per block of ROWS query positions: the compressed blocks that end
-    at or before each row, among the first ``seen`` (ends ascend: the visible blocks are a prefix)."""
+class _Samples:
+    """The samples long enough to have rows in a block of rows: ``take(x)`` keeps them along dim 0
+    (x itself, not a copy, when every sample has)."""
+
+    def __init__(self, lens: list[int], r0: int, device):
+        self.every = min(lens) > r0
+        self.samples = torch.tensor([i for i, n in enumerate(lens) if n > r0], device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.every else x.index_select(0, self.samples)
+
+
+def _row_blocks(lens: list[int], ends: torch.Tensor):
+    """(r0, r1, take, visible (rows, seen)) per block of ROWS query positions of the padded samples:
+    ``take`` the samples with rows in it (a shorter one's are padding: scoring them cost up to 9x
+    the work on batches of mixed lengths), ``visible`` the compressed blocks that end at or before
+    each row, among the first ``seen`` (ends ascend: the visible blocks are a prefix)."""
+    length = max(lens)
     for r0 in range(0, length, ROWS):
         r1 = min(r0 + ROWS, length)
         seen = int((ends <= r1 - 1).sum())
-        yield r0, r1, ends[None, :seen] <= torch.arange(r0, r1, device=ends.device)[:, None]
+        yield r0, r1, _Samples(lens, r0, ends.device), ends[None, :seen] <= torch.arange(r0, r1, device=ends.device)[:, None]
 
 
 def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor):
     """The compressed branch's attention weights, a block of query rows at a time: yields
-    (r0, r1, weights (B, H, r1 - r0, seen)) over padded positions r0..r1 and the blocks that end
-    before r1 (a prefix: ends ascend; later blocks have weight 0), zero where a block is unseen."""
+    (r0, r1, take, weights (B', H, r1 - r0, seen)) over padded positions r0..r1 of the B' samples
+    ``take`` keeps (see ``_row_blocks``) and the blocks that end before r1 (a prefix: ends ascend;
+    later blocks have weight 0), zero where a block is unseen."""
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)
     kt = kc.transpose(1, 2)
-    for r0, r1, visible in _row_blocks(qp.shape[2], ends):
-        score = (qp[:, :, r0:r1] @ kt[:, :, :visible.shape[1]].transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-        yield r0, r1, torch.softmax(score, -1).nan_to_num_(0.0)
+    for r0, r1, take, visible in _row_blocks(lens, ends):
+        score = (take(qp[:, :, r0:r1]) @ take(kt[:, :, :visible.shape[1]]).transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+        yield r0, r1, take, torch.softmax(score, -1).nan_to_num_(0.0)
