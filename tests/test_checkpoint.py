@@ -144,6 +144,23 @@ def test_eval_of_a_truncated_checkpoint_and_of_another_vocabulary(reference, tmp
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_run_killed_while_it_marks_itself_finished_has_its_test_rows_written(tmp_path, monkeypatch):
+    """The last write of a run is its checkpoint marked finished: a kill there leaves the results
+    complete (a sweep skips the cell) rather than a checkpoint that refuses --resume beside results
+    without test rows (a sweep's resume then failed)."""
+    real = checkpoint.save
+
+    def killed_when_finishing(path, state):
+        if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
+            raise KeyboardInterrupt
+        real(path, state)
+
+    monkeypatch.setattr(checkpoint, "save", killed_when_finishing)
+    result = gtx("run", "--epochs", 2, "--seed", 3, "--results", tmp_path, *TINY)
+    assert result.exit_code == 130
+    assert (load(tmp_path).split == "test").sum() == 1
+
+
 def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
     run_id = load(reference).run_id.iloc[0]
     before = sorted(p.read_bytes() for p in reference.rglob("*.csv"))

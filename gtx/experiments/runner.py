@@ -200,10 +200,10 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
         beam = getattr(r.task_config, "beam", 1)
         test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
         rows.append(_row(common, last, "test", test, attention))
-        if world.main:
+        if world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
+            write_run(results_dir, run_id, rows)
             if snapshot is not None:
                 checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
-            write_run(results_dir, run_id, rows)
         status = "finished"
     except NonFiniteLoss as e:
         kept = f"epochs up to {epoch - 1} and their checkpoint are kept under {results_dir}" if epoch > start else "nothing new was written"
