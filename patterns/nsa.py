@@ -134,9 +134,8 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
         score = score.masked_fill(forced, float("inf")).masked_fill(~earlier, float("-inf"))
         top = score.topk(width, dim=-1)
-        rows = slice(None) if take.every else take.samples
-        blocks[rows, r0:r1] = top.indices.transpose(1, 2)
-        valid[rows, r0:r1] = top.values.transpose(1, 2) > float("-inf")
+        blocks[take.rows, r0:r1] = top.indices.transpose(1, 2)
+        valid[take.rows, r0:r1] = top.values.transpose(1, 2) > float("-inf")
     return TokenBlockSelection(c.s, list(lens), unpad_samples(blocks, lens), unpad_samples(valid, lens))
 
 

@@ -75,6 +75,11 @@ class _Samples:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.every else x.index_select(0, self.samples)
 
+    @property
+    def rows(self):
+        """Where the kept samples lie along dim 0, to write their results back: all, or their indices."""
+        return slice(None) if self.every else self.samples
+
 
 def _row_blocks(lens: list[int], ends: torch.Tensor):
     """(r0, r1, take, visible (rows, seen)) per block of ROWS query positions of the padded samples:

@@ -155,9 +155,10 @@ def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block
         score = torch.einsum("lhd,hnd->lhn", q[start:start + n], means[i, :, :n_b])
         own = torch.arange(n, device=q.device) // block
         later = torch.arange(n_b, device=q.device)[None, :] >= own[:, None]  # (L, n_b): the own block and after
-        top = score.masked_fill(later[:, None, :], float("-inf")).topk(min(slots, n_b), dim=-1)
-        blocks[start:start + n, :, :top.indices.shape[-1]] = top.indices
-        valid[start:start + n, :, :top.indices.shape[-1]] = top.values > float("-inf")
+        kept = min(slots, n_b)
+        top = score.masked_fill(later[:, None, :], float("-inf")).topk(kept, dim=-1)
+        blocks[start:start + n, :, :kept] = top.indices
+        valid[start:start + n, :, :kept] = top.values > float("-inf")
         start += n
     return TokenBlockSelection(block, list(lens), blocks, valid)
 
