@@ -149,41 +149,59 @@ int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, i
  * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
  * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
  * does groups part, part + parts, ... of GROUP rows. */
-static int better(float a, int64_t ka, float b, int64_t kb) { return a > b || (a == b && ka > kb); }
 
-static void swap(float *score, int64_t *key, int64_t a, int64_t b) {
-    float s = score[a]; score[a] = score[b]; score[b] = s;
-    int64_t k = key[a]; key[a] = key[b]; key[b] = k;
+/* A candidate as one integer that orders as (score, key) does: the score's bits made monotone in the
+ * high half (a negative float's bits all flipped, a positive one's sign bit set; -0 taken as +0, as
+ * the float comparison sees it), the key in the low half. Quickselect then moves one array and
+ * compares integers. */
+static inline uint64_t candidate(float score, int64_t key) {
+    uint32_t bits;
+    memcpy(&bits, &score, sizeof bits);
+    bits = bits == 0x80000000u ? 0u : bits;
+    bits ^= (uint32_t)((int32_t)bits >> 31) | 0x80000000u;  /* branch-free, so that a run of them vectorizes */
+    return (uint64_t)bits << 32 | (uint32_t)key;
 }
+
+static inline float candidate_score(uint64_t c) {
+    uint32_t bits = (uint32_t)(c >> 32);
+    bits = bits & 0x80000000u ? bits & 0x7fffffffu : ~bits;
+    float score;
+    memcpy(&score, &bits, sizeof score);
+    return score;
+}
+
+static inline void swap(uint64_t *c, int64_t a, int64_t b) { uint64_t x = c[a]; c[a] = c[b]; c[b] = x; }
 
 #define SAMPLE 31 /* elements a first pivot is chosen from */
 
-/* Reorders (score, key)[0, size) so that its best `count` come first; returns the worst score among
+/* Reorders c[0, size) so that its best (largest) `count` come first; returns the worst score among
  * them. Quickselect; its first pivot is the element of a sample whose rank in the sample matches
  * count's in the whole, so that one or two partitions usually suffice. */
-static float keep_best(float *score, int64_t *key, int64_t size, int64_t count) {
+static float keep_best(uint64_t *c, int64_t size, int64_t count) {
     int64_t lo = 0, hi = size - 1, mid = size / 2;
     if (size >= 4 * SAMPLE) {  /* sort a strided sample (insertion sort, best first) to its front */
-        for (int64_t x = 0; x < SAMPLE; x++) swap(score, key, x, x * (size / SAMPLE));
+        for (int64_t x = 0; x < SAMPLE; x++) swap(c, x, x * (size / SAMPLE));
         for (int64_t x = 1; x < SAMPLE; x++)
-            for (int64_t y = x; y > 0 && better(score[y], key[y], score[y - 1], key[y - 1]); y--) swap(score, key, y, y - 1);
+            for (int64_t y = x; y > 0 && c[y] > c[y - 1]; y--) swap(c, y, y - 1);
         mid = count * SAMPLE / size;
     }
     while (lo < hi) {
         int64_t store = lo;
-        swap(score, key, mid, hi);  /* the pivot, parked at hi */
+        swap(c, mid, hi);  /* the pivot, parked at hi */
+        uint64_t pivot = c[hi];
         for (int64_t x = lo; x < hi; x++) {  /* branch-free: on random scores a branch would miss half the time */
-            swap(score, key, x, store);
-            store += better(score[store], key[store], score[hi], key[hi]);
+            uint64_t y = c[x];
+            c[x] = c[store], c[store] = y;
+            store += y > pivot;
         }
-        swap(score, key, store, hi);  /* [lo, store) better than the pivot, now at store */
+        swap(c, store, hi);  /* [lo, store) better than the pivot, now at store */
         if (store == count - 1 || store == count) break;
         if (store < count) lo = store + 1; else hi = store - 1;
         mid = lo + (hi - lo) / 2;
     }
-    float worst = INFINITY;
-    for (int64_t x = 0; x < count; x++) worst = score[x] < worst ? score[x] : worst;
-    return worst;
+    uint64_t worst = UINT64_MAX;
+    for (int64_t x = 0; x < count; x++) worst = c[x] < worst ? c[x] : worst;
+    return candidate_score(worst);
 }
 
 #define GROUP 32 /* query rows scored together, each tile of index keys read once per group: indexer.py's GROUP */
@@ -193,31 +211,47 @@ typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AV
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 
-/* out[s] = q . k(s) for the `width` keys of a tile, k(s) = column s of k_t (d rows of TILE): 16 keys
- * at a time, their sums in registers. */
-static void tile_dots(float *out, const float *q, const float *k_t, int64_t d, int64_t width) {
-    int64_t s = 0;
-    for (; s + 16 <= width; s += 16) {
-        v8 a0 = {0}, a1 = {0};
-        for (int64_t c = 0; c < d; c++) {
-            a0 += q[c] * load8(k_t + c * TILE + s);
-            a1 += q[c] * load8(k_t + c * TILE + s + 8);
+/* out[r * width + s] = q_r . k(s) for `nq` query vectors q (nq, d) and the `width` keys of a tile,
+ * k(s) = column s of k_t (d rows of TILE): 4 vectors x 16 keys at a time, their 8 sums in registers
+ * (independent chains keep the FMA units busy; one vector's 2 would wait on their own latency). */
+static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, int64_t d, int64_t width) {
+    int64_t r = 0;
+    for (; r + 4 <= nq; r += 4) {
+        const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        float *o = out + r * width;
+        int64_t s = 0;
+        for (; s + 16 <= width; s += 16) {
+            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+            for (int64_t c = 0; c < d; c++) {
+                v8 k0 = load8(k_t + c * TILE + s), k1 = load8(k_t + c * TILE + s + 8);
+                a00 += q0[c] * k0, a01 += q0[c] * k1, a10 += q1[c] * k0, a11 += q1[c] * k1;
+                a20 += q2[c] * k0, a21 += q2[c] * k1, a30 += q3[c] * k0, a31 += q3[c] * k1;
+            }
+            memcpy(o + s, &a00, 32), memcpy(o + s + 8, &a01, 32), memcpy(o + width + s, &a10, 32);
+            memcpy(o + width + s + 8, &a11, 32), memcpy(o + 2 * width + s, &a20, 32);
+            memcpy(o + 2 * width + s + 8, &a21, 32), memcpy(o + 3 * width + s, &a30, 32), memcpy(o + 3 * width + s + 8, &a31, 32);
         }
-        memcpy(out + s, &a0, sizeof a0), memcpy(out + s + 8, &a1, sizeof a1);
+        for (; s < width; s++)
+            for (int64_t x = 0; x < 4; x++) {
+                float acc = 0.0f;
+                for (int64_t c = 0; c < d; c++) acc += q[(r + x) * d + c] * k_t[c * TILE + s];
+                o[x * width + s] = acc;
+            }
     }
-    for (; s < width; s++) {
-        float acc = 0.0f;
-        for (int64_t c = 0; c < d; c++) acc += q[c] * k_t[c * TILE + s];
-        out[s] = acc;
-    }
+    for (; r < nq; r++)
+        for (int64_t s = 0; s < width; s++) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < d; c++) acc += q[r * d + c] * k_t[c * TILE + s];
+            out[r * width + s] = acc;
+        }
 }
 
 int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
                   const float *iq, const float *w, const float *ik_tiles, int64_t causal,
                   int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
-    float *dots = malloc(sizeof(float) * GROUP * J * TILE), *score = malloc(sizeof(float) * GROUP * CANDIDATES * count);
-    int64_t *key = malloc(sizeof(int64_t) * GROUP * CANDIDATES * count);
-    if (!dots || !score || !key) return free(dots), free(score), free(key), 1;
+    float *dots = malloc(sizeof(float) * GROUP * J * TILE);
+    uint64_t *cands = malloc(sizeof(uint64_t) * GROUP * CANDIDATES * count);
+    if (!dots || !cands) return free(dots), free(cands), 1;
     for (int64_t g0 = part * GROUP; g0 < n; g0 += parts * GROUP) {  /* groups dealt round-robin: causal rows grow */
         int64_t rows = n - g0 < GROUP ? n - g0 : GROUP, size[GROUP], seen[GROUP];
         float bar[GROUP];
@@ -228,33 +262,42 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
         int64_t last = seen[rows - 1];
         for (int64_t s0 = (last - 1) / TILE * TILE; s0 >= 0; s0 -= TILE) {
             int64_t width = last - s0 < TILE ? last - s0 : TILE;
-            for (int64_t r = 0; r < rows * J; r++) tile_dots(dots + r * width, iq + (g0 * J + r) * d, ik_tiles + s0 * d, d, width);
+            tile_dots(dots, iq + g0 * J * d, rows * J, ik_tiles + s0 * d, d, width);
             for (int64_t r = 0; r < rows; r++) {
-                float *row = dots + r * J * width, *sc = score + r * CANDIDATES * count;
-                int64_t *ky = key + r * CANDIDATES * count;
+                float *row = dots + r * J * width;
+                uint64_t *cand = cands + r * CANDIDATES * count;
                 for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f ? row[s] : 0.0f);
                 for (int64_t a = 1; a < J; a++) {
                     const float *da = row + a * width, wa = w[(g0 + r) * J + a];
                     for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f ? da[s] : 0.0f);
                 }
-                for (int64_t s = (seen[r] - s0 < width ? seen[r] - s0 : width) - 1; s >= 0; s--) {
-                    sc[size[r]] = row[s], ky[size[r]] = s0 + s;  /* written always, kept if it passes: no branch to miss */
-                    size[r] += row[s] > bar[r];
-                    if (size[r] == CANDIDATES * count) bar[r] = keep_best(sc, ky, size[r], count), size[r] = count;
+                int64_t filled = size[r];
+                for (int64_t hi = seen[r] - s0 < width ? seen[r] - s0 : width; hi > 0; hi -= 16) {
+                    int64_t lo = hi > 16 ? hi - 16 : 0, any = 0;
+                    uint64_t packed[16];
+                    for (int64_t s = lo; s < hi; s++) any |= row[s] > bar[r];  /* once the bar is up, most runs of 16 stop here */
+                    if (!any) continue;
+                    for (int64_t s = lo; s < hi; s++) packed[s - lo] = candidate(row[s], s0 + s);
+                    for (int64_t s = hi - 1; s >= lo; s--) {
+                        cand[filled] = packed[s - lo];  /* written always, kept if it passes: no branch to miss */
+                        filled += row[s] > bar[r];
+                        if (filled == CANDIDATES * count) bar[r] = keep_best(cand, filled, count), filled = count;
+                    }
                 }
+                size[r] = filled;
             }
         }
         for (int64_t r = 0; r < rows; r++) {
-            float *sc = score + r * CANDIDATES * count;
-            int64_t *ky = key + r * CANDIDATES * count, t = g0 + r;
-            if (size[r] > count) keep_best(sc, ky, size[r], count), size[r] = count;
+            uint64_t *cand = cands + r * CANDIDATES * count;
+            int64_t t = g0 + r;
+            if (size[r] > count) keep_best(cand, size[r], count), size[r] = count;
             for (int64_t j = 0; j < count; j++) {
                 valid[t * count + j] = j < size[r];
-                keys[t * count + j] = j < size[r] ? ky[j] + offset : 0;
+                keys[t * count + j] = j < size[r] ? (int64_t)(uint32_t)cand[j] + offset : 0;
             }
         }
     }
-    free(dots), free(score), free(key);
+    free(dots), free(cands);
     return 0;
 }
 
