@@ -36,25 +36,68 @@ static void axpy(float *y, float a, const float *x, int64_t d) {
     for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
 }
 
-#define AHEAD 8 /* keys prefetched ahead: a selected key's row is a random read */
-
 static void prefetch_row(const float *row, int64_t len) {
     for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(row + x);  /* 16 floats: a cache line */
 }
 
+static void prefetch_row_to_write(float *row, int64_t len) {  /* owned before the write: no read-for-ownership stall */
+    for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(row + x, 1);
+}
+
+typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AVX register, or two SSE */
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+/* Pairwise sums within each half: (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7). */
+static inline v8 pair_sums(v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* The lane sums of 8 vectors, as one vector: 7 pairings for 8 sums, where each sum alone takes 3. */
+static inline v8 lane_sums(const v8 *a) {
+    v8 lo = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3]));
+    v8 hi = pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7]));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+#define AHEAD 8 /* keys prefetched ahead: a selected key's row is a random read */
+
+/* out[h * K + j] = a_h . x(key j, h) for heads [h0, h1) and slots [0, K) of one query: a (H, d) its
+ * rows, x (N, H, d), key its slots (head stride sh). Slots in runs of 8, heads inside a run (a shared
+ * key is one contiguous row, read once from memory); where d is a multiple of 8, a run's 8 dot
+ * products are summed lane-wise and reduced together (``lane_sums``). */
+static void slot_dots(float *out, const float *a, const float *x, const int32_t *key, int64_t sh,
+                      int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t d) {
+    int64_t j = 0;
+    if (d % 8 == 0)
+        for (; j + 8 <= K; j += 8) {
+            for (int64_t y = j + AHEAD; y < j + AHEAD + 8 && y < K; y++) prefetch_row(x + ((int64_t)key[y] * H + h0) * d, (h1 - h0) * d);
+            for (int64_t h = h0; h < h1; h++) {
+                const float *ah = a + h * d, *row[8];
+                v8 acc[8] = {{0}};
+                for (int64_t y = 0; y < 8; y++) row[y] = x + ((int64_t)key[h * sh + j + y] * H + h) * d;
+                for (int64_t c = 0; c < d; c += 8) {
+                    v8 av = load8(ah + c);
+                    for (int64_t y = 0; y < 8; y++) acc[y] += av * load8(row[y] + c);
+                }
+                v8 sums = lane_sums(acc);
+                memcpy(out + h * K + j, &sums, sizeof sums);
+            }
+        }
+    for (; j < K; j++)
+        for (int64_t h = h0; h < h1; h++) out[h * K + j] = dot(a + h * d, x + ((int64_t)key[h * sh + j] * H + h) * d, d);
+}
+
 /* Softmax weights of query i, heads [h0, h1), into p (H x K; 0 for an invalid slot) from its scores,
- * and lse (given in lse_in, or computed into lse_out). Keys outer, heads inner: a key shared by the
- * heads is one contiguous row. */
+ * and lse (given in lse_in, or computed into lse_out). */
 static void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
                     const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                     const float *lse_in, float *lse_out, float *p) {
     const int32_t *key = keys + i * sn;
     const uint8_t *ok = valid + i * sn;
-    for (int64_t j = 0; j < K; j++) {
-        if (j + AHEAD < K) prefetch_row(k + ((int64_t)key[j + AHEAD] * H + h0) * D, (h1 - h0) * D);
-        for (int64_t h = h0; h < h1; h++)
-            p[h * K + j] = ok[h * sh + j] ? dot(q + (i * H + h) * D, k + ((int64_t)key[h * sh + j] * H + h) * D, D) : -INFINITY;
-    }
+    slot_dots(p, q + i * H * D, k, key, sh, h0, h1, H, K, D);
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t j = 0; j < K; j++) p[h * K + j] = ok[h * sh + j] ? p[h * K + j] : -INFINITY;
     for (int64_t h = h0; h < h1; h++) {
         float *ph = p + h * K, m = -INFINITY, l;
         for (int64_t j = 0; j < K; j++) m = ph[j] > m ? ph[j] : m;
@@ -109,34 +152,34 @@ int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, i
                       const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                       const float *grad, const float *out, const float *lse,
                       float *dq, float *dk, float *dv) {
-    float *p = malloc(sizeof(float) * H * K), *delta = malloc(sizeof(float) * H);
-    if (!p || !delta) return free(p), free(delta), 1;
+    float *p = malloc(sizeof(float) * H * K), *gv = malloc(sizeof(float) * H * K), *delta = malloc(sizeof(float) * H);
+    if (!p || !gv || !delta) return free(p), free(gv), free(delta), 1;
     for (int64_t i = 0; i < n; i++) {
         weights(i, h0, h1, H, K, D, q, k, keys, valid, sn, sh, lse, NULL, p);
         const int32_t *key = keys + i * sn;
         const float *g = grad + i * H * E, *qi = q + i * H * D;
         float *dqi = dq + i * H * D;
         for (int64_t h = h0; h < h1; h++) delta[h] = dot(g + h * E, out + (i * H + h) * E, E);  /* the softmax backward's row term */
+        slot_dots(gv, g, v, key, sh, h0, h1, H, K, E);
         for (int64_t x = h0 * D; x < h1 * D; x++) dqi[x] = 0.0f;
         for (int64_t j = 0; j < K; j++) {
             if (j + AHEAD < K) {
                 int64_t ahead = (int64_t)key[j + AHEAD] * H + h0;
-                prefetch_row(k + ahead * D, (h1 - h0) * D), prefetch_row(dk + ahead * D, (h1 - h0) * D);
-                prefetch_row(v + ahead * E, (h1 - h0) * E), prefetch_row(dv + ahead * E, (h1 - h0) * E);
+                prefetch_row(k + ahead * D, (h1 - h0) * D), prefetch_row_to_write(dk + ahead * D, (h1 - h0) * D);
+                prefetch_row_to_write(dv + ahead * E, (h1 - h0) * E);
             }
             for (int64_t h = h0; h < h1; h++) {
                 float pj = p[h * K + j];
                 if (pj == 0.0f) continue;
                 int64_t row = (int64_t)key[h * sh + j] * H + h;
-                float ds = pj * (dot(g + h * E, v + row * E, E) - delta[h]);
+                float ds = pj * (gv[h * K + j] - delta[h]);
                 axpy(dqi + h * D, ds, k + row * D, D);
                 axpy(dk + row * D, ds, qi + h * D, D);
                 axpy(dv + row * E, pj, g + h * E, E);
             }
         }
     }
-    free(delta);
-    free(p);
+    free(delta), free(gv), free(p);
     return 0;
 }
 
@@ -207,10 +250,6 @@ static float keep_best(uint64_t *c, int64_t size, int64_t count) {
 #define GROUP 32 /* query rows scored together, each tile of index keys read once per group: indexer.py's GROUP */
 #define TILE 128 /* keys per tile: gtx/attention/indexer.py's TILE */
 #define CANDIDATES 4 /* a row's candidate buffer, in multiples of count */
-typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AVX register, or two SSE */
-
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-
 /* out[r * width + s] = q_r . k(s) for `nq` query vectors q (nq, d) and the `width` keys of a tile,
  * k(s) = column s of k_t (d rows of TILE): 4 vectors x 16 keys at a time, their 8 sums in registers
  * (independent chains keep the FMA units busy; one vector's 2 would wait on their own latency). */
@@ -315,13 +354,10 @@ int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
         const uint8_t *ok = valid + t * K;
         const float *pt = p + t * K, *wt = w + t * J, *qt = iq + t * J * d;
         float m = -INFINITY, z = 0.0f, mass = 0.0f, l = 0.0f;
+        for (int64_t a = 0; a < J; a++) slot_dots(dots + a * K, qt + a * d, ik, key, 0, 0, 1, 1, K, d);
         for (int64_t j = 0; j < K; j++) {
-            if (j + AHEAD < K) prefetch_row(ik + (int64_t)key[j + AHEAD] * d, d);
             score[j] = 0.0f;
-            for (int64_t a = 0; a < J; a++) {
-                float x = dots[a * K + j] = dot(qt + a * d, ik + (int64_t)key[j] * d, d);
-                score[j] += wt[a] * (x > 0.0f ? x : 0.0f);
-            }
+            for (int64_t a = 0; a < J; a++) score[j] += wt[a] * (dots[a * K + j] > 0.0f ? dots[a * K + j] : 0.0f);
             if (ok[j] && score[j] > m) m = score[j];
         }
         for (int64_t x = 0; x < J * d; x++) diq[t * J * d + x] = 0.0f;
