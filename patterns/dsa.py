@@ -23,8 +23,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
+from gtx.attention.choice import later_keys, query_blocks
 from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_to, top_indexed
-from gtx.attention.keys import KeySelection, attend_keys, later_keys, query_blocks
+from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 

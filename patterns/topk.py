@@ -3,7 +3,8 @@
 from dataclasses import replace
 
 from gtx import hookimpl
-from gtx.attention.keys import top_keys
+from gtx.attention.choice import top_keys
+from gtx.attention.keys import KeySelection
 from gtx.attention.selection import top_per_query
 from gtx.errors import PatternError
 from gtx.graph.pattern import Pattern
@@ -27,7 +28,7 @@ def topk(inner: Pattern = None, k: int = 32) -> Pattern:
 
     def select(q, keys, edges):
         if edges.root.structure is not None:  # complete or causal candidates: score in blocks, list no edge
-            return top_keys(q, keys, edges, k)
+            return KeySelection(*top_keys(q, keys, edges, k))
         score = (q[edges.dst] * keys[edges.src]).sum(-1)  # (E, H)
         return top_per_query(score, edges.dst, edges.n_dst, k)
 

@@ -250,7 +250,7 @@ def test_hook_register_biases(plugin_dir, tmp_path):
     "bad, message",
     [
         (lambda e: KeySelection(torch.full((e.n_dst, 2, 1), 4), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "key 4 for query 0 in head 0"),
-        (lambda e: KeySelection(torch.zeros(e.n_dst, 2, 1), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "expected (5, 2, K) long / bool"),
+        (lambda e: KeySelection(torch.zeros(e.n_dst, 2, 1), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "expected (5, 2, K) int64 or int32 / bool"),
         (lambda e: BlockSelection(2, [5], torch.tensor([[[[0, 1], [1, 2], [2, 0]]] * 2]), torch.ones(1, 2, 3, 2, dtype=torch.bool)), "a later block"),
     ],
 )

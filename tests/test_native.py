@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtx.attention import native
+from gtx.attention.choice import top_keys
 from gtx.attention.indexer import index_kl, top_indexed
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.graph.spec import parse_pattern
@@ -64,7 +65,7 @@ def test_the_indexer_chooses_the_same_keys_ties_to_the_later_one(lens, count, se
     iq, w, ik = indexer_inputs(sum(lens), 2, 4, seed)
     edges = build_graph(parse_pattern("causal"), None, lens).edges["dd"]
     (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_indexed(iq, w, ik, edges, count))
-    assert torch.equal(keys.masked_fill(~valid, -1).sort(1).values, want_keys.masked_fill(~want_valid, -1).sort(1).values)
+    assert same_sets(keys, valid, want_keys, want_valid)
     start = 0
     for n in lens:  # each query kept min(count, t + 1) of its own sample's earlier keys
         t = torch.arange(n)
@@ -72,6 +73,24 @@ def test_the_indexer_chooses_the_same_keys_ties_to_the_later_one(lens, count, se
         chosen = keys[start:start + n]
         assert ((chosen >= start) & (chosen <= start + t[:, None]) | ~valid[start:start + n]).all()
         start += n
+
+
+def same_sets(keys, valid, want_keys, want_valid) -> bool:
+    """The same valid key ids per query (and head), in any order."""
+    return torch.equal(keys.long().masked_fill(~valid, -1).sort(-1).values, want_keys.masked_fill(~want_valid, -1).sort(-1).values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=3), count=st.integers(1, 40), heads=st.sampled_from([1, 3]),
+       stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 100))
+def test_topk_chooses_the_same_keys_per_head_on_the_kernel(lens, count, heads, stage, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(sum(lens), heads, 8, generator=g) for _ in range(2))  # random scores: no ties
+    pattern = parse_pattern("full" if stage == "ee" else "causal")
+    edges = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
+    (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_keys(q, k, edges, count))
+    assert keys.dtype == torch.int32 and keys.shape == want_keys.shape == (sum(lens), heads, count)
+    assert same_sets(keys, valid, want_keys, want_valid)
 
 
 @settings(max_examples=30, deadline=None)

@@ -14,12 +14,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gtx.attention import native
-from gtx.attention.keys import top_scored
+from gtx.attention.choice import top_native, top_scored
 from gtx.graph.tokens import EdgeSet
 
 ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
-TILE = 128  # keys per tile of the C kernel's index keys (keys_kernel.c's TILE)
-GROUP = 32  # query rows the C kernel scores together (keys_kernel.c's GROUP)
 
 
 def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
@@ -41,35 +39,9 @@ def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, to
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
     highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
     kernel) and valid (n, K) (invalid slots hold key 0). No gradient."""
-    lib = native.kernel("keys_kernel", iq, w, ik)
-    if lib is None:
+    if native.kernel("keys_kernel", iq, w, ik) is None:
         return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True)
-    keys = torch.zeros(edges.n_dst, count, dtype=torch.int32)  # the C kernels' key ids: half the memory of int64
-    valid = torch.zeros(edges.n_dst, count, dtype=torch.bool)
-    causal = int(edges.root.structure == "causal")
-    iq, w = iq.contiguous(), w.contiguous()
-    q_off = k_off = 0
-    for nq, nk in zip(*edges.sample_lens()):
-        _top_sample(lib, iq[q_off:], w[q_off:], tiles(ik[k_off:k_off + nk]), keys[q_off:], valid[q_off:], nq, nk, causal, k_off)
-        q_off, k_off = q_off + nq, k_off + nk
-    return keys, valid
-
-
-def tiles(ik: torch.Tensor) -> torch.Tensor:
-    """(nk, d) index keys -> (ceil(nk / TILE), d, TILE), zero-padded: a tile of keys the kernel reads
-    as d contiguous rows (a (d, nk) layout would put rows a power of two apart, into one cache set)."""
-    padded = torch.nn.functional.pad(ik, (0, 0, 0, -len(ik) % TILE))
-    return padded.view(-1, TILE, ik.shape[1]).transpose(1, 2).contiguous()
-
-
-def _top_sample(lib, iq, w, ik_tiles, keys, valid, nq: int, nk: int, causal: int, offset: int) -> None:
-    """One sample's rows (views from its first query and key): keys, valid written, the kernel's groups
-    of GROUP rows dealt to the threads in turn (later causal rows cost more)."""
-    heads, dim = iq.shape[1:]
-    ptrs = [native.pointer(x) for x in (iq, w, ik_tiles)], [native.pointer(x) for x in (keys, valid)]
-    parts = max(1, min(torch.get_num_threads(), -(-nq // GROUP)))
-    native.run_parts(lambda part: lib.gtx_top_index(*native.ints(part, parts, nq, nk, heads, dim), *ptrs[0],
-                                                    *native.ints(causal, keys.shape[1], offset), *ptrs[1]), parts)
+    return top_native(iq, w, ik, edges, count)
 
 
 def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:

@@ -20,10 +20,10 @@ _CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block
 
 @dataclass
 class KeySelection:
-    """Per query and head, the keys it attends to: ``keys`` (n_dst, H, K) key ids, ``valid`` (n_dst, H, K)
-    (a query with fewer candidates than K leaves slots invalid). Made from complete or causal
-    candidates without listing their edges (``topk``); a selection shared by the heads may be an
-    expanded view."""
+    """Per query and head, the keys it attends to: ``keys`` (n_dst, H, K) key ids (int64, or int32 as
+    the C kernels make them), ``valid`` (n_dst, H, K) (a query with fewer candidates than K leaves
+    slots invalid). Made from complete or causal candidates without listing their edges (``topk``);
+    a selection shared by the heads may be an expanded view."""
 
     keys: torch.Tensor
     valid: torch.Tensor
@@ -35,61 +35,6 @@ class KeySelection:
         """The same choice as a keep mask (E, H) over the candidate edges."""
         hit = (self.keys[edges.dst] == edges.src[:, None, None]) & self.valid[edges.dst]  # (E, H, K)
         return hit.any(-1)
-
-
-def query_blocks(edges: EdgeSet, rows: int):
-    """(query offset, key offset, keys seen, first row, last row + 1) per block of ``rows`` query rows
-    of each sample, for complete or causal candidates (``edges.root.structure``): a causal block's
-    rows see no key after its last row, so only those before are scored."""
-    root = edges.root
-    causal = root.structure == "causal"
-    q_lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
-    k_lens = list(root.k_lens) if root.k_lens is not None else [root.n_src]
-    q_off = k_off = 0
-    for nq, nk in zip(q_lens, k_lens):
-        for r0 in range(0, nq, rows):
-            r1 = min(r0 + rows, nq)
-            yield q_off, k_off, min(nk, r1) if causal else nk, r0, r1
-        q_off, k_off = q_off + nq, k_off + nk
-
-
-def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ...] = (),
-               later_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query, the ``count`` keys with the best ``score(query rows, key slice)`` -> (rows, *lead,
-    keys seen), for complete or causal candidates (``edges.structure``), scored sample by sample in
-    blocks of query rows (``query_blocks``): the scores of one block exist at a time, never an edge
-    list. Returns key ids and valid, (n_dst, *lead, count); invalid slots hold key 0. ``later_first``:
-    equal scores rank the later key first (a sort, slower than ``topk``'s unspecified order)."""
-    causal = edges.root.structure == "causal"
-    keys = torch.zeros(edges.n_dst, *lead, count, dtype=torch.long, device=edges.device)
-    valid = torch.zeros(edges.n_dst, *lead, count, dtype=torch.bool, device=edges.device)
-    for q_off, k_off, nk, r0, r1 in query_blocks(edges, rows):
-        block = slice(q_off + r0, q_off + r1)
-        s = score(block, slice(k_off, k_off + nk))
-        if causal:
-            s = s.masked_fill(later_keys(r0, r1, nk, s.device).view(r1 - r0, *(1,) * len(lead), nk), float("-inf"))
-        if later_first:  # a stable sort of the keys in reverse order: equal scores rank the later key first
-            values, order = s.flip(-1).sort(dim=-1, descending=True, stable=True)
-            values, indices = values[..., :count], nk - 1 - order[..., :count]
-        else:
-            values, indices = s.topk(min(count, nk), dim=-1)
-        width = indices.shape[-1]
-        keys[block, ..., :width] = indices + k_off
-        valid[block, ..., :width] = values > float("-inf")
-    return keys.masked_fill(~valid, 0), valid
-
-
-def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512) -> KeySelection:
-    """The ``count`` best keys by q.k per query and head (``top_scored``)."""
-    def score(block, keys):  # (rows, H, keys seen)
-        return (q[block].transpose(0, 1) @ k[keys].permute(1, 2, 0)).transpose(0, 1)
-
-    return KeySelection(*top_scored(edges, count, score, rows, lead=(q.shape[1],)))
-
-
-def later_keys(r0: int, r1: int, nk: int, device) -> torch.Tensor:
-    """(r1 - r0, nk): True where key position > query position, for query rows r0..r1 of a causal sample."""
-    return torch.arange(nk, device=device)[None, :] > torch.arange(r0, r1, device=device)[:, None]
 
 
 def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection,

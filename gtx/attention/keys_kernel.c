@@ -185,10 +185,11 @@ int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, i
 
 /* A lightning indexer's choice (DSA), for the n query rows of one sample: index queries iq (n, J, d),
  * weights w (n, J), index keys in tiles of TILE keys transposed, ik_tiles (ceil(nk / TILE), d, TILE). Row t
- * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) over the keys it sees (s <= t for causal rows,
- * else all nk) and keeps the `count` best: keys (n, count) as s + offset, valid (n, count); a row that
+ * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) (without the relu where relu = 0: q . k for
+ * top-k attention, J = 1, w = 1) over the keys it sees (s <= t for causal rows, else all nk) and keeps
+ * the `count` best: keys (n, count) as s + offset, valid (n, count); a row that
  * sees fewer leaves slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
- * against tiles of keys, latest tile first, into a buffer of CANDIDATES x count per row; a full
+ * against tiles of keys, latest tile first, into a buffer of `cap` candidates per row; a full
  * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
  * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
  * does groups part, part + parts, ... of GROUP rows. */
@@ -222,11 +223,15 @@ static inline void swap(uint64_t *c, int64_t a, int64_t b) { uint64_t x = c[a]; 
  * count's in the whole, so that one or two partitions usually suffice. */
 static float keep_best(uint64_t *c, int64_t size, int64_t count) {
     int64_t lo = 0, hi = size - 1, mid = size / 2;
-    if (size >= 4 * SAMPLE) {  /* sort a strided sample (insertion sort, best first) to its front */
-        for (int64_t x = 0; x < SAMPLE; x++) swap(c, x, x * (size / SAMPLE));
-        for (int64_t x = 1; x < SAMPLE; x++)
-            for (int64_t y = x; y > 0 && c[y] > c[y - 1]; y--) swap(c, y, y - 1);
-        mid = count * SAMPLE / size;
+    if (size >= 4 * SAMPLE) {  /* the strided sample's element with `want` better than it: ranks by counting, no branch */
+        int64_t step = size / SAMPLE, want = count * SAMPLE / size;
+        uint64_t sample[SAMPLE];
+        for (int64_t x = 0; x < SAMPLE; x++) sample[x] = c[x * step];
+        for (int64_t x = 0; x < SAMPLE; x++) {
+            int64_t rank = 0;
+            for (int64_t y = 0; y < SAMPLE; y++) rank += sample[y] > sample[x];
+            if (rank == want) mid = x * step;  /* candidates are distinct (their keys differ): one x has it */
+        }
     }
     while (lo < hi) {
         int64_t store = lo;
@@ -249,7 +254,8 @@ static float keep_best(uint64_t *c, int64_t size, int64_t count) {
 
 #define GROUP 32 /* query rows scored together, each tile of index keys read once per group: indexer.py's GROUP */
 #define TILE 128 /* keys per tile: gtx/attention/indexer.py's TILE */
-#define CANDIDATES 4 /* a row's candidate buffer, in multiples of count */
+#define CANDIDATES 4 /* a row's candidate buffer, in multiples of count... */
+#define MIN_CANDIDATES 1024 /* ...and at least this many: a small buffer would fill, and select, too often */
 /* out[r * width + s] = q_r . k(s) for `nq` query vectors q (nq, d) and the `width` keys of a tile,
  * k(s) = column s of k_t (d rows of TILE): 4 vectors x 16 keys at a time, their 8 sums in registers
  * (independent chains keep the FMA units busy; one vector's 2 would wait on their own latency). */
@@ -286,10 +292,11 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
 }
 
 int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
-                  const float *iq, const float *w, const float *ik_tiles, int64_t causal,
+                  const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
                   int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
     float *dots = malloc(sizeof(float) * GROUP * J * TILE);
-    uint64_t *cands = malloc(sizeof(uint64_t) * GROUP * CANDIDATES * count);
+    int64_t cap = CANDIDATES * count < MIN_CANDIDATES ? MIN_CANDIDATES : CANDIDATES * count;
+    uint64_t *cands = malloc(sizeof(uint64_t) * GROUP * cap);
     if (!dots || !cands) return free(dots), free(cands), 1;
     for (int64_t g0 = part * GROUP; g0 < n; g0 += parts * GROUP) {  /* groups dealt round-robin: causal rows grow */
         int64_t rows = n - g0 < GROUP ? n - g0 : GROUP, size[GROUP], seen[GROUP];
@@ -304,11 +311,11 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
             tile_dots(dots, iq + g0 * J * d, rows * J, ik_tiles + s0 * d, d, width);
             for (int64_t r = 0; r < rows; r++) {
                 float *row = dots + r * J * width;
-                uint64_t *cand = cands + r * CANDIDATES * count;
-                for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f ? row[s] : 0.0f);
+                uint64_t *cand = cands + r * cap;
+                for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f || !relu ? row[s] : 0.0f);
                 for (int64_t a = 1; a < J; a++) {
                     const float *da = row + a * width, wa = w[(g0 + r) * J + a];
-                    for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f ? da[s] : 0.0f);
+                    for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f || !relu ? da[s] : 0.0f);
                 }
                 int64_t filled = size[r];
                 for (int64_t hi = seen[r] - s0 < width ? seen[r] - s0 : width; hi > 0; hi -= 16) {
@@ -320,14 +327,14 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
                     for (int64_t s = hi - 1; s >= lo; s--) {
                         cand[filled] = packed[s - lo];  /* written always, kept if it passes: no branch to miss */
                         filled += row[s] > bar[r];
-                        if (filled == CANDIDATES * count) bar[r] = keep_best(cand, filled, count), filled = count;
+                        if (filled == cap) bar[r] = keep_best(cand, filled, count), filled = count;
                     }
                 }
                 size[r] = filled;
             }
         }
         for (int64_t r = 0; r < rows; r++) {
-            uint64_t *cand = cands + r * CANDIDATES * count;
+            uint64_t *cand = cands + r * cap;
             int64_t t = g0 + r;
             if (size[r] > count) keep_best(cand, size[r], count), size[r] = count;
             for (int64_t j = 0; j < count; j++) {

@@ -336,8 +336,8 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
 
     if isinstance(chosen, KeySelection):
         keys, valid = chosen.keys, chosen.valid
-        if keys.dtype != torch.long or valid.dtype != torch.bool or keys.shape != valid.shape or keys.shape[:2] != (edges.n_dst, heads):
-            bad(f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
+        if keys.dtype not in (torch.long, torch.int32) or valid.dtype != torch.bool or keys.shape != valid.shape or keys.shape[:2] != (edges.n_dst, heads):
+            bad(f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) int64 or int32 / bool")
         root = edges.root
         q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
         k_lens = torch.as_tensor(root.k_lens if root.k_lens is not None else [root.n_src], device=keys.device)
