@@ -10,6 +10,7 @@ samples (a block-diagonal graph) are the same case. Work is O(active blocks * bl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,12 @@ class Layout:
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
         return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges, self.cell)
+
+    @functools.cached_property
+    def additive_mask(self) -> torch.Tensor | None:
+        """``mask`` as SDPA's CPU kernel takes it, (n_qb, 1, block, K*block): 0 on an edge, -inf off it;
+        made once per layout, shared by the layers that attend under it."""
+        return None if self.mask is None else torch.zeros(self.mask.shape).masked_fill_(~self.mask, float("-inf"))[:, None]
 
     def scores(self, bias: torch.Tensor) -> torch.Tensor:
         """(n_qb, H, block, K*block) additive mask: each edge's bias, -inf off the edges (a row
@@ -94,6 +101,39 @@ def gather_blocks(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def scatter_blocks(grad: torch.Tensor, layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    """``gather_blocks``' backward: (rows, H, K*block, D) gradients of the gathered blocks -> (n, H, D)
+    like ``like``, summed over the query blocks that gathered each key block."""
+    b, rows, k_max = layout.block, *layout.key_blocks.shape
+    blocks = grad.transpose(1, 2).reshape(rows * k_max, b, *like.shape[1:])
+    out = like.new_zeros(layout.n_kb, b, *like.shape[1:]).index_add_(0, layout.key_blocks.flatten(), blocks)
+    return out.view(layout.n_kb * b, *like.shape[1:])[: like.shape[0]]
+
+
+class _GatheredBlocks(torch.autograd.Function):
+    """SDPA's CPU flash kernel, each query block over its gathered key blocks. The backward keeps q,
+    k, v, the output and its log-sum-exp, not the gathered blocks (a key is copied once per query
+    block that reads it: three times the keys for a window of two blocks), and gathers them again: a
+    copy, where keeping them grew a step's peak memory with the sequence."""
+
+    @staticmethod
+    def forward(ctx, qb, k, v, layout: Layout):
+        kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, attn_mask=layout.additive_mask, scale=1.0)
+        ctx.save_for_backward(qb, k, v, out, lse)
+        ctx.layout = layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qb, k, v, out, lse = ctx.saved_tensors
+        layout = ctx.layout
+        kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)
+        dq, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), qb, kb, vb, out, lse, 0.0, False, attn_mask=layout.additive_mask, scale=1.0)
+        return dq, scatter_blocks(dkb, layout, k), scatter_blocks(dvb, layout, v), None
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros);
@@ -104,12 +144,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, ro
     if rows is not None:
         qp = qp.index_select(0, rows)  # backward: index_add (indexing's would be a slower index_put)
     qb = qp.transpose(1, 2)  # (rows, H, b, D)
-    kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)  # (rows, H, K*b, D)
-    mask = None if layout.mask is None else layout.mask[:, None]
-    if bias is not None:
-        mask = layout.scores(bias.to(q.dtype))
-        mask = mask if rows is None else mask.index_select(0, rows)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0).transpose(1, 2)  # (rows, b, H, Dv)
+    if bias is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and dim == v.shape[-1]:
+        out = _GatheredBlocks.apply(qb, k, v, layout)
+    else:  # a bias (differentiable: SDPA's kernel is not, in its mask), values of another width, a GPU: through SDPA
+        mask = None if layout.mask is None else layout.mask[:, None]
+        if bias is not None:
+            mask = layout.scores(bias.to(q.dtype))
+            mask = mask if rows is None else mask.index_select(0, rows)
+        out = F.scaled_dot_product_attention(qb, gather_blocks(k, layout), gather_blocks(v, layout), attn_mask=mask, scale=1.0)
+    out = out.transpose(1, 2)  # (rows, b, H, Dv)
     if rows is not None:
         full = out.new_zeros(layout.n_qb, b, heads, v.shape[-1])
         out = full.index_copy(0, rows, out)
