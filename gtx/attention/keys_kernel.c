@@ -1,7 +1,7 @@
 /* Token-selection kernels for the CPU, built and loaded by gtx/attention/native.py: attention of each
  * query and head over its selected keys (read where they lie, no gathered copy; scores in a
- * (heads x K) buffer), a lightning indexer's top-k choice and its KL loss. Each call takes a part of
- * the work (rows or heads) so that several threads share it.
+ * (heads x K) buffer), a top-k choice (a lightning indexer's, or q . k's for topk) and the indexer's
+ * KL loss. Each call takes a part of the work (rows or heads) so that several threads share it.
  *
  * Layouts (float32, row-major, contiguous): q (n, H, D), k (N, H, D), v (N, H, E), out (n, H, E),
  * lse (n, H), mean_p (n, K) or NULL. keys (int32: a selection holds n x K of them) and valid (uint8)
@@ -183,17 +183,6 @@ int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, i
     return 0;
 }
 
-/* A lightning indexer's choice (DSA), for the n query rows of one sample: index queries iq (n, J, d),
- * weights w (n, J), index keys in tiles of TILE keys transposed, ik_tiles (ceil(nk / TILE), d, TILE). Row t
- * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) (without the relu where relu = 0: q . k for
- * top-k attention, J = 1, w = 1) over the keys it sees (s <= t for causal rows, else all nk) and keeps
- * the `count` best: keys (n, count) as s + offset, valid (n, count); a row that
- * sees fewer leaves slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
- * against tiles of keys, latest tile first, into a buffer of `cap` candidates per row; a full
- * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
- * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
- * does groups part, part + parts, ... of GROUP rows. */
-
 /* A candidate as one integer that orders as (score, key) does: the score's bits made monotone in the
  * high half (a negative float's bits all flipped, a positive one's sign bit set; -0 taken as +0, as
  * the float comparison sees it), the key in the low half. Quickselect then moves one array and
@@ -252,10 +241,11 @@ static float keep_best(uint64_t *c, int64_t size, int64_t count) {
     return candidate_score(worst);
 }
 
-#define GROUP 32 /* query rows scored together, each tile of index keys read once per group: indexer.py's GROUP */
-#define TILE 128 /* keys per tile: gtx/attention/indexer.py's TILE */
+#define GROUP 32 /* query rows scored together, each tile of index keys read once per group: choice.py's GROUP */
+#define TILE 128 /* keys per tile: gtx/attention/choice.py's TILE */
 #define CANDIDATES 4 /* a row's candidate buffer, in multiples of count... */
 #define MIN_CANDIDATES 1024 /* ...and at least this many: a small buffer would fill, and select, too often */
+
 /* out[r * width + s] = q_r . k(s) for `nq` query vectors q (nq, d) and the `width` keys of a tile,
  * k(s) = column s of k_t (d rows of TILE): 4 vectors x 16 keys at a time, their 8 sums in registers
  * (independent chains keep the FMA units busy; one vector's 2 would wait on their own latency). */
@@ -291,6 +281,16 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
         }
 }
 
+/* A lightning indexer's choice (DSA), for the n query rows of one sample: index queries iq (n, J, d),
+ * weights w (n, J), index keys in tiles of TILE keys transposed, ik_tiles (ceil(nk / TILE), d, TILE). Row t
+ * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) (without the relu where relu = 0: q . k for
+ * top-k attention, J = 1, w = 1) over the keys it sees (s <= t for causal rows, else all nk) and keeps
+ * the `count` best: keys (n, count) as s + offset, valid (n, count); a row that sees fewer leaves
+ * slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
+ * against tiles of keys, latest tile first, into a buffer of `cap` candidates per row; a full
+ * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
+ * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
+ * does groups part, part + parts, ... of GROUP rows. */
 int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
                   const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
                   int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
