@@ -287,13 +287,14 @@ class _TokenBlocks(torch.autograd.Function):
         mass[plan.token, plan.head, 1 + plan.slot] = part_w
         ctx.plan = plan
         ctx.mark_non_differentiable(mass)
-        ctx.save_for_backward(q, kb, vb, out, own_lse, part_lse, own_w, part_w)
+        ctx.save_for_backward(q, k, v, out, own_lse, part_lse, own_w, part_w)  # k, v, not their blocks: the backward copies them again
         return out, mass
 
     @staticmethod
     def backward(ctx, grad, _):
         plan = ctx.plan
-        q, kb, vb, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
+        q, k, v, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
+        kb, vb = plan.blocks(k), plan.blocks(v)
         grad = grad.contiguous()
         dim, b = q.shape[-1], plan.block
         blocks_lse = plan.blocks(own_lse[..., None])[..., 0]
