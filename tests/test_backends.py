@@ -30,13 +30,13 @@ def random_edges(seed: int, n_q: int, n_k: int, density: float, allow_empty: boo
     return EdgeSet(src, dst, n_k, n_q)
 
 
-def attention_and_grads(backend, edges, heads=2, dim=4, dim_v=3, seed=0):
+def attention_and_grads(backend, edges, heads=2, dim=4, dim_v=3, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(edges.n_dst, heads, dim, generator=gen, requires_grad=True)
-    k = torch.randn(edges.n_src, heads, dim, generator=gen, requires_grad=True)
-    v = torch.randn(edges.n_src, heads, dim_v, generator=gen, requires_grad=True)
+    q = torch.randn(edges.n_dst, heads, dim, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(edges.n_src, heads, dim, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(edges.n_src, heads, dim_v, generator=gen, dtype=dtype, requires_grad=True)
     out = propagate_attention(q, k, v, edges, backend)
-    weights = torch.randn(out.shape, generator=gen)
+    weights = torch.randn(out.shape, generator=gen, dtype=dtype)
     (out * weights).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -76,6 +76,17 @@ def test_backend_agrees_on_batched_pattern_graphs(name, spec):
     g = build_graph(parse_pattern(spec), [7, 1, 12], [5, 9, 1])
     for edges in g.edges.values():
         assert_agree(name, edges, heads=4, dim=8, dim_v=8)
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_backend_agrees_in_float64(name):
+    """Partly filled blocks (a mask) in double precision: a kernel that read its mask as another
+    dtype than the queries' would differ by whole units here."""
+    edges = build_graph(parse_pattern("local:w=3"), None, [11, 6]).edges["dd"]
+    ref = attention_and_grads(get_backend("dense"), edges, heads=2, dim=8, dim_v=8, dtype=torch.float64)
+    got = attention_and_grads(get_backend(name), edges, heads=2, dim=8, dim_v=8, dtype=torch.float64)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"{name} {what}")
 
 
 def test_large_scores_are_stable():

@@ -10,8 +10,7 @@ samples (a block-diagonal graph) are the same case. Work is O(active blocks * bl
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +34,22 @@ class Layout:
     has_edge: torch.Tensor
     all_have_edges: bool
     cell: torch.Tensor
+    _additive: dict = field(default_factory=dict, repr=False, compare=False)  # additive_mask's, per dtype
 
     def rows(self, keep_rows: torch.Tensor) -> Layout:
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
         return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges, self.cell)
 
-    @functools.cached_property
-    def additive_mask(self) -> torch.Tensor | None:
-        """``mask`` as SDPA's CPU kernel takes it, (n_qb, 1, block, K*block): 0 on an edge, -inf off it;
-        made once per layout, shared by the layers that attend under it."""
-        return None if self.mask is None else torch.zeros(self.mask.shape).masked_fill_(~self.mask, float("-inf"))[:, None]
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` as SDPA's CPU kernel takes it, (n_qb, 1, block, K*block) in the queries' dtype (the
+        kernel reads it as that type): 0 on an edge, -inf off it; made once per layout and dtype,
+        shared by the layers that attend under it."""
+        if self.mask is None:
+            return None
+        if dtype not in self._additive:
+            self._additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))[:, None]
+        return self._additive[dtype]
 
     def scores(self, bias: torch.Tensor) -> torch.Tensor:
         """(n_qb, H, block, K*block) additive mask: each edge's bias, -inf off the edges (a row
@@ -119,7 +123,7 @@ class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, attn_mask=layout.additive_mask, scale=1.0)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, attn_mask=layout.additive_mask(qb.dtype), scale=1.0)
         ctx.save_for_backward(qb, k, v, out, lse)
         ctx.layout = layout
         return out
@@ -130,7 +134,7 @@ class _GatheredBlocks(torch.autograd.Function):
         layout = ctx.layout
         kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)
         dq, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), qb, kb, vb, out, lse, 0.0, False, attn_mask=layout.additive_mask, scale=1.0)
+            grad.contiguous(), qb, kb, vb, out, lse, 0.0, False, attn_mask=layout.additive_mask(qb.dtype), scale=1.0)
         return dq, scatter_blocks(dkb, layout, k), scatter_blocks(dvb, layout, v), None
 
 
