@@ -1,6 +1,6 @@
 """The C kernels (gtx/attention/keys_kernel.c) compute what their torch paths compute: attention over
-selected keys, the indexer's top-k choice and its KL loss, values and gradients; a machine that
-cannot build them falls back with one logged line."""
+selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL loss, values and
+gradients; a machine that cannot build them falls back with one logged line."""
 
 import logging
 
