@@ -179,21 +179,32 @@ def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges
 
 class _TokenBlockPlan:
     """Where each (token, head, chosen block) pair sits among the tiles: tiles of ``block`` query
-    places, one tile group per (sample, head, block), filled in token order."""
+    places, one tile group per (sample, head, block), filled in token order. The blocks of q, k, v
+    are each sample's own, (sample, head, block) in order: a short sample of a mixed batch has
+    its few blocks, not the longest sample's count."""
 
     def __init__(self, sel: TokenBlockSelection, heads: int, device):
         self.block, self.lens, self.heads = sel.block, sel.lens, heads
-        self.n_b = -(-max(sel.lens) // sel.block)
-        b, n_b = self.block, self.n_b
-        sample = torch.repeat_interleave(torch.arange(len(sel.lens), device=device), torch.as_tensor(sel.lens, device=device))
+        b = self.block
+        lens = torch.as_tensor(sel.lens, device=device)
+        n_blocks = (lens + b - 1) // b  # per sample
+        sample = torch.repeat_interleave(torch.arange(len(sel.lens), device=device), lens)
+        first = (torch.cumsum(n_blocks, 0) - n_blocks) * heads  # each sample's first block row
+        start = first[:, None] + torch.arange(heads, device=device)[None, :] * n_blocks[:, None]  # (B, H): a head's first block row
+        self.n_rows = int(n_blocks.sum()) * heads
+        position = torch.arange(len(sample), device=device) - (torch.cumsum(lens, 0) - lens)[sample]  # each token's place in its sample
+        place = (start[sample] + (position // b)[:, None]) * b + (position % b)[:, None]  # (n, H): each (token, head)'s place in the blocks
+        self.place_of = place.flatten()  # by (token, head) row of (n * H, ...) views
+        self.source = torch.full((self.n_rows * b,), len(sample) * heads, dtype=torch.long, device=device).index_copy_(
+            0, self.place_of, torch.arange(len(sample) * heads, device=device))  # each block place's (token, head) row, or the zero row
         token, head, slot = sel.valid.nonzero(as_tuple=True)
-        group = (sample[token] * heads + head) * n_b + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
+        group = start[sample[token], head] + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
         order = torch.argsort(group, stable=True)
         self.token, self.head, self.slot, group = token[order], head[order], slot[order], group[order]
         self.slots = sel.blocks.shape[-1]
         self.pair = self.token * heads + self.head  # each pair's (token, head) row of (n * H, D) views
         rank = torch.arange(len(group), device=device) - torch.searchsorted(group, group, side="left")
-        per_group = torch.zeros(len(sel.lens) * heads * n_b, dtype=torch.long, device=device).index_add_(0, group, torch.ones_like(group))
+        per_group = torch.zeros(self.n_rows, dtype=torch.long, device=device).index_add_(0, group, torch.ones_like(group))
         tiles = (per_group + b - 1) // b
         tile = (torch.cumsum(tiles, 0) - tiles)[group] + rank // b
         self.n_tiles = int(tiles.sum())
@@ -201,15 +212,13 @@ class _TokenBlockPlan:
         self.key_rows = torch.zeros(self.n_tiles, dtype=torch.long, device=device).index_copy(0, tile, group)
 
     def blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, H, D) -> (B * H * n_blocks, 1, b, D): every block of every sample and head, zero padded."""
-        b, n_b = self.block, self.n_b
-        x = pad_samples(x, self.lens, n_b * b).view(len(self.lens), n_b, b, self.heads, x.shape[-1]).permute(0, 3, 1, 2, 4)
-        return x.reshape(-1, 1, b, x.shape[-1])
+        """(n, H, D) -> (rows, 1, b, D): every block of every sample and head, the last of a sample zero padded."""
+        flat = torch.cat([x.reshape(-1, x.shape[-1]), x.new_zeros(1, x.shape[-1])])
+        return flat.index_select(0, self.source).view(self.n_rows, 1, self.block, x.shape[-1])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``blocks``' inverse: (B * H * n_blocks, 1, b, ...) -> (n, H, ...), padding dropped."""
-        length = self.n_b * self.block
-        return unpad_samples(x.reshape(len(self.lens), self.heads, length, *x.shape[3:]).transpose(1, 2), self.lens)
+        """``blocks``' inverse: (rows, 1, b, ...) -> (n, H, ...), padding dropped."""
+        return x.reshape(self.n_rows * self.block, *x.shape[3:]).index_select(0, self.place_of).view(-1, self.heads, *x.shape[3:])
 
     def chunks(self, size: int = 256):
         """(first tile, key block rows, pair slice, places within the chunk) per chunk of ``size``
