@@ -1,12 +1,15 @@
 """gtx compare: experiments pooled over seeds, never across settings; evals beside their training."""
 
+import io
 import json
 
 import numpy as np
 import pandas as pd
 import pytest
+from click.testing import CliRunner
 from rows import row, seeds, three_seeds
 
+from gtx.cli import cli
 from gtx.errors import GtxError
 from gtx.experiments import results
 from gtx.experiments.compare import compare, compare_evals, format_compare
@@ -19,6 +22,7 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
         row("a", "full", "train", 2, tps=2000.0), row("a", "full", "valid", 2, acc=0.95, seq=0.7),
         row("a", "full", "test", 2, acc=0.9, seq=0.6),
         row("b", "local:w=4", "train", 1, tps=3000.0), row("b", "local:w=4", "valid", 1, acc=0.8, seq=0.4),
+        row("b", "local:w=4", "test", 1, acc=0.8, seq=0.3),
     ]
     table = compare(validate(pd.DataFrame(rows)))
     stats = [f"{m}_{s}" for m in ("best_valid_token_acc", "best_valid_seq_acc", "best_valid_loss", "test_seq_acc", "train_tokens_per_s")
@@ -29,7 +33,7 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
     full = table[table.pattern == "full"].iloc[0]
     local = table[table.pattern == "local:w=4"].iloc[0]
     assert full.best_valid_token_acc_mean == 0.95 and full.train_tokens_per_s_mean == 2000.0 and full.speed_vs_full == 1.0
-    assert local.speed_vs_full == 1.5 and np.isnan(local.test_seq_acc_mean)
+    assert local.speed_vs_full == 1.5 and local.test_seq_acc_mean == 0.3
     assert full.runs == 1 and np.isnan(full.best_valid_token_acc_std) and local.vs_full == "-" and np.isnan(local.p_vs_full)
     assert full.pareto and local.pareto  # one more accurate, the other faster
     assert "| pattern" in format_compare(table, "markdown")
@@ -82,6 +86,24 @@ def test_compare_leaves_out_eval_rows_and_counts_a_cell_once():
     table = compare(pd.concat([df, evals, rerun, unfinished], ignore_index=True)).set_index("pattern")
     assert table.runs["full"] == 3  # the repeat of seed 0 replaces it: the latest finished one
     assert table.best_valid_token_acc_mean["full"] == pytest.approx((0.5 + 0.98 + 0.97) / 3)
+
+
+def test_compare_counts_finished_runs_and_names_those_it_leaves_out(tmp_path):
+    """A run still training (or stopped) has no test rows: its best valid epoch so far is no seed's
+    result, so it does not pool, and the command says which runs it left out."""
+    df = three_seeds()
+    training = df[(df.run_id == "full0") & (df.split != "test")].assign(run_id="live", seed=3, cell="full/3", token_acc=0.1)
+    table = compare(pd.concat([df, training], ignore_index=True)).set_index("pattern")
+    assert table.runs["full"] == 3 and table.best_valid_token_acc_mean["full"] == pytest.approx(0.98)
+    assert table.attrs["unfinished"] == ["live"]
+    assert compare(df).attrs["unfinished"] == []
+    (tmp_path / "runs").mkdir()
+    for run_id, rows in pd.concat([df, training], ignore_index=True).groupby("run_id"):
+        rows.to_csv(tmp_path / "runs" / f"{run_id}.csv", index=False)
+    result = CliRunner().invoke(cli, ["compare", "--results", str(tmp_path), "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    assert "left out 1 unfinished run(s), without test rows yet (still training, or stopped): live" in result.stderr
+    assert pd.read_csv(io.StringIO(result.stdout)).set_index("pattern").runs["full"] == 3  # the table itself stays plain CSV
 
 
 def test_compare_renders_single_runs_without_spread():

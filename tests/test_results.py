@@ -64,11 +64,12 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 
 def test_older_files_load_with_the_added_columns_missing(tmp_path):
-    write_run(tmp_path, "new", [row(run_id="new", cell="abc")])
-    old = pd.DataFrame([row(run_id="old", schema_version=1)]).drop(columns=["context_len", "density", "cell", "eval_of"])
-    old.to_csv(tmp_path / "runs" / "old.csv", index=False)
-    pd.DataFrame([row(run_id="two", schema_version=2)]).drop(columns=["cell", "eval_of"]).to_csv(tmp_path / "runs" / "two.csv", index=False)
-    df = load(tmp_path).set_index("run_id")
+    write_run(tmp_path, "new", [row(run_id="new", cell="abc", split=split) for split in ("valid", "test")])
+    old = pd.DataFrame([row(run_id="old", schema_version=1, split=split) for split in ("valid", "test")])
+    old.drop(columns=["context_len", "density", "cell", "eval_of"]).to_csv(tmp_path / "runs" / "old.csv", index=False)
+    two = pd.DataFrame([row(run_id="two", schema_version=2, split=split) for split in ("valid", "test")])
+    two.drop(columns=["cell", "eval_of"]).to_csv(tmp_path / "runs" / "two.csv", index=False)
+    df = load(tmp_path).drop_duplicates("run_id").set_index("run_id")  # a valid and a test row each: one is enough here
     assert df.context_len["new"] == 16 and df.density["new"] == 0.5 and df.cell["new"] == "abc"
     assert pd.isna(df.context_len["old"]) and np.isnan(df.density["old"]) and pd.isna(df.cell["two"]) and pd.isna(df.eval_of["old"])
-    assert compare(df.reset_index(), ["task", "context_len"]).runs.sum() == 3
+    assert compare(load(tmp_path), ["task", "context_len"]).runs.sum() == 3

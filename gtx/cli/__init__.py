@@ -242,7 +242,8 @@ def compare(results_dir, by, metric, evals, fmt):
     """Compare runs over seeds: accuracy (mean ± std, 95% interval) against training speed, tested against the full pattern.
 
     Runs pool only when they are one experiment (everything but the seed equal); where the --by
-    columns leave several in one group, the group is split and a settings column says what differs."""
+    columns leave several in one group, the group is split and a settings column says what differs.
+    Only finished runs count (they have test rows); runs still training or stopped are named on stderr."""
     from gtx.experiments.compare import compare as compare_runs
     from gtx.experiments.compare import compare_evals, format_compare
     from gtx.experiments.results import load
@@ -252,6 +253,9 @@ def compare(results_dir, by, metric, evals, fmt):
         raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
     table = (compare_evals if evals else compare_runs)(df, [by], metric)
     click.echo(format_compare(table, fmt))
+    if unfinished := table.attrs.get("unfinished"):  # said apart from the table, which stays parseable
+        shown = ", ".join(unfinished[:5]) + (f" and {len(unfinished) - 5} more" if len(unfinished) > 5 else "")
+        click.echo(f"left out {len(unfinished)} unfinished run(s), without test rows yet (still training, or stopped): {shown}", err=True)
 
 
 @cli.command(name="plugins")

@@ -21,6 +21,7 @@ from gtx.experiments.results import (
     COLUMNS,
     cell_text,
     differing,
+    finished,
     format_table,
     lower_is_better,
     metric_range,
@@ -126,7 +127,9 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
     Per run: best valid token/sequence accuracy and loss over epochs, its test sequence accuracy, the
     task's own scalar metrics of the valid rows (``best_valid_bpc``, ``best_valid_query_acc``, ...: the
     best epoch's, min for ``lower_is_better`` metrics, else max), train tokens/s of its last epoch
-    and its density. Eval rows are left out, and runs of one cell count once (``training_runs``).
+    and its density. Eval rows are left out, runs of one cell count once (``training_runs``), and
+    only finished runs count (``results.finished``): ``attrs["unfinished"]`` lists the run ids of
+    those left out for having no test rows yet (still training, or stopped).
 
     Columns: the ``by`` keys; ``settings`` (what differs between experiments that share the ``by``
     values; empty where one experiment has them); ``runs`` (n); ``metric``, the metric each row is
@@ -140,9 +143,14 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
     tokens/s among those rows). ``attrs["metric"]``: the metric when all rows share one, else None.
     """
     by = check_by(by)
-    runs = run_table(df, by, metric, task_metrics)
+    df = training_runs(df)
+    done = finished(df)
+    unfinished = list(df.run_id[~done].unique())
+    runs = run_table(df[done], by, metric, task_metrics)
     if runs.empty:
-        return pd.DataFrame(columns=[*by, "runs"])
+        table = pd.DataFrame(columns=[*by, "runs"])
+        table.attrs["unfinished"] = unfinished
+        return table
     metrics = [c for c in runs.columns if c.startswith(("best_valid_", "test_"))]
     rows, samples = [], []
     for keys, group in runs.groupby([*by, "_experiment"], sort=True, dropna=False):
@@ -160,6 +168,7 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
             table.loc[idx, "settings"] = [settings_text(s) for s in differing(named)]
     table = _against_full(table, samples).drop(columns=["_settings", "_baseline"])
     table.attrs["metric"] = table.metric.iloc[0] if table.metric.nunique() == 1 else None
+    table.attrs["unfinished"] = unfinished
     return table
 
 

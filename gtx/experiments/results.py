@@ -214,12 +214,18 @@ def settings_text(settings: dict[str, object]) -> str:
     return " ".join(f"{k}={value_text(v)}" for k, v in settings.items())
 
 
+def finished(df: pd.DataFrame) -> pd.Series:
+    """Per row: whether its run is finished. A run writes its test rows last; one still training,
+    or stopped before the end, has none and no final word yet."""
+    return df.run_id.isin(df.run_id[df.split == "test"])
+
+
 def training_runs(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of the runs a comparison counts: no ``gtx eval`` rows (they re-score a run), and of
     runs sharing a cell (same configuration and seed: a repeat is no new seed) the latest finished."""
     df = df[df.eval_of.isna()]
-    runs = df.groupby("run_id", sort=False).agg(cell=("cell", "first"), started=("started_at", "first"),
-                                                finished=("split", lambda s: bool((s == "test").any())))
+    runs = df.assign(finished=finished(df)).groupby("run_id", sort=False).agg(
+        cell=("cell", "first"), started=("started_at", "first"), finished=("finished", "first"))
     runs = runs.sort_values(["finished", "started"], kind="stable")
     return df[df.run_id.isin(runs.index[runs.cell.isna() | ~runs.duplicated("cell", keep="last")])]
 
