@@ -247,6 +247,7 @@ class Page(HTMLParser):
 
 def test_report_is_one_self_contained_page(tmp_path):
     fake_results(tmp_path)
+    write_run(tmp_path, "full-s2", [row("full-s2", "full", 2, "train", 1, 0.1, 1000.0), row("full-s2", "full", 2, "valid", 1, 0.1)])  # still training
     result = gtx("report", "--results", tmp_path)
     assert result.exit_code == 0, result.output
     path = tmp_path / "report.html"
@@ -254,7 +255,8 @@ def test_report_is_one_self_contained_page(tmp_path):
     page = Page()
     page.feed(path.read_text())
     text = "".join(page.text)
-    assert page.tags.count("details") == 4 and '"dim": 16' in text  # one configuration per run
+    assert page.tags.count("details") == 5 and '"dim": 16' in text  # one configuration per run
+    assert "Left out: 1 unfinished run(s), without test rows yet: full-s2" in text  # the comparison pools finished runs only
     assert "table" in page.tags and "best_valid_token_acc" in text and "local:w=1" in text
     assert len(page.images) == 3  # the results figure, one picture per pattern
     for src in page.images:

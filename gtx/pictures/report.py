@@ -51,8 +51,12 @@ def _note(text: str) -> str:
 def comparison_html(df: pd.DataFrame) -> str:
     """``gtx compare``'s table (``gtx.experiments.compare.compare``, rendered by ``format_compare``) as an HTML
     table. The markdown rendering pads every column to a fixed width, so the separator line's '|' mark
-    the column edges exactly, also around cells that hold a '|' themselves (``local:w=2|strided:l=4``)."""
-    return _html_table(format_compare(compare(df), "markdown"))
+    the column edges exactly, also around cells that hold a '|' themselves (``local:w=2|strided:l=4``).
+    Runs left out for being unfinished are named in a note under it."""
+    table = compare(df)
+    unfinished = table.attrs.get("unfinished") or []
+    note = _note(f"Left out: {len(unfinished)} unfinished run(s), without test rows yet: {', '.join(unfinished)}") if unfinished else ""
+    return _html_table(format_compare(table, "markdown")) + note
 
 
 def _html_table(markdown: str) -> str:
