@@ -184,7 +184,7 @@ class _TokenBlockPlan:
     its few blocks, not the longest sample's count."""
 
     def __init__(self, sel: TokenBlockSelection, heads: int, device):
-        self.block, self.lens, self.heads = sel.block, sel.lens, heads
+        self.block, self.heads = sel.block, heads
         b = self.block
         lens = torch.as_tensor(sel.lens, device=device)
         n_blocks = (lens + b - 1) // b  # per sample
