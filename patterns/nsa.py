@@ -44,19 +44,47 @@ class Compressor(nn.Module):
         self.pos = nn.Parameter(torch.zeros(size, dim))
         self.mlp = nn.Sequential(nn.Linear(size * dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
-    def forward(self, padded: torch.Tensor) -> torch.Tensor:
-        """(B, L, H, D) zero-padded samples, L >= l -> (B, m, H, D), one key per block of l positions at
-        the stride. The first linear map over a flattened block is a convolution (kernel l, stride d)
-        and the position encoding a constant it adds per block: the backward keeps the sequence, not
-        its l/d-times-larger blocks."""
-        batch, length, heads, dim = padded.shape
+    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """(n, H, D) rows of samples ``lens``, each at least l long -> (B, m, H, D), one key per block
+        of l positions at the stride over the zero-padded samples. The first linear map over a
+        flattened block is a convolution (kernel l, stride d) and the position encoding a constant it
+        adds per block."""
         first = self.mlp[0]
-        kernel = first.weight.view(-1, self.size, dim).transpose(1, 2)  # (2D, D, l): [o, c, p] = W[o, p * D + c]
+        kernel = first.weight.view(-1, self.size, x.shape[-1]).transpose(1, 2)  # (2D, D, l): [o, c, p] = W[o, p * D + c]
         bias = first.bias + first.weight @ self.pos.flatten()
-        x = padded.permute(0, 2, 3, 1).reshape(batch * heads, dim, length)
-        hidden = F.conv1d(x, kernel, bias, stride=self.stride)  # (B * H, 2D, m)
-        hidden = hidden.view(batch, heads, -1, hidden.shape[-1]).permute(0, 3, 1, 2)  # (B, m, H, 2D)
+        hidden = _StridedConv.apply(x, lens, kernel, bias, self.stride)  # (B, m, H, 2D)
         return self.mlp[2](self.mlp[1](hidden))
+
+
+class _StridedConv(torch.autograd.Function):
+    """conv1d over each sample's sequence, per head: (n, H, D) rows -> (B, m, H, O). The backward
+    keeps the rows themselves (which the other branches keep too) and lays them out for the
+    convolution again: conv1d's own backward would keep its (B * H, D, L) copy of them."""
+
+    @staticmethod
+    def forward(ctx, x, lens, kernel, bias, stride):
+        ctx.lens, ctx.stride = lens, stride
+        ctx.save_for_backward(x, kernel)
+        hidden = F.conv1d(_channels_first(x, lens), kernel, bias, stride=stride)  # (B * H, O, m)
+        return hidden.view(len(lens), x.shape[1], *hidden.shape[1:]).permute(0, 3, 1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, kernel = ctx.saved_tensors
+        grad = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[3], grad.shape[1])  # (B * H, O, m)
+        dx, dkernel, dbias = torch.ops.aten.convolution_backward(
+            grad, _channels_first(x, ctx.lens), kernel, [kernel.shape[0]], [ctx.stride], [0], [1], False, [0], 1,
+            [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]])
+        if dx is not None:
+            batch, heads, dim = len(ctx.lens), x.shape[1], x.shape[2]
+            dx = unpad_samples(dx.view(batch, heads, dim, -1).permute(0, 3, 1, 2), ctx.lens)
+        return dx, None, dkernel, dbias, None
+
+
+def _channels_first(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """(n, H, D) rows -> (B * H, D, L): conv1d's layout of the zero-padded samples (a copy)."""
+    padded = pad_samples(x, lens, max(lens))
+    return padded.permute(0, 2, 3, 1).reshape(-1, x.shape[-1], padded.shape[1])
 
 
 class NativeSparse(Trainable):
@@ -78,7 +106,7 @@ class NativeSparse(Trainable):
         c, length = self.config, max(lens)
         if phi is None or length < c.l:
             return sliding_blocks(x, lens, c.l, c.d).mean(2)  # no block at all when shorter than one
-        return phi(pad_samples(x, lens, length))
+        return phi(x, lens)
 
     def forward(self, q, k, v, edges, run):
         c, heads = self.config, q.shape[1]
@@ -90,9 +118,11 @@ class NativeSparse(Trainable):
             chosen = choose_blocks(q.detach(), kc.detach(), lens, ends, c)
         window = self.window_edges(lens, q.device)
         gates = torch.sigmoid(self.gate(q.flatten(1))).view(-1, heads, 3, 1)
-        out = (gates[:, :, 0] * attend_compressed(q, kc, vc, lens, ends)
-               + gates[:, :, 1] * attend_token_blocks(q, k, v, edges, chosen)
-               + gates[:, :, 2] * run.attend(q, k, v, window))
+        # the compressed branch last: its rows are strided, and a sum takes its first term's layout,
+        # which the output projection would copy (and keep) to make contiguous
+        out = (gates[:, :, 1] * attend_token_blocks(q, k, v, edges, chosen)
+               + gates[:, :, 2] * run.attend(q, k, v, window)
+               + attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0]))
         queries = sum(lens)
         run.kept("compressed", compressed_keys_seen(lens, ends), queries)
         run.kept("selected", chosen.edges_per_head(), queries)

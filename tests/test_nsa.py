@@ -169,8 +169,9 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
 
 @pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
 def test_blocks_of_rows_past_a_shorter_sample_leave_it_out(monkeypatch, spec):
-    """Rows in blocks of 16: the later blocks hold rows of the longer samples only, and score only them."""
+    """Rows in blocks of 16 (choice: 8): the later blocks hold rows of the longer samples only, and score only them."""
     monkeypatch.setattr(compressed, "ROWS", 16)
+    monkeypatch.setattr(compressed, "CHOICE_ROWS", 8)
     test_nsa_equals_its_definition_on_values_and_every_gradient(spec, [70, 23, 41], 4)
 
 

@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gtx.attention.selection import pad_samples, unpad_samples
 
-ROWS = 1024  # query rows scored at once
+ROWS = 512  # query rows attended at once
+CHOICE_ROWS = 256  # query rows weighed at once for a choice: as fast, and a fifth of the transient memory of 1024 (10 MB vs 50 at 16k tokens)
 
 
 def sliding_blocks(x: torch.Tensor, lens: list[int], size: int, stride: int) -> torch.Tensor:
@@ -40,28 +41,39 @@ def compressed_keys_seen(lens: list[int], ends: torch.Tensor) -> int:
     return sum(int((n - ends).clamp_min(0).sum()) for n in lens)
 
 
-def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], ends: torch.Tensor) -> torch.Tensor:
+def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], ends: torch.Tensor,
+                      weight: torch.Tensor | None = None) -> torch.Tensor:
     """Each query over the compressed blocks it sees: q (n, H, D) pre-scaled rows of samples
-    ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values. Returns (n, H, Dv), on
-    SDPA's kernel a block of query rows at a time (a bool mask of rows x visible blocks per call),
-    each call recomputed in the backward (checkpoint): the backward keeps q, kc and vc, not SDPA's
-    state of every block of rows."""
+    ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values; ``weight`` (n, H) or None:
+    each output row scaled by it (NSA's gate). Returns (n, H, Dv), on SDPA's kernel a block of query
+    rows at a time, each block recomputed in the backward (checkpoint) with its mask and weights:
+    the backward keeps q, kc, vc and the weight, not SDPA's state, the masks or the output."""
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)  # (B, H, L, D)
     kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, m, D)
+    wp = None if weight is None else pad_samples(weight[..., None], lens, max(lens)).transpose(1, 2)  # (B, H, L, 1)
     parts = []
-    for r0, r1, take, visible in _row_blocks(lens, ends):
+    for r0, r1, take, seen in _row_blocks(lens, ends, ROWS):
         part = qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1])
-        if seen := visible.shape[1]:
-            rows = checkpoint(_attend_rows, take(qp[:, :, r0:r1]), take(kt[:, :, :seen]), take(vt[:, :, :seen]), visible, use_reentrant=False)
+        if seen:
+            w = None if wp is None else take(wp[:, :, r0:r1])
+            rows = checkpoint(_attend_rows, take(qp[:, :, r0:r1]), take(kt[:, :, :seen]), take(vt[:, :, :seen]), ends[:seen], r0, w,
+                              use_reentrant=False)
             part = rows if take.every else part.index_copy(0, take.samples, rows)
         parts.append(part)
-    return unpad_samples(torch.cat(parts, 2).transpose(1, 2), lens)
+    return unpad_samples(torch.cat(parts[::-1], 2).transpose(1, 2), lens)
 
 
-def _attend_rows(q, kt, vt, visible):
+def _attend_rows(q, kt, vt, ends, r0, weight):
+    visible = _visible(ends, r0, q.shape[2])
     empty = ~visible[:, 0]  # rows that see no block yet: attend to block 0, then zeroed
     out = F.scaled_dot_product_attention(q, kt, vt, attn_mask=visible | empty[:, None], scale=1.0)
-    return out.masked_fill(empty[:, None], 0.0)
+    out = out.masked_fill(empty[:, None], 0.0)
+    return out if weight is None else out * weight
+
+
+def _visible(ends: torch.Tensor, r0: int, rows: int) -> torch.Tensor:
+    """(rows, len(ends)) whether query position r0 + i sees block j: the block ends at or before it."""
+    return ends[None, :] <= torch.arange(r0, r0 + rows, device=ends.device)[:, None]
 
 
 class _Samples:
@@ -81,16 +93,18 @@ class _Samples:
         return slice(None) if self.every else self.samples
 
 
-def _row_blocks(lens: list[int], ends: torch.Tensor):
-    """(r0, r1, take, visible (rows, seen)) per block of ROWS query positions of the padded samples:
-    ``take`` the samples with rows in it (a shorter one's are padding: scoring them cost up to 9x
-    the work on batches of mixed lengths), ``visible`` the compressed blocks that end at or before
-    each row, among the first ``seen`` (ends ascend: the visible blocks are a prefix)."""
+def _row_blocks(lens: list[int], ends: torch.Tensor, rows: int):
+    """(r0, r1, take, seen) per block of ``rows`` query positions of the padded samples: ``take`` the
+    samples with rows in it (a shorter one's are padding: scoring them cost up to 9x the work on
+    batches of mixed lengths), ``seen`` how many compressed blocks end before r1 (ends ascend: the
+    blocks any of the rows sees are a prefix). The last rows first: their buffers are the largest (they
+    see the most blocks), so each later block's fit in memory an earlier one freed; in ascending
+    order each needs more than any hole left, and the heap (whose freed memory glibc keeps
+    resident) grew by their sum, 200 MB a layer at 16k tokens."""
     length = max(lens)
-    for r0 in range(0, length, ROWS):
-        r1 = min(r0 + ROWS, length)
-        seen = int((ends <= r1 - 1).sum())
-        yield r0, r1, _Samples(lens, r0, ends.device), ends[None, :seen] <= torch.arange(r0, r1, device=ends.device)[:, None]
+    for r0 in reversed(range(0, length, rows)):
+        r1 = min(r0 + rows, length)
+        yield r0, r1, _Samples(lens, r0, ends.device), int((ends <= r1 - 1).sum())
 
 
 def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor):
@@ -100,6 +114,11 @@ def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends:
     later blocks have weight 0), zero where a block is unseen."""
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)
     kt = kc.transpose(1, 2)
-    for r0, r1, take, visible in _row_blocks(lens, ends):
-        score = (take(qp[:, :, r0:r1]) @ take(kt[:, :, :visible.shape[1]]).transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-        yield r0, r1, take, torch.softmax(score, -1).nan_to_num_(0.0)
+    for r0, r1, take, seen in _row_blocks(lens, ends, CHOICE_ROWS):
+        score = take(qp[:, :, r0:r1]) @ take(kt[:, :, :seen]).transpose(-1, -2)
+        if seen:  # a softmax in place: one buffer of scores, not three
+            score.masked_fill_(~_visible(ends[:seen], r0, r1 - r0), float("-inf"))
+            top = score.amax(-1, keepdim=True)
+            score.sub_(top.masked_fill_(top == float("-inf"), 0.0)).exp_()
+            score.div_(score.sum(-1, keepdim=True).clamp_min_(torch.finfo(score.dtype).tiny))
+        yield r0, r1, take, score

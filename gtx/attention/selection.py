@@ -200,9 +200,10 @@ class _TokenBlockPlan:
         token, head, slot = sel.valid.nonzero(as_tuple=True)
         group = start[sample[token], head] + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
         order = torch.argsort(group, stable=True)
-        self.token, self.head, self.slot, group = token[order], head[order], slot[order], group[order]
+        token, head, slot, group = token[order], head[order], slot[order], group[order]
         self.slots = sel.blocks.shape[-1]
-        self.pair = self.token * heads + self.head  # each pair's (token, head) row of (n * H, D) views
+        self.pair = token * heads + head  # each pair's (token, head) row of (n * H, D) views
+        self.mass_at = self.pair * (1 + self.slots) + 1 + slot  # each pair's place in (n * H, 1 + K) masses
         rank = torch.arange(len(group), device=device) - torch.searchsorted(group, group, side="left")
         per_group = torch.zeros(self.n_rows, dtype=torch.long, device=device).index_add_(0, group, torch.ones_like(group))
         tiles = (per_group + b - 1) // b
@@ -286,14 +287,16 @@ class _TokenBlocks(torch.autograd.Function):
         for rows, pairs, places in plan.chunks():
             tile_out, tile_lse = _flash(_tiles(_take(q, pair[pairs]), places, len(rows), b), kb.index_select(0, rows), vb.index_select(0, rows), False)
             part[pairs], part_lse[pairs] = _take(tile_out, places), tile_lse.reshape(-1).index_select(0, places)
+        del kb, vb  # before the merge allocates
         top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
         total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
         lse = top + torch.log(total)
         own_w, part_w = torch.exp(own_lse.reshape(-1) - lse), torch.exp(part_lse - lse[pair])
-        out = (own.reshape(-1, own.shape[-1]) * own_w[:, None]).index_add(0, pair, part * part_w[:, None]).view_as(own)
+        # in place: own and part are this function's own buffers, and each is as large as the output or larger
+        out = own.view(-1, own.shape[-1]).mul_(own_w[:, None]).index_add_(0, pair, part.mul_(part_w[:, None])).view_as(own)
         mass = own_w.new_zeros(*own_lse.shape, 1 + plan.slots)  # (n, H, 1 + K): each block's share of the softmax
         mass[..., 0] = own_w.view_as(own_lse)
-        mass[plan.token, plan.head, 1 + plan.slot] = part_w
+        mass.view(-1)[plan.mass_at] = part_w
         ctx.plan = plan
         ctx.mark_non_differentiable(mass)
         ctx.save_for_backward(q, k, v, out, own_lse, part_lse, own_w, part_w)  # k, v, not their blocks: the backward copies them again

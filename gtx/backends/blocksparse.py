@@ -96,34 +96,40 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell)
 
 
-def gather_blocks(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(n, H, D) -> (rows, H, K*block, D): each row's key blocks, gathered whole. Gathering blocks
-    (index_select, whose backward is index_add) rather than single keys keeps the backward cheap."""
-    b, rows, k_max = layout.block, *layout.key_blocks.shape
+def gather_blocks(x: torch.Tensor, layout: Layout, part: slice = slice(None)) -> torch.Tensor:
+    """(n, H, D) -> (rows, H, K*block, D): the key blocks of each query block (of those in ``part``),
+    gathered whole. Gathering blocks (index_select, whose backward is index_add) rather than single
+    keys keeps the backward cheap."""
+    b, k_max = layout.block, layout.key_blocks.shape[1]
     blocks = _pad_rows(x, layout.n_kb * b).view(layout.n_kb, b, *x.shape[1:])
-    out = blocks.index_select(0, layout.key_blocks.flatten()).view(rows, k_max * b, *x.shape[1:])
-    return out.transpose(1, 2)
+    return blocks.index_select(0, layout.key_blocks[part].flatten()).view(-1, k_max * b, *x.shape[1:]).transpose(1, 2)
 
 
-def scatter_blocks(grad: torch.Tensor, layout: Layout, like: torch.Tensor) -> torch.Tensor:
-    """``gather_blocks``' backward: (rows, H, K*block, D) gradients of the gathered blocks -> (n, H, D)
-    like ``like``, summed over the query blocks that gathered each key block."""
-    b, rows, k_max = layout.block, *layout.key_blocks.shape
-    blocks = grad.transpose(1, 2).reshape(rows * k_max, b, *like.shape[1:])
-    out = like.new_zeros(layout.n_kb, b, *like.shape[1:]).index_add_(0, layout.key_blocks.flatten(), blocks)
-    return out.view(layout.n_kb * b, *like.shape[1:])[: like.shape[0]]
+def _key_blocks_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
+    """``gather_blocks``' backward: adds (rows, H, K*block, D) gradients of the gathered blocks of
+    the query blocks in ``part`` into ``into`` (n_kb, block, H, D), at the key blocks they came from."""
+    into.index_add_(0, layout.key_blocks[part].flatten(), grad.transpose(1, 2).reshape(-1, layout.block, *into.shape[2:]))
+
+
+CHUNK_KEYS = 1 << 14  # gathered key rows per call of the kernel: a chunk's copies of k and v are 4 MB each at 4 heads of 32
 
 
 class _GatheredBlocks(torch.autograd.Function):
-    """SDPA's CPU flash kernel, each query block over its gathered key blocks. The backward keeps q,
-    k, v, the output and its log-sum-exp, not the gathered blocks (a key is copied once per query
-    block that reads it: three times the keys for a window of two blocks), and gathers them again: a
-    copy, where keeping them grew a step's peak memory with the sequence."""
+    """SDPA's CPU flash kernel, each query block over its gathered key blocks, a chunk of query blocks
+    at a time. The backward keeps q, k, v, the output and its log-sum-exp, not the gathered blocks (a
+    key is copied once per query block that reads it: three times the keys for a window of two
+    blocks), and gathers them again, a chunk at a time: keeping them, or gathering all at once,
+    grew a step's peak memory with the sequence."""
 
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
-        kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, attn_mask=layout.additive_mask(qb.dtype), scale=1.0)
+        rows, heads, b, _ = qb.shape
+        out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)  # the kernel's own layout: (rows, b, H, D) in memory, so that
+        lse = qb.new_empty(rows, heads, b)  # the caller's (n, H, D) view of it is no copy
+        mask = layout.additive_mask(qb.dtype)
+        for part in _chunks(layout):
+            out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb[part], gather_blocks(k, layout, part), gather_blocks(v, layout, part), attn_mask=None if mask is None else mask[part], scale=1.0)
         ctx.save_for_backward(qb, k, v, out, lse)
         ctx.layout = layout
         return out
@@ -132,10 +138,23 @@ class _GatheredBlocks(torch.autograd.Function):
     def backward(ctx, grad):
         qb, k, v, out, lse = ctx.saved_tensors
         layout = ctx.layout
-        kb, vb = gather_blocks(k, layout), gather_blocks(v, layout)
-        dq, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), qb, kb, vb, out, lse, 0.0, False, attn_mask=layout.additive_mask(qb.dtype), scale=1.0)
-        return dq, scatter_blocks(dkb, layout, k), scatter_blocks(dvb, layout, v), None
+        grad, mask = grad.contiguous(), layout.additive_mask(qb.dtype)
+        dq = torch.empty_like(qb)
+        dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
+        for part in _chunks(layout):
+            dq[part], dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad[part], qb[part], gather_blocks(k, layout, part), gather_blocks(v, layout, part), out[part], lse[part], 0.0, False,
+                attn_mask=None if mask is None else mask[part], scale=1.0)
+            _key_blocks_grad(dkb, layout, part, dk)
+            _key_blocks_grad(dvb, layout, part, dv)
+        return dq, dk.flatten(0, 1)[: k.shape[0]], dv.flatten(0, 1)[: v.shape[0]], None
+
+
+def _chunks(layout: Layout):
+    """Slices of query blocks whose gathered keys number about CHUNK_KEYS."""
+    rows, width = layout.key_blocks.shape[0], layout.key_blocks.shape[1] * layout.block
+    step = max(1, CHUNK_KEYS // width)
+    return [slice(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None,
