@@ -75,7 +75,10 @@ def pad_samples(x: torch.Tensor, lens: list[int], length: int) -> torch.Tensor:
 
 def unpad_samples(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """``pad_samples``' inverse: (B, length, ...) -> (sum(lens), ...), padding dropped."""
-    return x[0, :lens[0]] if len(lens) == 1 else torch.cat([x[i, :n] for i, n in enumerate(lens)])
+    if len(lens) > 1:
+        return torch.cat([x[i, :n] for i, n in enumerate(lens)])
+    x = x.squeeze(0)  # a view, whose backward is a view too: indexing's backward allocates a zeroed copy
+    return x if x.shape[0] == lens[0] else x[: lens[0]]
 
 
 def block_means(x: torch.Tensor, lens: list[int], block: int) -> torch.Tensor:
@@ -196,7 +199,8 @@ class _TokenBlockPlan:
         place = (start[sample] + (position // b)[:, None]) * b + (position % b)[:, None]  # (n, H): each (token, head)'s place in the blocks
         self.place_of = place.flatten()  # by (token, head) row of (n * H, ...) views
         self.source = torch.full((self.n_rows * b,), len(sample) * heads, dtype=torch.long, device=device).index_copy_(
-            0, self.place_of, torch.arange(len(sample) * heads, device=device))  # each block place's (token, head) row, or the zero row
+            0, self.place_of, torch.arange(len(sample) * heads, device=device))  # each block place's (token, head) row, or one past them
+        self.padded = len(self.place_of) < len(self.source)
         token, head, slot = sel.valid.nonzero(as_tuple=True)
         group = start[sample[token], head] + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
         order = torch.argsort(group, stable=True)
@@ -212,10 +216,20 @@ class _TokenBlockPlan:
         self.place = tile * b + rank % b  # each pair's query place among the tiles' n_tiles * b
         self.key_rows = torch.zeros(self.n_tiles, dtype=torch.long, device=device).index_copy(0, tile, group)
 
-    def blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, H, D) -> (rows, 1, b, D): every block of every sample and head, the last of a sample zero padded."""
-        flat = torch.cat([x.reshape(-1, x.shape[-1]), x.new_zeros(1, x.shape[-1])])
-        return flat.index_select(0, self.source).view(self.n_rows, 1, self.block, x.shape[-1])
+    def blocks(self, x: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """(n, H, D) -> (rows, 1, b, D): the given block rows (a slice or ids) of every sample and
+        head, a sample's last block zero padded."""
+        source = self.source.view(self.n_rows, self.block)[rows].reshape(-1)
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.index_select(0, source.clamp_max(len(flat) - 1))
+        if self.padded:
+            out.masked_fill_((source == len(flat))[:, None], 0.0)
+        return out.view(-1, 1, self.block, x.shape[-1])
+
+    def block_rows(self, size: int = 256):
+        """Slices of ``size`` block rows: the own blocks run a chunk at a time, so that their copies
+        of q, k, v and the gradients stay small."""
+        return [slice(r0, min(r0 + size, self.n_rows)) for r0 in range(0, self.n_rows, size)]
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``blocks``' inverse: (rows, 1, b, ...) -> (n, H, ...), padding dropped."""
@@ -279,15 +293,16 @@ class _TokenBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: _TokenBlockPlan):
-        kb, vb = plan.blocks(k), plan.blocks(v)
-        own, own_lse = _flash(plan.blocks(q), kb, vb, True)  # padding keys lie after every real query of their block
-        own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
+        q, k, v = (x.contiguous() for x in (q, k, v))  # read a chunk at a time: each a view, not a copy
         pair, b = plan.pair, plan.block
+        own, own_lse = q.new_empty(plan.n_rows, 1, b, v.shape[-1]), q.new_empty(plan.n_rows, 1, b)
+        for r in plan.block_rows():  # padding keys lie after every real query of their block
+            own[r], own_lse[r] = _flash(plan.blocks(q, r), plan.blocks(k, r), plan.blocks(v, r), True)
+        own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
         part, part_lse = own.new_empty(len(pair), own.shape[-1]), own_lse.new_empty(len(pair))
         for rows, pairs, places in plan.chunks():
-            tile_out, tile_lse = _flash(_tiles(_take(q, pair[pairs]), places, len(rows), b), kb.index_select(0, rows), vb.index_select(0, rows), False)
+            tile_out, tile_lse = _flash(_tiles(_take(q, pair[pairs]), places, len(rows), b), plan.blocks(k, rows), plan.blocks(v, rows), False)
             part[pairs], part_lse[pairs] = _take(tile_out, places), tile_lse.reshape(-1).index_select(0, places)
-        del kb, vb  # before the merge allocates
         top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
         total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
         lse = top + torch.log(total)
@@ -306,18 +321,20 @@ class _TokenBlocks(torch.autograd.Function):
     def backward(ctx, grad, _):
         plan = ctx.plan
         q, k, v, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
-        kb, vb = plan.blocks(k), plan.blocks(v)
         grad = grad.contiguous()
         dim, b = q.shape[-1], plan.block
-        blocks_lse = plan.blocks(own_lse[..., None])[..., 0]
-        dq, dkb, dvb = _flash_backward(plan.blocks(grad * own_w.view(*own_lse.shape, 1)), plan.blocks(q), kb, vb, plan.blocks(out), blocks_lse, True)
-        dq = plan.rows(dq).reshape(-1, dim)
+        dqb, dkb, dvb = (x.new_empty(plan.n_rows, 1, b, x.shape[-1]) for x in (q, k, v))
+        for r in plan.block_rows():
+            dqb[r], dkb[r], dvb[r] = _flash_backward(plan.blocks(grad, r) * plan.blocks(own_w.view(*own_lse.shape, 1), r), plan.blocks(q, r),
+                                                     plan.blocks(k, r), plan.blocks(v, r), plan.blocks(out, r),
+                                                     plan.blocks(own_lse[..., None], r)[..., 0], True)
+        dq = plan.rows(dqb).reshape(-1, dim)
         for rows, pairs, places in plan.chunks():
             pair = plan.pair[pairs]
             n_tiles = len(rows)
             lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[..., 0]  # empty places: 0, harmless where the gradient is 0
             dqt, dkt, dvt = _flash_backward(_tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
-                                            _tiles(_take(q, pair), places, n_tiles, b), kb.index_select(0, rows), vb.index_select(0, rows),
+                                            _tiles(_take(q, pair), places, n_tiles, b), plan.blocks(k, rows), plan.blocks(v, rows),
                                             _tiles(_take(out, pair), places, n_tiles, b), lse, False)
             dq.index_add_(0, pair, _take(dqt, places))  # in place: a copy per chunk would move all of dq, dk, dv each time
             dkb.index_add_(0, rows, dkt)

@@ -111,7 +111,7 @@ def _key_blocks_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torc
     into.index_add_(0, layout.key_blocks[part].flatten(), grad.transpose(1, 2).reshape(-1, layout.block, *into.shape[2:]))
 
 
-CHUNK_KEYS = 1 << 14  # gathered key rows per call of the kernel: a chunk's copies of k and v are 4 MB each at 4 heads of 32
+CHUNK_KEYS = 1 << 12  # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
 
 
 class _GatheredBlocks(torch.autograd.Function):
@@ -179,7 +179,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, ro
     if rows is not None:
         full = out.new_zeros(layout.n_qb, b, heads, v.shape[-1])
         out = full.index_copy(0, rows, out)
-    out = out.reshape(layout.n_qb * b, heads, v.shape[-1])[:n_dst]
+    out = out.reshape(layout.n_qb * b, heads, v.shape[-1])
+    out = out if out.shape[0] == n_dst else out[:n_dst]  # a slice's backward allocates a zeroed copy, even of all rows
     return out if layout.all_have_edges else out * layout.has_edge[:, None, None].to(out.dtype)
 
 
