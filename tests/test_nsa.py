@@ -225,3 +225,23 @@ def test_every_model_trains_and_decodes_with_a_trainable_pattern(tmp_path, model
     assert result.exit_code == 0, result.output
     ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
     assert any(".trainable." in key for key in ckpt)
+
+
+def test_the_window_edges_are_shared_by_the_layers_and_kept_for_the_last_few_batches():
+    """Both layers of a step read one window edge set, and the pattern keeps those of the last
+    WINDOWS batches' lengths only: lengths that vary every batch (recall) must not pile up."""
+    import sys
+
+    windows = sys.modules[parse_pattern("nsa").trainable.__module__].WINDOWS
+    pattern = parse_pattern("nsa:l=4,d=2,s=4,n=4,w=4")
+    pattern._cache.clear()
+    layers = [Attention(get_backend("auto"), pattern, 2, 8) for _ in range(2)]
+    seen = []
+    for n in range(20, 20 + 2 * windows):
+        edges = build_graph(pattern, None, [n, 7]).edges["dd"]
+        q, k, v = (torch.randn(n + 7, 2, 8) for _ in range(3))
+        for layer in layers:
+            layer(q, k, v, edges)
+            seen.append(id(pattern._cache[("memo", "nsa windows")][("local:w=3", (n, 7), "cpu")]))
+    assert seen[0::2] == seen[1::2], "each layer built its own window edges"
+    assert [key[1] for key in pattern._cache[("memo", "nsa windows")]] == [(n, 7) for n in range(20 + windows, 20 + 2 * windows)]

@@ -13,6 +13,7 @@ Every edge set is validated before use (``check_edges``) and cached per (pattern
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -120,6 +121,19 @@ class Pattern:
                 check_prefix(self.spec, stage, n_q, n_k, src, dst, shorter)
             self._cache[key] = (src, dst)
         return self._cache[key]
+
+    def memo(self, group: str, key, build: Callable[[], object], size: int):
+        """``build()``, kept with this pattern among the ``size`` most recently used values of its
+        ``group``: what a pattern's run derives per batch (e.g. per lengths) and reuses across layers
+        and steps, cleared with the pattern's edges."""
+        kept = self._cache.setdefault(("memo", group), OrderedDict())
+        if key in kept:
+            kept.move_to_end(key)
+        else:
+            kept[key] = build()
+            while len(kept) > size:
+                kept.popitem(last=False)
+        return kept[key]
 
     def structure(self, stage: str, n_q: int, n_k: int) -> str | None:
         """``"complete"`` (every key), ``"causal"`` (n_q == n_k, keys at or before the query) or
