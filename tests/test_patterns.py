@@ -114,6 +114,19 @@ ALL_SPECS = [
 ]
 
 
+def test_decoder_edges_of_a_shorter_sample_are_the_first_rows_of_the_longest_kept():
+    """One dd sample is kept, the longest asked for; shorter ones are views of its first rows, equal
+    to the rule's edges at their own length (mixed lengths once kept a copy per length: gigabytes)."""
+    from dataclasses import replace
+
+    p = replace(parse_pattern("local:w=3|strided:l=4"), _cache={})
+    for n in (50, 20, 70, 5, 70, 1):
+        src, dst = p.edges("dd", n, n)
+        assert torch.equal(torch.stack([src, dst]), p.dense("dd", n, n).nonzero().T.flip(0)), n
+    assert [key for key in p._cache if key == "dd" or key[0] == "dd"] == ["dd"] and p._cache["dd"][0] == 70
+    assert p.edges("dd", 20, 20)[0].untyped_storage().data_ptr() == p._cache["dd"][1].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @SETTINGS
 @given(n_src=st.integers(1, 70), n_tgt=st.integers(1, 70))

@@ -111,16 +111,32 @@ class Pattern:
         return torch.broadcast_to(self.rule(stage)(q, k, n_q, n_k), (n_q, n_k))
 
     def edges(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validated ``(src, dst)`` int64 tensors of one sample, sorted by (dst, src); cached."""
+        """Validated ``(src, dst)`` int64 tensors of one sample, sorted by (dst, src); cached. Decoder
+        self-attention (``dd``, n_q == n_k) keeps one sample, the longest asked for: a shorter one's
+        edges are its first rows (``check_prefix`` holds every pattern to that: a query's keys must
+        not depend on how many tokens follow it), so samples of every length up to 4096 cost the
+        memory of one, where a copy per length held gigabytes."""
+        if stage == "dd" and n_q == n_k:
+            n, src, dst = self._cache.get("dd", (0, None, None))
+            if n < n_q:
+                n, (src, dst) = n_q, self._checked(stage, n_q, n_k)
+                self._cache["dd"] = (n, src, dst)
+            if n == n_q:
+                return src, dst
+            rows = int(torch.searchsorted(dst, n_q))
+            return src[:rows], dst[:rows]
         key = (stage, n_q, n_k)
         if key not in self._cache:
-            src, dst = self._raw_edges(stage, n_q, n_k)
-            check_edges(self.spec, stage, n_q, n_k, src, dst)
-            if stage != "ee" and n_q > 1:
-                shorter = self._raw_edges(stage, n_q - 1, n_k - 1 if stage == "dd" else n_k)
-                check_prefix(self.spec, stage, n_q, n_k, src, dst, shorter)
-            self._cache[key] = (src, dst)
+            self._cache[key] = self._checked(stage, n_q, n_k)
         return self._cache[key]
+
+    def _checked(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = self._raw_edges(stage, n_q, n_k)
+        check_edges(self.spec, stage, n_q, n_k, src, dst)
+        if stage != "ee" and n_q > 1:
+            shorter = self._raw_edges(stage, n_q - 1, n_k - 1 if stage == "dd" else n_k)
+            check_prefix(self.spec, stage, n_q, n_k, src, dst, shorter)
+        return src, dst
 
     def memo(self, group: str, key, build: Callable[[], object], size: int):
         """``build()``, kept with this pattern among the ``size`` most recently used values of its
