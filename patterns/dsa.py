@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
-from gtx.attention.choice import later_keys, query_blocks
+from gtx.attention.choice import later_keys, query_blocks, softmax_
 from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_to, top_indexed
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
@@ -111,10 +111,8 @@ class SparseIndexed(Trainable):
         kept, a block's (rows, keys) mask cost 256 MB a layer at 16k tokens."""
         def block(q_r, iq_r, w_r, k_s, ik_s, r0):
             hidden = later_keys(r0, r0 + len(q_r), len(k_s), q_r.device)
-            with torch.no_grad():  # the target (q, k detached): a softmax in place, one (H, rows, keys) buffer, not three
-                p = (q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)).masked_fill_(hidden, float("-inf"))
-                p = p.sub_(p.amax(-1, keepdim=True)).exp_()
-                p = p.div_(p.sum(-1, keepdim=True)).mean(0)
+            with torch.no_grad():  # the target (q, k detached)
+                p = softmax_((q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)).masked_fill_(hidden, float("-inf"))).mean(0)
             if blocks is not None:  # ik_s: the sample's block index keys; hidden: per block
                 p, hidden = per_block(p, blocks.size), blocks.after(hidden)
             return kl_to(p, index_scores(iq_r, w_r, ik_s[:p.shape[-1]]), ~hidden)

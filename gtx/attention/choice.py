@@ -15,6 +15,14 @@ TILE = 128  # keys per tile of the C kernel's index keys (keys_kernel.c's TILE)
 GROUP = 32  # query rows the C kernel scores together (keys_kernel.c's GROUP)
 
 
+def softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, in place (one buffer of a block's scores, where masking and
+    ``torch.softmax`` make three); a row without a finite score becomes zeros."""
+    top = scores.amax(-1, keepdim=True)
+    scores.sub_(top.masked_fill_(top == float("-inf"), 0.0)).exp_()
+    return scores.div_(scores.sum(-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).tiny))
+
+
 def query_blocks(edges: EdgeSet, rows: int):
     """(query offset, key offset, keys seen, first row, last row + 1) per block of ``rows`` query rows
     of each sample, for complete or causal candidates (``edges.root.structure``): a causal block's

@@ -124,8 +124,9 @@ class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         rows, heads, b, _ = qb.shape
-        out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)  # the kernel's own layout: (rows, b, H, D) in memory, so that
-        lse = qb.new_empty(rows, heads, b)  # the caller's (n, H, D) view of it is no copy
+        # laid out as the kernel lays out its own output, (rows, b, H, D) in memory: the caller's (n, H, D) view is no copy
+        out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)
+        lse = qb.new_empty(rows, heads, b)
         mask = layout.additive_mask(qb.dtype)
         for part in _chunks(layout):
             out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
