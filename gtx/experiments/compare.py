@@ -103,12 +103,16 @@ def _clipped(values: pd.Series, metric: str):
 
 def run_table(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None = None,
               task_metrics: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per training run that a comparison counts (``training_runs``): the ``by`` columns,
-    ``task``, ``run_id``, ``experiment`` and ``cell``, the per-run values ``compare`` summarises (see
-    there), the cost (``train_flops``, ``train_attn_flops``: summed over the train rows; ``train_s``:
-    their wall seconds), ``edges_per_query`` (the train rows' mean, averaged over the model's stages)
-    and ``metric``, the name of the column the run is judged by."""
+    """One row per training run that a comparison counts (``training_runs``, finished ones only:
+    ``results.finished``): the ``by`` columns, ``task``, ``run_id``, ``experiment`` and ``cell``, the
+    per-run values ``compare`` summarises (see there), the cost (``train_flops``, ``train_attn_flops``:
+    summed over the train rows; ``train_s``: their wall seconds), ``edges_per_query`` (the train rows'
+    mean, averaged over the model's stages) and ``metric``, the name of the column the run is judged
+    by. ``attrs["unfinished"]``: the run ids left out for having no test rows yet."""
     df = training_runs(df)
+    done = finished(df)
+    unfinished = list(df.run_id[~done].unique())
+    df = df[done]
     per = []
     for run_id, rows in df.groupby("run_id", sort=False):
         settings = settings_of(rows)
@@ -117,6 +121,7 @@ def run_table(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | No
     runs = pd.DataFrame(per)
     if not runs.empty:
         runs["metric"] = _metric_names(runs, metric, task_metrics)
+    runs.attrs["unfinished"] = unfinished
     return runs
 
 
@@ -143,10 +148,8 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
     tokens/s among those rows). ``attrs["metric"]``: the metric when all rows share one, else None.
     """
     by = check_by(by)
-    df = training_runs(df)
-    done = finished(df)
-    unfinished = list(df.run_id[~done].unique())
-    runs = run_table(df[done], by, metric, task_metrics)
+    runs = run_table(df, by, metric, task_metrics)
+    unfinished = runs.attrs["unfinished"]
     if runs.empty:
         table = pd.DataFrame(columns=[*by, "runs"])
         table.attrs["unfinished"] = unfinished

@@ -29,7 +29,7 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.experiments.compare import SPEED, p_text, pm_text, run_table
-from gtx.experiments.results import cell_text, finished, format_table, lower_is_better, metric_range
+from gtx.experiments.results import cell_text, format_table, lower_is_better, metric_range
 from gtx.experiments.stats import pareto_front, summarize, tost_p
 from gtx.experiments.sweep import Cell, Grid, plan, split_list
 from gtx.graph.spec import parse_pattern
@@ -229,7 +229,7 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
     check_margin(margin)
     swept = _swept(cells, {p.length_key for p in points.values()})
     keyed = {c.key: c for c in cells}
-    runs = run_table(df[df.cell.isin(list(keyed)) & finished(df)], ("pattern",), metric)
+    runs = run_table(df[df.cell.isin(list(keyed))], ("pattern",), metric)
     columns = ["task", "model", "length", *swept, "family", "budget", "pattern", "runs", "metric", "mean", "std", "ci_low", "ci_high",
                "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "margin", "equivalent"]
     if runs.empty:
