@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gtx.attention import native
 from gtx.attention.choice import top_keys
 from gtx.attention.indexer import index_kl, top_indexed
-from gtx.attention.keys import KeySelection, attend_keys
+from gtx.attention.keys import RANGE_SHIFT, KeySelection, attend_keys
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 
@@ -31,8 +31,19 @@ def both_paths(fn):
 @given(n=st.integers(1, 40), heads=st.sampled_from([1, 2, 4]), count=st.integers(1, 20), shared=st.booleans(),
        dims=st.sampled_from([(8, 8), (16, 5)]), seed=st.integers(0, 100))
 def test_attention_over_selected_keys_agrees_with_the_torch_path(n, heads, count, shared, dims, seed):
+    check_selected_keys(n, n + 3, heads, count, shared, dims, seed)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_attention_over_keys_in_several_ranges_agrees_with_the_torch_path(shared, monkeypatch):
+    """The backward's threads own ranges of 2^RANGE_SHIFT keys: 700 keys make three, on two threads."""
+    assert 700 > 2 << RANGE_SHIFT
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    check_selected_keys(120, 700, 2, 40, shared, (16, 8), 1)
+
+
+def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
     g = torch.Generator().manual_seed(seed)
-    n_keys = n + 3
     q, k = (torch.randn(m, heads, dims[0], generator=g, requires_grad=True) for m in (n, n_keys))
     v = torch.randn(n_keys, heads, dims[1], generator=g, requires_grad=True)
     keys = torch.randint(0, n_keys, (n, 1 if shared else heads, count), generator=g)  # count > 8: runs of 8 slots and a rest

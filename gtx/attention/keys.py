@@ -15,6 +15,7 @@ import torch
 from gtx.attention import native
 from gtx.graph.tokens import EdgeSet
 
+RANGE_SHIFT = 8  # 2^8 keys per range of the C backward: their k, v, dk and dv rows (H x 64 dims: 512 KB) stay in a core's cache
 _CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block of query rows
 
 
@@ -113,17 +114,18 @@ def _forward_native(q, k, v, keys, valid):
 
 
 def _backward_native(q, k, v, keys, valid, grad, out, lse):
-    """Threads take disjoint heads of every query: each adds to its own part of dk and dv rows."""
+    """Threads take disjoint ranges of keys (``RANGE_SHIFT``): each adds to its own dk and dv rows and to its
+    own dq, the dq's summed after."""
     lib = native.load("keys_kernel")
     shape, tensors, strides = _native_args(q, k, v, keys, valid)
-    heads = shape[0]
-    threads = max(1, min(torch.get_num_threads(), heads))
-    bounds = [heads * t // threads for t in range(threads + 1)]
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    ptrs = [native.pointer(t) for t in (*tensors, grad, out, lse, dq, dk, dv)]
-    native.run_parts(lambda t: lib.gtx_keys_backward(*native.ints(bounds[t], bounds[t + 1], q.shape[0], *shape), *ptrs[:5],
-                                                     *native.ints(*strides), *ptrs[5:]), threads)
-    return dq, dk, dv
+    n = q.shape[0]
+    threads = max(1, min(torch.get_num_threads(), ((k.shape[0] - 1) >> RANGE_SHIFT) + 1))
+    delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
+    dqs, dk, dv = [torch.zeros_like(q) for _ in range(threads)], torch.zeros_like(k), torch.zeros_like(v)
+    ptrs = [native.pointer(t) for t in (*tensors, grad, lse, delta)]
+    native.run_parts(lambda t: lib.gtx_keys_backward(*native.ints(t, threads, RANGE_SHIFT, n, k.shape[0], *shape), *ptrs[:5],
+                                                     *native.ints(*strides), *ptrs[5:], *map(native.pointer, (dqs[t], dk, dv))), threads)
+    return sum(dqs[1:], dqs[0]), dk, dv
 
 
 def _forward_torch(q, k, v, keys, valid):

@@ -48,6 +48,32 @@ typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AV
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* exp_approx of 8 lanes at once. */
+static inline v8 exp8(v8 x) {
+    const v8 zero = {0};
+    v8 t = x * 1.44269504088896341f;
+    v8i e = __builtin_convertvector(t, v8i);  /* truncated, then rounded to nearest (masks are -1 where true) */
+    v8 d = t - __builtin_convertvector(e, v8);
+    e = e - (d > 0.5f) + (d < -0.5f);
+    v8 n = __builtin_convertvector(e, v8);
+    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
+            + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    v8i floor = e < -126;
+    v8i bits = ((e & ~floor) + (-126 & floor) + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    v8i out, keep = x >= zero - 87.0f;
+    y *= scale;
+    memcpy(&out, &y, sizeof out);
+    out &= keep;  /* 0 below -87 */
+    memcpy(&y, &out, sizeof y);
+    return y;
+}
+
 /* Pairwise sums within each half: (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7). */
 static inline v8 pair_sums(v8 a, v8 b) {
     return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
@@ -145,41 +171,87 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
     return 0;
 }
 
-/* Heads [h0, h1) of every query: their dq written, their dk, dv (N, H, D / E) added to, so that
- * threads with disjoint heads share dk and dv. */
-int gtx_keys_backward(int64_t h0, int64_t h1, int64_t n, int64_t H, int64_t K, int64_t D, int64_t E,
-                      const float *q, const float *k, const float *v,
-                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
-                      const float *grad, const float *out, const float *lse,
-                      float *dq, float *dk, float *dv) {
-    float *p = malloc(sizeof(float) * H * K), *gv = malloc(sizeof(float) * H * K), *delta = malloc(sizeof(float) * H);
-    if (!p || !gv || !delta) return free(p), free(gv), free(delta), 1;
-    for (int64_t i = 0; i < n; i++) {
-        weights(i, h0, h1, H, K, D, q, k, keys, valid, sn, sh, lse, NULL, p);
-        const int32_t *key = keys + i * sn;
-        const float *g = grad + i * H * E, *qi = q + i * H * D;
-        float *dqi = dq + i * H * D;
-        for (int64_t h = h0; h < h1; h++) delta[h] = dot(g + h * E, out + (i * H + h) * E, E);  /* the softmax backward's row term */
-        slot_dots(gv, g, v, key, sh, h0, h1, H, K, E);
-        for (int64_t x = h0 * D; x < h1 * D; x++) dqi[x] = 0.0f;
-        for (int64_t j = 0; j < K; j++) {
-            if (j + AHEAD < K) {
-                int64_t ahead = (int64_t)key[j + AHEAD] * H + h0;
-                prefetch_row(k + ahead * D, (h1 - h0) * D), prefetch_row_to_write(dk + ahead * D, (h1 - h0) * D);
-                prefetch_row_to_write(dv + ahead * E, (h1 - h0) * E);
-            }
-            for (int64_t h = h0; h < h1; h++) {
-                float pj = p[h * K + j];
-                if (pj == 0.0f) continue;
-                int64_t row = (int64_t)key[h * sh + j] * H + h;
-                float ds = pj * (gv[h * K + j] - delta[h]);
-                axpy(dqi + h * D, ds, k + row * D, D);
-                axpy(dk + row * D, ds, qi + h * D, D);
-                axpy(dv + row * E, pj, g + h * E, E);
-            }
+/* Up to 8 pairs (query, key) of a range, head h: each weight recomputed from lse, then dq, dk and dv
+ * added to; where D and E are multiples of 8 the 16 dot products are summed lane-wise together. */
+static void range_pairs(const int32_t *pairs, int64_t count, int64_t h, int64_t H, int64_t D, int64_t E,
+                        const float *q, const float *k, const float *v, const float *grad, const float *lse,
+                        const float *delta, float *dq, float *dk, float *dv) {
+    float score[8], gv[8];
+    if (count == 8 && D % 8 == 0 && E % 8 == 0) {
+        v8 a[8], b[8];
+        for (int64_t y = 0; y < 8; y++) {
+            const float *qy = q + ((int64_t)pairs[2 * y] * H + h) * D, *ky = k + ((int64_t)pairs[2 * y + 1] * H + h) * D;
+            const float *gy = grad + ((int64_t)pairs[2 * y] * H + h) * E, *vy = v + ((int64_t)pairs[2 * y + 1] * H + h) * E;
+            a[y] = load8(qy) * load8(ky), b[y] = load8(gy) * load8(vy);
+            for (int64_t c = 8; c < D; c += 8) a[y] += load8(qy + c) * load8(ky + c);
+            for (int64_t c = 8; c < E; c += 8) b[y] += load8(gy + c) * load8(vy + c);
+        }
+        v8 sa = lane_sums(a), sb = lane_sums(b);
+        memcpy(score, &sa, sizeof sa), memcpy(gv, &sb, sizeof sb);
+    } else {
+        for (int64_t y = 0; y < count; y++) {
+            int64_t i = pairs[2 * y], s = pairs[2 * y + 1];
+            score[y] = dot(q + (i * H + h) * D, k + (s * H + h) * D, D), gv[y] = dot(grad + (i * H + h) * E, v + (s * H + h) * E, E);
         }
     }
-    free(delta), free(gv), free(p);
+    v8 x = {0};  /* a pair's query has a valid key: its lse is finite */
+    for (int64_t y = 0; y < count; y++) x[y] = score[y] - lse[(int64_t)pairs[2 * y] * H + h];
+    v8 p = exp8(x);
+    for (int64_t y = 0; y < count; y++) {
+        int64_t qrow = (int64_t)pairs[2 * y] * H + h, row = (int64_t)pairs[2 * y + 1] * H + h;
+        float ds = p[y] * (gv[y] - delta[qrow]);
+        axpy(dq + qrow * D, ds, k + row * D, D);
+        axpy(dk + row * D, ds, q + qrow * D, D);
+        axpy(dv + row * E, p[y], grad + qrow * E, E);
+    }
+}
+
+/* The backward by ranges of 2^shift keys: this call (part of parts) owns ranges part, part + parts, ...
+ * and, per head group (a shared choice, sh = 0: all heads at once; else each head alone), lists the
+ * (query, key) pairs whose key falls in them, range by range in query order, then recomputes each
+ * pair's weight from lse and adds to dk, dv (N, H, D / E) rows of its own ranges only and to its own
+ * dq buffer (n, H, D), zeroed by the caller. A range's k, v, dk and dv rows stay in this core's cache
+ * while the queries stream past: read query-major, every kept key was a random read and write of
+ * three rows, and beyond the last-level cache (16k tokens) a miss. delta (n, H): the softmax
+ * backward's row term, grad . out. */
+int gtx_keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, int64_t N, int64_t H, int64_t K,
+                      int64_t D, int64_t E, const float *q, const float *k, const float *v,
+                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                      const float *grad, const float *lse, const float *delta,
+                      float *dq, float *dk, float *dv) {
+    int64_t ranges = ((N - 1) >> shift) + 1, owned = ranges > part ? (ranges - part + parts - 1) / parts : 0;
+    int64_t groups = sh ? H : 1, width = sh ? 1 : H;
+    int64_t *start = malloc(sizeof(int64_t) * (owned + 1)), *slot = malloc(sizeof(int64_t) * ranges);
+    int32_t *pairs = NULL;
+    if (!start || !slot) return free(start), free(slot), 1;
+    for (int64_t r = 0; r < ranges; r++) slot[r] = r % parts == part ? r / parts + 1 : 0;  /* 0: not this call's */
+    for (int64_t group = 0; group < groups; group++) {
+        const int32_t *gkeys = keys + group * sh;
+        const uint8_t *gvalid = valid + group * sh;
+        for (int64_t r = 0; r <= owned; r++) start[r] = 0;
+        for (int64_t i = 0; i < n; i++)  /* counted, then placed: pairs of a range in query order */
+            for (int64_t j = 0; j < K; j++) {
+                int64_t r = gkeys[i * sn + j] >> shift;  /* shifts: a division per kept key cost more than the rest */
+                if (gvalid[i * sn + j]) start[slot[r]]++;  /* start[0] counts others' pairs, never read */
+            }
+        start[0] = 0;
+        for (int64_t r = 0; r < owned; r++) start[r + 1] += start[r];
+        int64_t total = start[owned];
+        free(pairs);
+        pairs = malloc(sizeof(int32_t) * 2 * (total ? total : 1));
+        if (!pairs) return free(start), free(slot), 1;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < K; j++) {
+                int64_t r = gkeys[i * sn + j] >> shift;  /* shifts: a division per kept key cost more than the rest */
+                if (!gvalid[i * sn + j] || !slot[r]) continue;
+                int64_t at = start[slot[r] - 1]++;
+                pairs[2 * at] = (int32_t)i, pairs[2 * at + 1] = gkeys[i * sn + j];
+            }
+        for (int64_t x0 = 0; x0 < total; x0 += 8)
+            for (int64_t h = group * width; h < group * width + width; h++)
+                range_pairs(pairs + 2 * x0, total - x0 < 8 ? total - x0 : 8, h, H, D, E, q, k, v, grad, lse, delta, dq, dk, dv);
+    }
+    free(pairs), free(start), free(slot);
     return 0;
 }
 
