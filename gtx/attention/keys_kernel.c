@@ -173,7 +173,7 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
 
 /* Up to 8 pairs (query, key) of a range, head h: each weight recomputed from lse, then dq, dk and dv
  * added to; where D and E are multiples of 8 the 16 dot products are summed lane-wise together. */
-static void range_pairs(const int32_t *pairs, int64_t count, int64_t h, int64_t H, int64_t D, int64_t E,
+static inline __attribute__((always_inline)) void range_pairs(const int32_t *pairs, int64_t count, int64_t h, int64_t H, int64_t D, int64_t E,
                         const float *q, const float *k, const float *v, const float *grad, const float *lse,
                         const float *delta, float *dq, float *dk, float *dv) {
     float score[8], gv[8];
@@ -249,7 +249,10 @@ int gtx_keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, int
             }
         for (int64_t x0 = 0; x0 < total; x0 += 8)
             for (int64_t h = group * width; h < group * width + width; h++)
-                range_pairs(pairs + 2 * x0, total - x0 < 8 ? total - x0 : 8, h, H, D, E, q, k, v, grad, lse, delta, dq, dk, dv);
+                if (D == 32 && E == 32)  /* the common head size, its loops unrolled */
+                    range_pairs(pairs + 2 * x0, total - x0 < 8 ? total - x0 : 8, h, H, 32, 32, q, k, v, grad, lse, delta, dq, dk, dv);
+                else
+                    range_pairs(pairs + 2 * x0, total - x0 < 8 ? total - x0 : 8, h, H, D, E, q, k, v, grad, lse, delta, dq, dk, dv);
     }
     free(pairs), free(start), free(slot);
     return 0;
