@@ -92,7 +92,7 @@ static inline v8 lane_sums(const v8 *a) {
  * rows, x (N, H, d), key its slots (head stride sh). Slots in runs of 8, heads inside a run (a shared
  * key is one contiguous row, read once from memory); where d is a multiple of 8, a run's 8 dot
  * products are summed lane-wise and reduced together (``lane_sums``). */
-static void slot_dots(float *out, const float *a, const float *x, const int32_t *key, int64_t sh,
+static inline __attribute__((always_inline)) void slot_dots(float *out, const float *a, const float *x, const int32_t *key, int64_t sh,
                       int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t d) {
     int64_t j = 0;
     if (d % 8 == 0)
@@ -116,7 +116,7 @@ static void slot_dots(float *out, const float *a, const float *x, const int32_t 
 
 /* Softmax weights of query i, heads [h0, h1), into p (H x K; 0 for an invalid slot) from its scores,
  * and lse (given in lse_in, or computed into lse_out). */
-static void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
+static inline __attribute__((always_inline)) void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
                     const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                     const float *lse_in, float *lse_out, float *p) {
     const int32_t *key = keys + i * sn;
@@ -144,7 +144,7 @@ static void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int
     }
 }
 
-int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
+static inline __attribute__((always_inline)) int keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
                      const float *q, const float *k, const float *v,
                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                      float *out, float *lse, float *mean_p) {
@@ -169,6 +169,15 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
     }
     free(p);
     return 0;
+}
+
+int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
+                     const float *q, const float *k, const float *v,
+                     const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                     float *out, float *lse, float *mean_p) {
+    if (D == 32 && E == 32)  /* the common head size, its loops unrolled */
+        return keys_forward(i0, i1, H, K, 32, 32, q, k, v, keys, valid, sn, sh, out, lse, mean_p);
+    return keys_forward(i0, i1, H, K, D, E, q, k, v, keys, valid, sn, sh, out, lse, mean_p);
 }
 
 /* Up to 8 pairs (query, key) of a range, head h: each weight recomputed from lse, then dq, dk and dv
