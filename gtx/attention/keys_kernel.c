@@ -435,7 +435,7 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
  * (n, K) over keys (n, K) (valid (n, K)), I_j = sum_a w(t, a) relu(iq(t, a) . ik(key_j)) (iq (n, J, d),
  * w (n, J), ik (N, d)), loss[t] = sum_j p_j (log p_j - log softmax(I)_j) over the valid j, and its
  * gradients: diq, dw rows written, dik (N, d) added to (a thread's own buffer). */
-int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
+static inline __attribute__((always_inline)) int index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
                  const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
                  const float *p, float *loss, float *diq, float *dw, float *dik) {
     float *dots = malloc(sizeof(float) * (J + 1) * K), *score = dots + J * K;
@@ -474,4 +474,12 @@ int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
     }
     free(dots);
     return 0;
+}
+
+int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
+                 const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
+                 const float *p, float *loss, float *diq, float *dw, float *dik) {
+    if (d == 32)  /* the common index size, its loops unrolled */
+        return index_kl(i0, i1, J, K, 32, iq, w, ik, keys, valid, p, loss, diq, dw, dik);
+    return index_kl(i0, i1, J, K, d, iq, w, ik, keys, valid, p, loss, diq, dw, dik);
 }
