@@ -29,7 +29,7 @@ def both_paths(fn):
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 40), heads=st.sampled_from([1, 2, 4]), count=st.integers(1, 20), shared=st.booleans(),
-       dims=st.sampled_from([(8, 8), (16, 5)]), seed=st.integers(0, 100))
+       dims=st.sampled_from([(8, 8), (16, 5), (32, 32)]), seed=st.integers(0, 100))  # 32: the kernels' unrolled copy
 def test_attention_over_selected_keys_agrees_with_the_torch_path(n, heads, count, shared, dims, seed):
     check_selected_keys(n, n + 3, heads, count, shared, dims, seed)
 
@@ -105,10 +105,11 @@ def test_topk_chooses_the_same_keys_per_head_on_the_kernel(lens, count, heads, s
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 60), count=st.integers(1, 12), seed=st.integers(0, 100))
-def test_the_indexer_kl_over_kept_keys_agrees_with_the_torch_path(n, count, seed):
+@given(n=st.integers(1, 60), count=st.integers(1, 12), dim=st.sampled_from([5, 8, 32]), seed=st.integers(0, 100))
+def test_the_indexer_kl_over_kept_keys_agrees_with_the_torch_path(n, count, dim, seed):
     g = torch.Generator().manual_seed(seed)
-    iq, w, ik = (x.requires_grad_() for x in (torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, generator=g), torch.randn(n + 5, 8, generator=g)))
+    iq, w, ik = (x.requires_grad_() for x in (torch.randn(n, 2, dim, generator=g), torch.randn(n, 2, generator=g),
+                                              torch.randn(n + 5, dim, generator=g)))
     keys = torch.randint(0, n + 5, (n, count), generator=g)
     valid = torch.rand(n, count, generator=g) > 0.25
     p = torch.softmax(torch.randn(n, count, generator=g).masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0)

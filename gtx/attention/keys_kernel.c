@@ -40,10 +40,6 @@ static void prefetch_row(const float *row, int64_t len) {
     for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(row + x);  /* 16 floats: a cache line */
 }
 
-static void prefetch_row_to_write(float *row, int64_t len) {  /* owned before the write: no read-for-ownership stall */
-    for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(row + x, 1);
-}
-
 typedef float v8 __attribute__((vector_size(32)));  /* GCC/Clang vectors: one AVX register, or two SSE */
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
@@ -86,6 +82,7 @@ static inline v8 lane_sums(const v8 *a) {
     return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+#define MAX_DIM 64 /* head sizes up to this (multiples of 8) keep a query's rows in registers */
 #define AHEAD 8 /* keys prefetched ahead: a selected key's row is a random read */
 
 /* out[h * K + j] = a_h . x(key j, h) for heads [h0, h1) and slots [0, K) of one query: a (H, d) its
@@ -114,57 +111,45 @@ static inline __attribute__((always_inline)) void slot_dots(float *out, const fl
         for (int64_t h = h0; h < h1; h++) out[h * K + j] = dot(a + h * d, x + ((int64_t)key[h * sh + j] * H + h) * d, d);
 }
 
-/* Softmax weights of query i, heads [h0, h1), into p (H x K; 0 for an invalid slot) from its scores,
- * and lse (given in lse_in, or computed into lse_out). */
-static inline __attribute__((always_inline)) void weights(int64_t i, int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t D, const float *q, const float *k,
-                    const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
-                    const float *lse_in, float *lse_out, float *p) {
-    const int32_t *key = keys + i * sn;
-    const uint8_t *ok = valid + i * sn;
-    slot_dots(p, q + i * H * D, k, key, sh, h0, h1, H, K, D);
-    for (int64_t h = h0; h < h1; h++)
-        for (int64_t j = 0; j < K; j++) p[h * K + j] = ok[h * sh + j] ? p[h * K + j] : -INFINITY;
-    for (int64_t h = h0; h < h1; h++) {
-        float *ph = p + h * K, m = -INFINITY, l;
-        for (int64_t j = 0; j < K; j++) m = ph[j] > m ? ph[j] : m;
-        if (lse_in) {
-            l = lse_in[i * H + h];
-        } else if (m == -INFINITY) {
-            l = -INFINITY;
-        } else {
-            float z = 0.0f;
-            for (int64_t j = 0; j < K; j++) ph[j] = exp_approx(ph[j] - m);  /* e^-inf = 0 */
-            for (int64_t j = 0; j < K; j++) z += ph[j];
-            for (int64_t j = 0; j < K; j++) ph[j] /= z;
-            if (lse_out) lse_out[i * H + h] = m + logf(z);
-            continue;
-        }
-        if (lse_out) lse_out[i * H + h] = l;
-        for (int64_t j = 0; j < K; j++) ph[j] = l == -INFINITY ? 0.0f : exp_approx(ph[j] - l);
-    }
-}
-
 static inline __attribute__((always_inline)) int keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
-                     const float *q, const float *k, const float *v,
-                     const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
-                     float *out, float *lse, float *mean_p) {
+                                                              const float *q, const float *k, const float *v,
+                                                              const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                                                              float *out, float *lse, float *mean_p) {
     float *p = malloc(sizeof(float) * H * K);
     if (!p) return 1;
     for (int64_t i = i0; i < i1; i++) {
-        weights(i, 0, H, H, K, D, q, k, keys, valid, sn, sh, NULL, lse, p);
-        float *o = out + i * H * E;
         const int32_t *key = keys + i * sn;
-        for (int64_t e = 0; e < H * E; e++) o[e] = 0.0f;
-        for (int64_t j = 0; j < K; j++) {
-            if (j + AHEAD < K) prefetch_row(v + (int64_t)key[j + AHEAD] * H * E, H * E);
-            for (int64_t h = 0; h < H; h++)
-                if (p[h * K + j] != 0.0f) axpy(o + h * E, p[h * K + j], v + ((int64_t)key[h * sh + j] * H + h) * E, E);
+        const uint8_t *ok = valid + i * sn;
+        slot_dots(p, q + i * H * D, k, key, sh, 0, H, H, K, D);
+        for (int64_t h = 0; h < H; h++) {  /* softmax weights (0 for an invalid slot) and lse */
+            float *ph = p + h * K, m = -INFINITY, z = 0.0f;
+            for (int64_t j = 0; j < K; j++) ph[j] = ok[h * sh + j] ? ph[j] : -INFINITY, m = ph[j] > m ? ph[j] : m;
+            for (int64_t j = 0; j < K; j++) ph[j] = m == -INFINITY ? 0.0f : exp_approx(ph[j] - m), z += ph[j];
+            for (int64_t j = 0; j < K; j++) ph[j] = z > 0.0f ? ph[j] / z : 0.0f;
+            lse[i * H + h] = m == -INFINITY ? -INFINITY : m + logf(z);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *ph = p + h * K;
+            float *o = out + (i * H + h) * E;
+            if (E % 8 || E > MAX_DIM) {
+                for (int64_t e = 0; e < E; e++) o[e] = 0.0f;
+                for (int64_t j = 0; j < K; j++) axpy(o, ph[j], v + ((int64_t)key[h * sh + j] * H + h) * E, E);
+                continue;
+            }
+            v8 acc[MAX_DIM / 8];  /* the output row in registers: added to in memory, it was a chain of dependent stores */
+            for (int64_t c = 0; c < E / 8; c++) acc[c] = (v8){0};
+            for (int64_t j = 0; j < K; j++) {
+                if (h == 0 && j + AHEAD < K) prefetch_row(v + (int64_t)key[j + AHEAD] * H * E, H * E);
+                const float *row = v + ((int64_t)key[h * sh + j] * H + h) * E;
+                for (int64_t c = 0; c < E / 8; c++) acc[c] += ph[j] * load8(row + 8 * c);
+            }
+            memcpy(o, acc, sizeof(float) * E);
         }
         if (mean_p)
             for (int64_t j = 0; j < K; j++) {
-                float s = 0.0f;
-                for (int64_t h = 0; h < H; h++) s += p[h * K + j];
-                mean_p[i * K + j] = s / (float)H;
+                float sum = 0.0f;
+                for (int64_t h = 0; h < H; h++) sum += p[h * K + j];
+                mean_p[i * K + j] = sum / (float)H;
             }
     }
     free(p);
@@ -180,38 +165,58 @@ int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, in
     return keys_forward(i0, i1, H, K, D, E, q, k, v, keys, valid, sn, sh, out, lse, mean_p);
 }
 
-/* Up to 8 pairs (query, key) of a range, head h: each weight recomputed from lse, then dq, dk and dv
- * added to; where D and E are multiples of 8 the 16 dot products are summed lane-wise together. */
-static inline __attribute__((always_inline)) void range_pairs(const int32_t *pairs, int64_t count, int64_t h, int64_t H, int64_t D, int64_t E,
-                        const float *q, const float *k, const float *v, const float *grad, const float *lse,
-                        const float *delta, float *dq, float *dk, float *dv) {
-    float score[8], gv[8];
-    if (count == 8 && D % 8 == 0 && E % 8 == 0) {
+/* Query i's kept keys in one range (ks, m of them), head h: each weight recomputed from lse, dk and
+ * dv rows added to, dq's row too, once. Where D and E are multiples of 8 up to MAX_DIM the query's
+ * q, grad and dq rows stay in registers (added to in memory, a dq row was a chain of dependent
+ * stores: one per key) and 8 keys' dot products are summed lane-wise together. */
+static inline __attribute__((always_inline)) void query_keys(int64_t i, const int32_t *ks, int64_t m, int64_t h, int64_t H,
+                                                             int64_t D, int64_t E, const float *q, const float *k,
+                                                             const float *v, const float *grad, float l, float dl,
+                                                             float *dq, float *dk, float *dv) {
+    const float *qi = q + (i * H + h) * D, *gi = grad + (i * H + h) * E;
+    if (D % 8 || E % 8 || D > MAX_DIM || E > MAX_DIM) {
+        for (int64_t y = 0; y < m; y++) {
+            int64_t row = (int64_t)ks[y] * H + h;
+            float pj = exp_approx(dot(qi, k + row * D, D) - l);  /* the query has a valid key: l is finite */
+            float ds = pj * (dot(gi, v + row * E, E) - dl);
+            axpy(dq + (i * H + h) * D, ds, k + row * D, D);
+            axpy(dk + row * D, ds, qi, D);
+            axpy(dv + row * E, pj, gi, E);
+        }
+        return;
+    }
+    v8 qv[MAX_DIM / 8], gv[MAX_DIM / 8], dqa[MAX_DIM / 8];
+    for (int64_t c = 0; c < D / 8; c++) qv[c] = load8(qi + 8 * c), dqa[c] = (v8){0};
+    for (int64_t c = 0; c < E / 8; c++) gv[c] = load8(gi + 8 * c);
+    for (int64_t y0 = 0; y0 < m; y0 += 8) {
+        int64_t run = m - y0 < 8 ? m - y0 : 8;
         v8 a[8], b[8];
         for (int64_t y = 0; y < 8; y++) {
-            const float *qy = q + ((int64_t)pairs[2 * y] * H + h) * D, *ky = k + ((int64_t)pairs[2 * y + 1] * H + h) * D;
-            const float *gy = grad + ((int64_t)pairs[2 * y] * H + h) * E, *vy = v + ((int64_t)pairs[2 * y + 1] * H + h) * E;
-            a[y] = load8(qy) * load8(ky), b[y] = load8(gy) * load8(vy);
-            for (int64_t c = 8; c < D; c += 8) a[y] += load8(qy + c) * load8(ky + c);
-            for (int64_t c = 8; c < E; c += 8) b[y] += load8(gy + c) * load8(vy + c);
+            const float *ky = k + ((int64_t)ks[y0 + (y < run ? y : 0)] * H + h) * D, *vy = v + ((int64_t)ks[y0 + (y < run ? y : 0)] * H + h) * E;
+            a[y] = qv[0] * load8(ky), b[y] = gv[0] * load8(vy);
+            for (int64_t c = 1; c < D / 8; c++) a[y] += qv[c] * load8(ky + 8 * c);
+            for (int64_t c = 1; c < E / 8; c++) b[y] += gv[c] * load8(vy + 8 * c);
         }
-        v8 sa = lane_sums(a), sb = lane_sums(b);
-        memcpy(score, &sa, sizeof sa), memcpy(gv, &sb, sizeof sb);
-    } else {
-        for (int64_t y = 0; y < count; y++) {
-            int64_t i = pairs[2 * y], s = pairs[2 * y + 1];
-            score[y] = dot(q + (i * H + h) * D, k + (s * H + h) * D, D), gv[y] = dot(grad + (i * H + h) * E, v + (s * H + h) * E, E);
+        v8 p = exp8(lane_sums(a) - l), ds = p * (lane_sums(b) - dl);
+        for (int64_t y = 0; y < run; y++) {
+            int64_t row = (int64_t)ks[y0 + y] * H + h;
+            float *dky = dk + row * D, *dvy = dv + row * E;
+            const float *ky = k + row * D;
+            for (int64_t c = 0; c < D / 8; c++) {
+                v8 x = load8(dky + 8 * c) + ds[y] * qv[c];
+                dqa[c] += ds[y] * load8(ky + 8 * c);
+                memcpy(dky + 8 * c, &x, sizeof x);
+            }
+            for (int64_t c = 0; c < E / 8; c++) {
+                v8 x = load8(dvy + 8 * c) + p[y] * gv[c];
+                memcpy(dvy + 8 * c, &x, sizeof x);
+            }
         }
     }
-    v8 x = {0};  /* a pair's query has a valid key: its lse is finite */
-    for (int64_t y = 0; y < count; y++) x[y] = score[y] - lse[(int64_t)pairs[2 * y] * H + h];
-    v8 p = exp8(x);
-    for (int64_t y = 0; y < count; y++) {
-        int64_t qrow = (int64_t)pairs[2 * y] * H + h, row = (int64_t)pairs[2 * y + 1] * H + h;
-        float ds = p[y] * (gv[y] - delta[qrow]);
-        axpy(dq + qrow * D, ds, k + row * D, D);
-        axpy(dk + row * D, ds, q + qrow * D, D);
-        axpy(dv + row * E, p[y], grad + qrow * E, E);
+    float *dqi = dq + (i * H + h) * D;
+    for (int64_t c = 0; c < D / 8; c++) {
+        v8 x = load8(dqi + 8 * c) + dqa[c];
+        memcpy(dqi + 8 * c, &x, sizeof x);
     }
 }
 
@@ -247,21 +252,26 @@ int gtx_keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, int
         for (int64_t r = 0; r < owned; r++) start[r + 1] += start[r];
         int64_t total = start[owned];
         free(pairs);
-        pairs = malloc(sizeof(int32_t) * 2 * (total ? total : 1));
+        pairs = malloc(sizeof(int32_t) * 2 * (total ? total : 1));  /* queries, then their keys */
         if (!pairs) return free(start), free(slot), 1;
         for (int64_t i = 0; i < n; i++)
             for (int64_t j = 0; j < K; j++) {
                 int64_t r = gkeys[i * sn + j] >> shift;  /* shifts: a division per kept key cost more than the rest */
                 if (!gvalid[i * sn + j] || !slot[r]) continue;
                 int64_t at = start[slot[r] - 1]++;
-                pairs[2 * at] = (int32_t)i, pairs[2 * at + 1] = gkeys[i * sn + j];
+                pairs[at] = (int32_t)i, pairs[total + at] = gkeys[i * sn + j];
             }
-        for (int64_t x0 = 0; x0 < total; x0 += 8)
-            for (int64_t h = group * width; h < group * width + width; h++)
+        for (int64_t x0 = 0, x1; x0 < total; x0 = x1) {  /* a run of one query's keys */
+            int64_t i = pairs[x0];
+            for (x1 = x0 + 1; x1 < total && pairs[x1] == i; x1++) {}
+            for (int64_t h = group * width; h < group * width + width; h++) {
+                float l = lse[i * H + h], dl = delta[i * H + h];
                 if (D == 32 && E == 32)  /* the common head size, its loops unrolled */
-                    range_pairs(pairs + 2 * x0, total - x0 < 8 ? total - x0 : 8, h, H, 32, 32, q, k, v, grad, lse, delta, dq, dk, dv);
+                    query_keys(i, pairs + total + x0, x1 - x0, h, H, 32, 32, q, k, v, grad, l, dl, dq, dk, dv);
                 else
-                    range_pairs(pairs + 2 * x0, total - x0 < 8 ? total - x0 : 8, h, H, D, E, q, k, v, grad, lse, delta, dq, dk, dv);
+                    query_keys(i, pairs + total + x0, x1 - x0, h, H, D, E, q, k, v, grad, l, dl, dq, dk, dv);
+            }
+        }
     }
     free(pairs), free(start), free(slot);
     return 0;
@@ -451,24 +461,47 @@ static inline __attribute__((always_inline)) int index_kl(int64_t i0, int64_t i1
             for (int64_t a = 0; a < J; a++) score[j] += wt[a] * (dots[a * K + j] > 0.0f ? dots[a * K + j] : 0.0f);
             if (ok[j] && score[j] > m) m = score[j];
         }
-        for (int64_t x = 0; x < J * d; x++) diq[t * J * d + x] = 0.0f;
-        for (int64_t a = 0; a < J; a++) dw[t * J + a] = 0.0f;
         loss[t] = 0.0f;
-        if (m == -INFINITY) continue;  /* no valid key: nothing to fit */
+        if (m == -INFINITY) {  /* no valid key: nothing to fit */
+            for (int64_t x = 0; x < J * d; x++) diq[t * J * d + x] = 0.0f;
+            for (int64_t a = 0; a < J; a++) dw[t * J + a] = 0.0f;
+            continue;
+        }
         for (int64_t j = 0; j < K; j++)
             if (ok[j]) z += exp_approx(score[j] - m), mass += pt[j];
         float lse = m + logf(z);
-        for (int64_t j = 0; j < K; j++) {
-            if (!ok[j]) continue;
-            if (pt[j] > 0.0f) l += pt[j] * (logf(pt[j]) - (score[j] - lse));
-            float g = exp_approx(score[j] - lse) * mass - pt[j];  /* d loss / d I_j */
-            for (int64_t a = 0; a < J; a++) {
-                float x = dots[a * K + j];
-                if (x <= 0.0f) continue;
-                dw[t * J + a] += g * x;
-                axpy(diq + (t * J + a) * d, g * wt[a], ik + (int64_t)key[j] * d, d);
-                axpy(dik + (int64_t)key[j] * d, g * wt[a], qt + a * d, d);
+        for (int64_t j = 0; j < K; j++) {  /* score[j] becomes d loss / d I_j (0 for an invalid slot) */
+            if (ok[j] && pt[j] > 0.0f) l += pt[j] * (logf(pt[j]) - (score[j] - lse));
+            score[j] = ok[j] ? exp_approx(score[j] - lse) * mass - pt[j] : 0.0f;
+        }
+        for (int64_t a = 0; a < J; a++) {
+            const float *qa = qt + a * d, *xa = dots + a * K;
+            float *diqa = diq + (t * J + a) * d, dwa = 0.0f;
+            if (d % 8 || d > MAX_DIM) {
+                for (int64_t x = 0; x < d; x++) diqa[x] = 0.0f;
+                for (int64_t j = 0; j < K; j++) {
+                    float ga = xa[j] > 0.0f ? score[j] * wt[a] : 0.0f;  /* through the relu */
+                    dwa += xa[j] > 0.0f ? score[j] * xa[j] : 0.0f;
+                    axpy(diqa, ga, ik + (int64_t)key[j] * d, d);
+                    axpy(dik + (int64_t)key[j] * d, ga, qa, d);
+                }
+            } else {
+                v8 qv[MAX_DIM / 8], acc[MAX_DIM / 8];  /* diq's row in registers: added to in memory, a chain of dependent stores */
+                for (int64_t c = 0; c < d / 8; c++) qv[c] = load8(qa + 8 * c), acc[c] = (v8){0};
+                for (int64_t j = 0; j < K; j++) {  /* branch-free: the relu passes about half the keys, unpredictably */
+                    float ga = xa[j] > 0.0f ? score[j] * wt[a] : 0.0f;
+                    dwa += xa[j] > 0.0f ? score[j] * xa[j] : 0.0f;
+                    const float *row = ik + (int64_t)key[j] * d;
+                    float *drow = dik + (int64_t)key[j] * d;
+                    for (int64_t c = 0; c < d / 8; c++) {
+                        v8 x = load8(drow + 8 * c) + ga * qv[c];
+                        acc[c] += ga * load8(row + 8 * c);
+                        memcpy(drow + 8 * c, &x, sizeof x);
+                    }
+                }
+                memcpy(diqa, acc, sizeof(float) * d);
             }
+            dw[t * J + a] = dwa;
         }
         loss[t] = l;
     }
