@@ -415,7 +415,15 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
                 for (int64_t hi = seen[r] - s0 < width ? seen[r] - s0 : width; hi > 0; hi -= 16) {
                     int64_t lo = hi > 16 ? hi - 16 : 0, any = 0;
                     uint64_t packed[16];
-                    for (int64_t s = lo; s < hi; s++) any |= row[s] > bar[r];  /* once the bar is up, most runs of 16 stop here */
+                    if (hi - lo == 16) {  /* once the bar is up, most runs of 16 stop here: two vector comparisons */
+                        v8 b = (v8){0} + bar[r];
+                        v8i pass = (load8(row + lo) > b) | (load8(row + lo + 8) > b);
+                        int64_t lanes[4];
+                        memcpy(lanes, &pass, sizeof lanes);
+                        any = lanes[0] | lanes[1] | lanes[2] | lanes[3];
+                    } else {
+                        for (int64_t s = lo; s < hi; s++) any |= row[s] > bar[r];
+                    }
                     if (!any) continue;
                     for (int64_t s = lo; s < hi; s++) packed[s - lo] = candidate(row[s], s0 + s);
                     for (int64_t s = hi - 1; s >= lo; s--) {
