@@ -109,9 +109,8 @@ def tiles(ik: torch.Tensor) -> torch.Tensor:
 
 def _top_sample(lib, iq, w, ik_tiles, keys, valid, nq: int, nk: int, causal: int, offset: int, relu: bool) -> None:
     """One sample's rows (views from its first query and key): keys, valid written, the kernel's groups
-    of GROUP rows dealt to the threads in turn (later causal rows cost more)."""
+    of GROUP rows dealt to the kernel's parts in turn (later causal rows cost more)."""
     heads, dim = iq.shape[1:]
     ptrs = [native.pointer(x) for x in (iq, w, ik_tiles)], [native.pointer(x) for x in (keys, valid)]
-    parts = max(1, min(torch.get_num_threads(), -(-nq // GROUP)))
-    native.run_parts(lambda part: lib.gtx_top_index(*native.ints(part, parts, nq, nk, heads, dim), *ptrs[0],
-                                                    *native.ints(causal, int(relu), keys.shape[1], offset), *ptrs[1]), parts)
+    native.check(lib.gtx_top_index(*native.ints(native.parts(-(-nq // GROUP)), nq, nk, heads, dim), *ptrs[0],
+                                   *native.ints(causal, int(relu), keys.shape[1], offset), *ptrs[1]))

@@ -69,12 +69,11 @@ class _IndexKL(torch.autograd.Function):
         iq, w, ik, valid, p = (x.contiguous() for x in (iq, w, ik, valid, p))
         keys = keys.to(torch.int32).contiguous()
         loss, diq, dw = p.new_empty(len(keys)), torch.empty_like(iq), torch.empty_like(w)
-        threads = max(1, min(torch.get_num_threads(), len(keys)))
-        diks = [torch.zeros_like(ik) for _ in range(threads)]  # each thread adds into its own, summed after
-        ptrs = [native.pointer(x) for x in (iq, w, ik, keys, valid, p, loss, diq, dw)]
-        native.split_rows(lambda t, a, b: lib.gtx_index_kl(*native.ints(a, b, iq.shape[1], keys.shape[1], iq.shape[2]),
-                                                           *ptrs, native.pointer(diks[t])), len(keys), threads)
-        ctx.save_for_backward(diq, dw, sum(diks[1:], diks[0]))
+        parts = native.parts(len(keys))
+        diks = ik.new_zeros(parts, *ik.shape)  # each part adds into its own, summed after
+        ptrs = [native.pointer(x) for x in (iq, w, ik, keys, valid, p, loss, diq, dw, diks)]
+        native.check(lib.gtx_index_kl(*native.ints(parts, len(keys), len(ik), iq.shape[1], keys.shape[1], iq.shape[2]), *ptrs))
+        ctx.save_for_backward(diq, dw, diks.sum(0))
         return loss.sum()
 
     @staticmethod

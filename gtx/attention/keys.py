@@ -109,23 +109,23 @@ def _forward_native(q, k, v, keys, valid):
     n, (heads, count) = q.shape[0], shape[:2]
     out, lse, mean_p = q.new_empty(n, heads, v.shape[-1]), q.new_empty(n, heads), q.new_empty(n, count)
     ptrs = [native.pointer(t) for t in (*tensors, out, lse, mean_p)]
-    native.split_rows(lambda _, i0, i1: lib.gtx_keys_forward(*native.ints(i0, i1, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:]), n)
+    native.check(lib.gtx_keys_forward(*native.ints(native.parts(n), n, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:]))
     return out, lse, mean_p
 
 
 def _backward_native(q, k, v, keys, valid, grad, out, lse):
-    """Threads take disjoint ranges of keys (``RANGE_SHIFT``): each adds to its own dk and dv rows and to its
-    own dq, the dq's summed after."""
+    """The kernel's parts take disjoint ranges of keys (``RANGE_SHIFT``): each adds to its own dk and
+    dv rows and to its own dq, the dq's summed after."""
     lib = native.load("keys_kernel")
     shape, tensors, strides = _native_args(q, k, v, keys, valid)
     n = q.shape[0]
-    threads = max(1, min(torch.get_num_threads(), ((k.shape[0] - 1) >> RANGE_SHIFT) + 1))
+    parts = native.parts(((k.shape[0] - 1) >> RANGE_SHIFT) + 1)
     delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
-    dqs, dk, dv = [torch.zeros_like(q) for _ in range(threads)], torch.zeros_like(k), torch.zeros_like(v)
-    ptrs = [native.pointer(t) for t in (*tensors, grad, lse, delta)]
-    native.run_parts(lambda t: lib.gtx_keys_backward(*native.ints(t, threads, RANGE_SHIFT, n, k.shape[0], *shape), *ptrs[:5],
-                                                     *native.ints(*strides), *ptrs[5:], *map(native.pointer, (dqs[t], dk, dv))), threads)
-    return sum(dqs[1:], dqs[0]), dk, dv
+    dqs, dk, dv = q.new_zeros(parts, *q.shape), torch.zeros_like(k), torch.zeros_like(v)
+    ptrs = [native.pointer(t) for t in (*tensors, grad, lse, delta, dqs, dk, dv)]
+    native.check(lib.gtx_keys_backward(*native.ints(parts, RANGE_SHIFT, n, k.shape[0], *shape), *ptrs[:5],
+                                       *native.ints(*strides), *ptrs[5:]))
+    return dqs.sum(0), dk, dv
 
 
 def _forward_torch(q, k, v, keys, valid):

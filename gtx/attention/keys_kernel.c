@@ -1,7 +1,8 @@
 /* Token-selection kernels for the CPU, built and loaded by gtx/attention/native.py: attention of each
  * query and head over its selected keys (read where they lie, no gathered copy; scores in a
  * (heads x K) buffer), a top-k choice (a lightning indexer's, or q . k's for topk) and the indexer's
- * KL loss. Each call takes a part of the work (rows or heads) so that several threads share it.
+ * KL loss. Each call splits its work into `parts` (rows or ranges of keys) run on OpenMP threads
+ * (``ON_PARTS``).
  *
  * Layouts (float32, row-major, contiguous): q (n, H, D), k (N, H, D), v (N, H, E), out (n, H, E),
  * lse (n, H), mean_p (n, K) or NULL. keys (int32: a selection holds n x K of them) and valid (uint8)
@@ -11,6 +12,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Runs `call` (an int: nonzero where it could not allocate) for part = 0 .. parts - 1 on OpenMP
+ * threads and returns whether any failed. Built with -fopenmp this library shares the libgomp that
+ * torch loaded (one soname), so the parts run on the team torch's own threads form: threads of our
+ * own competed for the cores with torch's workers, which spin for a while after each op (a
+ * third of the indexer's choice at 4k tokens). Without OpenMP the parts run one after another. */
+#define ON_PARTS(parts, call)                                                             \
+    do {                                                                                  \
+        int failed_ = 0;                                                                  \
+        _Pragma("omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed_)") \
+        for (int64_t part = 0; part < (parts); part++) failed_ |= (call);                 \
+        return failed_;                                                                   \
+    } while (0)
 
 /* e^x to about 2 ulp (Cephes' expf polynomial), 0 below -87: plain arithmetic, so that loops of it
  * vectorize (glibc's expf is a call per element). */
@@ -156,15 +170,14 @@ static inline __attribute__((always_inline)) int keys_forward(int64_t i0, int64_
     return 0;
 }
 
-int gtx_keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
+int gtx_keys_forward(int64_t parts, int64_t n, int64_t H, int64_t K, int64_t D, int64_t E,
                      const float *q, const float *k, const float *v,
                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
                      float *out, float *lse, float *mean_p) {
     if (D == 32 && E == 32)  /* the common head size, its loops unrolled */
-        return keys_forward(i0, i1, H, K, 32, 32, q, k, v, keys, valid, sn, sh, out, lse, mean_p);
-    return keys_forward(i0, i1, H, K, D, E, q, k, v, keys, valid, sn, sh, out, lse, mean_p);
+        ON_PARTS(parts, keys_forward(n * part / parts, n * (part + 1) / parts, H, K, 32, 32, q, k, v, keys, valid, sn, sh, out, lse, mean_p));
+    ON_PARTS(parts, keys_forward(n * part / parts, n * (part + 1) / parts, H, K, D, E, q, k, v, keys, valid, sn, sh, out, lse, mean_p));
 }
-
 /* Query i's kept keys in one range (ks, m of them), head h: each weight recomputed from lse, dk and
  * dv rows added to, dq's row too, once. Where D and E are multiples of 8 up to MAX_DIM the query's
  * q, grad and dq rows stay in registers (added to in memory, a dq row was a chain of dependent
@@ -220,7 +233,7 @@ static inline __attribute__((always_inline)) void query_keys(int64_t i, const in
     }
 }
 
-/* The backward by ranges of 2^shift keys: this call (part of parts) owns ranges part, part + parts, ...
+/* The backward by ranges of 2^shift keys: part (of parts) owns ranges part, part + parts, ...
  * and, per head group (a shared choice, sh = 0: all heads at once; else each head alone), lists the
  * (query, key) pairs whose key falls in them, range by range in query order, then recomputes each
  * pair's weight from lse and adds to dk, dv (N, H, D / E) rows of its own ranges only and to its own
@@ -228,11 +241,11 @@ static inline __attribute__((always_inline)) void query_keys(int64_t i, const in
  * while the queries stream past: read query-major, every kept key was a random read and write of
  * three rows, and beyond the last-level cache (16k tokens) a miss. delta (n, H): the softmax
  * backward's row term, grad . out. */
-int gtx_keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, int64_t N, int64_t H, int64_t K,
-                      int64_t D, int64_t E, const float *q, const float *k, const float *v,
-                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
-                      const float *grad, const float *lse, const float *delta,
-                      float *dq, float *dk, float *dv) {
+static int keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, int64_t N, int64_t H, int64_t K,
+                         int64_t D, int64_t E, const float *q, const float *k, const float *v,
+                         const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                         const float *grad, const float *lse, const float *delta,
+                         float *dq, float *dk, float *dv) {
     int64_t ranges = ((N - 1) >> shift) + 1, owned = ranges > part ? (ranges - part + parts - 1) / parts : 0;
     int64_t groups = sh ? H : 1, width = sh ? 1 : H;
     int64_t *start = malloc(sizeof(int64_t) * (owned + 1)), *slot = malloc(sizeof(int64_t) * ranges);
@@ -275,6 +288,16 @@ int gtx_keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, int
     }
     free(pairs), free(start), free(slot);
     return 0;
+}
+
+/* dqs: (parts, n, H, D), a part's own dq each, zeroed by the caller. */
+int gtx_keys_backward(int64_t parts, int64_t shift, int64_t n, int64_t N, int64_t H, int64_t K,
+                      int64_t D, int64_t E, const float *q, const float *k, const float *v,
+                      const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
+                      const float *grad, const float *lse, const float *delta,
+                      float *dqs, float *dk, float *dv) {
+    ON_PARTS(parts, keys_backward(part, parts, shift, n, N, H, K, D, E, q, k, v, keys, valid, sn, sh, grad, lse, delta,
+                                  dqs + part * n * H * D, dk, dv));
 }
 
 /* A candidate as one integer that orders as (score, key) does: the score's bits made monotone in the
@@ -383,11 +406,11 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
  * slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
  * against tiles of keys, latest tile first, into a buffer of `cap` candidates per row; a full
  * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
- * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. This call
+ * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. Part (of parts)
  * does groups part, part + parts, ... of GROUP rows. */
-int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
-                  const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
-                  int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
+static int top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
+                     const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
+                     int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
     float *dots = malloc(sizeof(float) * GROUP * J * TILE);
     int64_t cap = CANDIDATES * count < MIN_CANDIDATES ? MIN_CANDIDATES : CANDIDATES * count;
     uint64_t *cands = malloc(sizeof(uint64_t) * GROUP * cap);
@@ -449,10 +472,16 @@ int gtx_top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J,
     return 0;
 }
 
+int gtx_top_index(int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
+                  const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
+                  int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
+    ON_PARTS(parts, top_index(part, parts, n, nk, J, d, iq, w, ik_tiles, causal, relu, count, offset, keys, valid));
+}
+
 /* The indexer's KL over the kept keys (DSA's sparse stage), rows [i0, i1): for row t with targets p
  * (n, K) over keys (n, K) (valid (n, K)), I_j = sum_a w(t, a) relu(iq(t, a) . ik(key_j)) (iq (n, J, d),
  * w (n, J), ik (N, d)), loss[t] = sum_j p_j (log p_j - log softmax(I)_j) over the valid j, and its
- * gradients: diq, dw rows written, dik (N, d) added to (a thread's own buffer). */
+ * gradients: diq, dw rows written, dik (N, d) added to (a part's own buffer). */
 static inline __attribute__((always_inline)) int index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
                  const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
                  const float *p, float *loss, float *diq, float *dw, float *dik) {
@@ -517,10 +546,11 @@ static inline __attribute__((always_inline)) int index_kl(int64_t i0, int64_t i1
     return 0;
 }
 
-int gtx_index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
+/* diks: (parts, N, d), a part's own dik each, zeroed by the caller. */
+int gtx_index_kl(int64_t parts, int64_t n, int64_t N, int64_t J, int64_t K, int64_t d,
                  const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
-                 const float *p, float *loss, float *diq, float *dw, float *dik) {
+                 const float *p, float *loss, float *diq, float *dw, float *diks) {
     if (d == 32)  /* the common index size, its loops unrolled */
-        return index_kl(i0, i1, J, K, 32, iq, w, ik, keys, valid, p, loss, diq, dw, dik);
-    return index_kl(i0, i1, J, K, d, iq, w, ik, keys, valid, p, loss, diq, dw, dik);
+        ON_PARTS(parts, index_kl(n * part / parts, n * (part + 1) / parts, J, K, 32, iq, w, ik, keys, valid, p, loss, diq, dw, diks + part * N * d));
+    ON_PARTS(parts, index_kl(n * part / parts, n * (part + 1) / parts, J, K, d, iq, w, ik, keys, valid, p, loss, diq, dw, diks + part * N * d));
 }

@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC"]  # associative math: dot products vectorize
+OPENMP = ["-fopenmp"]  # a kernel's parts on the OpenMP team torch's threads form (the kernels' ON_PARTS)
 
 
 def _cpu_features() -> str:
@@ -51,13 +51,16 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (cc): %s runs on its torch path, several times slower on the CPU", name)
         return None
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, *FLAGS, *OPENMP, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved: concurrent runs never see half a file
             built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([compiler, *FLAGS, *OPENMP, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                log.warning("building %s with OpenMP failed (%s): its parts run one after another", name, compiler)
+                proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
             if proc.returncode != 0:
                 log.warning("building %s failed (%s): it runs on its torch path\n%s", name, compiler, proc.stderr[-2000:])
                 return None
@@ -80,22 +83,12 @@ def ints(*values: int) -> list[ctypes.c_int64]:
     return [ctypes.c_int64(x) for x in values]
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="gtx-native")  # kept: a call costs no thread start
+def parts(n: int) -> int:
+    """How many parts a kernel splits n units of work into: torch's threads, at most n, at least 1."""
+    return max(1, min(torch.get_num_threads(), n))
 
 
-def run_parts(call, parts: int) -> None:
-    """Runs ``call(part)`` for part in range(parts) at once, one thread each; ctypes releases the GIL
-    during a C call, so the parts run in parallel. A kernel returns nonzero when it cannot allocate."""
-    codes = [call(0)] if parts == 1 else list(_pool(parts).map(call, range(parts)))
-    if any(codes):
+def check(code: int) -> None:
+    """A kernel returns nonzero when one of its parts could not allocate its buffers."""
+    if code:
         raise MemoryError("a native kernel could not allocate its buffers")
-
-
-def split_rows(call, n: int, threads: int | None = None) -> None:
-    """Runs ``call(thread, first row, last row + 1)`` on ``threads`` (default torch's) contiguous
-    ranges of n rows at once (``run_parts``)."""
-    threads = max(1, min(threads or torch.get_num_threads(), n))
-    bounds = [n * t // threads for t in range(threads + 1)]
-    run_parts(lambda t: call(t, bounds[t], bounds[t + 1]), threads)
