@@ -242,6 +242,6 @@ def test_the_window_edges_are_shared_by_the_layers_and_kept_for_the_last_few_bat
         q, k, v = (torch.randn(n + 7, 2, 8) for _ in range(3))
         for layer in layers:
             layer(q, k, v, edges)
-            seen.append(id(pattern._cache[("memo", "nsa windows")][("local:w=3", (n, 7), "cpu")]))
+            seen.append(id(pattern._cache[("memo", "nsa windows")][("local:w=3", (n, 7), "cpu")][0]))
     assert seen[0::2] == seen[1::2], "each layer built its own window edges"
     assert [key[1] for key in pattern._cache[("memo", "nsa windows")]] == [(n, 7) for n in range(20 + windows, 20 + 2 * windows)]

@@ -127,6 +127,24 @@ def test_decoder_edges_of_a_shorter_sample_are_the_first_rows_of_the_longest_kep
     assert p.edges("dd", 20, 20)[0].untyped_storage().data_ptr() == p._cache["dd"][1].untyped_storage().data_ptr()
 
 
+def test_encoder_edges_of_many_lengths_are_kept_within_a_byte_budget(monkeypatch):
+    """ee and ed edges are kept per length pair, the most recently used within EDGE_CACHE_BYTES:
+    an encoder task of many lengths (listops' LRA preset) once grew by gigabytes."""
+    from dataclasses import replace
+
+    from gtx.graph import pattern as module
+
+    monkeypatch.setattr(module, "EDGE_CACHE_BYTES", 16 * 3000)  # 3,000 edges
+    p = replace(parse_pattern("local:w=3|strided:l=4"), _cache={})
+    for n in [*range(40, 80), 41]:
+        for stage, n_k in (("ee", n), ("ed", n + 5)):
+            src, dst = p.edges(stage, n, n_k)
+            assert torch.equal(torch.stack([src, dst]), p.dense(stage, n, n_k).nonzero().T.flip(0)), (stage, n)
+    kept = p._cache[("memo", "edges")]
+    assert 16 * sum(edges[0].numel() for edges, _ in kept.values()) <= 16 * 3000
+    assert list(kept)[-2:] == [("ee", 41, 41), ("ed", 41, 46)] and len(kept) < 80
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @SETTINGS
 @given(n_src=st.integers(1, 70), n_tgt=st.integers(1, 70))

@@ -27,6 +27,10 @@ STAGE_NAMES = {"ee": "encoder self-attention", "dd": "decoder self-attention", "
 Rule = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 EdgeFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 _GRID_CHUNK = 1 << 22  # predicate cells evaluated at once: bounds memory for long sequences
+# bytes of encoder (ee) and cross (ed) edges kept per pattern, the most recently used length pairs:
+# kept all, an encoder task of many lengths (listops' LRA preset: 500 to 2000 tokens) grew by
+# gigabytes (bigbird: 10 MB a length)
+EDGE_CACHE_BYTES = 512 << 20
 
 
 def align(q: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
@@ -125,10 +129,8 @@ class Pattern:
                 return src, dst
             rows = int(torch.searchsorted(dst, n_q))
             return src[:rows], dst[:rows]
-        key = (stage, n_q, n_k)
-        if key not in self._cache:
-            self._cache[key] = self._checked(stage, n_q, n_k)
-        return self._cache[key]
+        return self.memo("edges", (stage, n_q, n_k), lambda: self._checked(stage, n_q, n_k), EDGE_CACHE_BYTES,
+                         weigh=lambda edges: 16 * edges[0].numel())
 
     def _checked(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = self._raw_edges(stage, n_q, n_k)
@@ -138,18 +140,21 @@ class Pattern:
             check_prefix(self.spec, stage, n_q, n_k, src, dst, shorter)
         return src, dst
 
-    def memo(self, group: str, key, build: Callable[[], object], size: int):
-        """``build()``, kept with this pattern among the ``size`` most recently used values of its
-        ``group``: what a pattern's run derives per batch (e.g. per lengths) and reuses across layers
-        and steps, cleared with the pattern's edges."""
+    def memo(self, group: str, key, build: Callable[[], object], size: int, weigh: Callable[[object], int] = lambda _: 1):
+        """``build()``, kept with this pattern among the most recently used values of its ``group``
+        whose weights (``weigh``, default 1 each) sum to at most ``size`` (the newest always kept):
+        what a pattern's run derives per batch (e.g. per lengths) and reuses across layers and
+        steps, cleared with the pattern's edges."""
         kept = self._cache.setdefault(("memo", group), OrderedDict())
         if key in kept:
             kept.move_to_end(key)
-        else:
-            kept[key] = build()
-            while len(kept) > size:
-                kept.popitem(last=False)
-        return kept[key]
+            return kept[key][0]
+        value = build()
+        kept[key] = (value, weigh(value))
+        total = sum(w for _, w in kept.values())
+        while total > size and len(kept) > 1:
+            total -= kept.popitem(last=False)[1][1]
+        return value
 
     def structure(self, stage: str, n_q: int, n_k: int) -> str | None:
         """``"complete"`` (every key), ``"causal"`` (n_q == n_k, keys at or before the query) or
