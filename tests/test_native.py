@@ -44,7 +44,8 @@ def test_attention_over_keys_in_several_ranges_agrees_with_the_torch_path(shared
 
 def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
     g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(m, heads, dims[0], generator=g, requires_grad=True) for m in (n, n_keys))
+    q = (torch.randn(n, heads, dims[0], generator=g) * dims[0] ** -0.5).requires_grad_()  # scaled, as attention's: scores of order 1
+    k = torch.randn(n_keys, heads, dims[0], generator=g, requires_grad=True)
     v = torch.randn(n_keys, heads, dims[1], generator=g, requires_grad=True)
     keys = torch.randint(0, n_keys, (n, 1 if shared else heads, count), generator=g)  # count > 8: runs of 8 slots and a rest
     valid = torch.rand(n, 1 if shared else heads, count, generator=g) > 0.3
@@ -132,3 +133,14 @@ def test_a_machine_without_a_compiler_runs_the_torch_path_and_says_so_once(tmp_p
     assert "building keys_kernel failed" in caplog.text and not list(tmp_path.glob("*.so"))
     monkeypatch.setenv("GTX_NATIVE", "0")
     assert native.load.__wrapped__("keys_kernel") is None
+
+
+def test_a_compiler_without_openmp_builds_the_kernels_whose_parts_then_run_in_turn(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GTX_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "OPENMP", ["-fno-such-openmp-flag"])  # the OpenMP build fails
+    with caplog.at_level(logging.WARNING, logger="gtx.attention.native"):
+        lib = native.load.__wrapped__("keys_kernel")
+    assert lib is not None and "with OpenMP failed" in caplog.text
+    monkeypatch.setattr(native, "load", lambda name: lib)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    check_selected_keys(120, 700, 2, 40, True, (32, 32), 3)

@@ -32,6 +32,11 @@ def parse_pattern(spec: str) -> Pattern:
     return _parse_cached(spec.strip(), _state["generation"])
 
 
+def forget_parsed() -> None:
+    """Drop every parsed pattern, and with them their cached edges: the next parse builds anew."""
+    _parse_cached.cache_clear()
+
+
 @lru_cache(maxsize=256)
 def _parse_cached(spec: str, generation: int) -> Pattern:
     if not spec:

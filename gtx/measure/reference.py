@@ -33,7 +33,7 @@ from gtx.attention.model import Dropout, FeedForward, Output, PositionalEncoding
 from gtx.backends import Backend
 from gtx.data.batch import batches, make_batch
 from gtx.graph.pattern import Pattern
-from gtx.graph.spec import _parse_cached, parse_pattern
+from gtx.graph.spec import forget_parsed, parse_pattern
 from gtx.memory import peak_mb, reset_peak
 
 SDPA_CAUSAL, SDPA_MASK, TORCH_TRANSFORMER = "torch SDPA is_causal", "torch SDPA bool mask", "torch.nn"
@@ -273,7 +273,7 @@ def train_cell_memory(cell: TrainCell, steps: int = 3) -> float:
     del trainer
     for pattern in (r.pattern, r.chosen, parse_pattern(cell.pattern)):
         pattern._cache.clear()  # cached edges are the variant's memory: its steps build them again
-    _parse_cached.cache_clear()  # and so are those of patterns it makes for itself (nsa's window)
+    forget_parsed()  # and so are those of patterns it makes for itself (nsa's window)
     base = reset_peak(r.device)
     trainer, _ = cell.build(r)
     for b in data:
