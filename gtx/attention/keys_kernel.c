@@ -64,7 +64,9 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 exp8(v8 x) {
     const v8 zero = {0};
     v8 t = x * 1.44269504088896341f;
-    v8i e = __builtin_convertvector(t, v8i);  /* truncated, then rounded to nearest (masks are -1 where true) */
+    /* truncated, then rounded to nearest (masks are -1 where true); adding and subtracting 1.5 * 2^23
+     * would round in one step, but -fassociative-math folds that away */
+    v8i e = __builtin_convertvector(t, v8i);
     v8 d = t - __builtin_convertvector(e, v8);
     e = e - (d > 0.5f) + (d < -0.5f);
     v8 n = __builtin_convertvector(e, v8);
