@@ -253,7 +253,7 @@ static int keys_backward(int64_t part, int64_t parts, int64_t shift, int64_t n, 
     int64_t *start = malloc(sizeof(int64_t) * (owned + 1)), *slot = malloc(sizeof(int64_t) * ranges);
     int32_t *pairs = NULL;
     if (!start || !slot) return free(start), free(slot), 1;
-    for (int64_t r = 0; r < ranges; r++) slot[r] = r % parts == part ? r / parts + 1 : 0;  /* 0: not this call's */
+    for (int64_t r = 0; r < ranges; r++) slot[r] = r % parts == part ? r / parts + 1 : 0;  /* 0: another part's */
     for (int64_t group = 0; group < groups; group++) {
         const int32_t *gkeys = keys + group * sh;
         const uint8_t *gvalid = valid + group * sh;
