@@ -110,12 +110,19 @@ class SparseIndexed(Trainable):
         those before it). Row blocks are recomputed in the backward (checkpoint), their masks too:
         kept, a block's (rows, keys) mask cost 256 MB a layer at 16k tokens."""
         def block(q_r, iq_r, w_r, k_s, ik_s, r0):
-            hidden = later_keys(r0, r0 + len(q_r), len(k_s), q_r.device)
+            # k_s: the keys up to the block's last row, so only the block's own rows hide keys from
+            # each other: masks over those (rows x rows) columns only, not over every key
+            own = torch.ones(len(q_r), len(q_r), dtype=torch.bool, device=q_r.device).triu_(1)
             with torch.no_grad():  # the target (q, k detached)
-                p = softmax_((q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)).masked_fill_(hidden, float("-inf"))).mean(0)
-            if blocks is not None:  # ik_s: the sample's block index keys; hidden: per block
-                p, hidden = per_block(p, blocks.size), blocks.after(hidden)
-            return kl_to(p, index_scores(iq_r, w_r, ik_s[:p.shape[-1]]), ~hidden)
+                scores = q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)
+                scores[..., r0:].masked_fill_(own, float("-inf"))
+                p = softmax_(scores).mean(0)
+            if blocks is not None:  # ik_s: the sample's block index keys
+                hidden = blocks.after(later_keys(r0, r0 + len(q_r), len(k_s), q_r.device))
+                return kl_to(per_block(p, blocks.size), index_scores(iq_r, w_r, ik_s[:hidden.shape[-1]]), ~hidden)
+            logits = index_scores(iq_r, w_r, ik_s)
+            logits[:, r0:].masked_fill_(own, torch.finfo(logits.dtype).min)  # finite: p is 0 there, and 0 * -inf is NaN
+            return (p * (p.clamp_min(1e-30).log_() - torch.log_softmax(logits, -1))).sum()
 
         total = q.new_zeros(())
         # the last rows first: they see the most keys, so each later block's buffers fit in memory an
