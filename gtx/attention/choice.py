@@ -1,6 +1,6 @@
 """Per query, the best keys by a score, never an n x n matrix: for complete or causal candidates,
 scored in blocks of query rows (torch ops), or on the CPU in float32 on the C kernel
-``keys_kernel.c`` (scores in tiles of keys, a candidate buffer per row with quickselect). Serves
+``index_kernel.c`` (scores in tiles of keys, a candidate buffer per row with quickselect). Serves
 ``topk`` (q.k per head) and DSA's lightning indexer (``gtx.attention.indexer``).
 """
 
@@ -11,8 +11,8 @@ import torch
 from gtx.attention import native
 from gtx.graph.tokens import EdgeSet
 
-TILE = 128  # keys per tile of the C kernel's index keys (keys_kernel.c's TILE)
-GROUP = 32  # query rows the C kernel scores together (keys_kernel.c's GROUP)
+TILE = 128  # keys per tile of the C kernel's index keys (index_kernel.c's TILE)
+GROUP = 32  # query rows the C kernel scores together (index_kernel.c's GROUP)
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def later_keys(r0: int, r1: int, nk: int, device) -> torch.Tensor:
 def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows: int = 512):
     """The ``count`` best keys by q.k per query and head: key ids and valid, (n_dst, H, count), equal
     scores preferring the later key on the C kernel (unspecified in torch ops)."""
-    if native.kernel("keys_kernel", q, k) is None:
+    if native.kernel("index_kernel", q, k) is None:
         def score(block, keys):  # (rows, H, keys seen)
             return (q[block].transpose(0, 1) @ k[keys].permute(1, 2, 0)).transpose(0, 1)
 
@@ -88,7 +88,7 @@ def top_native(iq, w, ik, edges: EdgeSet, count: int, relu: bool = True) -> tupl
     sum_j w(t, j) f(iq(t, j) . ik(s)), f = relu (a lightning indexer) or the identity; iq (n, J, d),
     w (n, J), ik (N, d), float32 on the CPU. Equal scores prefer the later key. Key ids (n, count),
     int32 (the kernels' ids: half the memory of int64), and valid (n, count); invalid slots hold 0."""
-    lib = native.load("keys_kernel")
+    lib = native.load("index_kernel")
     keys = torch.zeros(edges.n_dst, count, dtype=torch.int32)
     valid = torch.zeros(edges.n_dst, count, dtype=torch.bool)
     causal = int(edges.root.structure == "causal")

@@ -4,7 +4,7 @@ token-level learned selection.
 ``I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s))`` for index queries q (n, J, d), weights w (n, J)
 and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
-``keys_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
+``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
 its gradients); elsewhere the same definitions run as torch ops.
 """
 
@@ -39,7 +39,7 @@ def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, to
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
     highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
     kernel) and valid (n, K) (invalid slots hold key 0). No gradient."""
-    if native.kernel("keys_kernel", iq, w, ik) is None:
+    if native.kernel("index_kernel", iq, w, ik) is None:
         return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True)
     return top_native(iq, w, ik, edges, count)
 
@@ -47,7 +47,7 @@ def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, to
 def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
     """sum over queries of KL(p || softmax(I over the kept keys)): targets p (n, K) over keys (n, K)
     (valid (n, K)); gradients reach iq, w and ik only. Never an (n, K, d) copy of index keys."""
-    if native.kernel("keys_kernel", iq, w, ik) is not None:
+    if native.kernel("index_kernel", iq, w, ik) is not None:
         return _IndexKL.apply(p, iq, w, ik, keys, valid)
 
     def block(p_r, iq_r, w_r, ik, keys_r, valid_r):  # the kept keys gathered inside: the backward keeps no (rows, K, d) copy
@@ -65,7 +65,7 @@ class _IndexKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, iq, w, ik, keys, valid):
-        lib = native.load("keys_kernel")
+        lib = native.load("index_kernel")
         iq, w, ik, valid, p = (x.contiguous() for x in (iq, w, ik, valid, p))
         keys = keys.to(torch.int32).contiguous()
         loss, diq, dw = p.new_empty(len(keys)), torch.empty_like(iq), torch.empty_like(w)

@@ -1,8 +1,9 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded through ctypes.
 
-A kernel's source sits beside this module (``<name>.c``); the shared library is cached under
-``$GTX_CACHE`` (default ``~/.cache/gtx``) by the hash of the source, the compiler flags and the CPU's
-features (it is built with ``-march=native``), so a machine builds each version once. Without a
+A kernel's source sits beside this module (``<name>.c``, and the headers it includes); the shared
+library is cached under ``$GTX_CACHE`` (default ``~/.cache/gtx``) by the hash of the sources, the
+compiler flags and the CPU's features (it is built with ``-march=native``), so a machine builds
+each version once. Without a
 compiler, or with ``GTX_NATIVE=0``, ``load`` returns None and the callers use their torch path;
 the reason is logged once.
 """
@@ -51,7 +52,8 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (cc): %s runs on its torch path, several times slower on the CPU", name)
         return None
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *FLAGS, *OPENMP, _cpu_features()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, *FLAGS, *OPENMP, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,260 @@
+/* A lightning indexer's top-k choice (``dsa``; q . k's for ``topk``) and its KL loss over the kept
+ * keys, for the CPU. Each call splits its work into `parts` of rows run on OpenMP threads
+ * (``ON_PARTS``, kernel.h). Layouts as in keys_kernel.c; index queries iq (n, J, d), weights
+ * w (n, J), index keys ik (N, d). */
+#include "kernel.h"
+
+/* A candidate as one integer that orders as (score, key) does: the score's bits made monotone in the
+ * high half (a negative float's bits all flipped, a positive one's sign bit set; -0 taken as +0, as
+ * the float comparison sees it), the key in the low half. Quickselect then moves one array and
+ * compares integers. */
+static inline uint64_t candidate(float score, int64_t key) {
+    uint32_t bits;
+    memcpy(&bits, &score, sizeof bits);
+    bits = bits == 0x80000000u ? 0u : bits;
+    bits ^= (uint32_t)((int32_t)bits >> 31) | 0x80000000u;  /* branch-free, so that a run of them vectorizes */
+    return (uint64_t)bits << 32 | (uint32_t)key;
+}
+
+static inline float candidate_score(uint64_t c) {
+    uint32_t bits = (uint32_t)(c >> 32);
+    bits = bits & 0x80000000u ? bits & 0x7fffffffu : ~bits;
+    float score;
+    memcpy(&score, &bits, sizeof score);
+    return score;
+}
+
+static inline void swap(uint64_t *c, int64_t a, int64_t b) { uint64_t x = c[a]; c[a] = c[b]; c[b] = x; }
+
+#define SAMPLE 31 /* elements a first pivot is chosen from */
+
+/* Reorders c[0, size) so that its best (largest) `count` come first; returns the worst score among
+ * them. Quickselect; its first pivot is the element of a sample whose rank in the sample matches
+ * count's in the whole, so that one or two partitions usually suffice. */
+static float keep_best(uint64_t *c, int64_t size, int64_t count) {
+    int64_t lo = 0, hi = size - 1, mid = size / 2;
+    if (size >= 4 * SAMPLE) {  /* the strided sample's element with `want` better than it: ranks by counting, no branch */
+        int64_t step = size / SAMPLE, want = count * SAMPLE / size;
+        uint64_t sample[SAMPLE];
+        for (int64_t x = 0; x < SAMPLE; x++) sample[x] = c[x * step];
+        for (int64_t x = 0; x < SAMPLE; x++) {
+            int64_t rank = 0;
+            for (int64_t y = 0; y < SAMPLE; y++) rank += sample[y] > sample[x];
+            if (rank == want) mid = x * step;  /* candidates are distinct (their keys differ): one x has it */
+        }
+    }
+    while (lo < hi) {
+        int64_t store = lo;
+        swap(c, mid, hi);  /* the pivot, parked at hi */
+        uint64_t pivot = c[hi];
+        for (int64_t x = lo; x < hi; x++) {  /* branch-free: on random scores a branch would miss half the time */
+            uint64_t y = c[x];
+            c[x] = c[store], c[store] = y;
+            store += y > pivot;
+        }
+        swap(c, store, hi);  /* [lo, store) better than the pivot, now at store */
+        if (store == count - 1 || store == count) break;
+        if (store < count) lo = store + 1; else hi = store - 1;
+        mid = lo + (hi - lo) / 2;
+    }
+    uint64_t worst = UINT64_MAX;
+    for (int64_t x = 0; x < count; x++) worst = c[x] < worst ? c[x] : worst;
+    return candidate_score(worst);
+}
+
+#define GROUP 32 /* query rows scored together, each tile of index keys read once per group: choice.py's GROUP */
+#define TILE 128 /* keys per tile: gtx/attention/choice.py's TILE */
+#define CANDIDATES 4 /* a row's candidate buffer, in multiples of count... */
+#define MIN_CANDIDATES 1024 /* ...and at least this many: a small buffer would fill, and select, too often */
+
+/* out[r * width + s] = q_r . k(s) for `nq` query vectors q (nq, d) and the `width` keys of a tile,
+ * k(s) = column s of k_t (d rows of TILE): 4 vectors x 16 keys at a time, their 8 sums in registers
+ * (independent chains keep the FMA units busy; one vector's 2 would wait on their own latency). */
+static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, int64_t d, int64_t width) {
+    int64_t r = 0;
+    for (; r + 4 <= nq; r += 4) {
+        const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        float *o = out + r * width;
+        int64_t s = 0;
+        for (; s + 16 <= width; s += 16) {
+            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+            for (int64_t c = 0; c < d; c++) {
+                v8 k0 = load8(k_t + c * TILE + s), k1 = load8(k_t + c * TILE + s + 8);
+                a00 += q0[c] * k0, a01 += q0[c] * k1, a10 += q1[c] * k0, a11 += q1[c] * k1;
+                a20 += q2[c] * k0, a21 += q2[c] * k1, a30 += q3[c] * k0, a31 += q3[c] * k1;
+            }
+            memcpy(o + s, &a00, 32), memcpy(o + s + 8, &a01, 32), memcpy(o + width + s, &a10, 32);
+            memcpy(o + width + s + 8, &a11, 32), memcpy(o + 2 * width + s, &a20, 32);
+            memcpy(o + 2 * width + s + 8, &a21, 32), memcpy(o + 3 * width + s, &a30, 32), memcpy(o + 3 * width + s + 8, &a31, 32);
+        }
+        for (; s < width; s++)
+            for (int64_t x = 0; x < 4; x++) {
+                float acc = 0.0f;
+                for (int64_t c = 0; c < d; c++) acc += q[(r + x) * d + c] * k_t[c * TILE + s];
+                o[x * width + s] = acc;
+            }
+    }
+    for (; r < nq; r++)
+        for (int64_t s = 0; s < width; s++) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < d; c++) acc += q[r * d + c] * k_t[c * TILE + s];
+            out[r * width + s] = acc;
+        }
+}
+
+/* A lightning indexer's choice (DSA), for the n query rows of one sample: index queries iq (n, J, d),
+ * weights w (n, J), index keys in tiles of TILE keys transposed, ik_tiles (ceil(nk / TILE), d, TILE). Row t
+ * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) (without the relu where relu = 0: q . k for
+ * top-k attention, J = 1, w = 1) over the keys it sees (s <= t for causal rows, else all nk) and keeps
+ * the `count` best: keys (n, count) as s + offset, valid (n, count); a row that sees fewer leaves
+ * slots invalid (key 0). Equal scores prefer the later key. Rows are scored in groups
+ * against tiles of keys, latest tile first, into a buffer of `cap` candidates per row; a full
+ * buffer keeps its best `count` (quickselect) and their worst score becomes the bar a candidate must
+ * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. Part (of parts)
+ * does groups part, part + parts, ... of GROUP rows. */
+static int top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
+                     const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
+                     int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
+    float *dots = malloc(sizeof(float) * GROUP * J * TILE);
+    int64_t cap = CANDIDATES * count < MIN_CANDIDATES ? MIN_CANDIDATES : CANDIDATES * count;
+    uint64_t *cands = malloc(sizeof(uint64_t) * GROUP * cap);
+    if (!dots || !cands) return free(dots), free(cands), 1;
+    for (int64_t g0 = part * GROUP; g0 < n; g0 += parts * GROUP) {  /* groups dealt round-robin: causal rows grow */
+        int64_t rows = n - g0 < GROUP ? n - g0 : GROUP, size[GROUP], seen[GROUP];
+        float bar[GROUP];
+        for (int64_t r = 0; r < rows; r++) {
+            seen[r] = causal ? (g0 + r + 1 < nk ? g0 + r + 1 : nk) : nk;
+            size[r] = 0, bar[r] = -INFINITY;  /* latest first: an equal score is an earlier key, never better */
+        }
+        int64_t last = seen[rows - 1];
+        for (int64_t s0 = (last - 1) / TILE * TILE; s0 >= 0; s0 -= TILE) {
+            int64_t width = last - s0 < TILE ? last - s0 : TILE;
+            tile_dots(dots, iq + g0 * J * d, rows * J, ik_tiles + s0 * d, d, width);
+            for (int64_t r = 0; r < rows; r++) {
+                float *row = dots + r * J * width;
+                uint64_t *cand = cands + r * cap;
+                for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f || !relu ? row[s] : 0.0f);
+                for (int64_t a = 1; a < J; a++) {
+                    const float *da = row + a * width, wa = w[(g0 + r) * J + a];
+                    for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f || !relu ? da[s] : 0.0f);
+                }
+                int64_t filled = size[r];
+                for (int64_t hi = seen[r] - s0 < width ? seen[r] - s0 : width; hi > 0; hi -= 16) {
+                    int64_t lo = hi > 16 ? hi - 16 : 0, any = 0;
+                    uint64_t packed[16];
+                    if (hi - lo == 16) {  /* once the bar is up, most runs of 16 stop here: two vector comparisons */
+                        v8 b = (v8){0} + bar[r];
+                        v8i pass = (load8(row + lo) > b) | (load8(row + lo + 8) > b);
+                        int64_t lanes[4];
+                        memcpy(lanes, &pass, sizeof lanes);
+                        any = lanes[0] | lanes[1] | lanes[2] | lanes[3];
+                    } else {
+                        for (int64_t s = lo; s < hi; s++) any |= row[s] > bar[r];
+                    }
+                    if (!any) continue;
+                    for (int64_t s = lo; s < hi; s++) packed[s - lo] = candidate(row[s], s0 + s);
+                    for (int64_t s = hi - 1; s >= lo; s--) {
+                        cand[filled] = packed[s - lo];  /* written always, kept if it passes: no branch to miss */
+                        filled += row[s] > bar[r];
+                        if (filled == cap) bar[r] = keep_best(cand, filled, count), filled = count;
+                    }
+                }
+                size[r] = filled;
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            uint64_t *cand = cands + r * cap;
+            int64_t t = g0 + r;
+            if (size[r] > count) keep_best(cand, size[r], count), size[r] = count;
+            for (int64_t j = 0; j < count; j++) {
+                valid[t * count + j] = j < size[r];
+                keys[t * count + j] = j < size[r] ? (int64_t)(uint32_t)cand[j] + offset : 0;
+            }
+        }
+    }
+    free(dots), free(cands);
+    return 0;
+}
+
+int gtx_top_index(int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
+                  const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
+                  int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
+    ON_PARTS(parts, top_index(part, parts, n, nk, J, d, iq, w, ik_tiles, causal, relu, count, offset, keys, valid));
+}
+
+/* The indexer's KL over the kept keys (DSA's sparse stage), rows [i0, i1): for row t with targets p
+ * (n, K) over keys (n, K) (valid (n, K)), I_j = sum_a w(t, a) relu(iq(t, a) . ik(key_j)) (iq (n, J, d),
+ * w (n, J), ik (N, d)), loss[t] = sum_j p_j (log p_j - log softmax(I)_j) over the valid j, and its
+ * gradients: diq, dw rows written, dik (N, d) added to (a part's own buffer). */
+static inline __attribute__((always_inline)) int index_kl(int64_t i0, int64_t i1, int64_t J, int64_t K, int64_t d,
+                 const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
+                 const float *p, float *loss, float *diq, float *dw, float *dik) {
+    float *dots = malloc(sizeof(float) * (J + 1) * K), *score = dots + J * K;
+    if (!dots) return 1;
+    for (int64_t t = i0; t < i1; t++) {
+        const int32_t *key = keys + t * K;
+        const uint8_t *ok = valid + t * K;
+        const float *pt = p + t * K, *wt = w + t * J, *qt = iq + t * J * d;
+        float m = -INFINITY, z = 0.0f, mass = 0.0f, l = 0.0f;
+        for (int64_t a = 0; a < J; a++) slot_dots(dots + a * K, qt + a * d, ik, key, 0, 0, 1, 1, K, d);
+        for (int64_t j = 0; j < K; j++) {
+            score[j] = 0.0f;
+            for (int64_t a = 0; a < J; a++) score[j] += wt[a] * (dots[a * K + j] > 0.0f ? dots[a * K + j] : 0.0f);
+            if (ok[j] && score[j] > m) m = score[j];
+        }
+        loss[t] = 0.0f;
+        if (m == -INFINITY) {  /* no valid key: nothing to fit */
+            for (int64_t x = 0; x < J * d; x++) diq[t * J * d + x] = 0.0f;
+            for (int64_t a = 0; a < J; a++) dw[t * J + a] = 0.0f;
+            continue;
+        }
+        for (int64_t j = 0; j < K; j++)
+            if (ok[j]) z += exp_approx(score[j] - m), mass += pt[j];
+        float lse = m + logf(z);
+        for (int64_t j = 0; j < K; j++) {  /* score[j] becomes d loss / d I_j (0 for an invalid slot) */
+            if (ok[j] && pt[j] > 0.0f) l += pt[j] * (logf(pt[j]) - (score[j] - lse));
+            score[j] = ok[j] ? exp_approx(score[j] - lse) * mass - pt[j] : 0.0f;
+        }
+        for (int64_t a = 0; a < J; a++) {
+            const float *qa = qt + a * d, *xa = dots + a * K;
+            float *diqa = diq + (t * J + a) * d, dwa = 0.0f;
+            if (d % 8 || d > MAX_DIM) {
+                for (int64_t x = 0; x < d; x++) diqa[x] = 0.0f;
+                for (int64_t j = 0; j < K; j++) {
+                    float ga = xa[j] > 0.0f ? score[j] * wt[a] : 0.0f;  /* through the relu */
+                    dwa += xa[j] > 0.0f ? score[j] * xa[j] : 0.0f;
+                    axpy(diqa, ga, ik + (int64_t)key[j] * d, d);
+                    axpy(dik + (int64_t)key[j] * d, ga, qa, d);
+                }
+            } else {
+                v8 qv[MAX_DIM / 8], acc[MAX_DIM / 8];  /* diq's row in registers: added to in memory, a chain of dependent stores */
+                for (int64_t c = 0; c < d / 8; c++) qv[c] = load8(qa + 8 * c), acc[c] = (v8){0};
+                for (int64_t j = 0; j < K; j++) {  /* branch-free: the relu passes about half the keys, unpredictably */
+                    float ga = xa[j] > 0.0f ? score[j] * wt[a] : 0.0f;
+                    dwa += xa[j] > 0.0f ? score[j] * xa[j] : 0.0f;
+                    const float *row = ik + (int64_t)key[j] * d;
+                    float *drow = dik + (int64_t)key[j] * d;
+                    for (int64_t c = 0; c < d / 8; c++) {
+                        v8 x = load8(drow + 8 * c) + ga * qv[c];
+                        acc[c] += ga * load8(row + 8 * c);
+                        memcpy(drow + 8 * c, &x, sizeof x);
+                    }
+                }
+                memcpy(diqa, acc, sizeof(float) * d);
+            }
+            dw[t * J + a] = dwa;
+        }
+        loss[t] = l;
+    }
+    free(dots);
+    return 0;
+}
+
+/* diks: (parts, N, d), a part's own dik each, zeroed by the caller. */
+int gtx_index_kl(int64_t parts, int64_t n, int64_t N, int64_t J, int64_t K, int64_t d,
+                 const float *iq, const float *w, const float *ik, const int32_t *keys, const uint8_t *valid,
+                 const float *p, float *loss, float *diq, float *dw, float *diks) {
+    if (d == 32)  /* the common index size, its loops unrolled */
+        ON_PARTS(parts, index_kl(n * part / parts, n * (part + 1) / parts, J, K, 32, iq, w, ik, keys, valid, p, loss, diq, dw, diks + part * N * d));
+    ON_PARTS(parts, index_kl(n * part / parts, n * (part + 1) / parts, J, K, d, iq, w, ik, keys, valid, p, loss, diq, dw, diks + part * N * d));
+}
