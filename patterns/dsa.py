@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
 from gtx.attention.choice import later_keys, query_blocks, softmax_
-from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_to, top_indexed
+from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_masked, kl_to, top_indexed
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
@@ -121,8 +121,8 @@ class SparseIndexed(Trainable):
                 hidden = blocks.after(later_keys(r0, r0 + len(q_r), len(k_s), q_r.device))
                 return kl_to(per_block(p, blocks.size), index_scores(iq_r, w_r, ik_s[:hidden.shape[-1]]), ~hidden)
             logits = index_scores(iq_r, w_r, ik_s)
-            logits[:, r0:].masked_fill_(own, torch.finfo(logits.dtype).min)  # finite: p is 0 there, and 0 * -inf is NaN
-            return (p * (p.clamp_min(1e-30).log_() - torch.log_softmax(logits, -1))).sum()
+            logits[:, r0:].masked_fill_(own, torch.finfo(logits.dtype).min)  # p is 0 there already
+            return kl_masked(p, logits)
 
         total = q.new_zeros(())
         # the last rows first: they see the most keys, so each later block's buffers fit in memory an

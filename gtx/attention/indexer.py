@@ -30,9 +30,13 @@ def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.T
 
 def kl_to(target: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """sum over rows of KL(target || softmax(logits)) over the ``valid`` entries."""
-    logq = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), -1)
-    p = target.masked_fill(~valid, 0.0)
-    return (p * (torch.log(p.clamp_min(1e-30)) - logq.masked_fill(~valid, 0.0))).sum()
+    return kl_masked(target.masked_fill(~valid, 0.0), logits.masked_fill(~valid, torch.finfo(logits.dtype).min))
+
+
+def kl_masked(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """sum over rows of KL(p || softmax(logits)), where an entry left out has p = 0 and the logit
+    finfo.min: finite, so that its 0 x log q is 0 (with -inf it is NaN) and no mask is needed after."""
+    return (p * (p.clamp_min(1e-30).log_() - torch.log_softmax(logits, -1))).sum()
 
 
 def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, torch.Tensor]:
