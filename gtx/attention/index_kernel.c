@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) int index_kl(int64_t i0, int64_t i1
         const uint8_t *ok = valid + t * K;
         const float *pt = p + t * K, *wt = w + t * J, *qt = iq + t * J * d;
         float m = -INFINITY, z = 0.0f, mass = 0.0f, l = 0.0f;
-        for (int64_t a = 0; a < J; a++) slot_dots(dots + a * K, qt + a * d, ik, key, 0, 0, 1, 1, K, d);
+        for (int64_t a = 0; a < J; a++) slot_dots(dots + a * K, qt + a * d, ik, key, 0, 1, K, d);
         for (int64_t j = 0; j < K; j++) {
             score[j] = 0.0f;
             for (int64_t a = 0; a < J; a++) score[j] += wt[a] * (dots[a * K + j] > 0.0f ? dots[a * K + j] : 0.0f);

@@ -54,32 +54,6 @@ static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-/* exp_approx of 8 lanes at once. */
-static inline v8 exp8(v8 x) {
-    const v8 zero = {0};
-    v8 t = x * 1.44269504088896341f;
-    /* truncated, then rounded to nearest (masks are -1 where true); adding and subtracting 1.5 * 2^23
-     * would round in one step, but -fassociative-math folds that away */
-    v8i e = __builtin_convertvector(t, v8i);
-    v8 d = t - __builtin_convertvector(e, v8);
-    e = e - (d > 0.5f) + (d < -0.5f);
-    v8 n = __builtin_convertvector(e, v8);
-    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
-            + 1.6666665459e-1f) * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    v8i floor = e < -126;
-    v8i bits = ((e & ~floor) + (-126 & floor) + 127) << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    v8i out, keep = x >= zero - 87.0f;
-    y *= scale;
-    memcpy(&out, &y, sizeof out);
-    out &= keep;  /* 0 below -87 */
-    memcpy(&y, &out, sizeof y);
-    return y;
-}
-
 /* Pairwise sums within each half: (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7). */
 static inline v8 pair_sums(v8 a, v8 b) {
     return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
@@ -95,17 +69,17 @@ static inline v8 lane_sums(const v8 *a) {
 #define MAX_DIM 64 /* head sizes up to this (multiples of 8) keep a query's rows in registers */
 #define AHEAD 8 /* keys prefetched ahead: a selected key's row is a random read */
 
-/* out[h * K + j] = a_h . x(key j, h) for heads [h0, h1) and slots [0, K) of one query: a (H, d) its
+/* out[h * K + j] = a_h . x(key j, h) for the H heads and slots [0, K) of one query: a (H, d) its
  * rows, x (N, H, d), key its slots (head stride sh). Slots in runs of 8, heads inside a run (a shared
  * key is one contiguous row, read once from memory); where d is a multiple of 8, a run's 8 dot
  * products are summed lane-wise and reduced together (``lane_sums``). */
 static inline __attribute__((always_inline)) void slot_dots(float *out, const float *a, const float *x, const int32_t *key, int64_t sh,
-                      int64_t h0, int64_t h1, int64_t H, int64_t K, int64_t d) {
+                                                            int64_t H, int64_t K, int64_t d) {
     int64_t j = 0;
     if (d % 8 == 0)
         for (; j + 8 <= K; j += 8) {
-            for (int64_t y = j + AHEAD; y < j + AHEAD + 8 && y < K; y++) prefetch_row(x + ((int64_t)key[y] * H + h0) * d, (h1 - h0) * d);
-            for (int64_t h = h0; h < h1; h++) {
+            for (int64_t y = j + AHEAD; y < j + AHEAD + 8 && y < K; y++) prefetch_row(x + (int64_t)key[y] * H * d, H * d);
+            for (int64_t h = 0; h < H; h++) {
                 const float *ah = a + h * d, *row[8];
                 v8 acc[8] = {{0}};
                 for (int64_t y = 0; y < 8; y++) row[y] = x + ((int64_t)key[h * sh + j + y] * H + h) * d;
@@ -118,7 +92,7 @@ static inline __attribute__((always_inline)) void slot_dots(float *out, const fl
             }
         }
     for (; j < K; j++)
-        for (int64_t h = h0; h < h1; h++) out[h * K + j] = dot(a + h * d, x + ((int64_t)key[h * sh + j] * H + h) * d, d);
+        for (int64_t h = 0; h < H; h++) out[h * K + j] = dot(a + h * d, x + ((int64_t)key[h * sh + j] * H + h) * d, d);
 }
 
 #endif

@@ -8,6 +8,32 @@
  * the heads), K contiguous. q arrives scaled: a score is q . k. */
 #include "kernel.h"
 
+/* exp_approx of 8 lanes at once. */
+static inline v8 exp8(v8 x) {
+    const v8 zero = {0};
+    v8 t = x * 1.44269504088896341f;
+    /* truncated, then rounded to nearest (masks are -1 where true); adding and subtracting 1.5 * 2^23
+     * would round in one step, but -fassociative-math folds that away */
+    v8i e = __builtin_convertvector(t, v8i);
+    v8 d = t - __builtin_convertvector(e, v8);
+    e = e - (d > 0.5f) + (d < -0.5f);
+    v8 n = __builtin_convertvector(e, v8);
+    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
+            + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    v8i floor = e < -126;
+    v8i bits = ((e & ~floor) + (-126 & floor) + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    v8i out, keep = x >= zero - 87.0f;
+    y *= scale;
+    memcpy(&out, &y, sizeof out);
+    out &= keep;  /* 0 below -87 */
+    memcpy(&y, &out, sizeof y);
+    return y;
+}
+
 static inline __attribute__((always_inline)) int keys_forward(int64_t i0, int64_t i1, int64_t H, int64_t K, int64_t D, int64_t E,
                                                               const float *q, const float *k, const float *v,
                                                               const int32_t *keys, const uint8_t *valid, int64_t sn, int64_t sh,
@@ -17,7 +43,7 @@ static inline __attribute__((always_inline)) int keys_forward(int64_t i0, int64_
     for (int64_t i = i0; i < i1; i++) {
         const int32_t *key = keys + i * sn;
         const uint8_t *ok = valid + i * sn;
-        slot_dots(p, q + i * H * D, k, key, sh, 0, H, H, K, D);
+        slot_dots(p, q + i * H * D, k, key, sh, H, K, D);
         for (int64_t h = 0; h < H; h++) {  /* softmax weights (0 for an invalid slot) and lse */
             float *ph = p + h * K, m = -INFINITY, z = 0.0f;
             for (int64_t j = 0; j < K; j++) ph[j] = ok[h * sh + j] ? ph[j] : -INFINITY, m = ph[j] > m ? ph[j] : m;

@@ -3,9 +3,8 @@
 A kernel's source sits beside this module (``<name>.c``, and the headers it includes); the shared
 library is cached under ``$GTX_CACHE`` (default ``~/.cache/gtx``) by the hash of the sources, the
 compiler flags and the CPU's features (it is built with ``-march=native``), so a machine builds
-each version once. Without a
-compiler, or with ``GTX_NATIVE=0``, ``load`` returns None and the callers use their torch path;
-the reason is logged once.
+each version once. Without a compiler, or with ``GTX_NATIVE=0``, ``load`` returns None and the
+callers use their torch path; the reason is logged once.
 """
 
 from __future__ import annotations
