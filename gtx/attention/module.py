@@ -145,7 +145,21 @@ class Attention(torch.nn.Module):
         return out
 
     def forward(self, q, k, v, edges: EdgeSet, trainable=None):
-        """``trainable``: a layer's own trainable attention (``for_layer``), else this module's."""
+        """``trainable``: a layer's own trainable attention (``for_layer``), else this module's.
+
+        Under ``torch.autocast`` the attention runs outside it, on inputs of one dtype: plain
+        patterns in the autocast dtype (SDPA's and FlexAttention's kernels take it), content-chosen
+        and trainable ones in float32 (their own kernels and choices assume it); the output is
+        returned in the autocast dtype."""
+        device = q.device.type
+        if not torch.is_autocast_enabled(device):
+            return self._forward(q, k, v, edges, trainable)
+        fast = torch.get_autocast_dtype(device)
+        dtype = fast if edges.pattern is None or edges.pattern.plain else torch.float32
+        with torch.autocast(device, enabled=False):
+            return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), edges, trainable).to(fast)
+
+    def _forward(self, q, k, v, edges: EdgeSet, trainable=None):
         pattern = edges.pattern
         if pattern is None or pattern.plain:
             self.flops += 2 * edges.num_edges * q.shape[1] * (q.shape[2] + v.shape[2])

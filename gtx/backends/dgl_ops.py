@@ -2,7 +2,7 @@
 
 import torch
 
-from gtx.backends import Backend
+from gtx.backends import Backend, float32_sums
 from gtx.backends.dgl_compat import dgl_error, import_dgl
 
 
@@ -34,6 +34,7 @@ class DGLBackend(Backend):
                 return f"this dgl build cannot use {device} ({type(e).__name__}: {e}); install a CUDA build of dgl"
         return None
 
+    @float32_sums
     def __call__(self, q, k, v, edges, bias=None):
         dgl = import_dgl()
         from dgl.nn.functional import edge_softmax
@@ -70,6 +71,7 @@ class DGLSeedBackend(DGLBackend):
     name = "dgl-seed"
     supports_bias = False  # the seeds' formulation, kept as it was
 
+    @float32_sums
     def __call__(self, q, k, v, edges):
         """The tutorial's ``propagate_attention``, kept to measure the speed-up over the seeds in the
         same run: Python UDFs for the score and the exp, built-in message passing for the sums. One

@@ -5,7 +5,7 @@ Memory O(E * H * D): one message per edge is materialised. Simple and portable, 
 
 import torch
 
-from gtx.backends import Backend
+from gtx.backends import Backend, float32_sums
 
 
 class TorchBackend(Backend):
@@ -14,6 +14,7 @@ class TorchBackend(Backend):
     name = "torch"
     supports_bias = True
 
+    @float32_sums
     def __call__(self, q, k, v, edges, bias=None):
         src, dst = edges.src, edges.dst
         n_dst, heads = q.shape[0], q.shape[1]

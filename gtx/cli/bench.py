@@ -38,7 +38,8 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
 @click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
 @click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Sequence lengths, comma-separated.")
 @click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True,
-              help="Backends, comma-separated; sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask), for reference.")
+              help="Backends, comma-separated; for reference, sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask) "
+                   "and flexattention (CUDA) FlexAttention called directly with the flex backend's BlockMask.")
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
@@ -56,7 +57,7 @@ def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, devic
     names = csv_list(backends)
     dev = resolve_device(device)
     for name in names:
-        if name != gtx_bench.SDPA:  # plain torch, for reference: not a gtx backend
+        if name not in gtx_bench.REFERENCE_CELLS:  # plain torch, for reference: not a gtx backend
             BACKENDS.get(name)
     specs = [parse_pattern(p).spec for p in patterns]
     sizes = [int(n) for n in csv_list(lengths)]

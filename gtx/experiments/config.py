@@ -15,7 +15,7 @@ from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
 from gtx.experiments.results import identity_keys
-from gtx.experiments.train import PhaseStats, TrainConfig
+from gtx.experiments.train import PhaseStats, TrainConfig, check_precision
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
@@ -173,6 +173,7 @@ def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
     device = resolve_device(config.device)
+    check_precision(c.train.precision)
     check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     tokenizer = getattr(c.model_entry.obj, "tokenizer", None)

@@ -179,7 +179,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                 say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)")
             # every rank evaluates the whole split: no coordination, and every rank's model is the same
             valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
-                             decode_limit=r.train.decode_valid)
+                             decode_limit=r.train.decode_valid, precision=r.train.precision)
             new.append(_row(common, epoch, "valid", valid, attention))
             rows += new
             best_now = new[-1]["loss"] < best
@@ -198,7 +198,8 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
             say(f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
                 + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
         beam = getattr(r.task_config, "beam", 1)
-        test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam)
+        test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam,
+                    precision=r.train.precision)
         rows.append(_row(common, last, "test", test, attention))
         if world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
             write_run(results_dir, run_id, rows)
@@ -263,7 +264,7 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
     model, r, attention = trained_model(path, state, config)
     source = json.loads(state["common"])
     stats = evaluate(model, r.task, batches(r.task, split, r.pattern, r.train.eval_batch_size), r.pattern, r.device,
-                     beam=beam or getattr(r.task_config, "beam", 1))
+                     beam=beam or getattr(r.task_config, "beam", 1), precision=r.train.precision)
     run_id, started = _new_run_id(config.task, config.model, "-eval")
     setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"]}
     common = {**source, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),

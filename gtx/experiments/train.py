@@ -37,6 +37,28 @@ class TrainConfig:
     label_smoothing: float = setting(0.1, range="[0, 1)")
     clip_norm: float = setting(1.0, "gradient norm clip (0: off)", "[0, inf)")
     decode_valid: int = setting(-1, "valid examples decoded per epoch for seq_acc (-1: all, 0: none)", "[-1, inf)")
+    precision: str = setting("float32", "float32, or bfloat16: autocast, matrix products and attention in bfloat16, weights, "
+                                        "optimizer and losses in float32")
+
+
+PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+def check_precision(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a ``precision`` setting (None: float32 throughout)."""
+    if precision not in PRECISIONS:
+        raise GtxError(f"--set precision={precision}: choose {' or '.join(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+def forward_pass(model, batch: Batch, device: torch.device, precision: str):
+    """The model's output on ``batch`` at ``precision`` (bfloat16: under ``torch.autocast``); its
+    logits in float32 either way, so that losses and accuracies are computed alike."""
+    dtype = check_precision(precision)
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        out = model(batch)
+    out.logits = out.logits.float()
+    return out
 
 
 def noam_lr(step: int, dim: int, factor: float, warmup: int) -> float:
@@ -198,7 +220,7 @@ class Trainer:
                 batch = batch.to(self.device)
                 if attention is not None:
                     attention.begin_step(self.step)
-                out = self.forward(batch)
+                out = forward_pass(self.forward, batch, self.device, c.precision)
                 if self.task:  # plain-torch references in benchmarks train without a task
                     checks.model_output(self.model, out, len(batch.targets), len(self.task.tgt_vocab))
                 # sum over this rank's scored targets / the global count (x ranks: DDP averages): the global mean's gradient
@@ -244,7 +266,7 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: Pattern, device: torch.device,
-             decode_limit: int = -1, beam: int = 1) -> PhaseStats:
+             decode_limit: int = -1, beam: int = 1, precision: str = "float32") -> PhaseStats:
     """Teacher-forced loss and token accuracy over the batches, and the task's phase metrics; for
     seq2seq tasks then decode up to ``decode_limit`` examples (-1: all) for sequence accuracy and
     the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
@@ -257,7 +279,7 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
         for batch in batches:
             batch = batch.to(device)
             with FlopCount(model) as flops:  # the teacher-forced pass alone: decoding is timed and costed apart
-                out = model(batch)
+                out = forward_pass(model, batch, device, precision)
             stats.flops += flops.total
             stats.attn_flops += flops.attention
             checks.model_output(model, out, len(batch.targets), len(task.tgt_vocab))

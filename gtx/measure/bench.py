@@ -5,7 +5,8 @@ process's peak RSS; CUDA: peak allocated) belongs to that cell alone, and cells 
 other's caches. Times are medians of ``repeats`` after ``warmup`` calls, forward + backward; the
 first call, which builds the backend's plan for the edge set, is reported as ``first_ms``. The
 pseudo-backend ``sdpa`` (``SDPA``) is plain torch for reference: scaled_dot_product_attention on
-(1, H, n, D) tensors, ``is_causal``, unmasked or with a bool mask, whichever the pattern needs.
+(1, H, n, D) tensors, ``is_causal``, unmasked or with a bool mask, whichever the pattern needs;
+``flexattention`` (CUDA) is FlexAttention called directly with the BlockMask of the ``flex`` backend.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _sync(device: torch.device) -> None:
 
 
 SDPA = "sdpa"  # bench attention's plain-torch row (not a gtx backend): what a user would write instead
+FLEXATTENTION = "flexattention"  # ... and FlexAttention called directly with flex's BlockMask (CUDA)
 
 
 def sdpa_mode(edges) -> str:
@@ -112,9 +114,34 @@ def _sdpa_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Gene
     return step, lambda: mode
 
 
+def _flexattention_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
+    """(step, choice) of the ``flexattention`` row: torch's FlexAttention, compiled, called directly on
+    (1, H, n, D) inputs with the BlockMask that gtx's ``flex`` backend builds for the edges: what the
+    ``flex`` rows cost beyond FlexAttention itself."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from gtx.backends.flex import block_mask
+
+    mask = block_mask(edges)
+    shape = (1, cell.heads, cell.n, cell.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, generator=gen).to(device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        compiled(q, k, v, block_mask=mask).backward(grad)
+
+    return step, lambda: "BlockMask"
+
+
+REFERENCE_CELLS = {SDPA: _sdpa_cell, FLEXATTENTION: _flexattention_cell}
+
+
 def run_attention_cell(cell: AttentionCell) -> dict:
     """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
-    one sequence of n tokens; backend ``sdpa`` (``SDPA``) is plain torch for reference."""
+    one sequence of n tokens; backends ``sdpa`` and ``flexattention`` (``REFERENCE_CELLS``) are plain
+    torch for reference."""
     from gtx.graph.spec import parse_pattern
     from gtx.graph.tokens import EdgeSet
     from gtx.plugins.registry import load_plugins
@@ -124,7 +151,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
     edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
     gen = torch.Generator(device="cpu").manual_seed(0)
-    step, choice = (_sdpa_cell if cell.backend == SDPA else _gtx_cell)(cell, edges, device, gen)
+    step, choice = REFERENCE_CELLS.get(cell.backend, _gtx_cell)(cell, edges, device, gen)
     base = reset_peak(device)  # after the set-up's warm-up call: the peak is the steps' own
 
     def timed():

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# gtx on one CUDA GPU, in one go: the `cuda` test suite, then `gtx bench attention` and `gtx bench
+# train` beside plain torch (SDPA is_causal, FlexAttention called directly) and the attention-free
+# ceiling. Each phase writes its logs into OUT and has a time limit, so that a phase that runs long
+# costs only itself; OUT/attention.csv and OUT/train.csv gather the tables.
+#
+#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,attention,train
+#
+# Runs from a checkout without installing it (PYTHONPATH), on the machine's own torch; dgl is not
+# needed (its backends report themselves unavailable). Environment: LENGTHS (attention, default
+# 4096,16384), LONG (one more length for the sparse patterns, default 65536; empty: none),
+# TRAIN_LENGTHS (default 4096,16384; peak memory at the last, in bfloat16), PRECISIONS (default float32,bfloat16), TESTS_LIMIT,
+# ATTENTION_LIMIT and TRAIN_LIMIT (seconds per command).
+set -uo pipefail
+out=$(realpath -m "${1:?usage: bash bench/gpu.sh OUT [PHASES]}")
+phases=${2:-tests,attention,train}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GTX_LOAD_PLUGINS=""
+py=${PYTHON:-python3}
+has() { [[ ",$phases," == *",$1,"* ]]; }
+started=$SECONDS
+stamp() { echo "== $1 ($((SECONDS - started)) s)"; }
+
+stamp "machine"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  git log -1 --format='commit %H %cs' 2>/dev/null; date -u +'date %F %T UTC'; } 2>&1 | tee "$out/machine.txt"
+
+if has tests; then
+  stamp "cuda tests"
+  rm -f "$out/cuda-errors.csv"
+  GTX_CUDA_REPORT="$out/cuda-errors.csv" timeout "${TESTS_LIMIT:-240}" "$py" -m pytest -m cuda tests/test_cuda.py -p no:cacheprovider \
+    -v --durations=8 2>&1 | tee "$out/cuda-tests.log" | grep -v PASSED | tail -40
+fi
+
+if has attention; then
+  lengths=${LENGTHS:-4096,16384}
+  long=${LONG-65536}
+  limit=${ATTENTION_LIMIT:-150}
+  stamp "bench attention: causal"
+  timeout "$limit" "$py" -m gtx.cli bench attention --pattern causal --lengths "$lengths" --backends sdpa,auto,flex,flexattention \
+    --no-plot --format csv --results "$out/r" > "$out/attention-causal.log" 2>&1
+  pkill -f gtx.measure.bench  # a cell a timeout left running
+  stamp "bench attention: sparse"
+  timeout "$limit" "$py" -m gtx.cli bench attention --pattern local:w=256 --pattern bigbird --pattern "local:w=128|strided:l=128" \
+    --lengths "$lengths${long:+,$long}" --backends sdpa,auto,flex,flexattention --no-plot --format csv --results "$out/r" \
+    > "$out/attention-sparse.log" 2>&1
+  pkill -f gtx.measure.bench
+  grep -h " ms " "$out"/attention-*.log
+fi
+
+if has train; then
+  for precision in $(echo "${PRECISIONS:-float32,bfloat16}" | tr , ' '); do
+    for n in $(echo "${TRAIN_LENGTHS:-4096,16384}" | tr , ' '); do
+      stamp "bench train: $precision, $n tokens"
+      memory=--no-memory  # peak memory (a fresh process per row) where it matters: the longest length in bfloat16
+      [[ $precision == bfloat16 && $n == "${TRAIN_LENGTHS##*,}" ]] && memory=--memory
+      timeout "${TRAIN_LIMIT:-100}" "$py" -m gtx.cli bench train --task text --model lm --backends auto --steps 3 --rounds 2 $memory \
+        --set layers=2 --set heads=4 --set dim=128 --set dim_ff=512 --set batch_size=1 --set context="$n" --set precision="$precision" \
+        --pattern causal --pattern local:w=256 --pattern moba:b=64,k=4 --pattern nsa --pattern dsa:warmup=0 \
+        --format csv --results "$out/r" > "$out/train-$precision-$n.log" 2>&1
+      pkill -f gtx.measure.reference
+      grep -v "^round" "$out/train-$precision-$n.log" | tail -14
+    done
+  done
+fi
+
+# one CSV per benchmark kind, from the tables the commands saved
+"$py" - "$out" <<'PY'
+import glob, sys
+import pandas as pd
+for kind in ("attention", "train"):
+    tables = [pd.read_csv(p) for p in sorted(glob.glob(f"{sys.argv[1]}/r/bench/{kind}-*.csv"))]
+    if tables:
+        pd.concat(tables).to_csv(f"{sys.argv[1]}/{kind}.csv", index=False)
+PY
+stamp "done"
