@@ -8,9 +8,11 @@
 #
 # Runs from a checkout without installing it (PYTHONPATH), on the machine's own torch; dgl is not
 # needed (its backends report themselves unavailable). Environment: LENGTHS (attention, default
-# 4096,16384), LONG (one more length for the sparse patterns, default 65536; empty: none),
-# TRAIN_LENGTHS (default 4096,16384; peak memory at the last, in bfloat16), PRECISIONS (default float32,bfloat16), TESTS_LIMIT,
-# ATTENTION_LIMIT and TRAIN_LIMIT (seconds per command).
+# 4096,16384), LONG (one more length for the sparse patterns, default 65536; empty: none), PATTERNS
+# (separated by ';'), TRAIN_RUNS (precision:length pairs, default every pair of float32 or bfloat16
+# and 4096 or 16384; the last also measures peak memory), BASELINE (train: --baseline adds the
+# plain-torch rows, default --no-baseline), and seconds per command: TESTS_LIMIT, ATTENTION_LIMIT
+# (per pattern), TRAIN_LIMIT (per run).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash bench/gpu.sh OUT [PHASES]}")
 phases=${2:-tests,attention,train}
@@ -37,32 +39,30 @@ fi
 if has attention; then
   lengths=${LENGTHS:-4096,16384}
   long=${LONG-65536}
-  limit=${ATTENTION_LIMIT:-150}
-  stamp "bench attention: causal"
-  timeout "$limit" "$py" -m gtx.cli bench attention --pattern causal --lengths "$lengths" --backends sdpa,auto,flex,flexattention \
-    --no-plot --format csv --results "$out/r" > "$out/attention-causal.log" 2>&1
-  pkill -f gtx.measure.bench  # a cell a timeout left running
-  stamp "bench attention: sparse"
-  timeout "$limit" "$py" -m gtx.cli bench attention --pattern local:w=256 --pattern bigbird --pattern "local:w=128|strided:l=128" \
-    --lengths "$lengths${long:+,$long}" --backends sdpa,auto,flex,flexattention --no-plot --format csv --results "$out/r" \
-    > "$out/attention-sparse.log" 2>&1
-  pkill -f gtx.measure.bench
-  grep -h " ms " "$out"/attention-*.log
+  IFS=';' read -ra patterns <<< "${PATTERNS:-causal;local:w=256;bigbird;local:w=128|strided:l=128}"
+  for pattern in "${patterns[@]}"; do
+    stamp "bench attention: $pattern"
+    n=$lengths; [[ $pattern != causal ]] && n="$lengths${long:+,$long}"  # causal's edges at 65536 would be 2^31 pairs
+    timeout "${ATTENTION_LIMIT:-120}" "$py" -m gtx.cli bench attention --pattern "$pattern" --lengths "$n" \
+      --backends sdpa,auto,flex,flexattention --no-plot --format csv --results "$out/r" >> "$out/attention.log" 2>&1
+    pkill -f gtx.measure.bench  # a cell a timeout left running
+  done
+  grep -h " ms " "$out/attention.log"
 fi
 
 if has train; then
-  for precision in $(echo "${PRECISIONS:-float32,bfloat16}" | tr , ' '); do
-    for n in $(echo "${TRAIN_LENGTHS:-4096,16384}" | tr , ' '); do
-      stamp "bench train: $precision, $n tokens"
-      memory=--no-memory  # peak memory (a fresh process per row) where it matters: the longest length in bfloat16
-      [[ $precision == bfloat16 && $n == "${TRAIN_LENGTHS##*,}" ]] && memory=--memory
-      timeout "${TRAIN_LIMIT:-100}" "$py" -m gtx.cli bench train --task text --model lm --backends auto --steps 3 --rounds 2 $memory \
-        --set layers=2 --set heads=4 --set dim=128 --set dim_ff=512 --set batch_size=1 --set context="$n" --set precision="$precision" \
-        --pattern causal --pattern local:w=256 --pattern moba:b=64,k=4 --pattern nsa --pattern dsa:warmup=0 \
-        --format csv --results "$out/r" > "$out/train-$precision-$n.log" 2>&1
-      pkill -f gtx.measure.reference
-      grep -v "^round" "$out/train-$precision-$n.log" | tail -14
-    done
+  runs=${TRAIN_RUNS:-float32:4096 float32:16384 bfloat16:4096 bfloat16:16384}
+  for run in $runs; do
+    precision=${run%:*} n=${run#*:}
+    stamp "bench train: $precision, $n tokens"
+    memory=--no-memory  # peak memory (a fresh process per row) where it matters: the last run
+    [[ $run == "${runs##* }" ]] && memory=--memory
+    timeout "${TRAIN_LIMIT:-100}" "$py" -m gtx.cli bench train --task text --model lm --backends auto --steps 3 --rounds 2 $memory \
+      ${BASELINE:---no-baseline} --set layers=2 --set heads=4 --set dim=128 --set dim_ff=512 --set batch_size=1 --set context="$n" \
+      --set precision="$precision" --pattern causal --pattern local:w=256 --pattern moba:b=64,k=4 --pattern nsa --pattern dsa:warmup=0 \
+      --format csv --results "$out/r" > "$out/train-$precision-$n.log" 2>&1
+    pkill -f gtx.measure.reference
+    grep -v "^round" "$out/train-$precision-$n.log" | tail -14
   done
 fi
 

@@ -10,6 +10,7 @@ Tolerances are relative norms ``|got - want| / |want|`` against the CPU's float3
 import copy
 import csv
 import os
+import traceback
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ def backends_on_cuda() -> list[str]:
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want|; a gradient that is zero in exact arithmetic (a bias that shifts every
+    score of a query alike) is judged against an RMS of 1e-4, not against its rounding noise."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert torch.isfinite(got).all(), "non-finite values"
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return float((got - want).norm() / want.norm().clamp_min(1e-4 * want.numel() ** 0.5))
 
 
 def report(**row) -> None:
@@ -85,7 +88,9 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
     for name, err in errors.items():
         report(pattern=spec, stage=stage, backend=backend, dtype=str(dtype).removeprefix("torch."), what=name, rel_error=f"{err:.3e}")
     worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOLERANCE[dtype], f"{spec} {stage} {backend} {dtype}: {worst} off by {errors[worst]:.2e} (relative norm)"
+    off = ((got[0].float().cpu() - want[0]).norm(dim=-1) > TOLERANCE[dtype] * want[0].norm(dim=-1)).any(-1).nonzero().flatten()
+    assert errors[worst] <= TOLERANCE[dtype], (f"{spec} {stage} {backend} {dtype}: {worst} off by {errors[worst]:.2e} (relative norm); "
+                                               f"{len(off)} of {len(want[0])} queries' outputs differ, first {off[:8].tolist()}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -141,7 +146,8 @@ def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precis
                 "max_steps=2", "--set", "batch_size=32", "--set", "decode_valid=4", "--set", f"precision={precision}",
                 "--results", str(tmp_path / "results"), *extra]
         result = CliRunner().invoke(cli, args)
-        assert result.exit_code == 0, f"{model} {spec} {precision}: {result.output[-2000:]}"
+        why = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info and result.exit_code == 1 else ""
+        assert result.exit_code == 0, f"{model} {spec} {precision}: {result.output[-2000:]}{why[-3000:]}"
     rows = pd.concat([pd.read_csv(p) for p in (tmp_path / "results" / "runs").glob("*.csv")])
     assert len(rows.pattern.unique()) == len(methods)
     assert rows.loss.notna().all() and (rows.loss < 20).all()

@@ -145,7 +145,7 @@ def _offsets(lens: torch.Tensor) -> torch.Tensor:
 def positions(lens: torch.Tensor) -> torch.Tensor:
     """Position of every node within its sample, for lengths (B,): concatenated aranges."""
     total = int(lens.sum())
-    return torch.arange(total) - torch.repeat_interleave(_offsets(lens), lens)
+    return torch.arange(total, device=lens.device) - torch.repeat_interleave(_offsets(lens), lens)
 
 
 @dataclass(eq=False)
