@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
-from gtx.attention.choice import later_keys, query_blocks, softmax_
+from gtx.attention.choice import later_keys, query_blocks, softmax_, top_later_first
 from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_masked, kl_to, top_indexed
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
@@ -183,9 +183,9 @@ class BlockIndex:
         for i, n in enumerate(lens):
             for r0 in range(0, n, ROWS):
                 r = slice(r0, min(r0 + ROWS, n))
-                top = index_scores(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")).topk(min(count, n_blocks), -1)
-                blocks[i, r, :top.indices.shape[-1]] = top.indices
-                valid[i, r, :top.indices.shape[-1]] = top.values > float("-inf")
+                values, indices = top_later_first(index_scores(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")), count)
+                blocks[i, r, :indices.shape[-1]] = indices
+                valid[i, r, :indices.shape[-1]] = values > float("-inf")
         blocks, valid = (unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous() for x in (blocks.masked_fill(~valid, 0), valid))
         return TokenBlockSelection(size, list(lens), blocks, valid)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gtx import hookimpl, parse_pattern
+from gtx.attention.choice import top_later_first
 from gtx.attention.compressed import attend_compressed, block_ends, compressed_keys_seen, compressed_weights, sliding_blocks
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
@@ -176,9 +177,9 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
         earlier = j[None, :] < own
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
         score = score.masked_fill(forced, float("inf")).masked_fill(~earlier, float("-inf"))
-        top = score.topk(width, dim=-1)
-        blocks[take.rows, r0:r1] = top.indices.transpose(1, 2)
-        valid[take.rows, r0:r1] = top.values.transpose(1, 2) > float("-inf")
+        values, indices = top_later_first(score, width)
+        blocks[take.rows, r0:r1] = indices.transpose(1, 2)
+        valid[take.rows, r0:r1] = values.transpose(1, 2) > float("-inf")
     return TokenBlockSelection(c.s, list(lens), unpad_samples(blocks, lens), unpad_samples(valid, lens))
 
 

@@ -263,3 +263,33 @@ def test_a_selection_outside_its_causal_candidates_is_named(bad, message):
     with pytest.raises(PluginError, match="pattern 'mine' selected") as info:
         Attention(get_backend("dense"))(q, k, v, edges)
     assert message in str(info.value)
+
+
+def test_ties_rank_the_later_index_first_on_every_device():
+    """Block choices (nsa, dsa:b) break equal scores alike on every device: topk's order for ties
+    differs between the CPU and CUDA, and zero scores (unscored blocks, ReLU'd index scores) are common."""
+    from gtx.attention.choice import top_later_first
+
+    score = torch.tensor([[0.0, 2.0, 0.0, 0.0, float("-inf")], [1.0, 1.0, 1.0, 3.0, 1.0]])
+    values, indices = top_later_first(score, 3)
+    assert indices.tolist() == [[1, 3, 2], [3, 4, 2]]
+    assert values.tolist() == [[2.0, 0.0, 0.0], [3.0, 1.0, 1.0]]
+    assert top_later_first(score, 9)[1].shape == (2, 5)
+
+
+def test_the_key_attention_backward_takes_inputs_of_any_strides():
+    """The plain-torch backward of attention over kept keys adds into flat views of its gradients:
+    keys laid out (H, n, D) and transposed (as a bfloat16 autocast cast leaves them) give the same gradients."""
+    from gtx.attention.keys import _backward_torch
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, dim, count = 12, 2, 8, 3
+    q, v, grad, out = (torch.randn(n, heads, dim, generator=g) for _ in range(4))
+    k = torch.randn(heads, n, dim, generator=g).transpose(0, 1)
+    keys = torch.randint(0, n, (n, heads, count), generator=g)
+    valid = torch.rand(n, heads, count, generator=g) > 0.2
+    lse = torch.randn(n, heads, generator=g)
+    strided = _backward_torch(q, k, v, keys, valid, grad, out, lse)
+    contiguous = _backward_torch(q, k.contiguous(), v, keys, valid, grad, out, lse)
+    for a, b in zip(strided, contiguous):
+        torch.testing.assert_close(a, b)

@@ -54,15 +54,20 @@ def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ..
         s = score(block, slice(k_off, k_off + nk))
         if causal:
             s = s.masked_fill(later_keys(r0, r1, nk, s.device).view(r1 - r0, *(1,) * len(lead), nk), float("-inf"))
-        if later_first:  # a stable sort of the keys in reverse order: equal scores rank the later key first
-            values, order = s.flip(-1).sort(dim=-1, descending=True, stable=True)
-            values, indices = values[..., :count], nk - 1 - order[..., :count]
-        else:
-            values, indices = s.topk(min(count, nk), dim=-1)
+        values, indices = top_later_first(s, count) if later_first else s.topk(min(count, nk), dim=-1)
         width = indices.shape[-1]
         keys[block, ..., :width] = indices + k_off
         valid[block, ..., :width] = values > float("-inf")
     return keys.masked_fill(~valid, 0), valid
+
+
+def top_later_first(score: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``score.topk(count)`` over the last dimension, equal scores ranking the later index first:
+    the same choice on every device (``topk`` breaks ties differently on the CPU and on CUDA, and
+    ties are common: blocks no compressed key has scored yet, index scores that ReLU made 0)."""
+    values, order = score.flip(-1).sort(dim=-1, descending=True, stable=True)  # a stable sort of the reversed scores
+    count = min(count, score.shape[-1])
+    return values[..., :count], score.shape[-1] - 1 - order[..., :count]
 
 
 def later_keys(r0: int, r1: int, nk: int, device) -> torch.Tensor:

@@ -144,7 +144,8 @@ def _forward_torch(q, k, v, keys, valid):
 
 
 def _backward_torch(q, k, v, keys, valid, grad, out, lse):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # contiguous whatever the inputs' strides: gradients are added into them through flat views
+    dq, dk, dv = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
     n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
     for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
