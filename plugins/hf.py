@@ -172,7 +172,8 @@ class _Edges:
 
     def window(self, keys: int) -> EdgeSet:
         if keys not in self.windowed:
-            self.windowed[keys] = window_edges(self.edges, keys)
+            short = self.edges.q_lens is not None and max(self.edges.q_lens) <= keys  # no sample is longer than the window
+            self.windowed[keys] = self.edges if short else window_edges(self.edges, keys)
         return self.windowed[keys]
 
 
@@ -211,7 +212,9 @@ def check_features(model, layers, pattern, where: str) -> list[int | None]:
         seen, holder.seen = holder.seen, None
         model.hf.train(training)
     for module in layers:
-        for name, value in seen.get(module, {"layer": "not called"}).items():
+        if module not in seen:
+            raise GtxError(f"{where}: layer {module.layer_idx}'s attention does not call transformers' attention interface; it cannot be replaced")
+        for name, value in seen[module].items():
             if value is None or name in PASSED or name == "sliding_window":
                 continue
             feature, field = REFUSED.get(name, (f"'{name}'", name))
