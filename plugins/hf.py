@@ -13,7 +13,10 @@ with positions restarting at 0 per sample (RoPE and learned positions see each s
 the pattern's ``dd`` edges keep the samples apart. ``--set family`` builds a small randomly
 initialised model of that family with the task's vocabulary (needs ``pip install -e '.[hf]'``);
 ``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, and
-tasks written in text (``text``, ``needle``) are then written with its tokenizer.
+tasks written in text (``text``, ``needle``) are then written with its tokenizer. A folder's model
+runs as it is: its own scaling, and per layer its sliding window, within which the run's pattern
+applies; a feature gtx does not compute, or weights that do not fit, are refused (``check_features``,
+``load_folder``).
 """
 
 from __future__ import annotations
@@ -30,10 +33,16 @@ from gtx import GtxError, hookimpl, setting
 from gtx.attention.model import GraphModel, Output
 from gtx.attention.module import layer_attention
 from gtx.data.vocab import ModelVocab, Tokenizer
-from gtx.graph.pattern import Pattern
-from gtx.graph.tokens import EdgeSet, batch_edges, build_graph
+from gtx.graph.pattern import Pattern, within_window
+from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, window_edges
 
 FAMILIES = ("llama", "qwen2", "gpt2")
+# the folders' families tests/test_pretrained.py checks against transformers' own model (model_type in config.json)
+CHECKED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2")
+# what transformers may hand an attention function beyond q, k, v that gtx does not compute: the feature and the config field declaring it
+REFUSED = {"softcap": ("logit soft-capping", "attn_logit_softcapping"), "s_aux": ("attention sinks", "sinks"), "sinks": ("attention sinks", "sinks"),
+           "attention_mask": ("an attention mask", "attn_implementation")}
+PASSED = ("position_ids", "is_causal", "output_attentions", "use_cache", "cache_position")  # handed on, no part of the attention's function
 INSTALL = "pip install -e '.[hf]' (transformers)"
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, byte-level BPE
@@ -87,6 +96,9 @@ def pretrained_sizes(folder: Path) -> dict:
     if not isinstance(positions, int):
         raise ValueError(f"{where}: config.json names no positions ({' or '.join(POSITIONS)}); its model cannot say how long a text it reads")
     c = transformers().AutoConfig.from_pretrained(folder)  # its attribute maps read every family's names (n_embd: hidden_size)
+    if c.model_type not in CHECKED:
+        raise ValueError(f"{where}: model_type {c.model_type!r} in config.json is not a family gtx checks against transformers' own model "
+                         f"({', '.join(CHECKED)}); its attention may hold features gtx would not compute")
     heads = c.num_attention_heads
     return {"family": c.model_type, "layers": c.num_hidden_layers, "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
             "dim": c.hidden_size, "dim_ff": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
@@ -130,17 +142,21 @@ def hf_config(c: HFConfig, vocab_size: int):
                num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.max_len, tie_word_embeddings=True)
 
 
-def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """transformers' attention-function contract: query (1, H, N, D), key and value (1, H_kv, N, D)
-    -> ((1, N, H, D), None). The layer's ``gtx`` attribute holds its gtx attention and the batch's edges."""
+    -> ((1, N, H, D), None). The layer's ``gtx`` attribute holds its gtx attention and the batch's
+    edges; ``sliding_window``: the layer reads those edges within a window of that many keys."""
     attention, holder = module.gtx
+    if holder.seen is not None:  # check_features' probe: what the layer is handed, no attention
+        holder.seen[module] = {"sliding_window": sliding_window, "attention_mask": attention_mask, **kwargs}
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if query.shape[0] != 1 or holder.edges is None:
         raise GtxError("a model under attn_implementation='gtx' reads packed batches through gtx's hf model plugin (one row, gtx's edges)")
     groups = query.shape[1] // key.shape[1]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
     k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))  # grouped-query heads as repeat_kv orders them
-    return attention(q, k, v, holder.edges)[None], None
+    return attention(q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window))[None], None
 
 
 def check_cacheable(pattern: Pattern, cache: bool) -> None:
@@ -149,7 +165,85 @@ def check_cacheable(pattern: Pattern, cache: bool) -> None:
 
 
 class _Edges:
-    edges = None
+    """A forward's ``dd`` edges, and per sliding window of its layers, those edges within it (made once)."""
+
+    def __init__(self):
+        self.edges, self.windowed, self.seen = None, {}, None
+
+    def window(self, keys: int) -> EdgeSet:
+        if keys not in self.windowed:
+            short = self.edges.q_lens is not None and max(self.edges.q_lens) <= keys  # no sample is longer than the window
+            self.windowed[keys] = self.edges if short else window_edges(self.edges, keys)
+        return self.windowed[keys]
+
+
+def load_folder(t, path: str):
+    """The folder's causal LM under gtx's attention; one line naming the weights where the folder's
+    weights do not fit the model its config builds (missing, unexpected, another shape)."""
+    verbosity = t.utils.logging.get_verbosity()
+    t.utils.logging.set_verbosity_error()  # transformers' table of the weights that did not load: gtx's refusal says it in one line
+    try:
+        hf, info = t.AutoModelForCausalLM.from_pretrained(path, attn_implementation="gtx", dtype=torch.float32, output_loading_info=True,
+                                                          ignore_mismatched_sizes=True)
+    except ValueError as e:  # transformers' words for a family that is no causal LM, or whose attention is its own code
+        raise GtxError(f"path={path}: transformers cannot load it as a causal LM with gtx's attention: {str(e).splitlines()[0]}") from None
+    finally:
+        t.utils.logging.set_verbosity(verbosity)
+    wrong = {"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+             "mis-shaped": sorted(f"{k} ({tuple(saved)} saved, {tuple(built)} built)" for k, saved, built in info["mismatched_keys"])}
+    wrong = {what: keys for what, keys in wrong.items() if keys}
+    if wrong or info["error_msgs"]:
+        said = "; ".join(f"{len(keys)} {what} ({keys[0]}{', ...' if len(keys) > 1 else ''})" for what, keys in wrong.items())
+        raise GtxError(f"path={path}: its weights do not fit the {type(hf).__name__} its config.json (model_type {hf.config.model_type!r}) builds: "
+                       f"{said or info['error_msgs'][0]}; give the folder save_pretrained wrote, config and weights of one model")
+    return hf
+
+
+def check_features(model, layers, pattern, where: str) -> list[int | None]:
+    """Each attention layer's sliding window (None: every earlier key), as transformers hands them
+    to the attention in one forward of two tokens; one line refusing a feature gtx does not compute
+    (``REFUSED``, or anything else it is handed), or a ``pattern`` that cannot apply within a window."""
+    holder, training = model._holder, model.hf.training
+    holder.seen = {}
+    try:
+        with torch.no_grad():
+            model.hf.eval()(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None])
+    finally:
+        seen, holder.seen = holder.seen, None
+        model.hf.train(training)
+    for module in layers:
+        if module not in seen:
+            raise GtxError(f"{where}: layer {module.layer_idx}'s attention does not call transformers' attention interface; it cannot be replaced")
+        for name, value in seen[module].items():
+            if value is None or name in PASSED or name == "sliding_window":
+                continue
+            feature, field = REFUSED.get(name, (f"'{name}'", name))
+            declared = getattr(model.hf.config, field, None)
+            raise GtxError(f"{where}: {feature} ({field}{f'={declared}' if declared is not None else ''} in the model's config; layer "
+                           f"{module.layer_idx}) is an attention feature gtx does not compute; scores would not be the model's")
+    windows = [seen[m]["sliding_window"] for m in layers]
+    for keys in sorted({w for w in windows if w is not None}):
+        on = [i for i, w in enumerate(windows) if w == keys]
+        try:
+            check_window(pattern, keys)
+        except GtxError as e:
+            raise GtxError(f"{where}: the model's config declares a sliding window of {keys} keys (sliding_window; on layers "
+                           f"{', '.join(map(str, on))}), within which the pattern applies: {e}") from None
+    return windows
+
+
+def check_window(pattern: Pattern | None, keys: int) -> None:
+    """``pattern`` can run within a window of ``keys`` keys: its selections choose among the windowed
+    candidates (tried once on random queries and keys); PatternError otherwise."""
+    if pattern is None:
+        return
+    windowed = within_window(pattern, keys)
+    n = keys + 2
+    edges = batch_edges(windowed, "dd", [n], [n])
+    for part, e in ((windowed, edges), *zip(windowed.heads, edges.groups)):
+        if part.select is not None:
+            x = torch.randn(n, 1, 4, generator=torch.Generator().manual_seed(0))
+            part.select(x, x, e)
 
 
 @dataclass
@@ -176,10 +270,7 @@ class HFModel(GraphModel):
         t = transformers()
         self.config = config
         if config.path:
-            try:
-                self.hf = t.AutoModelForCausalLM.from_pretrained(config.path, attn_implementation="gtx", dtype=torch.float32)
-            except ValueError as e:  # transformers' words for a family that is no causal LM, or whose attention is its own code
-                raise GtxError(f"path={config.path}: transformers cannot load it as a causal LM with gtx's attention: {str(e).splitlines()[0]}") from None
+            self.hf = load_folder(t, config.path)
         else:
             self.hf = t.AutoModelForCausalLM.from_config(hf_config(config, len(tgt_vocab)), attn_implementation="gtx")
         if config.train_params:
@@ -195,18 +286,21 @@ class HFModel(GraphModel):
         self._holder = _Edges()
         for module, own in zip(layers, self.layer_attention):
             object.__setattr__(module, "gtx", (own, self._holder))  # not a submodule: layer_attention holds it
+        where = f"path={config.path}" if config.path else f"family={config.family}"
+        self.windows = check_features(self, layers, getattr(attention, "pattern", None), where)
 
     def forward(self, batch) -> Output:
         return Output(self._logits(batch.tgt_in, batch.tgt_pos, batch.graph.edges["dd"]))
 
-    def _logits(self, ids, positions, edges: EdgeSet, cache=None) -> torch.Tensor:
+    def _logits(self, ids, positions, edges: EdgeSet, cache=None, windowed=None) -> torch.Tensor:
         """(N, vocab) logits of one packed row of ``ids`` at ``positions`` over ``edges`` (keys: the
-        cached ones, then these); ``cache``: a transformers cache these keys and values join."""
-        self._holder.edges = edges
+        cached ones, then these); ``cache``: a transformers cache these keys and values join;
+        ``windowed``: per sliding window, the edges within it (else made from ``edges``' pattern)."""
+        self._holder.edges, self._holder.windowed = edges, dict(windowed or {})
         try:
             out = self.hf(input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None)
         finally:
-            self._holder.edges = None
+            self._holder.edges, self._holder.windowed = None, {}
         return out.logits[0]
 
     @torch.no_grad()
@@ -246,8 +340,11 @@ class HFModel(GraphModel):
                 break
             kept = torch.cat([kept, torch.tensor([t])])
             src = edges.src[rows[t]:rows[t + 1]]
-            step = EdgeSet(torch.searchsorted(kept, src), torch.zeros(len(src), dtype=torch.long), len(kept), 1, "dd")
-            logits = self._logits(torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv)
+            ids_of = torch.searchsorted(kept, src)
+            step = EdgeSet(ids_of, torch.zeros(len(src), dtype=torch.long), len(kept), 1, "dd")
+            near = {w: EdgeSet(ids_of[t - src < w], torch.zeros(int((t - src < w).sum()), dtype=torch.long), len(kept), 1, "dd").to(device)
+                    for w in set(self.windows) - {None}}  # a sliding-window layer's keys among the cached ones
+            logits = self._logits(torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv, near)
         return Generated(seq[len(ids):], most, n)
 
 

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from gtx import testing
 from gtx.errors import PatternError, UnknownNameError
-from gtx.graph.pattern import STAGES, Pattern, check_edges
+from gtx.graph.pattern import STAGES, Pattern, check_edges, within_window
 from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import batch_edges
 from gtx.plugins.registry import PATTERNS
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -304,3 +305,24 @@ def test_an_intersection_is_judged_by_its_result_not_its_operands():
 def test_ambiguous_parameters_are_refused(spec, message):
     with pytest.raises(PatternError, match=re.escape(message)):
         parse_pattern(spec)
+
+
+def test_a_pattern_within_a_sliding_window_keeps_its_run_time_parts():
+    """A pretrained model's sliding window of 3 keys: the query's own and the two before it, intersected
+    with the pattern; head groups, bias and selection kept, the selection among the windowed candidates."""
+    assert torch.equal(within_window(parse_pattern("full"), 3).dense("dd", 9, 9), parse_pattern("local:w=2").dense("dd", 9, 9))
+    strided = parse_pattern("strided:l=2")
+    assert torch.equal(within_window(strided, 3).dense("dd", 9, 9), strided.dense("dd", 9, 9) & parse_pattern("local:w=2").dense("dd", 9, 9))
+    grouped = within_window(parse_pattern("heads(local:w=1,strided:l=4)+alibi"), 3)
+    assert grouped.bias[0] == "alibi" and len(grouped.heads) == 2 and grouped.spec == "(heads(local:w=1,strided:l=4)+alibi)&window:3"
+    assert torch.equal(grouped.heads[1].dense("dd", 9, 9), parse_pattern("strided:l=4").dense("dd", 9, 9) & parse_pattern("local:w=2").dense("dd", 9, 9))
+    topk = within_window(parse_pattern("topk:k=2"), 3)
+    edges = batch_edges(topk, "dd", [9], [9])
+    q = torch.randn(9, 2, 4)
+    keep = topk.select(q, q, edges)  # a keep mask over the windowed candidates only
+    assert keep.shape == (edges.num_edges, 2) and bool((edges.dst - edges.src < 3).all())
+    with pytest.raises(PatternError, match="not among its candidates"):
+        moba = within_window(parse_pattern("moba:b=2,k=2"), 3)
+        moba.select(q, q, batch_edges(moba, "dd", [9], [9]))
+    with pytest.raises(PatternError, match="own parameters"):
+        within_window(parse_pattern("nsa"), 3)

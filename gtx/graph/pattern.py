@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -186,6 +186,35 @@ class Pattern:
         return _combine(self, other, "&", torch.logical_and, _intersect_keys)
 
 
+def within_window(pattern: Pattern, keys: int) -> Pattern:
+    """``pattern`` where each query reads at most ``keys`` positions: its own and the ``keys - 1``
+    nearest (before it, in ``dd``), as a pretrained model's sliding-window layers do. Its head
+    groups, bias and selection are kept, the selection choosing among the windowed candidates;
+    cached with the pattern. PatternError for attention of its own (``nsa``, ``dsa``)."""
+    return pattern.memo("window", keys, lambda: _windowed(pattern, keys), 16)
+
+
+def _windowed(pattern: Pattern, keys: int) -> Pattern:
+    name = f"window of {keys} keys"
+    if pattern.trainable is not None:
+        raise PatternError(f"pattern {pattern.spec!r} attends with its own parameters over every earlier key: it cannot run within a {name}; "
+                           "use a fixed pattern, topk or lsh there")
+    window = Pattern.from_rule(lambda q, k, n_q, n_k: (q - k < keys) & (k - q < keys), spec=f"window:{keys}")
+    core = replace(pattern, heads=(), bias=None, select=None, budget=None, _cache={}) & window
+    select = pattern.select
+
+    def chosen_within(q, k, edges):
+        chosen = select(q, k, edges)
+        if chosen is None or isinstance(chosen, torch.Tensor) or edges.root.structure is not None:
+            return chosen  # a keep mask over the windowed candidates, or every candidate (causal): inside the window
+        raise PatternError(f"pattern {pattern.spec!r} chooses among all earlier keys, not among its candidates: it cannot run within a {name}; "
+                           "use a fixed pattern, topk or lsh there")
+
+    spec = f"({pattern.spec})" if set("|+") & set(_top_level(pattern.spec)) else pattern.spec
+    return replace(core, heads=tuple(within_window(g, keys) for g in pattern.heads), bias=pattern.bias, select=select and chosen_within,
+                   budget=pattern.budget, spec=f"{spec}&{window.spec}", _cache={})
+
+
 def grid_edges(rule: Rule, n_q: int, n_k: int, who: str = "rule") -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluate a predicate on the (n_q, n_k) grid in row chunks; (src, dst) sorted by (dst, src)."""
     rows = max(1, _GRID_CHUNK // max(n_k, 1))
@@ -306,4 +335,4 @@ def check_prefix(spec: str, stage: str, n_q: int, n_k: int, src, dst, shorter) -
         )
 
 
-__all__ = ["Pattern", "STAGES", "align", "causal", "check_edges"]
+__all__ = ["Pattern", "STAGES", "align", "causal", "check_edges", "within_window"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gtx.graph.pattern import STAGES, Pattern
+from gtx.graph.pattern import STAGES, Pattern, within_window
 
 STAGE_TYPES = {"ee": ("enc", "enc"), "dd": ("dec", "dec"), "ed": ("enc", "dec")}  # (key type, query type)
 
@@ -200,6 +200,13 @@ def batch_edges(pattern: Pattern, stage: str, q_lens: Sequence[int], k_lens: Seq
     return EdgeSet(None, None, *sizes, structure=structure, build=build, num_edges=count, pattern=pattern)
 
 
+def window_edges(edges: EdgeSet, keys: int) -> EdgeSet:
+    """A batch's edge set (``batch_edges``) again, its pattern read ``within_window`` of ``keys`` keys."""
+    if edges.pattern is None or edges.q_lens is None:
+        raise ValueError("window_edges needs an edge set made by batch_edges (its pattern and samples)")
+    return batch_edges(within_window(edges.pattern, keys), edges.stage, edges.q_lens, edges.k_lens).to(edges.device)
+
+
 def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequence[int] | None = None) -> TokenGraph:
     """The token graph of a batch: ``ee`` over the sources, ``dd`` over the targets, ``ed`` when
     there are both (encoder-only: ``tgt_lens`` None; decoder-only: ``src_lens`` None)."""
@@ -215,4 +222,4 @@ def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequ
     return TokenGraph(None if src is None else torch.tensor(src), None if tgt is None else torch.tensor(tgt), edges, pattern)
 
 
-__all__ = ["EdgeSet", "TokenGraph", "build_graph", "batch_edges", "positions", "STAGES", "STAGE_TYPES"]
+__all__ = ["EdgeSet", "TokenGraph", "build_graph", "batch_edges", "positions", "window_edges", "STAGES", "STAGE_TYPES"]
