@@ -95,3 +95,11 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
         assert bad.exit_code == 2 and "need w >= 0 and l >= 1" in bad.output
     finally:
         plugins.unload_dir(folder)
+
+
+def test_the_cli_reference_is_current():
+    """docs/cli.md is every command's --help as the code prints it: regenerate it with
+    ``python -m gtx.cli.reference > docs/cli.md``."""
+    from gtx.cli.reference import markdown
+
+    assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: python -m gtx.cli.reference > docs/cli.md"

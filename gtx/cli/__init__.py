@@ -6,8 +6,9 @@
     gtx patterns | models | tasks | backends
     gtx show-pattern local:w=2 --src-len 8 --tgt-len 6
 
-Commands with modules of their own: ``gtx sweep`` (cli_sweep.py), ``gtx plot`` and ``gtx report``
-(cli_plot.py), ``gtx bench`` (cli_bench.py), ``gtx runs`` and ``gtx show RUN`` (cli_runs.py).
+Commands with modules of their own: ``gtx sweep`` (sweep.py), ``gtx plot`` and ``gtx report``
+(plot.py), ``gtx bench`` (bench.py), ``gtx runs`` and ``gtx show RUN`` (runs.py), ``gtx frontier``
+(frontier.py). docs/cli.md holds every command's help (reference.py writes it).
 """
 
 from __future__ import annotations
