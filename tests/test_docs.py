@@ -103,3 +103,24 @@ def test_the_cli_reference_is_current():
     from gtx.cli.reference import markdown
 
     assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: python -m gtx.cli.reference > docs/cli.md"
+
+
+def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry():
+    """docs/methods.md holds every registered pattern and bias as their docstrings say (regenerate:
+    ``python -m gtx.cli.reference methods > docs/methods.md``); ``gtx patterns NAME`` prints the same entry."""
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+    from gtx.cli.reference import methods
+    from gtx.plugins.registry import BIASES, PATTERNS
+
+    text = (DOCS / "methods.md").read_text()
+    assert text == methods(), "docs/methods.md is stale: python -m gtx.cli.reference methods > docs/methods.md"
+    for name in PATTERNS.names():
+        assert re.search(rf"^## {re.escape(name)}(\(PATTERN\))?$", text, re.M), f"docs/methods.md misses pattern {name}"
+    for name in BIASES.names():
+        assert f"## +{name}\n" in text
+    out = CliRunner().invoke(cli, ["patterns", "moba"])
+    assert out.exit_code == 0 and out.output.startswith("moba\n\nParameters: `b: int = 64") and "Budget: k*b keys per query" in out.output
+    unknown = CliRunner().invoke(cli, ["patterns", "nosuch"])
+    assert unknown.exit_code == 2 and "nosuch" in unknown.output and "local" in unknown.output

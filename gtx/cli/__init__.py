@@ -53,9 +53,16 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 @cli.command()
+@click.argument("name", required=False)
 @plugins_dir_option
-def patterns():
-    """List attention patterns and score biases (P+bias) with their parameters."""
+def patterns(name):
+    """List attention patterns and score biases (P+bias) with their parameters; with NAME (a pattern,
+    or +bias), that one's whole entry: definition, budget, reference, limits (as docs/methods.md)."""
+    if name:
+        from gtx.cli.reference import method_entry
+
+        click.echo(method_entry(name.removeprefix("+"), bias=name.startswith("+")).removeprefix("## "))
+        return
     rows = [("NAME", "PARAMETERS", "DESCRIPTION")]
     for name, entry in sorted(PATTERNS.entries().items()):
         shown = f"{name}(PATTERN)" if is_modifier(entry.obj) else name

@@ -1,16 +1,20 @@
-"""The CLI reference, ``docs/cli.md``: every command's ``--help``, as click prints it at 100 columns.
+"""References generated from the code, which tests/test_docs.py checks are current:
 
-    python -m gtx.cli.reference > docs/cli.md     # rewrite it; tests/test_docs.py checks it is current
+    python -m gtx.cli.reference cli > docs/cli.md           # every command's --help, at 100 columns
+    python -m gtx.cli.reference methods > docs/methods.md   # every pattern and score bias (gtx patterns NAME)
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
 
 import click
 
 WIDTH = 100
 HEADER = """# Command-line reference
 
-Every `gtx` command's `--help`, generated from the code (`python -m gtx.cli.reference > docs/cli.md`;
+Every `gtx` command's `--help`, generated from the code (`python -m gtx.cli.reference cli > docs/cli.md`;
 a test fails when this file is stale). The README shows the commands in use.
 """
 
@@ -32,5 +36,55 @@ def markdown() -> str:
     return "\n".join([HEADER, *(f"## {path}\n\n```\n{text.rstrip()}\n```\n" for path, text in _sections(cli, "gtx", None))])
 
 
+METHODS_HEADER = """# Methods: the pattern library and score biases
+
+Every built-in pattern and score bias, generated from its docstring and signature (`python -m
+gtx.cli.reference methods > docs/methods.md`; a test fails when this file is stale or misses one).
+`gtx patterns NAME` prints the same entry. A spec is `name:key=value,...`; patterns compose with
+`|` (union), `&` (intersection) and wrappers such as `heads(...)`, `act(...)` and `topk(...)`, and
+take a bias with `+name` ([writing-patterns.md](writing-patterns.md)).
+"""
+
+
+def method_entry(name: str, bias: bool = False) -> str:
+    """One pattern's (or, with ``bias``, one score bias's) entry: spec, parameters and docstring."""
+    from gtx.graph.spec import describe_params, is_modifier
+    from gtx.plugins.registry import BIASES, PATTERNS
+
+    entry = (BIASES if bias else PATTERNS).get(name)
+    shown = f"+{name}" if bias else f"{name}(PATTERN)" if is_modifier(entry.obj) else name
+    params = describe_params(entry.obj, skip="heads" if bias else "inner") or "none"
+    return f"## {shown}\n\nParameters: `{params}`\n\n{_markdown(inspect.getdoc(entry.obj) or 'Undocumented.')}\n"
+
+
+def _markdown(doc: str) -> str:
+    """A Google-style docstring as markdown: each section (``Args:``, ``Note:``) a bold heading with
+    its text dedented; an argument a list item."""
+    out, section = [], None
+    for line in doc.splitlines():
+        if line.rstrip().endswith(":") and line[:1].isalpha() and " " not in line.strip():
+            section = line.strip()[:-1]
+            out += ["", f"**{section}**", ""]
+        elif section and line.startswith("    "):
+            text = line[4:]
+            if section == "Args" and not text.startswith(" ") and ":" in text:
+                name, rest = text.split(":", 1)
+                text = f"- `{name}`:{rest}"
+            out.append(text)
+        else:
+            section = None if not line.strip() else section
+            out.append(line)
+    return "\n".join(out).replace("\n\n\n", "\n\n").strip()
+
+
+def methods() -> str:
+    """docs/methods.md: every registered pattern, then every score bias."""
+    from gtx.plugins.registry import BIASES, PATTERNS, load_plugins
+
+    load_plugins()
+    entries = [method_entry(n) for n in sorted(PATTERNS.names())] + [method_entry(n, bias=True) for n in sorted(BIASES.names())]
+    return "\n".join([METHODS_HEADER, *entries])
+
+
 if __name__ == "__main__":
-    print(markdown(), end="")
+    print({"cli": markdown, "methods": methods}[sys.argv[1]](), end="")

@@ -160,8 +160,9 @@ class Entry:
 
     @property
     def description(self) -> str:
-        doc = inspect.getdoc(self.obj) or ""
-        return doc.strip().splitlines()[0] if doc.strip() else "Undocumented"
+        """The docstring's first paragraph, on one line."""
+        doc = (inspect.getdoc(self.obj) or "").strip()
+        return " ".join(doc.split("\n\n")[0].split()) if doc else "Undocumented"
 
 
 class Registry:
