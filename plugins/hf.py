@@ -132,7 +132,8 @@ def hf_config(c: HFConfig, vocab_size: int):
 
 def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function contract: query (1, H, N, D), key and value (1, H_kv, N, D)
-    -> ((1, N, H, D), None). The layer's ``gtx`` attribute holds its gtx attention and the batch's edges."""
+    -> ((1, N, H, D), None). The layer's ``gtx`` attribute holds its gtx attention and the batch's edges;
+    ``holder.inputs``, the layer's hidden states (its input, as ``_hold_inputs`` took it), go with them."""
     attention, holder = module.gtx
     if query.shape[0] != 1 or holder.edges is None:
         raise GtxError("a model under attn_implementation='gtx' reads packed batches through gtx's hf model plugin (one row, gtx's edges)")
@@ -140,7 +141,7 @@ def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
     k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))  # grouped-query heads as repeat_kv orders them
-    return attention(q, k, v, holder.edges)[None], None
+    return attention(q, k, v, holder.edges, inputs=holder.inputs)[None], None
 
 
 def check_cacheable(pattern: Pattern, cache: bool) -> None:
@@ -149,7 +150,16 @@ def check_cacheable(pattern: Pattern, cache: bool) -> None:
 
 
 class _Edges:
-    edges = None
+    edges = inputs = None
+
+
+def _hold_inputs(holder: _Edges):
+    """A forward pre-hook on an attention module: its hidden states (the layer's normalised input)
+    are kept for ``gtx_attention``, which transformers hands only queries, keys and values."""
+    def hook(module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        holder.inputs = x[0] if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1 else None
+    return hook
 
 
 @dataclass
@@ -195,6 +205,7 @@ class HFModel(GraphModel):
         self._holder = _Edges()
         for module, own in zip(layers, self.layer_attention):
             object.__setattr__(module, "gtx", (own, self._holder))  # not a submodule: layer_attention holds it
+            module.register_forward_pre_hook(_hold_inputs(self._holder), with_kwargs=True)
 
     def forward(self, batch) -> Output:
         return Output(self._logits(batch.tgt_in, batch.tgt_pos, batch.graph.edges["dd"]))
@@ -206,7 +217,7 @@ class HFModel(GraphModel):
         try:
             out = self.hf(input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None)
         finally:
-            self._holder.edges = None
+            self._holder.edges = self._holder.inputs = None
         return out.logits[0]
 
     @torch.no_grad()
