@@ -167,10 +167,11 @@ def _check_definition(module, state_dict, prefix, *args) -> None:
     key, rotated = f"{prefix}indexer.rotated", module.config.rope
     if f"{prefix}indexer.wk.weight" not in state_dict or (key in state_dict and int(state_dict[key]) == rotated):
         return
-    was = ("an earlier indexer (index keys from the attention's keys, no rotary part)" if key not in state_dict
-           else f"rope={int(state_dict[key])} rotated dimensions")
-    raise GtxError(f"this checkpoint's dsa indexer was trained under {was}, this pattern's rotates {rotated} of the layer-input "
-                   "index keys: its choice would mean something else; train under this pattern, or evaluate under another")
+    was = ("under an earlier definition (index keys from the attention's keys, nothing turned by position)" if key not in state_dict
+           else f"turning {int(state_dict[key])} index dimensions by position")
+    raise GtxError(f"the checkpoint's dsa indexer ({prefix}indexer) was trained {was}; this pattern's reads the layer's input and turns "
+                   f"{rotated} of {module.config.index_dim}: its choices would mean something else; train under this pattern, or evaluate "
+                   "the checkpoint under one without an indexer")
 
 
 def enumerate_samples(blocks):

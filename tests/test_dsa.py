@@ -219,6 +219,30 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
     assert len(refused.output.strip().splitlines()) == 1
 
 
+def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_refused_in_one_line(tmp_path):
+    """Rows and checkpoints of the indexer that read the attention's keys and turned nothing had no
+    ``rope`` in their pattern and no ``indexer.rotated`` in their state: neither passes for this one."""
+    base = ["--task", "recall", "--model", "lm", "--set", "seq_len=48", "--set", "n_train=4", "--set", "n_valid=2", "--set", "n_test=2",
+            "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--set", "batch_size=4", "--quiet", "--results", str(tmp_path)]
+    result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=0"])
+    assert result.exit_code == 0, result.output
+    from gtx.experiments import results
+
+    rows = results.load(tmp_path)
+    assert set(rows.pattern) == {"dsa:k=8,index_heads=2,index_dim=4,rope=0.5,warmup=0,freeze=true,b=1"}
+    run_id = rows.run_id.iloc[0]
+    path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
+    state = torch.load(path, weights_only=False)
+    good = dict(state["model"])
+    for edit, why in [({}, "under an earlier definition (index keys from the attention's keys, nothing turned"), ({"rotated": 4}, "turning 4 index")]:
+        model = {key: value for key, value in good.items() if not key.endswith(".indexer.rotated")}
+        model.update({key: torch.tensor(v) for key in good if key.endswith(".indexer.rotated") for v in edit.values()})
+        torch.save({**state, "model": model}, path)
+        refused = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path)])
+        assert refused.exit_code == 2 and why in refused.output and len(refused.output.strip().splitlines()) == 1, refused.output
+        assert len(results.load(tmp_path)) == len(rows)
+
+
 @pytest.mark.parametrize("spec, message", [("dsa:k=0", "dsa keeps k >= 1 tokens per query"), ("dsa:k=2000", "keeps up to 2000 keys per query"),
                                            ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"), ("dsa:k=16,b=16", "at least 2b")])
 def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
@@ -293,3 +317,64 @@ def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, se
     params, want_params = list(attention.trainable.indexer.parameters()), list(reference.trainable.indexer.parameters())
     for a, b in zip(torch.autograd.grad(sparse, params), torch.autograd.grad(want_sparse, want_params)):
         torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["lm", "transformer", "hf", "ut"])
+def test_the_indexer_reads_each_layers_input(model, monkeypatch):
+    """Index keys and weights read the states the attention's q, k and v are projected from: the
+    layer's normalised input (gtx's layers' norm before self-attention; the hidden states
+    transformers hands its attention module; ut: every decoder node's, as its keys are)."""
+    from gtx.data.batch import batches
+    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+
+    if model == "hf":
+        pytest.importorskip("transformers")
+    task = "copy" if model in ("transformer", "ut") else "recall"
+    settings = {"n_train": "4", "n_valid": "4", "n_test": "4", "dim": "16", "heads": "2", "dim_ff": "16", **({"seq_len": "48"} if task == "recall" else {}),
+                **({"layers": "2", "max_len": "64"} if model == "hf" else {})}
+    r = resolve(RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,warmup=0", settings=settings))
+    net = build_model(r, build_attention(r, "auto")).eval()
+    own = {"transformer": lambda: net.dec_attention[0], "ut": lambda: net.dec_attention}.get(model, lambda: net.layer_attention[0])()
+    dsa = sys.modules[type(own.trainable).__module__]
+    seen, want, forward = [], [], dsa.SparseIndexed.forward
+    monkeypatch.setattr(dsa.SparseIndexed, "forward", lambda self, q, k, v, edges, run: seen.append(run.inputs) or forward(self, q, k, v, edges, run))
+    if model == "hf":
+        for module in (m for m in net.hf.modules() if type(m).__name__.endswith("Attention")):
+            module.register_forward_pre_hook(lambda m, args, kwargs: want.append(kwargs["hidden_states"][0]), with_kwargs=True)
+    elif model != "ut":
+        for norm in (layer.norm_attn for layer in net.layers) if model == "lm" else (layer.norm_self for layer in net.decoder):
+            norm.register_forward_hook(lambda m, args, out: want.append(out))
+    batch = next(iter(batches(r.task, "valid", r.pattern, 2)))
+    with torch.no_grad():
+        net(batch)
+    if model == "ut":  # a step's active nodes are a subset: the others keep their latest input, as their keys
+        assert seen and all(x.shape == (len(batch.tgt_in), 16) for x in seen)
+    else:
+        assert len(seen) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(seen, want))
+
+
+@pytest.mark.parametrize("lens, top, seed", [([70, 33], 9, 0), ([150], 20, 1)])
+def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top, seed, monkeypatch):
+    """On the CPU in float32 the C kernels choose and fit the indexer; on rotated index queries and
+    keys they give the torch path's choice, output, KL and gradients."""
+    from gtx.attention import native
+
+    if native.load("index_kernel") is None:
+        pytest.skip("no C compiler: the torch path is all there is")
+    pattern, attention, _, q, k, v, inputs = twins(f"dsa:k={top},index_heads=2,index_dim=8,warmup=0", lens, seed)
+    edges = build_graph(pattern, None, lens).edges["dd"]
+
+    def run():
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        attention.begin_step(0)
+        out = attention(*xs, edges, inputs=inputs)
+        kl, _ = attention.take_losses()
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
+        return out, kl, *grads, *torch.autograd.grad(kl, list(attention.trainable.indexer.parameters())), attention.reset_stats()["kept_selected"]
+
+    got = run()
+    monkeypatch.setattr(native, "kernel", lambda *_: None)
+    want = run()
+    for a, b in zip(got[:-1], want[:-1]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert got[-1] == want[-1]
