@@ -2,8 +2,9 @@
 
 A lightning indexer scores every earlier token for each query,
 ``I(t, s) = sum_j w(t, j) * relu(q(t, j) . k(s))`` (a few heads j of small dimension, one key per
-token, weights from the query token), the top k tokens are kept, and the main attention runs over
-them. The indexer learns by KL divergence to the main attention: first a dense warm-up (the main
+token and the weights from the layer's input, the queries from the attention's queries, part of
+each index query and key turned by its position), the top k tokens are kept, and the main
+attention runs over them. The indexer learns by KL divergence to the main attention: first a dense warm-up (the main
 attention dense; the model frozen unless ``freeze=false``), then sparse training with the KL
 restricted to the kept tokens. Its inputs are detached: the main loss never trains it, its KL
 never trains the model.
@@ -22,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gtx import hookimpl, parse_pattern
+from gtx import GtxError, hookimpl, parse_pattern
 from gtx.attention.choice import later_keys, query_blocks, softmax_, top_later_first
-from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_masked, kl_to, top_indexed
+from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_masked, kl_to, rotary_angles, rotate, top_indexed
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
@@ -43,24 +44,33 @@ class DSAConfig:
     warmup: int  # optimizer steps of the dense warm-up
     freeze: bool  # the model frozen during the warm-up (the report's stage 1)
     b: int = 1  # 1: tokens are chosen (DSA); > 1: blocks of b positions (MSA's corner), k / b of them read
+    rope: int = 0  # leading index dimensions turned by position (DeepSeek: 64 of 128)
 
 
 class Indexer(nn.Module):
-    """The lightning indexer, as DeepSeek-V3.2-Exp's ``Indexer`` (float32, no FP8, no rotary part):
-    index queries and weights from the query token's input, one LayerNorm-ed index key per token."""
+    """The lightning indexer, as DeepSeek-V3.2-Exp's ``Indexer`` in float32 (no FP8 and no Hadamard
+    rotation, which leaves dot products as they are): index keys (LayerNorm-ed) and head weights
+    from the layer's input, index queries from the attention's queries (gtx's models have no query
+    latent); the first ``rope`` dimensions of each index query and key turned by the token's
+    position (``gtx.attention.indexer.rotate``), the rest as they are."""
 
-    def __init__(self, query_dim: int, key_dim: int, heads: int, dim: int):
+    def __init__(self, query_dim: int, input_dim: int, heads: int, dim: int, rope: int):
         super().__init__()
-        self.heads, self.dim = heads, dim
+        self.heads, self.dim, self.rope = heads, dim, rope
         self.wq = nn.Linear(query_dim, heads * dim, bias=False)  # DeepSeek's linears have no bias
-        self.wk = nn.Linear(key_dim, dim, bias=False)
+        self.wk = nn.Linear(input_dim, dim, bias=False)
         self.k_norm = nn.LayerNorm(dim, eps=1e-6)
-        self.weights = nn.Linear(query_dim, heads, bias=False)
+        self.weights = nn.Linear(input_dim, heads, bias=False)
+        # the definition a checkpoint's indexer was trained under: its rotated dimensions (see ``_check_definition``)
+        self.register_buffer("rotated", torch.tensor(rope))
 
-    def forward(self, queries: torch.Tensor, keys: torch.Tensor):
-        """(n, query_dim), (N, key_dim) -> index queries (n, heads, dim), weights (n, heads), keys (N, dim)."""
-        w = self.weights(queries) * (self.heads ** -0.5 * self.dim ** -0.5)
-        return self.wq(queries).unflatten(-1, (self.heads, self.dim)), w, self.k_norm(self.wk(keys))
+    def forward(self, queries: torch.Tensor, inputs: torch.Tensor, positions: torch.Tensor):
+        """(n, query_dim) queries, (n, input_dim) layer inputs, (n,) positions -> index queries
+        (n, heads, dim), weights (n, heads), keys (n, dim)."""
+        angles = rotary_angles(positions, self.rope)
+        w = self.weights(inputs) * (self.heads ** -0.5 * self.dim ** -0.5)
+        iq = rotate(self.wq(queries).unflatten(-1, (self.heads, self.dim)), angles)
+        return iq, w, rotate(self.k_norm(self.wk(inputs)), angles)
 
 
 class SparseIndexed(Trainable):
@@ -69,15 +79,21 @@ class SparseIndexed(Trainable):
     def __init__(self, heads: int, head_dim: int, config: DSAConfig):
         super().__init__()
         self.config = config
-        self.indexer = Indexer(heads * head_dim, heads * head_dim, config.index_heads, config.index_dim)
+        self.indexer = Indexer(heads * head_dim, heads * head_dim, config.index_heads, config.index_dim, config.rope)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained: a checkpoint knows its stage
+        self._register_load_state_dict_pre_hook(_check_definition, with_module=True)
 
     def forward(self, q, k, v, edges, run):
         c = self.config
         lens = causal_lens(run.spec, edges)
+        x = run.inputs
+        if x is None or tuple(x.shape) != (len(q), self.indexer.wk.in_features):
+            got = "none" if x is None else f"{tuple(x.shape)}"
+            raise GtxError(f"pattern {run.spec!r} reads the layer's input for its index keys, {len(q)} x {self.indexer.wk.in_features} here, "
+                           f"and got {got}: call the attention with inputs= (gtx's models do; gtx.attention.trainable.Run.inputs)")
         if run.training:
             self.steps.fill_(run.step)
-        iq, w, ik = self.indexer(q.detach().flatten(1), k.detach().flatten(1))  # the indexer's input: detached
+        iq, w, ik = self.indexer(q.detach().flatten(1), x.detach(), positions_of(lens, q.device))  # the indexer's input: detached
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
         if int(self.steps) < c.warmup:
             if run.training:
@@ -137,6 +153,25 @@ class SparseIndexed(Trainable):
         """After the warm-up: the main attention over the kept tokens (averaged over heads) against
         the indexer's softmax over the same tokens, per query, averaged."""
         return index_kl(p, iq, w, ik, keys, valid) / len(keys)
+
+
+def positions_of(lens: list[int], device) -> torch.Tensor:
+    """Each token's position in its sample, for samples of ``lens`` tokens packed in a row."""
+    starts = torch.cumsum(torch.as_tensor([0, *lens[:-1]], device=device), 0)
+    return torch.arange(sum(lens), device=device) - torch.repeat_interleave(starts, torch.as_tensor(lens, device=device))
+
+
+def _check_definition(module, state_dict, prefix, *args) -> None:
+    """A checkpoint's indexer must have been trained under this definition: its index keys from the
+    layer's input and the same rotated dimensions; else one line, before any weight is copied."""
+    key, rotated = f"{prefix}indexer.rotated", module.config.rope
+    if f"{prefix}indexer.wk.weight" not in state_dict or (key in state_dict and int(state_dict[key]) == rotated):
+        return
+    was = ("under an earlier definition (index keys from the attention's keys, nothing turned by position)" if key not in state_dict
+           else f"turning {int(state_dict[key])} index dimensions by position")
+    raise GtxError(f"the checkpoint's dsa indexer ({prefix}indexer) was trained {was}; this pattern's reads the layer's input and turns "
+                   f"{rotated} of {module.config.index_dim}: its choices would mean something else; train under this pattern, or evaluate "
+                   "the checkpoint under one without an indexer")
 
 
 def enumerate_samples(blocks):
@@ -210,16 +245,18 @@ def _block_kl(p, iq, w, keys, idx, read):
     return kl_to(p, index_scores(iq, w, keys[idx]), read)
 
 
-def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 100, freeze: bool = True, b: int = 1):
+def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, rope: float = 0.5, warmup: int = 100, freeze: bool = True, b: int = 1):
     """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included);
     with b > 1, the k / b blocks of b positions (its own and the best earlier ones: MSA's corner).
 
     Note:
         Decoder self-attention (``dd``) of whole causal sequences; other stages keep full
         attention. Budget: k keys per query (queries with fewer earlier tokens keep all). The
-        indexer has ``index_heads`` heads of ``index_dim`` dimensions and reads the layer's
-        queries and keys (linear maps of the token states; DeepSeek's reads the states and the
-        query latent). For the first ``warmup`` optimizer steps attention is dense and the
+        indexer has ``index_heads`` heads of ``index_dim`` dimensions, as DeepSeek's: index keys
+        and head weights from the layer's input, the leading ``rope`` share of each index query's
+        and key's dimensions turned by position (DeepSeek's angles; it turns 64 of 128); index
+        queries from the layer's attention queries, where DeepSeek's read its query latent,
+        which gtx's models do not have. For the first ``warmup`` optimizer steps attention is dense and the
         indexer is fitted by KL to it, the model frozen (``freeze=false``: the model trains
         densely meanwhile, for training from scratch); after, attention is sparse and the KL
         covers the kept tokens. Results: ``indexer_kl_dense``, ``indexer_kl_sparse``,
@@ -234,7 +271,11 @@ def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, warmup: int = 1
     if b < 1 or (b > 1 and (k % b or k < 2 * b)):
         raise ValueError(f"b={b}, k={k}: blocks of b >= 1 positions; with b > 1, k (keys read) must be a multiple of b and at least 2b "
                          f"(the own block and one chosen), e.g. k={2 * max(b, 1)}")
-    config = DSAConfig(k, index_heads, index_dim, warmup, freeze, b)
+    turned = round(rope * index_dim)
+    if not 0 <= rope <= 1 or abs(rope * index_dim - turned) > 1e-4 or turned % 2:
+        raise ValueError(f"rope={rope} of index_dim={index_dim}: the share of index dimensions turned by position, in [0, 1], must turn an "
+                         f"even number of them (pairs), e.g. rope={2 * (index_dim // 4) / index_dim:g} ({2 * (index_dim // 4)} of {index_dim})")
+    config = DSAConfig(k, index_heads, index_dim, warmup, freeze, b, turned)
     return replace(parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k)
 
 

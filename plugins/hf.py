@@ -145,7 +145,8 @@ def hf_config(c: HFConfig, vocab_size: int):
 def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """transformers' attention-function contract: query (1, H, N, D), key and value (1, H_kv, N, D)
     -> ((1, N, H, D), None). The layer's ``gtx`` attribute holds its gtx attention and the batch's
-    edges; ``sliding_window``: the layer reads those edges within a window of that many keys."""
+    edges; ``sliding_window``: the layer reads those edges within a window of that many keys;
+    ``holder.inputs``, the layer's hidden states (its input, as ``_hold_inputs`` took it), go with them."""
     attention, holder = module.gtx
     if holder.seen is not None:  # check_features' probe: what the layer is handed, no attention
         holder.seen[module] = {"sliding_window": sliding_window, "attention_mask": attention_mask, **kwargs}
@@ -156,7 +157,7 @@ def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
     k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))  # grouped-query heads as repeat_kv orders them
-    return attention(q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window))[None], None
+    return attention(q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs)[None], None
 
 
 def check_cacheable(pattern: Pattern, cache: bool) -> None:
@@ -168,7 +169,7 @@ class _Edges:
     """A forward's ``dd`` edges, and per sliding window of its layers, those edges within it (made once)."""
 
     def __init__(self):
-        self.edges, self.windowed, self.seen = None, {}, None
+        self.edges, self.windowed, self.seen, self.inputs = None, {}, None, None
 
     def window(self, keys: int) -> EdgeSet:
         if keys not in self.windowed:
@@ -246,6 +247,15 @@ def check_window(pattern: Pattern | None, keys: int) -> None:
             part.select(x, x, e)
 
 
+def _hold_inputs(holder: _Edges):
+    """A forward pre-hook on an attention module: its hidden states (the layer's normalised input)
+    are kept for ``gtx_attention``, which transformers hands only queries, keys and values."""
+    def hook(module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        holder.inputs = x[0] if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1 else None
+    return hook
+
+
 @dataclass
 class Generated:
     """``tokens``: the ids generated; ``cached``: the most keys per layer a query read from while
@@ -286,6 +296,7 @@ class HFModel(GraphModel):
         self._holder = _Edges()
         for module, own in zip(layers, self.layer_attention):
             object.__setattr__(module, "gtx", (own, self._holder))  # not a submodule: layer_attention holds it
+            module.register_forward_pre_hook(_hold_inputs(self._holder), with_kwargs=True)
         where = f"path={config.path}" if config.path else f"family={config.family}"
         self.windows = check_features(self, layers, getattr(attention, "pattern", None), where)
 
@@ -300,7 +311,7 @@ class HFModel(GraphModel):
         try:
             out = self.hf(input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None)
         finally:
-            self._holder.edges, self._holder.windowed = None, {}
+            self._holder.edges, self._holder.windowed, self._holder.inputs = None, {}, None
         return out.logits[0]
 
     @torch.no_grad()

@@ -1,18 +1,25 @@
 """dsa computes DeepSeek Sparse Attention, checked against its definition written out here (not the
-fetched code): DeepSeek-V3.2-Exp's ``Indexer`` scores I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s)) with
-q = wq(x_t) in J heads of d, k = LayerNorm(wk(x_s)) one per token, w = weights(x_t) J^-1/2 d^-1/2; the
+fetched code): DeepSeek-V3.2-Exp's ``Indexer`` (inference/model.py) scores
+I(t, s) = sum_j w(t, j) relu(q(t, j) . k(s)) with q = wq_b(qr_t) in J heads of d from the query
+latent qr, k = LayerNorm(wk(x_s)) one per token and w = weights_proj(x_t) J^-1/2 d^-1/2 from the
+layer's input x; the first r dimensions of q and k (64 of 128) are turned by the token's position,
+as complex numbers of adjacent pairs times exp(i t theta_p), theta_p its YaRN-stretched rotary
+frequencies; then q and k pass a Hadamard rotation (orthonormal: dot products unchanged) and FP8
+(left out here). gtx's models have no query latent: the attention's queries stand in for it. The
 top k earlier tokens (itself included) are kept, equal scores preferring the later token (a relu
 makes zeros common); the main attention is a softmax over them. Training
 (the V3.2 report): a dense warm-up in which the indexer fits KL(mean over heads of the dense attention
 || softmax(I)) with the model frozen, then sparse attention and the KL over the kept tokens."""
 
 import json
+import math
 import sys
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from gtx.attention.indexer import index_scores
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
 from gtx.cli import cli
@@ -20,23 +27,78 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 
 
-def indexer_by_definition(indexer, x_q, x_k):
-    """(n, n) index scores of one sample, from the formula."""
-    J, d = indexer.heads, indexer.dim
-    q = indexer.wq(x_q).view(len(x_q), J, d)
-    k = torch.nn.functional.layer_norm(indexer.wk(x_k), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6)
-    w = indexer.weights(x_q) * J ** -0.5 * d ** -0.5
+def published_frequencies(r):
+    """DeepSeek-V3.2-Exp's rotary frequencies for r rotated dimensions (its ModelArgs: base 10000,
+    and since max_seq_len 16384 > original_seq_len 4096, YaRN with factor 40, beta_fast 32, beta_slow 1)."""
+    base, factor, original = 10000.0, 40.0, 4096
+    freqs = [base ** (-2 * p / r) for p in range(r // 2)]
+    dim_at = [r * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base)) for turns in (32, 1)]
+    lo, hi = max(math.floor(dim_at[0]), 0), min(math.ceil(dim_at[1]), r - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = [min(max((p - lo) / (hi - lo), 0.0), 1.0) for p in range(r // 2)]
+    return torch.tensor([f * (1 - a) + f / factor * a for f, a in zip(freqs, ramp)], dtype=torch.float64)
+
+
+def turned(x, r):
+    """The reference's rotary: x's first r dimensions as r/2 complex numbers (adjacent pairs), the
+    token at position t (x's first axis) times exp(i t theta); the rest untouched."""
+    t = torch.arange(len(x), dtype=torch.float64)
+    z = torch.polar(torch.ones(len(x), r // 2, dtype=torch.float64), t[:, None] * published_frequencies(r))
+    z = z.view(len(x), *[1] * (x.dim() - 2), r // 2)
+    pairs = torch.view_as_complex(x[..., :r].double().reshape(*x.shape[:-1], r // 2, 2).contiguous())
+    return torch.cat([torch.view_as_real(pairs * z).flatten(-2).to(x.dtype), x[..., r:]], -1)
+
+
+def hadamard(d):
+    """The orthonormal Hadamard matrix of size d (a power of two), as DeepSeek rotates q and k with."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while len(h) < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / d ** 0.5
+
+
+def indexer_by_definition(indexer, qr, x):
+    """(n, n) index scores of one sample from the formula: index queries from ``qr`` (gtx: the
+    attention's queries), keys and weights from the layer's input ``x``."""
+    J, d, r = indexer.heads, indexer.dim, indexer.rope
+    q = turned(indexer.wq(qr).view(len(qr), J, d), r)
+    k = turned(torch.nn.functional.layer_norm(indexer.wk(x), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6), r)
+    if d & (d - 1) == 0:
+        q, k = q @ hadamard(d).to(q.dtype).T, k @ hadamard(d).to(k.dtype).T
+    w = indexer.weights(x) * J ** -0.5 * d ** -0.5
     return sum(w[:, j, None] * torch.relu(q[:, j] @ k.T) for j in range(J))
 
 
-def dsa_by_definition(attention, q, k, v, lens, top):
-    """Per sample: the indexer's top ``top`` earlier tokens per query, softmax attention over them,
-    and the sparse KL (mean over queries); the kept key sets returned to compare."""
+@pytest.mark.parametrize("n, heads, dim, share, seed", [(64, 64, 128, 0.5, 0), (300, 4, 32, 0.5, 1), (50, 3, 12, 1 / 3, 2), (20, 2, 8, 0.0, 3)])
+def test_the_indexer_scores_equal_deepseeks_indexer_with_its_rotary_angles(n, heads, dim, share, seed):
+    """DeepSeek's sizes (64 heads of 128, 64 turned), a long sample whose slow pairs turn (YaRN's
+    stretch), a share that is not a half, and none turned; float32 against the float64 formula."""
+    torch.manual_seed(seed)
+    pattern = parse_pattern(f"dsa:k=4,index_heads={heads},index_dim={dim},rope={share:.6f}")
+    module = pattern.trainable(2, 24)
+    assert module.indexer.rope == round(share * dim)
+    with torch.no_grad():
+        for p in module.indexer.parameters():
+            p.normal_(0.5 if p.dim() == 1 else 0.0, p.shape[-1] ** -0.5)
+    qr, x = torch.randn(n, 48), torch.randn(n, 48)
+    iq, w, ik = module.indexer(qr, x, torch.arange(n))
+    got = index_scores(iq, w, ik)
+    want = indexer_by_definition(module.indexer.double(), qr.double(), x.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    if share:  # the positions matter: without them the scores are another function
+        unturned = index_scores(*module.indexer.float()(qr, x, torch.zeros(n, dtype=torch.long)))
+        assert (unturned.double() - want).abs().max() > 0.05 * want.abs().max()
+
+
+def dsa_by_definition(attention, q, k, v, x, lens, top):
+    """Per sample: the indexer's top ``top`` earlier tokens per query (from the queries and the
+    layer's input ``x``), softmax attention over them, and the sparse KL (mean over queries); the
+    kept key sets returned to compare."""
     indexer = attention.trainable.indexer
     out, kls, kept, start = torch.zeros_like(q), [], [], 0
     for n in lens:
         rows = slice(start, start + n)
-        score = indexer_by_definition(indexer, q[rows].flatten(1).detach(), k[rows].flatten(1).detach())
+        score = indexer_by_definition(indexer, q[rows].flatten(1).detach(), x[rows])
         score = score.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         for t in range(n):
             best = sorted(range(t + 1), key=lambda s: (score[t, s].item(), s), reverse=True)[:top]  # equal scores: the later key first
@@ -52,24 +114,25 @@ def dsa_by_definition(attention, q, k, v, lens, top):
 
 
 def twins(spec, lens, seed, heads=2, dim=8):
-    """The pattern's attention, a float64 copy with the same parameters on the dense backend, and random q, k, v."""
+    """The pattern's attention, a float64 copy with the same parameters on the dense backend, random
+    q, k, v and the layer's input they stand for."""
     torch.manual_seed(seed)
     pattern = parse_pattern(spec)
     attention = Attention(get_backend("auto"), pattern, heads, dim)
     reference = Attention(get_backend("dense"), pattern, heads, dim).double()
     reference.load_state_dict(attention.state_dict())
-    return pattern, attention, reference, *(torch.randn(sum(lens), heads, dim) for _ in range(3))
+    return pattern, attention, reference, *(torch.randn(sum(lens), heads, dim) for _ in range(3)), torch.randn(sum(lens), heads * dim)
 
 
 @pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
 def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
-    pattern, attention, reference, q, k, v = twins(f"dsa:k={top},index_heads=3,index_dim=4,warmup=0", lens, seed)
+    pattern, attention, reference, q, k, v, inputs = twins(f"dsa:k={top},index_heads=3,index_dim=4,warmup=0", lens, seed)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     attention.begin_step(0)
-    got = attention(*xs, build_graph(pattern, None, lens).edges["dd"])
+    got = attention(*xs, build_graph(pattern, None, lens).edges["dd"], inputs=inputs)
     (kl,) = attention.pending  # the step's auxiliary loss, as the trainer takes it
     ys = [x.double().requires_grad_() for x in (q, k, v)]
-    want, want_kl, kept = dsa_by_definition(reference, *ys, lens, top)
+    want, want_kl, kept = dsa_by_definition(reference, *ys, inputs.double(), lens, top)
     torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
     weights = torch.linspace(-1, 1, got.numel()).view_as(got)
     for a, b in zip(torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)):
@@ -90,8 +153,9 @@ def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freeze
     attention = Attention(get_backend("auto"), pattern, heads, dim)
     edges = build_graph(pattern, None, lens).edges["dd"]
     q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    x = torch.randn(sum(lens), heads * dim)
     attention.begin_step(1)  # the second step: still the warm-up
-    out = attention(q, k, v, edges)
+    out = attention(q, k, v, edges, inputs=x)
     dense = get_backend("dense")(q, k, v, build_graph(parse_pattern("causal"), None, lens).edges["dd"])
     torch.testing.assert_close(out, dense)
     kl, frozen = attention.take_losses()
@@ -100,7 +164,7 @@ def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freeze
     indexer = attention.trainable.indexer
     for n in lens:
         rows = slice(start, start + n)
-        score = indexer_by_definition(indexer, q[rows].flatten(1), k[rows].flatten(1))
+        score = indexer_by_definition(indexer, q[rows].flatten(1), x[rows])
         later = torch.ones(n, n, dtype=torch.bool).triu(1)
         p = torch.softmax(torch.einsum("thd,shd->hts", q[rows], k[rows]).masked_fill(later, float("-inf")), -1).mean(0)
         logq = torch.log_softmax(score.masked_fill(later, float("-inf")), -1)
@@ -108,7 +172,7 @@ def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freeze
         start += n
     torch.testing.assert_close(kl, torch.cat(want).mean())
     attention.begin_step(2)  # warm-up over: sparse, and the model trains
-    attention(q, k, v, edges)
+    attention(q, k, v, edges, inputs=x)
     assert not attention.take_losses()[1] and "kept_selected" in attention.reset_stats()
 
 
@@ -155,6 +219,30 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
     assert len(refused.output.strip().splitlines()) == 1
 
 
+def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_refused_in_one_line(tmp_path):
+    """Rows and checkpoints of the indexer that read the attention's keys and turned nothing had no
+    ``rope`` in their pattern and no ``indexer.rotated`` in their state: neither passes for this one."""
+    base = ["--task", "recall", "--model", "lm", "--set", "seq_len=48", "--set", "n_train=4", "--set", "n_valid=2", "--set", "n_test=2",
+            "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--set", "batch_size=4", "--quiet", "--results", str(tmp_path)]
+    result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=0"])
+    assert result.exit_code == 0, result.output
+    from gtx.experiments import results
+
+    rows = results.load(tmp_path)
+    assert set(rows.pattern) == {"dsa:k=8,index_heads=2,index_dim=4,rope=0.5,warmup=0,freeze=true,b=1"}
+    run_id = rows.run_id.iloc[0]
+    path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
+    state = torch.load(path, weights_only=False)
+    good = dict(state["model"])
+    for edit, why in [({}, "under an earlier definition (index keys from the attention's keys, nothing turned"), ({"rotated": 4}, "turning 4 index")]:
+        model = {key: value for key, value in good.items() if not key.endswith(".indexer.rotated")}
+        model.update({key: torch.tensor(v) for key in good if key.endswith(".indexer.rotated") for v in edit.values()})
+        torch.save({**state, "model": model}, path)
+        refused = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path)])
+        assert refused.exit_code == 2 and why in refused.output and len(refused.output.strip().splitlines()) == 1, refused.output
+        assert len(results.load(tmp_path)) == len(rows)
+
+
 @pytest.mark.parametrize("spec, message", [("dsa:k=0", "dsa keeps k >= 1 tokens per query"), ("dsa:k=2000", "keeps up to 2000 keys per query"),
                                            ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"), ("dsa:k=16,b=16", "at least 2b")])
 def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
@@ -163,7 +251,7 @@ def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message
     assert not (tmp_path / "r").exists()
 
 
-def blocks_by_definition(attention, q, k, v, lens, top, size, chosen_by):
+def blocks_by_definition(attention, q, k, v, x, lens, top, size, chosen_by):
     """``dsa:b=size``, per sample from the formula: a block's index key is the mean of its tokens', a
     token reads its own block (up to itself) and the ``top / size - 1`` earlier blocks it scores
     highest; softmax attention over those keys; the sparse KL over block masses (mean over queries),
@@ -173,10 +261,9 @@ def blocks_by_definition(attention, q, k, v, lens, top, size, chosen_by):
     out, sparse, dense, start = torch.zeros_like(q), [], [], 0
     for n in lens:
         rows = slice(start, start + n)
-        J, d = indexer.heads, indexer.dim
-        x_q, x_k = q[rows].flatten(1).detach(), k[rows].flatten(1).detach()
-        iq, w = indexer.wq(x_q).view(n, J, d), indexer.weights(x_q) * J ** -0.5 * d ** -0.5
-        ik = torch.nn.functional.layer_norm(indexer.wk(x_k), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6)
+        J, d, r = indexer.heads, indexer.dim, indexer.rope
+        iq, w = turned(indexer.wq(q[rows].flatten(1).detach()).view(n, J, d), r), indexer.weights(x[rows]) * J ** -0.5 * d ** -0.5
+        ik = turned(torch.nn.functional.layer_norm(indexer.wk(x[rows]), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6), r)
         means = torch.stack([ik[j:j + size].mean(0) for j in range(0, n, size)])
         score = sum(w[:, j, None] * torch.relu(iq[:, j] @ means.T) for j in range(J))  # (n, blocks)
         for t in range(n):
@@ -202,25 +289,25 @@ def blocks_by_definition(attention, q, k, v, lens, top, size, chosen_by):
 @pytest.mark.parametrize("lens, top, size, seed", [([40], 12, 4, 0), ([33, 50, 9], 16, 8, 1), ([64], 10, 5, 2)])
 def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, seed):
     """The MSA corner: DSA's indexer and losses at block granularity, read on MoBA's per-token kernel."""
-    pattern, attention, reference, q, k, v = twins(f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1", lens, seed)
+    pattern, attention, reference, q, k, v, inputs = twins(f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1", lens, seed)
     edges = build_graph(pattern, None, lens).edges["dd"]
     dsa = sys.modules[type(attention.trainable).__module__]
-    iq, w, ik = attention.trainable.indexer(q.flatten(1), k.flatten(1))
+    iq, w, ik = attention.trainable.indexer(q.flatten(1), inputs, dsa.positions_of(lens, q.device))
     sel = dsa.BlockIndex(ik, lens, size).top(iq, w, top // size - 1, q.shape[1])
 
     def chosen_by(t):
         return sel.blocks[t, 0][sel.valid[t, 0]].tolist()
 
     ys = [x.double().requires_grad_() for x in (q, k, v)]
-    want, want_sparse, want_dense = blocks_by_definition(reference, *ys, lens, top, size, chosen_by)
+    want, want_sparse, want_dense = blocks_by_definition(reference, *ys, inputs.double(), lens, top, size, chosen_by)
     attention.begin_step(0)  # the warm-up: dense, the KL over block masses
-    attention(q, k, v, edges)
+    attention(q, k, v, edges, inputs=inputs)
     (dense,) = attention.pending
     torch.testing.assert_close(dense.detach(), want_dense.detach().float(), atol=1e-5, rtol=1e-5)
     attention.take_losses()
     attention.begin_step(1)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    got = attention(*xs, edges)
+    got = attention(*xs, edges, inputs=inputs)
     (sparse,) = attention.pending
     torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
     weights = torch.linspace(-1, 1, got.numel()).view_as(got)
@@ -230,3 +317,64 @@ def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, se
     params, want_params = list(attention.trainable.indexer.parameters()), list(reference.trainable.indexer.parameters())
     for a, b in zip(torch.autograd.grad(sparse, params), torch.autograd.grad(want_sparse, want_params)):
         torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["lm", "transformer", "hf", "ut"])
+def test_the_indexer_reads_each_layers_input(model, monkeypatch):
+    """Index keys and weights read the states the attention's q, k and v are projected from: the
+    layer's normalised input (gtx's layers' norm before self-attention; the hidden states
+    transformers hands its attention module; ut: every decoder node's, as its keys are)."""
+    from gtx.data.batch import batches
+    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+
+    if model == "hf":
+        pytest.importorskip("transformers")
+    task = "copy" if model in ("transformer", "ut") else "recall"
+    settings = {"n_train": "4", "n_valid": "4", "n_test": "4", "dim": "16", "heads": "2", "dim_ff": "16", **({"seq_len": "48"} if task == "recall" else {}),
+                **({"layers": "2", "max_len": "64"} if model == "hf" else {})}
+    r = resolve(RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,warmup=0", settings=settings))
+    net = build_model(r, build_attention(r, "auto")).eval()
+    own = {"transformer": lambda: net.dec_attention[0], "ut": lambda: net.dec_attention}.get(model, lambda: net.layer_attention[0])()
+    dsa = sys.modules[type(own.trainable).__module__]
+    seen, want, forward = [], [], dsa.SparseIndexed.forward
+    monkeypatch.setattr(dsa.SparseIndexed, "forward", lambda self, q, k, v, edges, run: seen.append(run.inputs) or forward(self, q, k, v, edges, run))
+    if model == "hf":
+        for module in (m for m in net.hf.modules() if type(m).__name__.endswith("Attention")):
+            module.register_forward_pre_hook(lambda m, args, kwargs: want.append(kwargs["hidden_states"][0]), with_kwargs=True)
+    elif model != "ut":
+        for norm in (layer.norm_attn for layer in net.layers) if model == "lm" else (layer.norm_self for layer in net.decoder):
+            norm.register_forward_hook(lambda m, args, out: want.append(out))
+    batch = next(iter(batches(r.task, "valid", r.pattern, 2)))
+    with torch.no_grad():
+        net(batch)
+    if model == "ut":  # a step's active nodes are a subset: the others keep their latest input, as their keys
+        assert seen and all(x.shape == (len(batch.tgt_in), 16) for x in seen)
+    else:
+        assert len(seen) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(seen, want))
+
+
+@pytest.mark.parametrize("lens, top, seed", [([70, 33], 9, 0), ([150], 20, 1)])
+def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top, seed, monkeypatch):
+    """On the CPU in float32 the C kernels choose and fit the indexer; on rotated index queries and
+    keys they give the torch path's choice, output, KL and gradients."""
+    from gtx.attention import native
+
+    if native.load("index_kernel") is None:
+        pytest.skip("no C compiler: the torch path is all there is")
+    pattern, attention, _, q, k, v, inputs = twins(f"dsa:k={top},index_heads=2,index_dim=8,warmup=0", lens, seed)
+    edges = build_graph(pattern, None, lens).edges["dd"]
+
+    def run():
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        attention.begin_step(0)
+        out = attention(*xs, edges, inputs=inputs)
+        kl, _ = attention.take_losses()
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
+        return out, kl, *grads, *torch.autograd.grad(kl, list(attention.trainable.indexer.parameters())), attention.reset_stats()["kept_selected"]
+
+    got = run()
+    monkeypatch.setattr(native, "kernel", lambda *_: None)
+    want = run()
+    for a, b in zip(got[:-1], want[:-1]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert got[-1] == want[-1]

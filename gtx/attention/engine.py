@@ -21,16 +21,21 @@ NodeFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 NodePair = tuple[NodeFn, str, "torch.Tensor | None"]
 
 
-def propagate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, backend: Backend) -> torch.Tensor:
+def propagate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, backend: Backend,
+                        inputs: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of each query over its incoming edges.
 
     Args:
         q: (n_dst, H, D) queries; k: (n_src, H, D) keys; v: (n_src, H, Dv) values.
+        inputs: the layer's input (n, width) q, k and v were projected from, on a self-attention
+            stage: what a pattern's trainable attention may read (``Run.inputs``).
     Returns:
         (n_dst, H, Dv); zeros for a query without incoming edges.
     """
     if edges.pattern is not None and not edges.pattern.plain and not isinstance(backend, (Attention, LayerAttention)):
         backend = Attention(backend)  # a model built with a bare backend: head groups, fixed biases and selections still apply
+    if inputs is not None and isinstance(backend, (Attention, LayerAttention)):
+        return backend(q * q.shape[-1] ** -0.5, k, v, edges, inputs=inputs)
     return backend(q * q.shape[-1] ** -0.5, k, v, edges)
 
 
@@ -81,13 +86,16 @@ def update_graph(
     and ``k``, ``v`` (on the key type), attention propagates over ``edges`` into ``wv`` on the query
     type, and ``post`` functions finish the layer (output projection, residual, feed-forward).
 
-    q, k, v are (n, H, D) per node; ``wv`` is (n, H, Dv).
+    q, k, v are (n, H, D) per node; ``wv`` is (n, H, Dv). On a self-attention stage a ``pre`` that
+    also writes ``h``, the sub-layer's input (n, d_model) q, k and v are projected from, hands it to
+    the attention (``propagate_attention``'s ``inputs``).
     """
     for fn, ntype, ids in pre:
         apply_nodes(nodes, fn, ntype, ids)
     key_type, query_type = STAGE_TYPES[stage]
     keys, queries = nodes[key_type], nodes[query_type]
-    queries["wv"] = propagate_attention(queries["q"], keys["k"], keys["v"], edges, backend)
+    inputs = queries.get("h") if key_type == query_type else None
+    queries["wv"] = propagate_attention(queries["q"], keys["k"], keys["v"], edges, backend, inputs)
     for fn, ntype, ids in post:
         apply_nodes(nodes, fn, ntype, ids)
 

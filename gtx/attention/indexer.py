@@ -6,9 +6,14 @@ and one index key per token k (N, d). Nothing here holds an n x n matrix: the ch
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
 its gradients); elsewhere the same definitions run as torch ops.
+
+Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
+by their tokens' positions (``rotary_angles``), so the kernels score rotated vectors as any others.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -18,6 +23,35 @@ from gtx.attention.choice import top_native, top_scored
 from gtx.graph.tokens import EdgeSet
 
 ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
+# DeepSeek-V3.2-Exp's rotary angles as its published model computes them: base 10000, stretched by
+# YaRN (factor 40 from 4096 positions, ramp between 32 and 1 rotations) since it reads longer texts
+ROPE_BASE, YARN_FACTOR, YARN_POSITIONS, YARN_FAST, YARN_SLOW = 10000.0, 40.0, 4096, 32, 1
+
+
+def rotary_angles(positions: torch.Tensor, dims: int) -> torch.Tensor:
+    """(n,) positions -> (n, dims / 2) angles in float64: pair i turns at base^(-2i / dims) per
+    position, divided by YARN_FACTOR for the slow pairs (those under YARN_SLOW rotations over
+    YARN_POSITIONS) and blended linearly between those and the fast ones (over YARN_FAST)."""
+    def pair_of(rotations):  # the pair index that turns ``rotations`` times over YARN_POSITIONS
+        return dims * math.log(YARN_POSITIONS / (rotations * 2 * math.pi)) / (2 * math.log(ROPE_BASE))
+
+    low, high = max(math.floor(pair_of(YARN_FAST)), 0), min(math.ceil(pair_of(YARN_SLOW)), dims - 1)
+    pairs = torch.arange(dims // 2, dtype=torch.float64)
+    slow = ((pairs - low) / max(high - low, 1e-3)).clamp(0, 1)  # 0: kept, 1: divided by the factor
+    freqs = ROPE_BASE ** (-2 * pairs / dims)
+    freqs = freqs * (1 - slow) + freqs / YARN_FACTOR * slow
+    return positions.to(torch.float64)[:, None] * freqs.to(positions.device)
+
+
+def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x (n, ..., d) with its first 2 * angles.shape[-1] dimensions turned as adjacent pairs
+    (2i, 2i + 1) by ``angles`` (n, pairs), each pair a complex number times exp(i angle); the rest as is."""
+    if angles.shape[-1] == 0:
+        return x
+    cos, sin = (f(angles).to(x.dtype).view(len(x), *[1] * (x.dim() - 2), -1) for f in (torch.cos, torch.sin))
+    turned = x[..., :2 * angles.shape[-1]].unflatten(-1, (-1, 2))
+    a, b = turned[..., 0], turned[..., 1]
+    return torch.cat([torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2), x[..., 2 * angles.shape[-1]:]], -1)
 
 
 def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,7 @@ class Embeddings(nn.Module):
 
 class EncoderLayer(nn.Module):
     """Self-attention and feed-forward sub-layers, pre-norm: ``x + dropout(f(LN(x)))``; node functions
-    for update_graph: ``pre`` -> q, k, v; ``post`` finishes the layer from ``wv``."""
+    for update_graph: ``pre`` -> q, k, v and their input h; ``post`` finishes the layer from ``wv``."""
 
     def __init__(self, heads: int, dim: int, dim_ff: int, dropout: float):
         super().__init__()
@@ -133,7 +133,8 @@ class EncoderLayer(nn.Module):
         self.dropout = Dropout(dropout)
 
     def pre(self, nodes):
-        return self.attn.get(self.norm_attn(nodes["x"]))
+        h = self.norm_attn(nodes["x"])
+        return {**self.attn.get(h), "h": h}
 
     def post(self, nodes):
         x = nodes["x"] + self.dropout(self.attn.get_o(nodes["wv"]))
@@ -152,7 +153,8 @@ class DecoderLayer(nn.Module):
         self.dropout = Dropout(dropout)
 
     def pre_self(self, nodes):
-        return self.self_attn.get(self.norm_self(nodes["x"]))
+        h = self.norm_self(nodes["x"])
+        return {**self.self_attn.get(h), "h": h}
 
     def post_self(self, nodes):
         return {"x": nodes["x"] + self.dropout(self.self_attn.get_o(nodes["wv"]))}

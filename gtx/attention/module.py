@@ -144,8 +144,10 @@ class Attention(torch.nn.Module):
             raise PluginError(f"bias {bias[0]!r} returned {getattr(out, 'shape', type(out).__name__)}; expected ({edges.num_edges}, {len(heads)})")
         return out
 
-    def forward(self, q, k, v, edges: EdgeSet, trainable=None):
-        """``trainable``: a layer's own trainable attention (``for_layer``), else this module's.
+    def forward(self, q, k, v, edges: EdgeSet, trainable=None, inputs=None):
+        """``trainable``: a layer's own trainable attention (``for_layer``), else this module's;
+        ``inputs``: the layer's input on a self-attention stage, (n, width), for trainable attention
+        that reads it (``Run.inputs``).
 
         Under ``torch.autocast`` the attention runs outside it, on inputs of one dtype: plain
         patterns in the autocast dtype (SDPA's and FlexAttention's kernels take it), content-chosen
@@ -153,34 +155,35 @@ class Attention(torch.nn.Module):
         returned in the autocast dtype."""
         device = q.device.type
         if not torch.is_autocast_enabled(device):
-            return self._forward(q, k, v, edges, trainable)
+            return self._forward(q, k, v, edges, trainable, inputs)
         fast = torch.get_autocast_dtype(device)
         dtype = fast if edges.pattern is None or edges.pattern.plain else torch.float32
         with torch.autocast(device, enabled=False):
-            return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), edges, trainable).to(fast)
+            inputs = None if inputs is None else inputs.to(dtype)
+            return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), edges, trainable, inputs).to(fast)
 
-    def _forward(self, q, k, v, edges: EdgeSet, trainable=None):
+    def _forward(self, q, k, v, edges: EdgeSet, trainable=None, inputs=None):
         pattern = edges.pattern
         if pattern is None or pattern.plain:
             self.flops += 2 * edges.num_edges * q.shape[1] * (q.shape[2] + v.shape[2])
             return self.backend(q, k, v, edges)
         self.heads = self.heads or q.shape[1]
         if pattern.trainable is not None:
-            out, used = self._trained(q, k, v, edges, trainable if trainable is not None else self.trainable)
+            out, used = self._trained(q, k, v, edges, trainable if trainable is not None else self.trainable, inputs)
         else:
             out, used = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
         self._count(edges.stage, used, edges.num_edges)
         self.flops += 2 * used * q.shape[1] * (q.shape[2] + v.shape[2])
         return out
 
-    def _trained(self, q, k, v, edges: EdgeSet, module) -> tuple[torch.Tensor, float]:
+    def _trained(self, q, k, v, edges: EdgeSet, module, inputs=None) -> tuple[torch.Tensor, float]:
         spec = edges.pattern.spec
         if module is None:
             raise GtxError(f"pattern {spec!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
                            "pattern, heads, head_dim) so that they train")
         if edges.stage not in module.stages:
             return self.backend(q, k, v, edges), edges.num_edges
-        run = Run(self, spec)
+        run = Run(self, spec, inputs)
         with plugin_code(f"pattern {spec!r}", "in its trainable attention"):
             out = module(q, k, v, edges, run)
         if not isinstance(out, torch.Tensor) or out.shape[:2] != q.shape[:2]:
@@ -260,8 +263,8 @@ class LayerAttention(torch.nn.Module):
     def name(self) -> str:
         return self.shared.name
 
-    def forward(self, q, k, v, edges: EdgeSet):
-        return self.shared(q, k, v, edges, trainable=self.trainable)
+    def forward(self, q, k, v, edges: EdgeSet, inputs=None):
+        return self.shared(q, k, v, edges, trainable=self.trainable, inputs=inputs)
 
 
 def layer_attention(attention) -> torch.nn.Module:

@@ -19,6 +19,9 @@ It runs on the stages in ``stages`` (default: decoder self-attention, ``dd``); o
 pattern's candidate edges go to the backend. ``edges`` are the candidates of whole causal
 sequences (``edges.root.structure == "causal"``; decoding recomputes the prefix for such
 patterns); an ACT step's subset (``edges.keep``) is applied to the output by the caller.
+``run.inputs`` is the layer's input on a self-attention stage, (n, width): the states q, k and v
+were projected from (after the layer's normalisation), given by the model (gtx's models and ``hf``
+do; None where a caller gives only q, k and v). DSA's indexer reads its index keys there.
 ``run.loss(name, value)`` adds an auxiliary loss to the training loss (DSA's indexer KL);
 ``run.freeze_model()`` makes this step train the auxiliary losses alone (a warm-up with the model
 frozen). Losses and kept edges are averaged into each results row's ``metrics``.
@@ -45,8 +48,8 @@ class Run:
     """What a ``Trainable`` sees of the run: the backend, the optimizer step, and where its losses
     and kept edges go. Made by ``Attention`` for one call."""
 
-    def __init__(self, owner, spec: str):
-        self._owner, self.spec = owner, spec
+    def __init__(self, owner, spec: str, inputs: torch.Tensor | None = None):
+        self._owner, self.spec, self.inputs = owner, spec, inputs
         self.edges = 0.0  # edges one head attended over in this call, summed over the branches (``kept``)
 
     @property
