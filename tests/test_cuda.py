@@ -59,9 +59,9 @@ def report(**row) -> None:
             writer.writerow(row)
 
 
-def outputs_and_grads(attention: Attention, q, k, v, edges, weights):
+def outputs_and_grads(attention: Attention, q, k, v, edges, weights, inputs):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = attention(q, k, v, edges)
+    out = attention(q, k, v, edges, inputs=inputs)
     grads = torch.autograd.grad((out.float() * weights).sum(), [q, k, v, *attention.parameters()], materialize_grads=True)
     return [out, *grads]
 
@@ -74,15 +74,16 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
     edges = graph.edges[stage]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, heads, dim, generator=g) for n in (edges.n_dst, edges.n_src, edges.n_src))
+    inputs = torch.randn(edges.n_dst, heads * dim, generator=g)  # the layer's input, which dsa's indexer reads
     torch.manual_seed(0)
     reference = Attention(get_backend("dense"), p, heads, dim)
     for table in reference.parameters():  # away from their start, so that their gradients are compared too
         table.data = torch.randn(table.shape, generator=g)
     weights = torch.randn(edges.n_dst, heads, dim, generator=g)
-    want = outputs_and_grads(reference, q, k, v, edges, weights)
+    want = outputs_and_grads(reference, q, k, v, edges, weights, inputs)
     attention = Attention(get_backend(backend, CUDA), p, heads, dim).to(CUDA)
     attention.load_state_dict(reference.state_dict())
-    got = outputs_and_grads(attention, *(x.to(CUDA, dtype) for x in (q, k, v)), edges.to(CUDA), weights.to(CUDA))
+    got = outputs_and_grads(attention, *(x.to(CUDA, dtype) for x in (q, k, v)), edges.to(CUDA), weights.to(CUDA), inputs.to(CUDA, dtype))
     names = ["out", "dq", "dk", "dv", *(n for n, _ in reference.named_parameters())]
     errors = {name: rel_error(a, b) for name, a, b in zip(names, got, want)}
     for name, err in errors.items():
