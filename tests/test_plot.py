@@ -503,7 +503,7 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
         (["attention", "transformer", "--head", 2], "head 2 is out of range: the model has 2 heads (0-1)"),
         (["attention", "missing.pt"], "checkpoint missing.pt does not exist"),
         (["attention", "foreign.pt"], "checkpoint foreign.pt is truncated or not a gtx checkpoint"),
-        (["act", "no-such-run"], "no checkpoint no-such-run"),
+        (["act", "no-such-run"], "no run 'no-such-run' among"),
     ],
 )
 def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch, args, message):

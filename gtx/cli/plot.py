@@ -63,7 +63,7 @@ def plot_results(results_dir, by, metric, output, fmt):
     click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"results.{fmt or 'png'}", fmt))
 
 
-CHECKPOINT_HELP = "Where a run id's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
+CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
 
 
 @plot.command(name="attention")
@@ -80,7 +80,8 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     """Draw a trained model's attention weights on one example, per stage: queries on rows, keys on
     columns, token labels; cells that are not edges of the pattern are light grey.
 
-    CHECKPOINT is a .pt file or a run id under --results. The decoder is teacher forced.
+    CHECKPOINT is a .pt file or a run under --results (its id, a unique prefix or its 6-hex tail).
+    The decoder is teacher forced.
 
     \b
     Example:
@@ -110,9 +111,9 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
 
 def _run_name(ref: str, results_dir: Path) -> str:
     """The run id of a checkpoint under <results>/checkpoints/<run_id>/, else the file's stem."""
-    from gtx.experiments.checkpoint import find
+    from gtx.experiments.runref import find_checkpoint
 
-    path = find(ref, results_dir)
+    path = find_checkpoint(ref, results_dir)
     return path.parent.name if path.parent.parent.name == "checkpoints" else path.stem
 
 

@@ -27,6 +27,7 @@ from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.experiments import checkpoint
 from gtx.experiments.config import RunConfig, resolve_device
+from gtx.experiments.runref import find_checkpoint
 from gtx.graph.pattern import STAGES
 from gtx.graph.tokens import EdgeSet
 
@@ -41,7 +42,7 @@ def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", ba
     from gtx.experiments.runner import trained_model  # the runner's own path: what trains is what is probed
     from gtx.plugins.registry import BACKENDS
 
-    path = checkpoint.find(ref, results_dir or "results")
+    path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
     trained = RunConfig(**state["run_config"])
     if backend is None:
