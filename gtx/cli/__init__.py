@@ -85,8 +85,12 @@ def show_pattern(pattern, src_len, tgt_len, max_width):
     """Print each stage's adjacency (rows: queries, columns: keys; '#' = edge); per head group for heads(...)."""
     p = parse_pattern(pattern)
     click.echo(f"pattern {p.spec}   src_len={src_len} tgt_len={tgt_len}   (row = query, column = key, # = edge)")
-    if p.select is not None:
-        click.echo("(edges chosen at run time from queries and keys: shown are the candidates)")
+    from gtx.pictures.plot import chosen_stages, run_time_budget
+
+    for group in p.heads or (p,):
+        if chosen_stages(group):
+            click.echo(f"({group.spec}: keys chosen at run time from queries and keys in {', '.join(chosen_stages(group))}: shown are the "
+                       f"candidates; {run_time_budget(group, max(src_len, tgt_len))})")
     groups = p.heads or (p,)
     for i, group in enumerate(groups):
         if len(groups) > 1:
