@@ -110,6 +110,13 @@ class NativeSparse(Trainable):
         self.gate = nn.Linear(heads * head_dim, 3 * heads)  # from the query token (q is a linear map of its state)
         self.window = parse_pattern(f"local:w={config.w - 1}")
 
+    def budget_text(self, n: int) -> str:
+        """The last query's branches at ``n`` tokens (the docstring's budget): compressed keys, selected and window keys."""
+        c = self.config
+        compressed, selected, window = max(0, (n - c.l) // c.d + 1), min(c.n * c.s, n), min(c.w, n)
+        return (f"at most {compressed} compressed + {selected} selected + {window} window keys per query "
+                f"(selected and window tokens overlap: at most {min(n, selected + window)} tokens)")
+
     def compress(self, x: torch.Tensor, lens: list[int], phi: Compressor | None) -> torch.Tensor:
         """(n, H, D) rows of the samples -> (B, m, H, D), one key per block (``sliding_blocks``)."""
         c, length = self.config, max(lens)

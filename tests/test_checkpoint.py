@@ -165,7 +165,7 @@ def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
     run_id = load(reference).run_id.iloc[0]
     before = sorted(p.read_bytes() for p in reference.rglob("*.csv"))
     unknown = gtx("run", "--resume", "nope", "--results", reference)
-    assert unknown.exit_code == 2 and "no checkpoint of that run" in unknown.output and run_id in unknown.output
+    assert unknown.exit_code == 2 and "--resume: no run 'nope'" in unknown.output and run_id in unknown.output
     finished = gtx("run", "--resume", run_id, "--results", reference)
     assert finished.exit_code == 2 and "that run is finished" in finished.output
     empty = gtx("run", "--resume", "", "--results", reference)
@@ -214,3 +214,20 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
     df = load(tmp_path)
     assert sorted(df.epoch) == [1, 1]
     assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
+
+
+def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
+    """gtx eval, gtx run --resume, gtx plot attention and gtx show all resolve the 6-hex tail `gtx runs` prints."""
+    run_id = load(reference).run_id.iloc[0]
+    tail = run_id.rsplit("-", 1)[1]
+    evaluated = gtx("eval", tail, "--results", reference, "--split", "valid")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert f"run {run_id} (trained with full)" in evaluated.output
+    resumed = gtx("run", "--resume", tail, "--results", reference)  # resolved: then refused for being finished, not for its name
+    assert resumed.exit_code == 2 and f"--resume {run_id}: that run is finished" in resumed.output
+    drawn = gtx("plot", "attention", tail, "--results", reference, "-o", tmp_path / "a.png")
+    assert drawn.exit_code == 0 and (tmp_path / "a.png").is_file(), drawn.output
+    assert gtx("show", tail, "--results", reference).output.startswith(f"run         {run_id}")
+    ambiguous = gtx("eval", run_id[:4], "--results", reference)  # the eval above is another run of the same year
+    assert ambiguous.exit_code == 2 and ambiguous.output.count("\n") == 1 and "is ambiguous: it matches" in ambiguous.output
+    assert run_id in ambiguous.output  # the candidates are listed

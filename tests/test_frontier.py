@@ -84,6 +84,26 @@ def test_bad_families(text, match):
         parse_family(text)
 
 
+def test_an_operator_after_the_budgets_applies_to_every_budget():
+    assert parse_family("local:w=8,16+alibi").specs == ("local:w=8+alibi", "local:w=16+alibi")
+    union = parse_family("local:w=8,16|strided:l=8")
+    assert union.specs == ("local:w=8|strided:l=8", "local:w=16|strided:l=8") and union.budgets == ("8", "16") and union.name == "local |strided:l=8"
+    assert parse_family("local:w=8,16&strided:l=4").specs == ("local:w=8&strided:l=4", "local:w=16&strided:l=4")
+    assert parse_family("moba:b=8,k=2,3,gate=block+alibi").specs[1] == "moba:b=8,k=3,gate=block+alibi"
+    with pytest.raises(GtxError, match="only the first pattern's parameter may list budgets"):
+        parse_family("strided:l=8|local:w=8,16")
+
+
+@pytest.mark.parametrize("margin, match", [(math.inf, "must be a finite number > 0"), (math.nan, "finite"), (-0.1, "> 0"),
+                                           (1e308, "query_acc lies in \\[0, 1\\]"), (1.0, "a margin of 1 or more")])
+def test_margins_that_call_everything_equivalent_are_refused(margin, match):
+    from gtx.experiments.frontier import check_margin
+
+    with pytest.raises(GtxError, match=match):
+        check_margin(margin, ["best_valid_query_acc"])
+    check_margin(1e3, ["best_valid_bpc"])  # bpc has no upper bound
+
+
 def test_flops_are_counted_per_linear_row_and_attended_edge():
     from gtx.attention.module import Attention
     from gtx.backends import get_backend
@@ -162,8 +182,56 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
     assert science(second.output.split("sweep ")[-1].split("\n", 1)[1]) == table
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A finished frontier of two cells (full and local:w=4 at 32 tokens, seed 0), and how it was asked for."""
+    folder = tmp_path_factory.mktemp("small")
+    args = ["frontier", *RECALL, "--lengths", "32", "--seeds", "0", "-j", "2", "--quiet", "--results", str(folder)]
+    result = CliRunner().invoke(cli, [*args, "--family", "local:w=4"])
+    assert result.exit_code == 0, result.output
+    return folder, args
+
+
+def test_table_only_names_the_budgets_and_cells_without_runs(small):
+    folder, args = small
+    before = sorted((folder / "frontiers").iterdir())
+    result = CliRunner().invoke(cli, [*args, "--family", "local:w=4,8", "--seeds", "0-1", "--table-only"])
+    assert result.exit_code == 1, result.output
+    assert "partial frontier: 4 of 6 cells have no finished run" in result.output and "is not saved" in result.output
+    assert "recall lm seq_len=32: local 8, seeds 0, 1" in result.output and "recall lm seq_len=32: full -, seed 1" in result.output
+    assert "recall lm seq_len=32: local 4, seed 1" in result.output
+    assert sorted((folder / "frontiers").iterdir()) == before  # a partial table is never saved
+
+
+def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypatch):
+    from gtx.experiments import claims
+
+    folder, args = small
+    monkeypatch.setattr(claims, "claim", lambda results_dir, key: "4242@elsewhere")  # another frontier holds every cell
+    monkeypatch.setattr(claims, "holder", lambda path: "4242@elsewhere")
+    result = CliRunner().invoke(cli, [*args, "--family", "local:w=4,8"])
+    assert result.exit_code == 1, result.output
+    assert "recall lm seq_len=32: local 8, seed 0 (running in 4242@elsewhere)" in result.output and "partial frontier: 1 of 3 cells" in result.output
+    assert load(folder).query("split == 'test'").cell.nunique() == 2  # nothing ran here
+    assert len(load_frontiers(folder)) == 1
+
+
+def test_each_reading_is_saved_under_its_metric_and_margin(small):
+    folder, args = small
+    for margin in ("0.5", "0.25"):
+        result = CliRunner().invoke(cli, [*args, "--family", "local:w=4", "--table-only", "--margin", margin])
+        assert result.exit_code == 0, result.output
+    names = sorted(load_frontiers(folder))
+    assert len(names) == 3 and [n.rsplit("-", 2)[1:] for n in names] == [["query_acc", "margin0.01"], ["query_acc", "margin0.25"],
+                                                                          ["query_acc", "margin0.5"]]
+    assert {float(t.margin.iloc[0]) for t in load_frontiers(folder).values()} == {0.01, 0.25, 0.5}
+
+
 @pytest.mark.parametrize("args, match", [
-    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "0"], "margin 0.0: an equivalence margin must be > 0"),
+    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "0"], "margin 0.0: an equivalence margin must be a finite number > 0"),
+    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "inf"], "margin inf: an equivalence margin must be a finite number > 0"),
+    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "1e308"], "query_acc lies in [0, 1]"),
+    (["--family", "strided:l=4|local:w=4,8", "--lengths", "16"], "only the first pattern's parameter may list budgets"),
     (["--family", "local:x=4,8", "--lengths", "16"], "has no parameter 'x'"),
     (["--family", "local:w=4,8", "--lengths", "4"], "seq_len=4 is too small"),
     (["--family", "local:w=4,8", "--lengths", "16", "--length-key", "nope"], "nope"),

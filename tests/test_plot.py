@@ -224,6 +224,30 @@ def test_results_figure_and_command(tmp_path):
     assert result.exit_code == 0 and "<svg" in (tmp_path / "r.svg").read_text()
 
 
+def test_results_and_report_plot_each_tasks_own_metric(tmp_path):
+    """text is judged by bpc (lower is better), recall by query_acc, copy by token_acc: as gtx compare picks them."""
+    fake_results(tmp_path)
+    for task, metrics in (("text", lambda a: {"bpc": 3.0 - a}), ("recall", lambda a: {"query_acc": a / 4})):
+        for seed in (0, 1):
+            run_id = f"{task}-s{seed}"
+            rows = [row(run_id, "full", seed, split, 1, 0.5 + 0.1 * seed, task=task, metrics=json.dumps(metrics(0.5 + 0.1 * seed)))
+                    for split in ("train", "valid", "test")]
+            write_run(tmp_path, run_id, rows)
+    df = load(tmp_path)
+    assert [plot.own_metric(df, t) for t in ("text", "recall", "copy")] == ["best_valid_bpc", "best_valid_query_acc", "best_valid_token_acc"]
+    fig = plot.results(df)
+    labels = {ax.get_title(): ax.get_ylabel() for ax in fig.axes if ax.get_title()}
+    assert labels == {"task=copy, model=transformer": "best_valid_token_acc (higher is better)",
+                      "task=recall, model=transformer": "best_valid_query_acc (higher is better)",
+                      "task=text, model=transformer": "best_valid_bpc (lower is better)"}
+    text_panel = next(ax for ax in fig.axes if ax.get_title() == "task=text, model=transformer")
+    assert sorted(text_panel.get_lines()[0].get_ydata()) == pytest.approx([2.45])  # mean bpc of the two seeds, not their token_acc
+    result = gtx("plot", "results", "--results", tmp_path, "--by", "model")  # one panel holding three metrics: refused, one line
+    assert result.exit_code == 2 and "holds tasks judged by different metrics" in result.output and result.output.count("\n") == 1
+    assert gtx("report", "--results", tmp_path).exit_code == 0
+    assert "each task&#x27;s own metric" in (tmp_path / "report.html").read_text()
+
+
 def test_no_runs_is_one_line_exit_2(tmp_path):
     for args in (["plot", "results"], ["report"]):
         result = gtx(*args, "--results", tmp_path / "empty")
@@ -503,7 +527,7 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
         (["attention", "transformer", "--head", 2], "head 2 is out of range: the model has 2 heads (0-1)"),
         (["attention", "missing.pt"], "checkpoint missing.pt does not exist"),
         (["attention", "foreign.pt"], "checkpoint foreign.pt is truncated or not a gtx checkpoint"),
-        (["act", "no-such-run"], "no checkpoint no-such-run"),
+        (["act", "no-such-run"], "no run 'no-such-run' among"),
     ],
 )
 def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch, args, message):
@@ -514,6 +538,25 @@ def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch,
     result = gtx("plot", command, ref, *rest, "--results", trained["results"])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert message in result.output
+
+
+@pytest.mark.parametrize("spec, stages, budget", [
+    ("dsa:k=8", ["dd"], "at most 8 keys per query"),
+    ("topk:k=4", ["ee", "dd", "ed"], "at most 4 keys per query"),
+    ("moba:b=8,k=2", ["dd"], "at most 16 keys per query"),
+    ("lsh", ["ee", "dd", "ed"], "no fixed number of keys per query"),
+    ("nsa:l=8,d=4,s=8,n=4,w=16", ["dd"], "at most 15 compressed + 32 selected + 16 window keys per query"),
+])
+def test_content_chosen_patterns_say_their_keys_are_chosen_at_run_time_and_their_budget(spec, stages, budget):
+    fig = plot.pattern(spec, src_len=64)
+    title = fig._suptitle.get_text()
+    assert "keys are chosen among them at run time" in title and f"({', '.join(stages)}): {budget}" in title, title
+    panels = {ax.get_title().split(":")[0]: ax.get_title() for ax in fig.axes}
+    for stage in stages:  # never "density 1.000 of the causal triangle": the candidates are not what a query reads
+        assert "density" not in panels[stage] and "candidates (keys chosen at run time)" in panels[stage]
+    assert all("density" in t for s, t in panels.items() if s not in stages)  # full attention there, read as drawn
+    shown = gtx("show-pattern", spec, "--src-len", 64, "--tgt-len", 64, "--max-width", 8).output
+    assert f"shown are the candidates; {budget}" in shown
 
 
 def test_head_groups_get_a_row_of_panels_each():

@@ -109,7 +109,7 @@ def test_generate_command_and_its_refusals(folders):
     plugins.call_each("register_commands", cli=cli)  # what gtx's entry point does before running a command
     ok = CliRunner().invoke(cli, ["generate", "--set", f"path={folders['llama']}", "--pattern", "local:w=4", "--prompt", "the quick", "--new", "6"])
     assert ok.exit_code == 0 and ok.output.startswith("the quick") and "the cache held at most 5 keys per layer" in ok.output, ok.output
-    for args, match in ((["--pattern", "moba:b=4,k=2"], "without the cache (--no-cache)"), ([], "give --set path=DIR"),
+    for args, match in ((["--pattern", "moba:b=4,k=2"], "without the cache (--no-cache)"), ([], "or --set path=DIR"),
                         (["--new", "300"], "the model has 256 positions")):
         path = [] if not args else ["--set", f"path={folders['llama']}"]
         bad = CliRunner().invoke(cli, ["generate", *path, *args, "--prompt", "the quick"])
@@ -135,3 +135,43 @@ def test_bad_runs_are_one_line(folders, tmp_path, args, match):
     assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "runs").exists()
 
+
+
+@pytest.fixture(scope="module")
+def tuned(folders, tmp_path_factory):
+    """A run fine-tuned from the llama folder under dsa (so its pattern has trained parameters of its own), and its 6-hex tail."""
+    results = tmp_path_factory.mktemp("tuned")
+    result = run(folders["llama"], *TEXT, "--pattern", "dsa:k=8,warmup=0", "--epochs", "1", "--results", str(results))
+    assert result.exit_code == 0, result.output
+    return results, load(results).run_id.iloc[0].rsplit("-", 1)[1]
+
+
+def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
+    import transformers
+    from safetensors import safe_open
+
+    plugins.call_each("register_commands", cli=cli)
+    results, tail = tuned
+    run_id = load(results).run_id.iloc[0]
+    prompt = ["--prompt", "the quick", "--new", "6", "--pattern", "full"]
+    own = CliRunner().invoke(cli, ["generate", tail, "--results", str(results), "--prompt", "the quick", "--new", "4", "--no-cache"])
+    assert own.exit_code == 0 and "4 tokens under dsa:k=8" in own.output, own.output  # the run's own pattern by default
+    from_run = CliRunner().invoke(cli, ["generate", tail, "--results", str(results), *prompt])
+    assert from_run.exit_code == 0, from_run.output
+    out = tmp_path / "exported"
+    exported = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
+    assert exported.exit_code == 0, exported.output
+    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors"} <= {p.name for p in out.iterdir()}
+    trained = torch.load(checkpoint_dir(results, run_id) / "best.pt", weights_only=False)["model"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)  # transformers' own attention: the folder names no gtx
+    assert json.loads((out / "config.json").read_text()).get("_attn_implementation") in (None, "sdpa")
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[f"hf.{name}"]), name  # the fine-tuned weights, not the folder's
+    with safe_open(str(out / "gtx_pattern.safetensors"), "pt") as f:  # dsa's indexer, trained with the run, beside the model
+        assert f.metadata()["pattern"].startswith("dsa:k=8") and f.keys() and all(torch.equal(f.get_tensor(k), trained[k]) for k in f.keys())
+    from_folder = CliRunner().invoke(cli, ["generate", "--set", f"path={out}", *prompt])
+    assert from_folder.output.splitlines()[0] == from_run.output.splitlines()[0]  # the exported folder generates what the run does
+    again = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
+    assert again.exit_code == 2 and "is not empty" in again.output and again.output.count("\n") == 1
+    unknown = CliRunner().invoke(cli, ["generate", "zzzzzz", "--results", str(results), *prompt])
+    assert unknown.exit_code == 2 and "no run 'zzzzzz'" in unknown.output and unknown.output.count("\n") == 1

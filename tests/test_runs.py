@@ -135,3 +135,20 @@ def test_a_real_run_listed_and_shown(tmp_path):
     results.write_run(tmp_path, run_id, df[(df.run_id == run_id) & (df.split != "test")].to_dict("records"))  # as if killed before its test
     table = listed(tmp_path)
     assert list(table.status) == ["incomplete, resumable", f"eval of {runs.short_id(run_id)}"] and list(table.pattern) == ["local:w=2", "local:w=1"]
+
+
+def test_one_resolver_names_runs_by_id_prefix_or_tail_in_tables_and_checkpoints(tmp_path):
+    from gtx.experiments import runref
+
+    results.write_run(tmp_path, "20260101-000000-copy-lm-aaa111", [row("20260101-000000-copy-lm-aaa111", "train", 1)])
+    (tmp_path / "checkpoints" / "20260102-000000-copy-lm-bbb222").mkdir(parents=True)  # killed before its first rows
+    (tmp_path / "checkpoints" / "20260102-000000-copy-lm-bbb222" / checkpoint.LAST).write_bytes(b"")
+    assert runref.run_ids(tmp_path) == ["20260101-000000-copy-lm-aaa111", "20260102-000000-copy-lm-bbb222"]
+    assert runref.resolve_run("aaa111", tmp_path) == runref.resolve_run("20260101", tmp_path) == "20260101-000000-copy-lm-aaa111"
+    assert runref.find_checkpoint("bbb222", tmp_path) == tmp_path / "checkpoints" / "20260102-000000-copy-lm-bbb222" / checkpoint.LAST
+    with pytest.raises(GtxError, match=r"'2026' is ambiguous: it matches 2 runs \(20260101-000000-copy-lm-aaa111, 20260102-000000-copy-lm-bbb222\)"):
+        runref.resolve_run("2026", tmp_path)
+    with pytest.raises(GtxError, match=r"no run 'bbb223' among 2 runs --results .*; closest: 20260102-000000-copy-lm-bbb222"):
+        runref.resolve_run("bbb223", tmp_path)
+    with pytest.raises(GtxError, match=r"run 20260101-000000-copy-lm-aaa111 has no checkpoint \(best.pt or last.pt\)"):
+        runref.find_checkpoint("aaa111", tmp_path)

@@ -43,6 +43,11 @@ class Trainable(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, run: Run) -> torch.Tensor:
         raise NotImplementedError
 
+    def budget_text(self, n: int) -> str | None:
+        """The keys a query reads at most in a sequence of ``n`` tokens, in words, where the parameters
+        fix it (``gtx plot pattern`` states it); None: the pattern's ``budget`` says it, or nothing fixes it."""
+        return None
+
 
 class Run:
     """What a ``Trainable`` sees of the run: the backend, the optimizer step, and where its losses

@@ -93,8 +93,12 @@ def show_pattern(pattern, src_len, tgt_len, max_width):
     """Print each stage's adjacency (rows: queries, columns: keys; '#' = edge); per head group for heads(...)."""
     p = parse_pattern(pattern)
     click.echo(f"pattern {p.spec}   src_len={src_len} tgt_len={tgt_len}   (row = query, column = key, # = edge)")
-    if p.select is not None:
-        click.echo("(edges chosen at run time from queries and keys: shown are the candidates)")
+    from gtx.pictures.plot import chosen_stages, run_time_budget
+
+    for group in p.heads or (p,):
+        if chosen_stages(group):
+            click.echo(f"({group.spec}: keys chosen at run time from queries and keys in {', '.join(chosen_stages(group))}: shown are the "
+                       f"candidates; {run_time_budget(group, max(src_len, tgt_len))})")
     groups = p.heads or (p,)
     for i, group in enumerate(groups):
         if len(groups) > 1:
@@ -167,7 +171,8 @@ def tasks():
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder for the results tables.")
 @click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Any model, task or training setting (repeatable).")
 @click.option("--log", "loggers", multiple=True, metavar="NAME", help="Also log to NAME (repeatable): tensorboard, or a plugin's logger.")
-@click.option("--resume", metavar="RUN_ID", help="Continue a killed run from its last checkpoint under --results; its own configuration is used.")
+@click.option("--resume", metavar="RUN", help="Continue a killed run (its id, a unique prefix or its 6-hex tail) from its last checkpoint under "
+                                            "--results; its own configuration is used.")
 @click.option("--quiet", is_flag=True, help="No progress bar or per-epoch lines.")
 @plugins_dir_option
 def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, heads, dim, dim_ff, seed, device, results_dir, settings, loggers, resume, quiet):
@@ -220,7 +225,8 @@ def _summary(rows: pd.DataFrame, results_dir: str) -> None:
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Folder to append to [default: the checkpoint's].")
 @plugins_dir_option
 def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_dir):
-    """Evaluate a trained model: CHECKPOINT is a .pt file or a run id (its best.pt under --results).
+    """Evaluate a trained model: CHECKPOINT is a .pt file or a run under --results (its best.pt): its id,
+    a unique prefix, or the 6 hex digits `gtx runs` prints.
 
     The rows are appended as a run of their own whose eval_of column names the trained run."""
     from gtx.experiments.runner import evaluate_checkpoint

@@ -20,7 +20,8 @@ from gtx.experiments import sweep as sw
               help="Equivalence margin in the metric's units: a budget is equivalent to full when TOST says |difference| < margin.")
 @click.option("--metric", help="Judge by this metric [default: each task's own, e.g. query_acc, bpc].")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--table-only", is_flag=True, help="Print the frontier of the runs already in --results; run nothing.")
+@click.option("--table-only", is_flag=True, help="Print the frontier of the runs already in --results; run nothing. Budgets and cells "
+                                                  "without a finished run are named, and the exit status is 1.")
 @grid_options
 def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry_run, quiet, launcher, executor_opts, nproc, **options):
     """Accuracy against attention budget: every family's budgets and full, at every length, over seeds.
@@ -35,11 +36,15 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
     interval, tokens/s, training GFLOP, and a TOST of equivalence with full at --margin; per family
     the smallest budget equivalent to full; and the cost front (across model sizes given as --set
     dim=32,64: the cheapest rows for their metric). Table and figure are saved under
-    <results>/frontiers/. Exit 1 if a cell failed, 2 on bad input (nothing runs).
+    <results>/frontiers/, named by what the table was read with (metric, margin). A cell without a
+    finished run (failed, not run with --table-only, or running in another sweep or frontier on the
+    same folder) is named, and the table is printed but not saved. Exit 1 if a cell failed or is
+    missing, 2 on bad input (nothing runs).
     """
     try:
         fr.check_margin(margin)  # before anything runs
         grid, results_dir, jobs = read_grid(None, (), **options)
+        fr.check_margin(margin, fr.study_metrics(grid.task, metric))
         study = fr.Study([fr.parse_family(f) for f in families], sw.split_list(lengths, "--lengths"), grid, length_key)
         cells, points = fr.plan_study(study, results_dir)
         for note in study.notes:
@@ -53,20 +58,30 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
         from gtx.pictures import plot
         from gtx.pictures.figure import save
 
-        table = fr.frontier_table(cells, points, load(results_dir), margin, metric)
+        df = load(results_dir)
+        table = fr.frontier_table(cells, points, df, margin, metric)
         if table.empty:
             raise GtxError(f"no runs of this frontier under {results_dir} yet; run it without --table-only")
+        missing = fr.missing_cells(cells, df)
         click.echo(fr.format_frontier(table, fmt))
         click.echo(f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
                    "smallest such budget per family (fewest edges per query):")
         click.echo(format_table(fr.equivalent_budgets(table), fmt))
         click.echo("\ncost front: per task and length, across sizes, families and budgets, the rows no cheaper row matches or beats:")
         click.echo(fr.format_frontier(fr.cost_front(table), fmt))
-        saved = fr.frontier_dir(results_dir) / sw.sweep_name(None, cells).replace("grid-", "frontier-")
-        atomic_write(saved.with_suffix(".csv"), table.to_csv(index=False))
-        figure = save(plot.frontier(table), saved.with_suffix(".png"))
+        if missing:  # a partial table is printed as one, never saved as the study's reading
+            lines = fr.describe_missing(missing, cells, points, results_dir)
+            click.echo(f"\npartial frontier: {len(missing)} of {len(cells)} cells have no finished run (still to run, failed, or running "
+                       "elsewhere); the table above leaves them out and is not saved; run this command again when they end:", err=True)
+            for line in lines:
+                click.echo(f"  {line}", err=True)
+            raise click.exceptions.Exit(1)
+        name = fr.reading_name(cells, table, margin)
+        saved = fr.frontier_dir(results_dir) / f"{name}.csv"  # not with_suffix: the margin's own dot would be taken for one
+        atomic_write(saved, table.to_csv(index=False))
+        figure = save(plot.frontier(table), fr.frontier_dir(results_dir) / f"{name}.png")
         if not quiet:
-            click.echo(f"\nfrontier table: {saved.with_suffix('.csv')}; figure: {figure} (gtx report shows both)", err=True)
+            click.echo(f"\nfrontier table: {saved}; figure: {figure} (gtx report shows both)", err=True)
         if failed:
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself

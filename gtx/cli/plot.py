@@ -51,19 +51,19 @@ def plot_pattern(spec, src_len, tgt_len, stages, max_cells, output, fmt):
 @plot.command(name="results")
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP)
 @click.option("--by", default="task,model", show_default=True, help="Columns that split the runs into panels (comma-separated).")
-@click.option("--metric", default="best_valid_token_acc", show_default=True,
-              help="best_valid_X (best over valid epochs) or test_X; X: token_acc, seq_acc, loss, or a task metric such as bpc.")
+@click.option("--metric", help="best_valid_X (best over valid epochs) or test_X; X: token_acc, seq_acc, loss, or a task metric such as bpc "
+                              "[default: each task's own, as gtx compare picks it: bpc for text, query_acc for recall, token_acc for copy].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/results.png].")
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
 def plot_results(results_dir, by, metric, output, fmt):
-    """Accuracy against training speed per pattern (mean and std over seeds, Pareto front), and learning curves."""
+    """Each task's metric against training speed per pattern (mean and std over seeds, Pareto front), and learning curves."""
     df = _load(results_dir)
     fig = gtx_plot.results(df, by=csv_list(by), metric=metric)
     click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"results.{fmt or 'png'}", fmt))
 
 
-CHECKPOINT_HELP = "Where a run id's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
+CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
 
 
 @plot.command(name="attention")
@@ -80,7 +80,8 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     """Draw a trained model's attention weights on one example, per stage: queries on rows, keys on
     columns, token labels; cells that are not edges of the pattern are light grey.
 
-    CHECKPOINT is a .pt file or a run id under --results. The decoder is teacher forced.
+    CHECKPOINT is a .pt file or a run under --results (its id, a unique prefix or its 6-hex tail).
+    The decoder is teacher forced.
 
     \b
     Example:
@@ -110,16 +111,16 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
 
 def _run_name(ref: str, results_dir: Path) -> str:
     """The run id of a checkpoint under <results>/checkpoints/<run_id>/, else the file's stem."""
-    from gtx.experiments.checkpoint import find
+    from gtx.experiments.runref import find_checkpoint
 
-    path = find(ref, results_dir)
+    path = find_checkpoint(ref, results_dir)
     return path.parent.name if path.parent.parent.name == "checkpoints" else path.stem
 
 
 @click.command()
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP)
 @click.option("--by", default="task,model", show_default=True, help="Panels of the results plot (comma-separated).")
-@click.option("--metric", default="best_valid_token_acc", show_default=True, help="Metric of the results plot (as in gtx plot results).")
+@click.option("--metric", help="Metric of the results plot (as in gtx plot results) [default: each task's own].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/report.html].")
 @plugins_dir_option
 def report(results_dir, by, metric, output):

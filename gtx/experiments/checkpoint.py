@@ -54,18 +54,6 @@ def load(path: str | Path, mmap: bool = False) -> dict:
     return state
 
 
-def find(ref: str | Path, results_dir: str | Path) -> Path:
-    """A checkpoint path, or a run id whose best (else last) checkpoint under ``results_dir`` is meant."""
-    path = Path(ref)
-    if path.is_file() or path.suffix == ".pt":
-        return path
-    folder = checkpoint_dir(results_dir, str(ref))
-    for name in (BEST, LAST):
-        if (folder / name).is_file():
-            return folder / name
-    raise GtxError(f"no checkpoint {ref}: neither a file nor a run with a checkpoint under {folder.parent}; pass a .pt path or --results DIR")
-
-
 def rows_of(state: dict) -> list[dict]:
     return json.loads(state["rows"])
 

@@ -85,14 +85,17 @@ def _metric_names(runs: pd.DataFrame, metric: str | None, task_metrics: dict[str
         if name not in metrics:
             raise GtxError(f"unknown metric {metric!r}; metrics of these runs: {', '.join(m.removeprefix('best_valid_') for m in metrics)}")
         return pd.Series(name, index=runs.index)
-    task_metrics = registered_task_metrics() if task_metrics is None else task_metrics
+    def has(task: str, name: str) -> bool:
+        return f"best_valid_{name}" in runs.columns and runs.loc[runs.task == task, f"best_valid_{name}"].notna().any()
 
-    def own(task: str) -> str:
-        name = f"best_valid_{task_metrics.get(task, FALLBACK_METRIC)}"
-        has = name in runs.columns and runs.loc[runs.task == task, name].notna().any()
-        return name if has else f"best_valid_{FALLBACK_METRIC}"
+    return runs.task.map({t: f"best_valid_{task_metric(t, has, task_metrics)}" for t in runs.task.unique()})
 
-    return runs.task.map({t: own(t) for t in runs.task.unique()})
+
+def task_metric(task: str, has, task_metrics: dict[str, str] | None = None) -> str:
+    """The metric ``task``'s runs are judged by when none is asked for: its declared one
+    (``Task.metric``: bpc for text, query_acc for recall) where ``has(task, name)``, else token_acc."""
+    name = (registered_task_metrics() if task_metrics is None else task_metrics).get(task, FALLBACK_METRIC)
+    return name if has(task, name) else FALLBACK_METRIC
 
 
 def _clipped(values: pd.Series, metric: str):

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,16 +29,17 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import SPEED, p_text, pm_text, run_table
-from gtx.experiments.results import cell_text, format_table, lower_is_better, metric_range
+from gtx.experiments.compare import FALLBACK_METRIC, SPEED, p_text, pm_text, run_table
+from gtx.experiments.results import cell_text, finished, format_table, lower_is_better, metric_range
 from gtx.experiments.stats import pareto_front, summarize, tost_p
-from gtx.experiments.sweep import Cell, Grid, plan, split_list
+from gtx.experiments.sweep import Cell, Grid, plan, split_list, sweep_name
 from gtx.graph.spec import parse_pattern
 
 FULL = "full"
 ALPHA = 0.05
 NEARLY_FULL = 1 - 1e-9  # a fixed pattern's density at or above this attends to everything it may
 KEY_RE = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(.*)\Z", re.S)
+OPERATORS = "+|&"  # pattern-spec operators (gtx.graph.spec): what follows one applies to every budget
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,24 @@ class Family:
     specs: tuple[str, ...]
 
 
+def _split_operator(text: str) -> tuple[str, str]:
+    """``local:w=8,16+alibi`` -> (``local:w=8,16``, ``+alibi``): the family's first pattern and the
+    rest of the spec from its first ``+``, ``|`` or ``&`` outside parentheses (``""`` where none)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in OPERATORS:
+            return text[:i], text[i:]
+    return text, ""
+
+
 def parse_family(text: str) -> Family:
     """``local:w=16,32,64`` or ``moba:b=16,k=2,4,8`` (the one parameter given several values is the
-    budget) or a single spec (``nsa``). Raises GtxError naming the family and the fix."""
-    name, _, params = text.strip().partition(":")
+    budget) or a single spec (``nsa``). What follows the first pattern after ``+``, ``|`` or ``&``
+    (``local:w=8,16+alibi``, ``local:w=8,16|strided:l=8``) applies to every budget; a budget list
+    there is refused. Raises GtxError naming the family and the fix."""
+    head, rest = _split_operator(text.strip())
+    name, _, params = head.strip().partition(":")
     values: dict[str, list[str]] = {}
     last = None
     try:
@@ -82,8 +98,11 @@ def parse_family(text: str) -> Family:
     for budget in (budgets if param else [None]):
         spec = f"{name}:{','.join(f'{k}={budget if k == param else v[0]}' for k, v in values.items())}" if values else name
         try:
-            pattern = parse_pattern(spec)
+            pattern = parse_pattern(spec + rest)
         except GtxError as e:
+            if rest and re.search(r",\s*[^\s=,()|&+]+\s*(?:[|&+)]|\Z)", rest):  # a bare value after a comma: a budget list in the rest
+                raise GtxError(f"family {text!r}: only the first pattern's parameter may list budgets; write the pattern whose budgets vary "
+                               "first, the rest after it (local:w=8,16|strided:l=8: the union with strided at each window)") from None
             raise GtxError(f"family {text!r}: {e}") from None
         if pattern.spec == FULL:
             raise GtxError(f"family {text!r}: full attention is every frontier's baseline already; give sparse patterns")
@@ -91,7 +110,7 @@ def parse_family(text: str) -> Family:
     if len(set(specs)) < len(specs):
         raise GtxError(f"family {text!r}: two budgets give the same pattern; list each budget once")
     fixed = " ".join(f"{k}={v[0]}" for k, v in values.items() if k != param) if param else ""
-    return Family(f"{name} {fixed}".strip(), param, tuple(budgets), tuple(specs))
+    return Family(" ".join(f"{name} {fixed} {rest.strip()}".split()), param, tuple(budgets), tuple(specs))
 
 
 def length_key(task: str) -> str:
@@ -208,9 +227,55 @@ def _settings_product(settings: dict[str, list[str]]):
         yield dict(zip(settings, values))
 
 
-def check_margin(margin: float) -> None:
-    if not margin > 0:
-        raise GtxError(f"--margin {margin}: an equivalence margin must be > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+def check_margin(margin: float, metrics: Iterable[str] = ()) -> None:
+    """A margin is finite, > 0 and narrower than each metric's range (``metric_range``): a margin as
+    wide as the range calls every budget equivalent. GtxError naming the fix otherwise."""
+    if not (math.isfinite(margin) and margin > 0):
+        raise GtxError(f"--margin {margin}: an equivalence margin must be a finite number > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+    for metric in dict.fromkeys(metrics):
+        lo, hi = metric_range(metric)
+        if margin >= hi - lo:
+            raise GtxError(f"--margin {margin:g}: {metric.removeprefix('best_valid_')} lies in [{lo:g}, {hi:g}], so a margin of {hi - lo:g} or more "
+                           "calls every budget equivalent; give a margin well inside that range (e.g. 0.01)")
+
+
+def study_metrics(tasks: Iterable[str], metric: str | None) -> list[str]:
+    """The metric each task's frontier is judged by: ``metric`` for all, else each task's own (``Task.metric``)."""
+    from gtx.plugins.registry import task_metrics
+
+    own = task_metrics()
+    return [metric or own.get(task, FALLBACK_METRIC) for task in tasks]
+
+
+def missing_cells(cells: list[Cell], df: pd.DataFrame) -> list[Cell]:
+    """The study's cells without a finished training run in ``df``: still to run, failed, or running elsewhere."""
+    done = set(df.cell[finished(df) & df.eval_of.isna()]) if len(df) else set()
+    return [c for c in cells if c.key not in done]
+
+
+def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, Point], results_dir) -> list[str]:
+    """One line per budget (task, model, length, the study's swept settings, family and budget) with
+    cells in ``missing``: their seeds, and which of them another sweep or frontier on ``results_dir``
+    is running now (``claims``)."""
+    from gtx.experiments.claims import claim_dir, holder
+
+    swept = _swept(cells, {p.length_key for p in points.values()})
+    groups: dict[str, list[str]] = {}
+    for cell in missing:
+        point = points[cell.key]
+        c = cell.config
+        settings = " ".join(f"{k}={c.settings[k]}" for k in swept)
+        where = " ".join(f"{c.task} {c.model} {point.length_key.partition('.')[2]}={point.length} {settings}".split())
+        who = holder(claim_dir(results_dir) / cell.key)
+        groups.setdefault(f"{where}: {point.family or FULL} {point.budget}", []).append(f"{c.seed}" + (f" (running in {who})" if who else ""))
+    return [f"{budget}, seed{'s' * (len(seeds) > 1)} {', '.join(seeds)}" for budget, seeds in groups.items()]
+
+
+def reading_name(cells: list[Cell], table: pd.DataFrame, margin: float) -> str:
+    """A saved table's file stem: the study (a hash of its cells) and what it was read with, its
+    metrics and margin (``frontier-1a2b3c4d-query_acc-margin0.01``): two readings never share a file."""
+    metrics = "+".join(sorted(table.metric.unique()))
+    return f"{sweep_name(None, cells).replace('grid-', 'frontier-')}-{metrics}-margin{margin:g}"
 
 
 def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame, margin: float,
@@ -234,6 +299,7 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
                "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "margin", "equivalent"]
     if runs.empty:
         return pd.DataFrame(columns=columns)
+    check_margin(margin, runs.metric)
     runs["value"] = [r[r["metric"]] for _, r in runs.iterrows()]
     rows, samples = [], {}
     for _, group in runs.groupby("experiment", sort=False):

@@ -31,6 +31,7 @@ from gtx.experiments import checkpoint, distributed
 from gtx.experiments.config import DEFAULT_BACKEND, Resolved, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
 from gtx.experiments.loggers import Loggers
 from gtx.experiments.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
+from gtx.experiments.runref import find_checkpoint, resolve_run
 from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
@@ -99,11 +100,15 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
     """The last checkpoint of an unfinished run, and its configuration (writing into ``results_dir``)."""
     if not run_id.strip():
         raise GtxError("--resume needs a run id; `gtx runs` lists the runs under --results")
+    try:
+        run_id = resolve_run(run_id, results_dir)  # a prefix or the 6-hex tail, as `gtx runs` prints it
+    except GtxError as e:
+        raise GtxError(f"--resume: {e}") from None
     path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
     if not path.is_file():
         known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
-        raise GtxError(f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'}; "
-                       f"runs there: {', '.join(known[-5:]) or '(none)'}; pass the run's --results folder")
+        raise GtxError(f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'} (killed in its first epoch, "
+                       f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}")
     state = checkpoint.load(path)
     owner = json.loads(state["common"])["run_id"]
     if owner != run_id:
@@ -255,7 +260,7 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
     under its own pattern or another; append the rows as a new run whose ``eval_of`` names the source."""
     if split not in SPLITS:
         raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
-    path = checkpoint.find(ref, results_dir or "results")
+    path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
     trained = RunConfig(**state["run_config"])
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt

@@ -13,7 +13,6 @@ run, ``eval_of`` set) or ``incomplete`` (killed or still running: the rows canno
 from __future__ import annotations
 
 import datetime as dt
-import difflib
 import json
 import textwrap
 from pathlib import Path
@@ -33,13 +32,9 @@ from gtx.experiments.results import (
     settings_text,
     value_text,
 )
+from gtx.experiments.runref import match_run, short_id
 
 SUMMARY_COLUMNS = ["run_id", "task", "model", "pattern", "backend", "seed", "status", "epochs", "metric", "best", "settings"]
-
-
-def short_id(run_id: str) -> str:
-    """The run id's random tail (``20260101-120000-copy-ut-b54179`` -> ``b54179``): enough for ``find_run``."""
-    return run_id.rsplit("-", 1)[-1]
 
 
 def config_of(rows: pd.DataFrame) -> dict:
@@ -109,22 +104,8 @@ def summary(df: pd.DataFrame, results_dir: str | Path, metrics: dict[str, str]) 
 
 
 def find_run(df: pd.DataFrame, ref: str) -> str:
-    """The run id ``ref`` names: the id itself or a unique prefix or suffix of it (``b54179``). An
-    unknown ``ref`` names the closest ids, an ambiguous one those it matches, as one GtxError line."""
-    ids = list(dict.fromkeys(df.run_id))
-    if ref in ids:
-        return ref
-    matches = [i for i in ids if i.startswith(ref) or i.endswith(ref)]
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
-        raise GtxError(f"run {ref!r} is ambiguous: it matches {len(matches)} runs ({', '.join(matches[:5])}{', ...' if len(matches) > 5 else ''}); "
-                       "give more of the id")
-    # the tails are compared too: a mistyped 6-hex id is far from any whole id
-    by_tail = {short_id(i): i for i in ids}
-    close = [by_tail.get(c, c) for c in difflib.get_close_matches(ref, [*ids, *by_tail], n=3, cutoff=0.5)]
-    hint = f"closest: {', '.join(dict.fromkeys(close))}" if close else f"newest: {', '.join(ids[-3:])}"
-    raise GtxError(f"no run {ref!r} among {len(ids)} run{'s' * (len(ids) != 1)}; {hint}; `gtx runs` lists them all")
+    """The run id among ``df``'s runs that ``ref`` names (``runref.match_run``: the id, a unique prefix or suffix)."""
+    return match_run(df.run_id, ref)
 
 
 def checkpoints(results_dir: str | Path, run_id: str) -> pd.DataFrame:

@@ -27,27 +27,29 @@ from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.experiments import checkpoint
 from gtx.experiments.config import RunConfig, resolve_device
+from gtx.experiments.runref import find_checkpoint
 from gtx.graph.pattern import STAGES
 from gtx.graph.tokens import EdgeSet
 
 FALLBACK_BACKEND = "torch"  # any device, takes score biases: for a checkpoint whose backend is unusable here
 
 
-def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", backend: str | None = None):
-    """(model, r, state): the trained model of a checkpoint (a .pt path, or a run id under
-    ``results_dir``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
+def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", backend: str | None = None, pattern: str | None = None):
+    """(model, r, state): the trained model of a checkpoint (a .pt path, or a run under
+    ``results_dir``: ``runref.find_checkpoint``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
-    unusable on ``device``. GtxError (one line) for a missing or foreign checkpoint."""
+    unusable on ``device``; ``pattern``: the run's own by default. GtxError (one line) for a missing or foreign checkpoint."""
     from gtx.experiments.runner import trained_model  # the runner's own path: what trains is what is probed
     from gtx.plugins.registry import BACKENDS
 
-    path = checkpoint.find(ref, results_dir or "results")
+    path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
     trained = RunConfig(**state["run_config"])
     if backend is None:
         usable = BACKENDS.get(trained.backend).obj.available(resolve_device(device)) is None
         backend = trained.backend if usable else FALLBACK_BACKEND
-    model, r, _ = trained_model(path, state, dataclasses.replace(trained, backend=backend, device=device, loggers=[]))
+    model, r, _ = trained_model(path, state, dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend, device=device,
+                                                                 loggers=[]))
     return model.eval(), r, state
 
 

@@ -8,7 +8,7 @@ matplotlib's global backend or keeps figures alive in pyplot's registry.
     from gtx.pictures import plot
     from gtx.experiments import results
     plot.pattern("local:w=64|strided:l=64", src_len=4096, stages=["dd"])
-    plot.results(results.load("results"), by=["task", "model"], metric="best_valid_token_acc")
+    plot.results(results.load("results"), by=["task", "model"])  # each task's own metric: bpc for text, query_acc for recall
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gtx.errors import GtxError
+from gtx.experiments.compare import task_metric
 from gtx.experiments.results import lower_is_better, metric_values, training_runs
 from gtx.experiments.stats import pareto_front
 from gtx.graph.pattern import STAGE_NAMES, STAGES, Pattern
@@ -121,7 +122,10 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
             ax.tick_params(which="minor", length=0)
         causal = " of the causal triangle" if stage == "dd" else ""
         head = f"heads {groups.index(group) + 1}/{len(groups)}: {group.spec}\n" if len(groups) > 1 else ""
-        ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query", fontsize=9)
+        if stage in chosen_stages(group):  # not what a query reads: what it chooses among
+            ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ncandidates (keys chosen at run time): {per_query:.1f}/query", fontsize=9)
+        else:
+            ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query", fontsize=9)
         ax.set(xlabel="key position", ylabel="query position")
         blocks.add((bq, bk))
     note = ""
@@ -129,9 +133,53 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
         fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of edges in the block (sqrt scale)")
         note = "\nblocks of " + ", ".join(f"{bq}x{bk}" for bq, bk in sorted(blocks)) + " positions, shaded by the fraction of edges"
     shown = [f"src_len={src_len}"] * bool({"ee", "ed"} & set(stages)) + [f"tgt_len={tgt_len}"] * bool({"dd", "ed"} & set(stages))
-    chosen = "\ncandidate edges: the pattern chooses among them per head at run time" if any(g.select for g in groups) else ""
+    chosen = "".join(f"\n{g.spec + ': ' if len(groups) > 1 else ''}candidate edges drawn; keys are chosen among them at run time "
+                     f"per query and head ({', '.join(chosen_stages(g))}): {run_time_budget(g, max(lengths))}"
+                     for g in groups if chosen_stages(g))
     fig.suptitle(f"{p.spec}   {' '.join(shown)}{note}{chosen}", fontsize=10)
     return fig
+
+
+def _trainable_module(p: Pattern):
+    """The pattern's trainable module built for a picture (its parameters unused): a few head counts
+    are tried, as a pattern may need heads to be a multiple of its groups."""
+    for heads in (1, 2, 4, 8, 16, 64):
+        try:
+            return p.trainable(heads, 8)
+        except GtxError:
+            continue
+    return None
+
+
+def chosen_stages(p: Pattern) -> list[str]:
+    """The stages where ``p`` chooses its keys at run time from the content: every stage for a
+    selection (``select``), a trainable pattern's own ``stages``; none for a fixed pattern."""
+    if p.trainable is not None:
+        module = _trainable_module(p)
+        return list(module.stages) if module is not None else ["dd"]
+    if p.select is None:
+        return []
+    return [stage for stage in STAGES if _selects(p, stage)]
+
+
+def _selects(p: Pattern, stage: str, n: int = 8) -> bool:
+    """Whether ``p``'s selection chooses on ``stage``: asked on random q and k over 8 tokens (None: every candidate is read there)."""
+    src, dst = p.edges(stage, n, n)
+    q, k = torch.randn(2, n, 1, 8, generator=torch.Generator().manual_seed(0))
+    try:
+        return p.select(q, k, EdgeSet(src, dst, n, n, stage)) is not None
+    except Exception:  # a plugin's selection that needs more than a picture gives it: say it chooses
+        return True
+
+
+def run_time_budget(p: Pattern, n: int) -> str:
+    """The keys a query of ``p`` reads at most, in words (``Pattern.budget``, else the trainable
+    module's ``budget_text`` at ``n`` tokens), or that nothing fixes their number."""
+    if p.budget:
+        return f"at most {p.budget} keys per query"
+    module = _trainable_module(p) if p.trainable is not None else None
+    text = module.budget_text(n) if module is not None else None
+    return text or "no fixed number of keys per query (the content decides how many)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,15 +246,34 @@ def _label(values) -> str:
     return " ".join(str(v) for v in (values if isinstance(values, tuple) else (values,)))
 
 
-def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str = "best_valid_token_acc") -> Figure:
+def own_metric(df: pd.DataFrame, task: str) -> str:
+    """``best_valid_<name>`` of the metric ``task``'s runs in ``df`` are judged by, as ``gtx compare``
+    picks it (``compare.task_metric``): the task's declared metric where its valid rows have it, else token_acc."""
+    valid = df[df.split == "valid"]
+    return "best_valid_" + task_metric(task, lambda t, name: metric_values(valid[valid.task == t], name).notna().any())
+
+
+def _tables(df: pd.DataFrame, by: list[str], metric: str | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``run_table`` and ``curve_table`` with a ``metric`` column: ``metric`` for every run, else each task's own (``own_metric``)."""
+    if metric is not None:
+        return run_table(df, by, metric).assign(metric=metric), curve_table(df, by, metric).assign(metric=metric)
+    tasks = {t: own_metric(df, t) for t in _training_runs(df, by).task.unique()}
+    runs = [run_table(df[df.task == t], by, m).assign(metric=m) for t, m in tasks.items()]
+    curves = [curve_table(df[df.task == t], by, m).assign(metric=m) for t, m in tasks.items()]
+    return pd.concat(runs, ignore_index=True), pd.concat(curves, ignore_index=True)
+
+
+def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str | None = None) -> Figure:
     """Per group of ``by`` a column of two panels, ``MAX_COLUMNS`` groups to a row (more wrap). Top: the metric against training tokens/s, one point
     per pattern with error bars of the std over its runs (seeds) on both axes, the Pareto front as a
-    dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. Computed
-    from ``gtx.experiments.results.load``'s per-epoch rows; GtxError if there are no runs or the metric has no values."""
+    dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. ``metric``
+    None: each task's own (``own_metric``: bpc for text, query_acc for recall), so a panel must not
+    mix tasks judged by different metrics. Computed from ``gtx.experiments.results.load``'s per-epoch
+    rows; GtxError if there are no runs, the metric has no values, or a panel would mix metrics."""
     by = list(by)
     if df.empty:
         raise GtxError("no runs to plot")
-    runs, curves = run_table(df, by, metric), curve_table(df, by, metric)
+    runs, curves = _tables(df, by, metric)
     points = _point_keys(runs, by)
     labels = sorted({_label(k) for k, _ in runs.groupby(points)})
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
@@ -215,12 +282,15 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
     rows = -(-len(panels) // cols)
     fig = new_figure(5.6 * cols, 8.4 * rows)
     axes = fig.subplots(2 * rows, cols, squeeze=False)
-    _, base, higher = parse_metric(metric)
     for i, (key, group) in enumerate(panels):
         top, bottom = axes[2 * (i // cols), i % cols], axes[2 * (i // cols) + 1, i % cols]
         key = key if isinstance(key, tuple) else (key,)
         title = ", ".join(f"{c}={v}" for c, v in zip(by, key)) or "all runs"
-        _tradeoff(top, group, points, colors, metric, higher)
+        if group.metric.nunique() > 1:
+            raise GtxError(f"the panel {title} holds tasks judged by different metrics ({', '.join(sorted(group.metric.unique()))}); "
+                           "split the panels by task (--by task,...) or give one --metric")
+        _, base, higher = parse_metric(group.metric.iloc[0])
+        _tradeoff(top, group, points, colors, group.metric.iloc[0], higher)
         _curves(bottom, curves[curves.run_id.isin(group.run_id)], points, colors, base)
         top.set_title(title, fontsize=10)
     for i in range(len(panels), rows * cols):  # the last row's empty places

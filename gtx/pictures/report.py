@@ -114,7 +114,10 @@ def frontiers_html(frontiers: dict[str, pd.DataFrame]) -> str:
     return "\n".join(parts)
 
 
-def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str = "best_valid_token_acc",
+OWN_METRIC = "each task's own metric (bpc for text, query_acc for recall, ...)"
+
+
+def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str | None = None,
            frontiers: dict[str, pd.DataFrame] | None = None) -> str:
     """The report page of a results frame (``gtx.experiments.results.load``) as an HTML string; ``source`` names
     where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``; ``frontiers``
@@ -144,7 +147,7 @@ patterns: {html.escape(", ".join(map(str, sorted(df["pattern"].unique()))))}. Ge
 <p class="note">As <code>gtx compare</code> prints it: one row per task, model, pattern and backend, over its runs.</p>
 {comparison_html(df)}
 <h2>Accuracy against speed</h2>
-<p class="note">Top: {html.escape(metric)} against training tokens/s, mean and std over runs (seeds), with the Pareto front.
+<p class="note">Top: {html.escape(metric or OWN_METRIC)} against training tokens/s, mean and std over runs (seeds), with the Pareto front.
 Bottom: the valid metric per epoch, mean and std over runs.</p>
 {figure}
 {frontier_section}<h2>Patterns</h2>
