@@ -32,7 +32,10 @@ def _sections(command: click.Command, name: str, parent: click.Context | None):
 def markdown() -> str:
     """The reference as markdown: a section per command, its help in a code block."""
     from gtx.cli import cli
+    from gtx.plugins.registry import call_each, load_plugins
 
+    load_plugins()  # with the commands plugins add (hf's generate and export), as ``gtx.cli.main`` does
+    call_each("register_commands", cli=cli)
     return "\n".join([HEADER, *(f"## {path}\n\n```\n{text.rstrip()}\n```\n" for path, text in _sections(cli, "gtx", None))])
 
 
