@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 from html.parser import HTMLParser
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -507,13 +508,14 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
     run_id = trained["transformer"].parent.name
     result = gtx("plot", "attention", run_id, "--results", trained["results"], "--example", 2, "--layer", 0, "--head", 1)
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == f"attention-{run_id}-test-2.png"
-    image_of(tmp_path / f"attention-{run_id}-test-2.png")
+    picture = Path(trained["results"]) / "plots" / f"attention-{run_id}-test-2.png"  # under the results folder, not the working directory
+    assert result.output.strip() == str(picture)
+    image_of(picture)
     result = gtx("plot", "attention", trained["ut"], "--split", "valid", "-o", tmp_path / "a.svg")
     assert result.exit_code == 0 and "<svg" in (tmp_path / "a.svg").read_text()
     result = gtx("plot", "act", trained["ut"], "--example", 0, "--example", 1)
     assert result.exit_code == 0, result.output
-    image_of(tmp_path / f"act-{trained['ut'].parent.name}-test.png")
+    image_of(tmp_path / "results" / "plots" / f"act-{trained['ut'].parent.name}-test.png")
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/
 @click.option("--layer", type=int, help="Layer to draw, 0-based (ACT models: step) [default: the last; ACT: the step with the most queries active].")
 @click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./attention-<run_id>-<split>-<example>.png].")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/attention-<run_id>-<split>-<example>.png].")
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
 def plot_attention(checkpoint, example, split, layer, head, results_dir, output, fmt):
@@ -87,7 +87,7 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     Example:
       gtx plot attention results/checkpoints/<run_id>/best.pt --example 3 --head 0"""
     fig = gtx_plot.attention(checkpoint, example, split, layer, head, results_dir=str(results_dir))
-    click.echo(gtx_plot.save(fig, output or Path(f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}"), fmt))
+    click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}", fmt))
 
 
 @plot.command(name="act")
@@ -95,7 +95,7 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
 @click.option("--example", "examples", type=int, multiple=True, default=[0], show_default=True, help="Example index in --split (repeatable).")
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./act-<run_id>-<split>.png].")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/act-<run_id>-<split>.png].")
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
 def plot_act(checkpoint, examples, split, results_dir, output, fmt):
@@ -106,7 +106,7 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
     Example:
       gtx plot act <run_id> --example 0 --example 1"""
     fig = gtx_plot.act(checkpoint, examples, split, results_dir=str(results_dir))
-    click.echo(gtx_plot.save(fig, output or Path(f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}"), fmt))
+    click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}", fmt))
 
 
 def _run_name(ref: str, results_dir: Path) -> str:
