@@ -235,6 +235,7 @@ def test_sweep_runs_every_cell_once_then_skips_them(tmp_path):
     result = gtx(*args)
     assert result.exit_code == 0, result.output
     assert "4 cells: 4 done, 0 skipped, 0 failed" in result.output
+    assert "0/4 done, 2 running" in result.output  # a log's progress lines count the cells running (-j 2)
     df = load(res)
     test = df[df.split == "test"]
     assert len(test) == 4 and test.cell.nunique() == 4 and df.run_id.nunique() == 4

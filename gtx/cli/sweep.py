@@ -132,15 +132,15 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
 
     tty = sys.stderr.isatty()
     clear = "\r\x1b[K" if tty and not quiet else ""  # the progress line's place, before a message takes it
-    finished = [-1]
+    shown = [""]
 
     def on_change(c: sw.Counts) -> None:
         if quiet:
             return
         if tty:
             click.echo(f"{clear}{c.line()}", nl=False, err=True)
-        elif c.done + c.failed != finished[0]:  # in a log file, a line per finished cell
-            finished[0] = c.done + c.failed
+        elif c.line() != shown[0]:  # in a log file, a line per change: a cell started, finished or run elsewhere
+            shown[0] = c.line()
             click.echo(c.line(), err=True)
 
     def on_failure(f: sw.Failure) -> None:
