@@ -124,3 +124,14 @@ def test_under_torchrun_only_rank_0_prints_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     main = CliRunner().invoke(cli, args)
     assert main.exit_code == 2 and "needs heads in [1, inf)" in main.output
+
+
+def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
+    from gtx.cli.common import progress_lines
+
+    now, lines = [0.0], []
+    tick = progress_lines("epoch 1/4", 5, lines.append, clock=lambda: now[0])
+    for t in (3, 11, 12, 25, 40):  # a batch finishes at each of these seconds
+        now[0] = t
+        tick()
+    assert lines == ["epoch 1/4: 2/5 batches, 11 s", "epoch 1/4: 4/5 batches, 25 s"]  # none for the last: the phase's own line follows

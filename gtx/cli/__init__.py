@@ -25,7 +25,7 @@ import pandas as pd
 from gtx import __version__
 from gtx.attention.model import model_forms
 from gtx.cli.bench import bench
-from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option
+from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option, progress_lines
 from gtx.cli.frontier import frontier
 from gtx.cli.plot import plot, report
 from gtx.cli.runs import runs, show
@@ -198,8 +198,12 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
                        settings=settings, loggers=list(loggers))
 
     def progress(description, total):
-        bar = tqdm(total=total, desc=description, leave=False, disable=quiet or None, unit="batch")
-        return lambda: bar.update() if bar.n + 1 < total else bar.close()
+        if quiet:
+            return lambda: None
+        if sys.stderr.isatty():
+            bar = tqdm(total=total, desc=description, leave=False, unit="batch")
+            return lambda: bar.update() if bar.n + 1 < total else bar.close()
+        return progress_lines(description, total, lambda s: click.echo(s, err=True))
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
     rows = run_experiment(config, progress=progress, log=log, resume=resume)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -65,3 +66,19 @@ def key_value(ctx, param, values):
 def csv_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
+
+
+def progress_lines(description: str, total: int, echo, every_s: float = 10.0, clock=time.monotonic):
+    """A per-batch callback for output that is not a terminal (a log): a line such as "epoch 2/4:
+    120/400 batches, 31 s" at most every ``every_s`` seconds, so that a long phase is not silent."""
+    start = clock()
+    state = {"done": 0, "shown": start}
+
+    def tick():
+        state["done"] += 1
+        now = clock()
+        if now - state["shown"] >= every_s and state["done"] < total:
+            state["shown"] = now
+            echo(f"{description}: {state['done']}/{total} batches, {now - start:.0f} s")
+
+    return tick

@@ -166,7 +166,11 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     if note:
         say(note)
     loggers.call("start", json.loads(common["config"]))
-    steps_per_epoch = -(-len(r.task.splits()["train"]) // r.train.batch_size)
+
+    def tick(label: str, split: str, size: int):
+        """The progress callback of one phase (once per batch), on the main process."""
+        return progress(label, -(-len(r.task.splits()[split]) // size)) if progress and world.main else (lambda: None)
+
     part = (world.rank, world.size)
     epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     status = "failed"
@@ -178,13 +182,14 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                 break
             new = []
             if epoch:
-                tick = progress(f"epoch {epoch}/{r.train.epochs}", steps_per_epoch) if progress and world.main else (lambda: None)
                 shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
-                new.append(_row(common, epoch, "train", trainer.train_epoch(shuffled, tick), attention))
+                stats = trainer.train_epoch(shuffled, tick(f"epoch {epoch}/{r.train.epochs}", "train", r.train.batch_size))
+                new.append(_row(common, epoch, "train", stats, attention))
                 say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)")
             # every rank evaluates the whole split: no coordination, and every rank's model is the same
             valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
-                             decode_limit=r.train.decode_valid, precision=r.train.precision)
+                             decode_limit=r.train.decode_valid, precision=r.train.precision,
+                             on_batch=tick(f"epoch {epoch} valid", "valid", r.train.eval_batch_size))
             new.append(_row(common, epoch, "valid", valid, attention))
             rows += new
             best_now = new[-1]["loss"] < best
@@ -204,7 +209,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                 + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
         beam = getattr(r.task_config, "beam", 1)
         test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam,
-                    precision=r.train.precision)
+                    precision=r.train.precision, on_batch=tick("test", "test", r.train.eval_batch_size))
         rows.append(_row(common, last, "test", test, attention))
         if world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
             write_run(results_dir, run_id, rows)

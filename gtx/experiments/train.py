@@ -266,7 +266,7 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: Pattern, device: torch.device,
-             decode_limit: int = -1, beam: int = 1, precision: str = "float32") -> PhaseStats:
+             decode_limit: int = -1, beam: int = 1, precision: str = "float32", on_batch: Callable[[], None] = lambda: None) -> PhaseStats:
     """Teacher-forced loss and token accuracy over the batches, and the task's phase metrics; for
     seq2seq tasks then decode up to ``decode_limit`` examples (-1: all) for sequence accuracy and
     the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
@@ -289,6 +289,7 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
                 hyps += [task.tgt_vocab.decode(h) for h in decode(model, task, batch, pattern, beam)]
                 decode_s += time.perf_counter() - t0
                 refs += [list(examples[batch.split][i][1]) for i in batch.index]
+            on_batch()
     stats.wall_s, stats.peak_mem_mb = meter.wall_s - decode_s, meter.peak_mb
     stats.extra = stats.task_metrics(task)
     if task.form == "classify":
