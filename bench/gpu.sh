@@ -27,7 +27,9 @@ stamp() { echo "== $1 ($((SECONDS - started)) s)"; }
 stamp "machine"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   "$py" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
-  git log -1 --format='commit %H %cs' 2>/dev/null; date -u +'date %F %T UTC'; } 2>&1 | tee "$out/machine.txt"
+  # the commit, and how many files differ from it (a copied working tree may carry an older .git)
+  echo "commit $(git rev-parse HEAD 2>/dev/null) with $(git status --porcelain 2>/dev/null | wc -l) files changed"
+  date -u +'date %F %T UTC'; } 2>&1 | tee "$out/machine.txt"
 
 if has tests; then
   stamp "cuda tests"
