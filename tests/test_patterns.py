@@ -326,3 +326,21 @@ def test_a_pattern_within_a_sliding_window_keeps_its_run_time_parts():
         moba.select(q, q, batch_edges(moba, "dd", [9], [9]))
     with pytest.raises(PatternError, match="own parameters"):
         within_window(parse_pattern("nsa"), 3)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("lócal", "'ó' at position 1 is not part of a spec"),
+    ("local:w=" + "9" * 23, "beyond 2,147,483,647"),
+    ("dsa:warmup=" + "1" + "0" * 21, "beyond 2,147,483,647"),
+    ("(" * 100 + "full" + ")" * 100, "nests 100 levels of parentheses; gtx takes at most 64"),
+    ("heads(" * 5000 + "full" + ")" * 5000, "gtx takes at most 4,096"),
+    ("|".join(["local:w=1"] * 2000), "pattern spec of 19,999 characters"),
+])
+def test_hostile_specs_are_one_short_line(spec, message):
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+
+    result = CliRunner().invoke(cli, ["show-pattern", spec])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and len(result.output) < 400

@@ -37,14 +37,41 @@ def forget_parsed() -> None:
     _parse_cached.cache_clear()
 
 
+MAX_SPEC = 4096  # characters: a composition past this belongs in a pattern plugin
+MAX_DEPTH = 64  # levels of parentheses
+MAX_INT = 2**31 - 1  # an integer parameter beyond this is no position, count or size gtx can use
+
+
+def _short(spec: str) -> str:
+    return spec if len(spec) <= 80 else f"{spec[:60]}...{spec[-17:]}"
+
+
+def _check_shape(spec: str) -> None:
+    """One line for a spec the parser should not walk: too long, too deep, or with characters no spec has."""
+    if len(spec) > MAX_SPEC:
+        raise PatternError(f"pattern spec of {len(spec):,} characters ({_short(spec)!r}): gtx takes at most {MAX_SPEC:,}; "
+                           "write a composition this large as a pattern plugin (docs/writing-patterns.md)")
+    odd = next(((i, c) for i, c in enumerate(spec) if not (c.isascii() and c.isprintable())), None)
+    if odd:
+        raise PatternError(f"pattern spec {_short(spec)!r}: {odd[1]!r} at position {odd[0]} is not part of a spec; names, keys and values "
+                           "are ASCII (see `gtx patterns`)")
+    depth = deepest = 0
+    for c in spec:
+        depth += (c == "(") - (c == ")")
+        deepest = max(deepest, depth)
+    if deepest > MAX_DEPTH:
+        raise PatternError(f"pattern spec {_short(spec)!r} nests {deepest} levels of parentheses; gtx takes at most {MAX_DEPTH}")
+
+
 @lru_cache(maxsize=256)
 def _parse_cached(spec: str, generation: int) -> Pattern:
     if not spec:
         raise PatternError("empty pattern spec; give a name such as 'full' or 'local:w=4' (see `gtx patterns`)")
+    _check_shape(spec)
     parser = _Parser(spec)
     pattern = parser.biased()
     if parser.pos != len(spec):
-        raise PatternError(f"cannot parse pattern {spec!r} at {spec[parser.pos:]!r}; expected '|', '&', '+' or the end")
+        raise PatternError(f"cannot parse pattern {_short(spec)!r} at {_short(spec[parser.pos:])!r}; expected '|', '&', '+' or the end")
     return pattern
 
 
@@ -64,7 +91,7 @@ class _Parser:
         got = (m.group("op") or "name") if m else None
         if got != what:
             rest = self.spec[self.pos:].strip() or "the end"
-            raise PatternError(f"cannot parse pattern {self.spec!r}: expected {what!r} at {rest!r}")
+            raise PatternError(f"cannot parse pattern {_short(self.spec)!r}: expected {what!r} at {_short(rest)!r}")
         self.pos = m.end()
         return m.group("name") or m.group("op")
 
@@ -152,9 +179,12 @@ def describe_params(factory: Callable, skip: str = "inner") -> str:
 def _convert(name: str, key: str, value: str, annotation) -> object:
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", annotation), str)
     try:
-        return parse_scalar(value, typ)
+        parsed = parse_scalar(value, typ)
     except ValueError:
-        raise PatternError(f"parameter {key} of pattern {name!r} must be {typ.__name__}, got {value!r}") from None
+        raise PatternError(f"parameter {key} of pattern {name!r} must be {typ.__name__}, got {_short(value)!r}") from None
+    if typ is int and abs(parsed) > MAX_INT:
+        raise PatternError(f"parameter {key} of pattern {name!r} is {_short(value)}: beyond {MAX_INT:,}, no position, count or size gtx can use")
+    return parsed
 
 
 def _kwargs(kind: str, name: str, factory: Callable, raw: Mapping[str, str], skip: str = "inner") -> dict:
