@@ -92,7 +92,7 @@ class SparseIndexed(Trainable):
             out, mass = attend_token_blocks(q, k, v, edges, sel, masses=True)
             if run.training:
                 run.loss("indexer_kl_sparse", blocks.sparse_kl(mass, iq, w, sel))
-            run.kept("selected", sel.edges_per_head(), edges.n_dst)
+            run.kept("selected", sel.per_query(), edges.n_dst)
             return out
         with torch.no_grad():
             keys, valid = top_indexed(iq, w, ik, edges, c.k)
@@ -100,7 +100,7 @@ class SparseIndexed(Trainable):
         out, p = attend_keys(q, k, v, edges, KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)), probs=True)
         if run.training:
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
-        run.kept("selected", float(valid.sum()), edges.n_dst)
+        run.kept("selected", valid.sum(-1), edges.n_dst)
         return out
 
     def dense_kl(self, q, k, iq, w, ik, edges, blocks: BlockIndex | None = None) -> torch.Tensor:

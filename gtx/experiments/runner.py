@@ -89,8 +89,6 @@ def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime
 
 def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
     extra = {**stats.extra, **attention.reset_stats()}  # trainable attention's losses and kept edges per branch
-    for stage, share in attention.reset_usage().items():  # a selecting pattern attended to this share of its candidate edges
-        stats.edges[stage][0] *= share
     return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
             "metrics": metrics_json(extra), "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True)}
 
@@ -166,7 +164,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     status = "failed"
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
-    attention.reset_choices(), attention.reset_usage(), attention.reset_stats()
+    attention.reset_choices(), attention.take_reads(), attention.reset_stats()
     try:
         for epoch in range(start, r.train.epochs + 1) if r.train.epochs else [0]:  # epoch 0: the model untrained, scored
             if trainer.done:
