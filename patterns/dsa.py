@@ -70,16 +70,19 @@ class SparseIndexed(Trainable):
         super().__init__()
         self.config = config
         self.indexer = Indexer(heads * head_dim, heads * head_dim, config.index_heads, config.index_dim)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained: a checkpoint knows its stage
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained
+        # the stage training reached: a checkpoint is evaluated in it, whatever warm-up its evaluation's spec states
+        self.register_buffer("sparse", torch.tensor(config.warmup == 0))
 
     def forward(self, q, k, v, edges, run):
         c = self.config
         lens = causal_lens(run.spec, edges)
         if run.training:
-            self.steps.fill_(run.step)
+            self.steps.fill_(run.step + 1)
+            self.sparse.fill_(run.step >= c.warmup)
         iq, w, ik = self.indexer(q.detach().flatten(1), k.detach().flatten(1))  # the indexer's input: detached
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
-        if int(self.steps) < c.warmup:
+        if not bool(self.sparse):
             if run.training:
                 run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges, blocks))
                 if c.freeze:
@@ -102,6 +105,9 @@ class SparseIndexed(Trainable):
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
         run.kept("selected", valid.sum(-1), edges.n_dst)
         return out
+
+    def describe(self) -> str:
+        return f"{'sparse' if bool(self.sparse) else 'dense warm-up'} stage, indexer trained {int(self.steps)} steps"
 
     def dense_kl(self, q, k, iq, w, ik, edges, blocks: BlockIndex | None = None) -> torch.Tensor:
         """The warm-up's KL: the main attention's distribution summed over heads (then normalised)

@@ -42,6 +42,27 @@ class Trainable(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, run: Run) -> torch.Tensor:
         raise NotImplementedError
 
+    def describe(self) -> str | None:
+        """The stage this module attends in, for a method that has stages (DSA's warm-up), else None."""
+        return None
+
+
+def stages_of(model: torch.nn.Module) -> str | None:
+    """What a model's trainable attention runs as (``Trainable.describe``), its layers' distinct answers joined; None without any."""
+    seen = dict.fromkeys(m.describe() for m in model.modules() if isinstance(m, Trainable))
+    seen.pop(None, None)
+    return "; ".join(seen) or None
+
+
+def check_untrained(pattern, model_config, doing: str) -> None:
+    """A pattern with parameters of its own on a pretrained model (a ``path`` setting) that will not
+    train them: one line, unless the model setting ``untrained_attention`` asks for them untrained."""
+    path = getattr(model_config, "path", "")
+    if getattr(pattern, "trainable", None) is None or not path or getattr(model_config, "untrained_attention", False):
+        return
+    raise GtxError(f"pattern {pattern.spec!r} attends with parameters of its own that the pretrained folder {path} lacks; {doing} would "
+                   "run them as initialised: train them (--epochs 1 or more), or set untrained_attention=true to score them untrained")
+
 
 class Run:
     """What a ``Trainable`` sees of the run: the backend, the optimizer step, and where its losses
