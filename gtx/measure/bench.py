@@ -26,7 +26,7 @@ from gtx.backends import Backend
 from gtx.errors import GtxError
 from gtx.memory import peak_mb, reset_peak
 
-ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
+ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "keys_per_query", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
 TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "vs_reference", "ceiling_share", "step_ms", "attention_ms",
                  "data_ms", "peak_mem_mb", "steps", "rounds", "device", "choice"]
 
@@ -61,6 +61,58 @@ def sdpa_mode(edges) -> str:
     if n_q == n_k and e == n_q * (n_q + 1) // 2 and bool((edges.src <= edges.dst).all()):
         return "is_causal"
     return "bool mask"
+
+
+def method_stage(pattern) -> str:
+    """The stage a pattern's run-time choice serves: a trainable method's first (``dd`` for NSA and
+    DSA), ``dd`` for a chooser that keeps its candidates elsewhere (MoBA), else ``ee``."""
+    if pattern.trainable is not None:
+        from gtx.attention.module import Attention
+
+        return Attention.for_width(None, pattern, 1, 1).trainable.stages[0]
+    probe = torch.zeros(2, 1, 1)
+    edges = _method_edges(pattern, "ee", 2, torch.device("cpu"))
+    return "dd" if pattern.select is not None and pattern.select(probe, probe, edges) is None else "ee"
+
+
+def _method_edges(pattern, stage: str, n: int, device: torch.device):
+    from gtx.graph.tokens import batch_edges
+
+    return batch_edges(pattern, stage, [n], [n]).to(device)
+
+
+def _method_cell(cell: AttentionCell, pattern, device: torch.device, gen: torch.Generator):
+    """(step, choice, read) of a pattern that chooses or learns its keys at run time: forward +
+    backward of the model's ``Attention`` (its choice, its attention over the chosen keys, a
+    trainable method's auxiliary losses) on the stage it serves, as a training step runs it;
+    ``read()``: (keys read, queries, keys allowed) of the last step (``gtx.attention.budget``)."""
+    from gtx.attention.module import Attention
+    from gtx.backends import get_backend
+
+    stage = method_stage(pattern)
+    attention = Attention.for_width(get_backend(cell.backend, device), pattern, cell.heads, cell.heads * cell.head_dim).to(device)
+    layer = attention.for_layer().to(device) if pattern.trainable is not None else attention
+    edges = _method_edges(pattern, stage, cell.n, device)
+    q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
+    with torch.no_grad():  # one tiny call first: what the method and backend import lazily must not count as its memory
+        layer(*(torch.randn(8, cell.heads, cell.head_dim, device=device) for _ in range(3)), _method_edges(pattern, stage, 8, device))
+    attention.take_reads(), attention.take_losses(), attention.reset_choices(), attention.reset_stats()
+    reads = []
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        attention.begin_step(0)
+        out = layer(q, k, v, edges)
+        reads[:] = [attention.take_reads()[stage]]
+        aux, _ = attention.take_losses()
+        ((out * grad).sum() + (aux if aux is not None else 0)).backward()
+
+    def choice():
+        counts = attention.reset_choices().get(stage, {})
+        return f"{stage}: " + (max(counts, key=counts.get) if counts else "its own kernels")
+
+    return step, choice, lambda: reads[0]
 
 
 def _gtx_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
@@ -121,10 +173,19 @@ def run_attention_cell(cell: AttentionCell) -> dict:
 
     load_plugins(dirs=cell.plugins_dirs)
     device = torch.device(cell.device)
-    src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
-    edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+    pattern = parse_pattern(cell.pattern)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    step, choice = (_sdpa_cell if cell.backend == SDPA else _gtx_cell)(cell, edges, device, gen)
+    method = cell.backend != SDPA and (pattern.select is not None or pattern.trainable is not None)
+    if method:
+        step, choice, read = _method_cell(cell, pattern, device, gen)
+    else:
+        src, dst = pattern.edges("ee", cell.n, cell.n)
+        edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+        step, choice = (_sdpa_cell if cell.backend == SDPA else _gtx_cell)(cell, edges, device, gen)
+        read = lambda: (src.numel(), cell.n, cell.n**2)  # noqa: E731 -- the edges are what runs
+        if cell.backend == SDPA and not pattern.plain:
+            mode = choice()
+            choice = lambda: f"{mode}, its candidates: sdpa chooses nothing"  # noqa: E731
     base = reset_peak(device)  # after the set-up's warm-up call: the peak is the steps' own
 
     def timed():
@@ -137,9 +198,10 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     for _ in range(cell.warmup):
         timed()
     times = [timed() for _ in range(cell.repeats)]
+    keys, queries, allowed = read()
     return {
-        "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
-        "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
+        "pattern": pattern.spec, "n": cell.n, "backend": cell.backend, "edges": round(keys), "keys_per_query": keys / queries,
+        "density": keys / allowed, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
         "peak_mem_mb": peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
     }
 
