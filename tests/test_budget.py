@@ -10,6 +10,8 @@ over layers, ACT steps (active queries only) and heads, that count must equal wh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -117,3 +119,71 @@ def test_recorded_keys_are_the_keys_the_attention_weights_read(kind, monkeypatch
                 assert keys <= allowed
             checked += 1
     assert checked >= 12
+
+
+TINY_RECALL = ["--task", "recall", "--model", "lm", "--set", "seq_len=32", "--set", "n_pairs=2", "--set", "n_train=24", "--set", "n_valid=4",
+               "--set", "n_test=4", "--epochs", "1", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "12"]
+
+
+def _run(tmp_path, *args):
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", *TINY_RECALL, "--results", str(tmp_path), *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.mark.parametrize("universal", [False, True])
+def test_topk_rows_record_at_most_k_keys_per_query_in_plain_and_universal_models(tmp_path, universal):
+    from gtx.experiments.results import load
+
+    _run(tmp_path, "--pattern", "topk:k=4", *(["--set", "universal=true"] if universal else []))
+    rows = load(tmp_path)
+    assert (rows.edges_per_query_dd <= 4).all() and (rows.edges_per_query_dd > 3).all() and (rows.density <= 1).all()
+
+
+def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_stage_they_trained_to(tmp_path):
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+    from gtx.experiments.results import load
+
+    sparse = _run(tmp_path, "--pattern", "dsa:k=8,warmup=0")
+    assert "full attention" not in sparse.output and "note:" not in sparse.output, sparse.output
+    run_id = load(tmp_path).run_id.iloc[0]
+    again = CliRunner().invoke(cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)])  # the spec's warm-up is 100 steps
+    assert again.exit_code == 0 and "(sparse stage, indexer trained 2 steps)" in again.output, again.output
+    evaluated = load(tmp_path).query("eval_of == @run_id")
+    assert (evaluated.edges_per_query_dd <= 8).all() and evaluated.pattern.str.contains("warmup=100").all()
+    dense = _run(tmp_path / "warm", "--pattern", "dsa:k=8")
+    assert "full attention" not in dense.output and "it ran in its dense warm-up stage, indexer trained 2 steps" in dense.output, dense.output
+
+
+def test_nsa_counts_a_key_both_branches_read_once(tmp_path):
+    from gtx.experiments.results import load
+
+    _run(tmp_path, "--pattern", "nsa:l=8,d=4,s=8,n=4,w=8")
+    rows = load(tmp_path)
+    assert (rows.density <= 1).all() and (rows.density > 0.5).all()
+    kept = [json.loads(m) for m in rows.metrics]
+    assert all(row.edges_per_query_dd < m["kept_compressed"] + m["kept_selected"] + m["kept_window"] for row, m in zip(rows.itertuples(), kept))
+
+
+def test_the_note_judges_head_groups_and_chosen_keys_by_what_they_read(tmp_path):
+    full = _run(tmp_path, "--pattern", "heads(causal,full)")
+    assert "read (nearly) every key its queries could see in epoch 1's train phase (density dd 1.000)" in full.output, full.output
+    half = _run(tmp_path, "--pattern", "heads(local:w=1,full)")
+    assert "note:" not in half.output, half.output
+
+
+@pytest.mark.parametrize("spec", ["moba:b=8,k=2", "moba:b=8,k=2,gate=block", "dsa:k=8,warmup=0", "topk:k=8", "lsh:buckets=8", "nsa:l=16,d=8,s=16,w=16"])
+def test_bench_attention_times_the_method_and_counts_its_keys_as_runs_do(spec):
+    from gtx.measure.bench import AttentionCell, run_attention_cell
+
+    row = run_attention_cell(AttentionCell(spec, 256, "auto", repeats=1, warmup=0))
+    assert "flash-complete" not in row["choice"] and row["choice"].startswith("dd: " if spec[:3] in ("mob", "dsa", "nsa") else "ee: ")
+    assert row["density"] < 0.5 and abs(row["edges"] - row["keys_per_query"] * 256) <= 0.5
+    if not spec.startswith(("lsh", "nsa")):
+        assert row["keys_per_query"] <= 20

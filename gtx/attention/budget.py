@@ -18,14 +18,15 @@ from gtx.graph.tokens import EdgeSet
 
 def allowed_keys(edges: EdgeSet) -> torch.Tensor:
     """(n_dst,) float: per query, the keys its stage allows over its sample (``possible_edges`` per
-    query): for ``dd`` its position + 1 (the causal triangle), else its sample's key count."""
+    query): for ``dd`` its position + 1 (the causal triangle; a sample's queries are its last
+    positions, as in decoding, where it has more keys), else its sample's key count."""
     root = edges.root
 
     def build():
         q_lens, k_lens = (torch.as_tensor(x) for x in root.sample_lens())
         if root.stage == "dd":
             start = torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens)
-            per = torch.arange(int(q_lens.sum())) - start + 1
+            per = torch.arange(int(q_lens.sum())) - start + 1 + torch.repeat_interleave(k_lens - q_lens, q_lens)
         else:
             per = torch.repeat_interleave(k_lens, q_lens)
         return per.to(torch.float64).to(root.device)
