@@ -77,12 +77,13 @@ class SparseIndexed(Trainable):
     def forward(self, q, k, v, edges, run):
         c = self.config
         lens = causal_lens(run.spec, edges)
-        if run.training:
+        sparse = run.step >= c.warmup if run.training else bool(self.sparse)
+        if run.training:  # the steps trained with this one, and the stage the next one (or an evaluation) runs in
             self.steps.fill_(run.step + 1)
-            self.sparse.fill_(run.step >= c.warmup)
+            self.sparse.fill_(run.step + 1 >= c.warmup)
         iq, w, ik = self.indexer(q.detach().flatten(1), k.detach().flatten(1))  # the indexer's input: detached
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
-        if not bool(self.sparse):
+        if not sparse:
             if run.training:
                 run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges, blocks))
                 if c.freeze:
