@@ -80,7 +80,9 @@ class SparseIndexed(Trainable):
         super().__init__()
         self.config = config
         self.indexer = Indexer(heads * head_dim, heads * head_dim, config.index_heads, config.index_dim, config.rope)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained: a checkpoint knows its stage
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained
+        # the stage training reached: a checkpoint is evaluated in it, whatever warm-up its evaluation's spec states
+        self.register_buffer("sparse", torch.tensor(config.warmup == 0))
         self._register_load_state_dict_pre_hook(_check_definition, with_module=True)
 
     def forward(self, q, k, v, edges, run):
@@ -91,11 +93,13 @@ class SparseIndexed(Trainable):
             got = "none" if x is None else f"{tuple(x.shape)}"
             raise GtxError(f"pattern {run.spec!r} reads the layer's input for its index keys, {len(q)} x {self.indexer.wk.in_features} here, "
                            f"and got {got}: call the attention with inputs= (gtx's models do; gtx.attention.trainable.Run.inputs)")
-        if run.training:
-            self.steps.fill_(run.step)
+        sparse = run.step >= c.warmup if run.training else bool(self.sparse)
+        if run.training:  # the steps trained with this one, and the stage the next one (or an evaluation) runs in
+            self.steps.fill_(run.step + 1)
+            self.sparse.fill_(run.step + 1 >= c.warmup)
         iq, w, ik = self.indexer(q.detach().flatten(1), x.detach(), positions_of(lens, q.device))  # the indexer's input: detached
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
-        if int(self.steps) < c.warmup:
+        if not sparse:
             if run.training:
                 run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges, blocks))
                 if c.freeze:
@@ -108,7 +112,7 @@ class SparseIndexed(Trainable):
             out, mass = attend_token_blocks(q, k, v, edges, sel, masses=True)
             if run.training:
                 run.loss("indexer_kl_sparse", blocks.sparse_kl(mass, iq, w, sel))
-            run.kept("selected", sel.edges_per_head(), edges.n_dst)
+            run.kept("selected", sel.per_query(), edges.n_dst)
             return out
         with torch.no_grad():
             keys, valid = top_indexed(iq, w, ik, edges, c.k)
@@ -116,8 +120,11 @@ class SparseIndexed(Trainable):
         out, p = attend_keys(q, k, v, edges, KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)), probs=True)
         if run.training:
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
-        run.kept("selected", float(valid.sum()), edges.n_dst)
+        run.kept("selected", valid.sum(-1), edges.n_dst)
         return out
+
+    def describe(self) -> str:
+        return f"{'sparse' if bool(self.sparse) else 'dense warm-up'} stage, indexer trained {int(self.steps)} steps"
 
     def dense_kl(self, q, k, iq, w, ik, edges, blocks: BlockIndex | None = None) -> torch.Tensor:
         """The warm-up's KL: the main attention's distribution summed over heads (then normalised)

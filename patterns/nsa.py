@@ -143,7 +143,26 @@ class NativeSparse(Trainable):
         run.kept("compressed", compressed_keys_seen(lens, ends), queries)
         run.kept("selected", chosen.edges_per_head(), queries)
         run.kept("window", window.num_edges, queries)
+        tokens, compressed = keys_read(chosen, lens, c, len(ends))
+        run.read(tokens + compressed, offered=compressed)  # a key both selected and in the window is read once
         return out
+
+
+def keys_read(chosen: TokenBlockSelection, lens: list[int], c: NSAConfig, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query (the mean over heads): the distinct tokens its selected and window branches read
+    (its own block's causal part, the window, and each chosen earlier block less what the window
+    holds of it), and the compressed keys it sees (those of blocks ending at or before it)."""
+    device = chosen.valid.device
+    pos = torch.cat([torch.arange(n, device=device) for n in lens])
+    own = pos - pos % c.s
+    low = (pos - c.w + 1).clamp_min(0)
+    near = pos - torch.minimum(own, low) + 1
+    start = chosen.blocks * c.s  # (n, H, K), each chosen block before the own one
+    end = torch.minimum(start + c.s - 1, (own - 1)[:, None, None])
+    overlap = (end - torch.maximum(start, low[:, None, None]) + 1).clamp_min(0)
+    far = ((c.s - overlap) * chosen.valid).sum(-1).to(torch.float64).mean(1)
+    compressed = ((pos - c.l + 1).div(c.d, rounding_mode="floor") + 1).clamp(0, blocks).to(torch.float64)
+    return near + far, compressed
 
 
 WINDOWS = 4  # batches whose window edges (and their block plan) are kept, for all layers alike

@@ -62,6 +62,8 @@ class HFConfig:
                             "instead of a random one of family (whose sizes are then unused)")
     train_params: str = setting("", "fine-tune only the parameters whose names match this regular expression "
                                     "(e.g. self_attn; gtx models show names); empty: all")
+    untrained_attention: bool = setting(False, "path: score or generate under a pattern whose own parameters (nsa's gates and "
+                                               "compression, dsa's indexer) the folder lacks, as initialised, untrained")
 
     def __post_init__(self):
         try:
@@ -369,6 +371,7 @@ def register_commands(cli):
     import click
 
     from gtx.attention.module import Attention, check_pattern
+    from gtx.attention.trainable import check_untrained, stages_of
     from gtx.backends import get_backend
     from gtx.cli.common import key_value
     from gtx.experiments.config import build_configs, resolve_device
@@ -413,6 +416,7 @@ def register_commands(cli):
             backend = get_backend("auto", where)
             check_pattern(p, backend, config.heads)
             check_cacheable(p, cache)
+            check_untrained(p, config, "generating")
             tokenizer = HFModel.tokenizer(config)
         ids = tokenizer.vocab.encode(tokenizer.tokenize(prompt))
         if not ids or len(ids) + new > config.max_len:
@@ -423,8 +427,11 @@ def register_commands(cli):
         out = model.generate(ids, new, p, cache)
         click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))
         held = f"the cache held at most {out.cached} keys per layer" if cache else "no cache: every query read the whole sequence"
+        stage = stages_of(model)
         source = f" (run {run}'s fine-tuned weights)" if run is not None else ""
-        click.echo(f"{len(out.tokens)} tokens under {p.spec}{source}; {held} (of {out.positions} positions)", err=True)
+        untrained = " (its own parameters untrained)" if run is None and p.trainable is not None else ""
+        click.echo(f"{len(out.tokens)} tokens under {p.spec}{source}{untrained}{f' ({stage})' if stage else ''}; {held} "
+                   f"(of {out.positions} positions)", err=True)
 
     @cli.command()
     @click.argument("run")

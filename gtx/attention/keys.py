@@ -29,8 +29,12 @@ class KeySelection:
     keys: torch.Tensor
     valid: torch.Tensor
 
+    def per_query(self) -> torch.Tensor:
+        """(n_dst,) keys each query reads, the mean over heads (``gtx.attention.budget``)."""
+        return self.valid.sum(-1).to(torch.float64).mean(1)
+
     def edges_per_head(self) -> float:
-        return float(self.valid.sum()) / self.valid.shape[1]
+        return float(self.per_query().sum())
 
     def as_mask(self, edges: EdgeSet) -> torch.Tensor:
         """The same choice as a keep mask (E, H) over the candidate edges."""

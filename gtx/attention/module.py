@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from gtx.attention.budget import Account, on_active
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import BlockSelection, TokenBlockSelection, attend_blocks, attend_token_blocks
 from gtx.attention.trainable import Run
@@ -58,7 +59,7 @@ class Attention(torch.nn.Module):
         for key, bias in _bias_modules(pattern, {}).items():
             self.biases[key] = self._build_bias(bias, heads)
         self.trainable = self._build_trainable()  # shared by the layers of a model that never calls for_layer
-        self.usage: dict[str, list[float]] = {}  # stage -> [selected edges, candidate edges], per head, since reset
+        self.account = Account()  # per stage, the keys each query read (gtx.attention.budget), since ``take_reads``
         self.stats: dict[str, list[float]] = {}  # trainable attention's losses and kept edges: name -> [sum, count], since reset
         self.step, self.pending, self.frozen = 0, [], False  # the training step, its auxiliary losses, whether it trains them alone
         self.flops = 0.0  # forward FLOPs of the attention itself (q.k and the weighted sum of v over the attended edges), ever
@@ -112,11 +113,10 @@ class Attention(torch.nn.Module):
     def reset_choices(self) -> dict:
         return self.backend.reset_choices()
 
-    def reset_usage(self) -> dict[str, float]:
-        """Per stage, the share of candidate edges the pattern's selection kept since the last call."""
-        out = {stage: sel / cand for stage, (sel, cand) in self.usage.items() if cand}
-        self.usage.clear()
-        return out
+    def take_reads(self) -> dict[str, tuple[float, float, float]]:
+        """Per stage, (keys read, queries, keys allowed) summed over the calls since the last take:
+        what the results' edges per query and density are (``gtx.attention.budget``)."""
+        return self.account.take()
 
     def _build_bias(self, bias, heads):
         from gtx.plugins.registry import BIASES
@@ -165,24 +165,29 @@ class Attention(torch.nn.Module):
     def _forward(self, q, k, v, edges: EdgeSet, trainable=None, inputs=None):
         pattern = edges.pattern
         if pattern is None or pattern.plain:
-            self.flops += 2 * edges.num_edges * q.shape[1] * (q.shape[2] + v.shape[2])
-            return self.backend(q, k, v, edges)
-        self.heads = self.heads or q.shape[1]
-        if pattern.trainable is not None:
-            out, used = self._trained(q, k, v, edges, trainable if trainable is not None else self.trainable, inputs)
+            out = self.backend(q, k, v, edges)
+            keys = work = edges.num_edges  # a filtered (ACT) set holds its active queries' edges alone
+            offered = 0.0
+        elif pattern.trainable is not None:
+            self.heads = self.heads or q.shape[1]
+            out, keys, offered, work = self._trained(q, k, v, edges, trainable if trainable is not None else self.trainable, inputs)
         else:
-            out, used = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
-        self._count(edges.stage, used, edges.num_edges)
-        self.flops += 2 * used * q.shape[1] * (q.shape[2] + v.shape[2])
+            self.heads = self.heads or q.shape[1]
+            out, keys = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
+            offered, work = 0.0, keys
+        self.account.add(pattern.spec if pattern is not None else "", edges, keys, offered)
+        self.flops += 2 * work * q.shape[1] * (q.shape[2] + v.shape[2])
         return out
 
-    def _trained(self, q, k, v, edges: EdgeSet, module, inputs=None) -> tuple[torch.Tensor, float]:
+    def _trained(self, q, k, v, edges: EdgeSet, module, inputs=None) -> tuple[torch.Tensor, float, float, float]:
+        """The output; the keys read over the active queries, the keys offered beyond the stage's
+        tokens (``Run.read``) and the edges computed (the branches' sum: the FLOPs' count)."""
         spec = edges.pattern.spec
         if module is None:
             raise GtxError(f"pattern {spec!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
                            "pattern, heads, head_dim) so that they train")
         if edges.stage not in module.stages:
-            return self.backend(q, k, v, edges), edges.num_edges
+            return self.backend(q, k, v, edges), edges.num_edges, 0.0, edges.num_edges
         run = Run(self, spec, inputs)
         with plugin_code(f"pattern {spec!r}", "in its trainable attention"):
             out = module(q, k, v, edges, run)
@@ -190,7 +195,9 @@ class Attention(torch.nn.Module):
             raise PluginError(f"pattern {spec!r} returned {getattr(out, 'shape', type(out).__name__)} from its trainable attention; "
                               f"expected ({q.shape[0]}, {q.shape[1]}, Dv)")
         out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
-        return out, run.edges
+        if run.reads is not None:
+            return out, on_active(run.reads[0], edges), on_active(run.reads[1], edges), run.edges
+        return out, sum(on_active(branch, edges) for branch in run.branches), 0.0, run.edges
 
     def _attend(self, q, k, v, edges: EdgeSet, heads: torch.Tensor, bias) -> tuple[torch.Tensor, float]:
         """The output, and the edges one head attended over. ``heads``: the model's head indices
@@ -227,13 +234,13 @@ class Attention(torch.nn.Module):
         if isinstance(chosen, (KeySelection, TokenBlockSelection)) and (bias or self.list_edges):
             chosen = chosen.as_mask(edges)  # biases are applied per edge: list the kept edges
         elif isinstance(chosen, KeySelection):
-            return attend_keys(q, k, v, edges, chosen), chosen.edges_per_head()
+            return attend_keys(q, k, v, edges, chosen), on_active(chosen.per_query(), edges)
         elif isinstance(chosen, TokenBlockSelection):
-            return attend_token_blocks(q, k, v, edges, chosen), chosen.edges_per_head()
+            return attend_token_blocks(q, k, v, edges, chosen), on_active(chosen.per_query(), edges)
         if isinstance(chosen, BlockSelection):
             if bias:
                 raise GtxError(f"pattern {pattern.spec!r} selects blocks: score biases are not supported on it; drop the bias")
-            return attend_blocks(q, k, v, edges, chosen), chosen.edges_per_head()
+            return attend_blocks(q, k, v, edges, chosen), on_active(chosen.per_query(), edges)
         keep = check_keep(pattern.spec, chosen, edges, q.shape[1])
         scores = self.bias(bias, edges, heads) if bias else None
         outs = []
@@ -243,11 +250,6 @@ class Attention(torch.nn.Module):
             sl = slice(h, h + 1)
             outs.append(self._call(q[:, sl], k[:, sl], v[:, sl], sub, None if scores is None else scores[m][:, sl], pattern.spec))
         return torch.cat(outs, 1), float(keep.sum()) / q.shape[1]
-
-    def _count(self, stage: str, selected: float, candidates: int) -> None:
-        total = self.usage.setdefault(stage, [0.0, 0.0])
-        total[0] += selected
-        total[1] += candidates
 
 
 class LayerAttention(torch.nn.Module):

@@ -49,21 +49,19 @@ class BlockSelection:
     key_blocks: torch.Tensor
     valid: torch.Tensor
 
+    def per_query(self) -> torch.Tensor:
+        """(n,) keys each query token reads, the mean over heads: its own block's causal part and a
+        whole block per chosen earlier one (``gtx.attention.budget``)."""
+        chosen = self.valid[..., 1:].sum(-1).to(torch.float64).mean(1)  # (B, n_blocks)
+        parts = []
+        for i, n in enumerate(self.lens):
+            pos = torch.arange(n, device=self.valid.device)
+            parts.append(pos % self.block + 1 + chosen[i, pos // self.block] * self.block)
+        return torch.cat(parts)
+
     def edges_per_head(self) -> float:
-        """Edges one head attends over, summed over the batch (for the results' edges per query)."""
-        own = sum(n * (n + 1) // 2 - _tail(n, self.block) for n in self.lens) if self.lens else 0
-        n_blocks = self.valid.shape[2]
-        starts = torch.arange(n_blocks, device=self.valid.device) * self.block
-        queries = (torch.tensor(self.lens, device=self.valid.device)[:, None] - starts).clamp(0, self.block)  # (B, n_blocks): real queries per block
-        earlier = float((self.valid[..., 1:].sum(-1) * queries[:, None, :]).sum()) * self.block / self.valid.shape[1]
-        return own + earlier
-
-
-def _tail(n: int, b: int) -> int:
-    """Causal pairs between different blocks of one sample (what the own-block term leaves out)."""
-    full, rest = divmod(n, b)
-    within = full * b * (b + 1) // 2 + rest * (rest + 1) // 2
-    return n * (n + 1) // 2 - within
+        """Edges one head attends over, summed over the batch."""
+        return float(self.per_query().sum())
 
 
 def pad_samples(x: torch.Tensor, lens: list[int], length: int) -> torch.Tensor:
@@ -131,10 +129,15 @@ class TokenBlockSelection:
     blocks: torch.Tensor
     valid: torch.Tensor
 
+    def per_query(self) -> torch.Tensor:
+        """(n,) keys each query token reads, the mean over heads: its own block's causal part and a
+        whole block per chosen one (``gtx.attention.budget``)."""
+        own = torch.cat([torch.arange(n, device=self.valid.device) % self.block + 1 for n in self.lens])
+        return own + self.valid.sum(-1).to(torch.float64).mean(1) * self.block
+
     def edges_per_head(self) -> float:
-        """Edges one head attends over, summed over the batch: the own blocks' causal part and a whole block per chosen one."""
-        own = sum(n * (n + 1) // 2 - _tail(n, self.block) for n in self.lens)
-        return own + float(self.valid.sum()) * self.block / self.valid.shape[1]
+        """Edges one head attends over, summed over the batch."""
+        return float(self.per_query().sum())
 
     def as_mask(self, edges: EdgeSet) -> torch.Tensor:
         """The same choice as a keep mask (E, H) over causal candidate edges."""

@@ -12,7 +12,7 @@ shares one module across its layers), trained and checkpointed with the model::
 
         def forward(self, q, k, v, edges, run):         # (n, H, D) each, q pre-scaled; -> (n, H, Dv)
             out = run.attend(q, k, v, edges)            # the run's backend over any edge set
-            run.kept("all", edges.num_edges, edges.n_dst)   # edges per query, for the results
+            run.kept("all", edges.num_edges, edges.n_dst)   # keys read, for the results
             return out * torch.sigmoid(self.gate(q))
 
 It runs on the stages in ``stages`` (default: decoder self-attention, ``dd``); on the others the
@@ -24,7 +24,9 @@ were projected from (after the layer's normalisation), given by the model (gtx's
 do; None where a caller gives only q, k and v). DSA's indexer reads its index keys there.
 ``run.loss(name, value)`` adds an auxiliary loss to the training loss (DSA's indexer KL);
 ``run.freeze_model()`` makes this step train the auxiliary losses alone (a warm-up with the model
-frozen). Losses and kept edges are averaged into each results row's ``metrics``.
+frozen). Losses and kept edges are averaged into each results row's ``metrics``. The stage's keys
+per query (``gtx.attention.budget``) are the branches' kept edges summed, or, where branches may
+read one key twice, what ``run.read`` gives: each query's keys counted once.
 """
 
 from __future__ import annotations
@@ -48,6 +50,27 @@ class Trainable(torch.nn.Module):
         fix it (``gtx plot pattern`` states it); None: the pattern's ``budget`` says it, or nothing fixes it."""
         return None
 
+    def describe(self) -> str | None:
+        """The stage this module attends in, for a method that has stages (DSA's warm-up), else None."""
+        return None
+
+
+def stages_of(model: torch.nn.Module) -> str | None:
+    """What a model's trainable attention runs as (``Trainable.describe``), its layers' distinct answers joined; None without any."""
+    seen = dict.fromkeys(m.describe() for m in model.modules() if isinstance(m, Trainable))
+    seen.pop(None, None)
+    return "; ".join(seen) or None
+
+
+def check_untrained(pattern, model_config, doing: str) -> None:
+    """A pattern with parameters of its own on a pretrained model (a ``path`` setting) that will not
+    train them: one line, unless the model setting ``untrained_attention`` asks for them untrained."""
+    path = getattr(model_config, "path", "")
+    if getattr(pattern, "trainable", None) is None or not path or getattr(model_config, "untrained_attention", False):
+        return
+    raise GtxError(f"pattern {pattern.spec!r} attends with parameters of its own that the pretrained folder {path} lacks; {doing} would "
+                   "run them as initialised: train them (--epochs 1 or more), or set untrained_attention=true to score them untrained")
+
 
 class Run:
     """What a ``Trainable`` sees of the run: the backend, the optimizer step, and where its losses
@@ -55,7 +78,9 @@ class Run:
 
     def __init__(self, owner, spec: str, inputs: torch.Tensor | None = None):
         self._owner, self.spec, self.inputs = owner, spec, inputs
-        self.edges = 0.0  # edges one head attended over in this call, summed over the branches (``kept``)
+        self.edges = 0.0  # edges one head attended over in this call, summed over the branches (``kept``): its work
+        self.branches: list = []  # each ``kept`` call's edges: a number, or per query (n_dst,)
+        self.reads = None  # ``read``'s (keys, offered), when given
 
     @property
     def step(self) -> int:
@@ -79,11 +104,22 @@ class Run:
             self._owner.pending.append(value)
         self._owner.record(name, float(value.detach()), 1)
 
-    def kept(self, branch: str, edges: float, queries: int) -> None:
-        """``edges`` one head attended over in ``branch``, summed over ``queries`` queries: the results'
-        ``kept_<branch>`` is per query; their sum over branches is the call's edges."""
-        self.edges += float(edges)
-        self._owner.record(f"kept_{branch}", float(edges), queries)
+    def kept(self, branch: str, edges, queries: int) -> None:
+        """``edges`` one head attended over in ``branch``, summed over ``queries`` queries, or per
+        query ((n_dst,), the mean over heads): the results' ``kept_<branch>`` is per query; the sum
+        over branches is the call's work, and its keys read unless ``read`` says otherwise. Per
+        query, an ACT step's inactive queries are left out of the keys read."""
+        total = float(edges.sum()) if isinstance(edges, torch.Tensor) else float(edges)
+        self.edges += total
+        self.branches.append(edges)
+        self._owner.record(f"kept_{branch}", total, queries)
+
+    def read(self, keys, offered=0.0) -> None:
+        """The keys one head read in this call, each counted once across branches: per query
+        ((n_dst,), the mean over heads) or summed over the queries. ``offered``: keys the method
+        makes available beyond the stage's tokens (NSA's compressed keys), per query or summed: they
+        count in what the stage allows, so density stays the share of what the queries could read."""
+        self.reads = (keys, offered)
 
     def freeze_model(self) -> None:
         """This training step optimises the auxiliary losses alone: the model's loss is left out."""

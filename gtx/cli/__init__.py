@@ -236,8 +236,9 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
     from gtx.experiments.runner import evaluate_checkpoint
 
     rows = evaluate_checkpoint(checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device)
-    trained = json.loads(rows.config.iloc[0])["trained_pattern"]
-    click.echo(f"run {rows.eval_of.iloc[0]} (trained with {trained}) evaluated under {rows.pattern.iloc[0]} on {split}:", err=True)
+    setup = json.loads(rows.config.iloc[0])
+    stage = f" ({setup['attention_stage']})" if setup.get("attention_stage") else ""
+    click.echo(f"run {rows.eval_of.iloc[0]} (trained with {setup['trained_pattern']}) evaluated under {rows.pattern.iloc[0]}{stage} on {split}:", err=True)
     _summary(rows, json.loads(rows.config.iloc[0])["results_dir"])
 
 

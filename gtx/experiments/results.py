@@ -51,7 +51,11 @@ COLUMNS: dict[str, str] = {
     "flops": "float64",  # floating-point operations of the phase, counted (gtx.experiments.cost); train: forward and backward
     "attn_flops": "float64",  # the attention's share of flops (q.k and the sum over v, on the edges attended); NaN before schema 5
     "context_len": "Int64",  # the longest sequence of the phase (tokens); <NA> in schema 1 files
-    "density": "float64",  # edges over the edges the stages allow (dd: the causal triangle); 1.0 = full attention
+    # keys read over the keys the stages allow (dd: the causal triangle; plus keys a method offers, NSA's compressed ones);
+    # 1.0 = full attention, never above: gtx.attention.budget
+    "density": "float64",
+    # the keys each query's attention read in the stage, mean over heads, per query per attention call (every layer, every
+    # ACT step over its active nodes): a content-chosen or trainable pattern's chosen keys, each counted once
     "edges_per_query_ee": "float64",
     "edges_per_query_dd": "float64",
     "edges_per_query_ed": "float64",

@@ -23,6 +23,7 @@ import torch
 
 import gtx
 from gtx.attention.module import Attention
+from gtx.attention.trainable import check_untrained, stages_of
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.data.task import SPLITS
@@ -90,10 +91,17 @@ def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime
 
 def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
     extra = {**stats.extra, **attention.reset_stats()}  # trainable attention's losses and kept edges per branch
-    for stage, share in attention.reset_usage().items():  # a selecting pattern attended to this share of its candidate edges
-        stats.edges[stage][0] *= share
     return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
             "metrics": metrics_json(extra), "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True)}
+
+
+def _ran_note(r: Resolved, phase: PhaseStats, say, epoch: int, model) -> str | None:
+    """``complete_note`` judged by the keys a phase read (patterns that choose or learn them); said once."""
+    when = f"in epoch {epoch}'s {phase.split or 'train'} phase"
+    note = complete_note(r, {s: phase.density(s) for s in phase.edges}, when, stages_of(model))
+    if note:
+        say(note)
+    return note
 
 
 def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
@@ -130,6 +138,8 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     if resume is not None:
         state, config = _resume_state(resume, config.results_dir)
     r = resolve(config)
+    if not r.train.epochs and state is None:
+        check_untrained(r.chosen, r.model_config, "--epochs 0")
     world, r.device = distributed.setup(r.device)
     torch.manual_seed(config.seed)
     attention = build_attention(r, config.backend)
@@ -175,7 +185,7 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
     epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     status = "failed"
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
-    attention.reset_choices(), attention.reset_usage(), attention.reset_stats()
+    attention.reset_choices(), attention.take_reads(), attention.reset_stats()
     try:
         for epoch in range(start, r.train.epochs + 1) if r.train.epochs else [0]:  # epoch 0: the model untrained, scored
             if trainer.done:
@@ -183,13 +193,15 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
             new = []
             if epoch:
                 shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
-                stats = trainer.train_epoch(shuffled, tick(f"epoch {epoch}/{r.train.epochs}", "train", r.train.batch_size))
-                new.append(_row(common, epoch, "train", stats, attention))
+                phase = trainer.train_epoch(shuffled, tick(f"epoch {epoch}/{r.train.epochs}", "train", r.train.batch_size))
+                note = note or _ran_note(r, phase, say, epoch, model)
+                new.append(_row(common, epoch, "train", phase, attention))
                 say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)")
             # every rank evaluates the whole split: no coordination, and every rank's model is the same
             valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
                              decode_limit=r.train.decode_valid, precision=r.train.precision,
                              on_batch=tick(f"epoch {epoch} valid", "valid", r.train.eval_batch_size))
+            note = note or _ran_note(r, valid, say, epoch, model)
             new.append(_row(common, epoch, "valid", valid, attention))
             rows += new
             best_now = new[-1]["loss"] < best
@@ -276,7 +288,7 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
     stats = evaluate(model, r.task, batches(r.task, split, r.pattern, r.train.eval_batch_size), r.pattern, r.device,
                      beam=beam or getattr(r.task_config, "beam", 1), precision=r.train.precision)
     run_id, started = _new_run_id(config.task, config.model, "-eval")
-    setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"]}
+    setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"], "attention_stage": stages_of(model)}
     common = {**source, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
               "pattern": r.chosen.spec, "cell": None, "experiment": r.experiment, "eval_of": source["run_id"], "backend": config.backend,
               "device": str(r.device), "config": json.dumps(setup, sort_keys=True), **_versions()}

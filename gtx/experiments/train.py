@@ -78,7 +78,7 @@ class PhaseStats:
     nodes: int = 0
     processed: int = 0  # tokens computed (``Batch.n_tokens``): the throughput's numerator
     context_len: int = 0  # the longest sequence seen
-    edges: dict = field(default_factory=dict)  # stage -> [edges, queries, possible edges]
+    edges: dict = field(default_factory=dict)  # stage -> [keys read, queries, keys allowed] (gtx.attention.budget)
     groups: dict = field(default_factory=dict)  # group name -> [correct, scored]
     wall_s: float = 0.0
     peak_mem_mb: float = float("nan")
@@ -87,8 +87,9 @@ class PhaseStats:
     extra: dict = field(default_factory=dict)
     split: str = ""  # the split the batches came from
 
-    def add(self, out, batch: Batch, loss: torch.Tensor) -> None:
-        """Add one batch; ``loss`` is the mean cross-entropy over its scored targets."""
+    def add(self, out, batch: Batch, loss: torch.Tensor, read: dict | None = None) -> None:
+        """Add one batch; ``loss`` is the mean cross-entropy over its scored targets; ``read``: its
+        forward's keys per stage as the model's ``Attention`` counted them (``take_reads``)."""
         scored = batch.targets != IGNORE
         n = int(scored.sum())
         self.split = batch.split
@@ -108,19 +109,20 @@ class PhaseStats:
         for steps in out.steps:
             self.steps_sum += float(steps.sum())
             self.nodes += steps.numel()
-        self.graph_only(batch)
+        self.graph_only(batch, read)
 
-    def graph_only(self, batch: Batch) -> None:
-        """Add a batch's lengths and edges alone (its density, without a model's output)."""
+    def graph_only(self, batch: Batch, read: dict | None = None) -> None:
+        """Add a batch's lengths and its keys read per stage: ``read``'s where the model's attention
+        counted them (every layer and step), else the graph's edges (a model that attends by itself)."""
         graph = batch.graph
         for lens in (graph.src_lens, graph.tgt_lens):
             if lens is not None:
                 self.context_len = max(self.context_len, int(lens.max()))
         for stage, e in graph.edges.items():
+            counts = (read or {}).get(stage) or (e.num_edges, e.n_dst, possible_edges(e))
             total = self.edges.setdefault(stage, [0, 0, 0])
-            total[0] += e.num_edges
-            total[1] += e.n_dst
-            total[2] += possible_edges(e)
+            for i, x in enumerate(counts):
+                total[i] += x
 
     def row(self) -> dict:
         edges, possible = (sum(t[i] for t in self.edges.values()) for i in (0, 2))
@@ -156,7 +158,7 @@ class PhaseStats:
         return out
 
     def density(self, stage: str) -> float:
-        """Edges over the edges the stage allows (``possible_edges``): 1.0 is full attention."""
+        """Keys read over the keys the stage allows (``gtx.attention.budget``): 1.0 is full attention."""
         edges, _, possible = self.edges.get(stage, (0, 0, 0))
         return edges / possible if possible else float("nan")
 
@@ -221,6 +223,7 @@ class Trainer:
                 if attention is not None:
                     attention.begin_step(self.step)
                 out = forward_pass(self.forward, batch, self.device, c.precision)
+                read = attention.take_reads() if attention is not None else None
                 if self.task:  # plain-torch references in benchmarks train without a task
                     checks.model_output(self.model, out, len(batch.targets), len(self.task.tgt_vocab))
                 # sum over this rank's scored targets / the global count (x ranks: DDP averages): the global mean's gradient
@@ -245,7 +248,7 @@ class Trainer:
                 self.opt.step()
                 with torch.no_grad():  # the statistics' loss is this rank's mean cross-entropy, without smoothing
                     nll = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE) if c.label_smoothing else summed / scored.clamp_min(1)
-                    stats.add(out, batch, nll)
+                    stats.add(out, batch, nll, read)
                 on_batch()
                 if self.done:
                     break
@@ -272,6 +275,8 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
     the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
     accuracy (one target per sample)."""
     model.eval()
+    attention = getattr(model, "attention", None)
+    attention = attention if isinstance(attention, Attention) else None
     stats, hyps, refs, decode_s = PhaseStats(), [], [], 0.0
     examples = task.splits()
     decode_limit = decode_limit if task.form == "seq2seq" else 0
@@ -282,12 +287,15 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
                 out = forward_pass(model, batch, device, precision)
             stats.flops += flops.total
             stats.attn_flops += flops.attention
+            read = attention.take_reads() if attention is not None else None  # the teacher-forced pass's, not decoding's
             checks.model_output(model, out, len(batch.targets), len(task.tgt_vocab))
-            stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE))
+            stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE), read)
             if decode_limit < 0 or len(hyps) < decode_limit:
                 t0 = time.perf_counter()
                 hyps += [task.tgt_vocab.decode(h) for h in decode(model, task, batch, pattern, beam)]
                 decode_s += time.perf_counter() - t0
+                if attention is not None:
+                    attention.take_reads()
                 refs += [list(examples[batch.split][i][1]) for i in batch.index]
             on_batch()
     stats.wall_s, stats.peak_mem_mb = meter.wall_s - decode_s, meter.peak_mb

@@ -27,7 +27,7 @@ from gtx.backends import Backend
 from gtx.errors import GtxError
 from gtx.memory import peak_mb, reset_peak
 
-ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
+ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "keys_per_query", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
 TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "vs_reference", "ceiling_share", "step_ms", "attention_ms",
                  "data_ms", "peak_mem_mb", "steps", "rounds", "device", "choice"]
 
@@ -148,10 +148,21 @@ def run_attention_cell(cell: AttentionCell) -> dict:
 
     load_plugins(dirs=cell.plugins_dirs)
     device = torch.device(cell.device)
-    src, dst = parse_pattern(cell.pattern).edges("ee", cell.n, cell.n)
-    edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+    pattern = parse_pattern(cell.pattern)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    step, choice = REFERENCE_CELLS.get(cell.backend, _gtx_cell)(cell, edges, device, gen)
+    method = cell.backend not in REFERENCE_CELLS and (pattern.select is not None or pattern.trainable is not None)
+    if method:
+        from gtx.measure.method import method_cell
+
+        step, choice, read = method_cell(cell, pattern, device, gen)
+    else:
+        src, dst = pattern.edges("ee", cell.n, cell.n)
+        edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+        step, choice = REFERENCE_CELLS.get(cell.backend, _gtx_cell)(cell, edges, device, gen)
+        read = lambda: (src.numel(), cell.n, cell.n**2)  # noqa: E731 -- the edges are what runs
+        if cell.backend in REFERENCE_CELLS and not pattern.plain:
+            mode = choice()
+            choice = lambda: f"{mode}, its candidates: {cell.backend} chooses nothing"  # noqa: E731
     base = reset_peak(device)  # after the set-up's warm-up call: the peak is the steps' own
 
     def timed():
@@ -164,9 +175,10 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     for _ in range(cell.warmup):
         timed()
     times = [timed() for _ in range(cell.repeats)]
+    keys, queries, allowed = read()
     return {
-        "pattern": parse_pattern(cell.pattern).spec, "n": cell.n, "backend": cell.backend, "edges": int(src.numel()),
-        "density": src.numel() / cell.n**2, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
+        "pattern": pattern.spec, "n": cell.n, "backend": cell.backend, "edges": round(keys), "keys_per_query": keys / queries,
+        "density": keys / allowed, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
         "peak_mem_mb": peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
     }
 

@@ -1,0 +1,69 @@
+"""The budget account: per stage, the keys each query's attention read, counted where it runs.
+
+``Attention`` adds every call to its ``Account``: the keys one head read (the mean over heads),
+summed over the call's queries that attend (an ACT step's active nodes alone, ``EdgeSet.keep``),
+those queries, and the keys the stage allows them (``allowed_keys``), plus any keys a method offers
+beyond the stage's tokens (NSA's compressed keys). The results' ``edges_per_query_<stage>`` is keys
+over queries and ``density`` keys over allowed, summed over layers, steps and batches: a mean per
+query per attention call, never above 1 (a count above what the queries can see is refused).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gtx.errors import PluginError
+from gtx.graph.tokens import EdgeSet
+
+
+def allowed_keys(edges: EdgeSet) -> torch.Tensor:
+    """(n_dst,) float: per query, the keys its stage allows over its sample (``possible_edges`` per
+    query): for ``dd`` its position + 1 (the causal triangle; a sample's queries are its last
+    positions, as in decoding, where it has more keys), else its sample's key count."""
+    root = edges.root
+
+    def build():
+        q_lens, k_lens = (torch.as_tensor(x) for x in root.sample_lens())
+        if root.stage == "dd":
+            start = torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens)
+            per = torch.arange(int(q_lens.sum())) - start + 1 + torch.repeat_interleave(k_lens - q_lens, q_lens)
+        else:
+            per = torch.repeat_interleave(k_lens, q_lens)
+        return per.to(torch.float64).to(root.device)
+
+    return root.plan("allowed keys", build)
+
+
+def on_active(count, edges: EdgeSet) -> float:
+    """A per-query count (n_dst,) summed over the queries the call attends with (``edges.keep``), or a number as given."""
+    if not isinstance(count, torch.Tensor):
+        return float(count)
+    count = count.to(torch.float64)
+    return float((count if edges.keep is None else count[edges.keep]).sum())
+
+
+class Account:
+    """Per stage: [keys read, queries, keys allowed], summed over calls since ``take``."""
+
+    def __init__(self):
+        self.stages: dict[str, list[float]] = {}
+
+    def add(self, spec: str, edges: EdgeSet, keys: float, offered=0.0) -> None:
+        """One call's ``keys`` (one head's, over its active queries); ``offered``: keys beyond the
+        stage's tokens the method made available to them (a number, or per query)."""
+        allowed = allowed_keys(edges)
+        queries = edges.n_dst if edges.keep is None else int(edges.keep.sum())
+        allowed = on_active(allowed, edges) + on_active(offered, edges)
+        if keys > allowed * (1 + 1e-9) + 1e-6:
+            raise PluginError(f"pattern {spec!r} reports {keys:g} keys read by {queries} queries ({edges.stage}), more than the "
+                              f"{allowed:g} they can see; count keys read by several branches once (run.read)")
+        total = self.stages.setdefault(edges.stage, [0.0, 0.0, 0.0])
+        total[0] += keys
+        total[1] += queries
+        total[2] += allowed
+
+    def take(self) -> dict[str, tuple[float, float, float]]:
+        """The sums since the last call, per stage; then cleared."""
+        out = {stage: tuple(t) for stage, t in self.stages.items()}
+        self.stages.clear()
+        return out
