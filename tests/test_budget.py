@@ -52,8 +52,8 @@ def test_every_registered_pattern_has_specs_here():
 def _oracle(forward, seen):
     """``Attention.forward`` that also counts, per stage, the keys each active query's weights put mass on."""
 
-    def wrapped(self, q, k, v, edges, trainable=None):
-        out = forward(self, q, k, v, edges, trainable)
+    def wrapped(self, q, k, v, edges, trainable=None, inputs=None):
+        out = forward(self, q, k, v, edges, trainable, inputs)
         saved = {s: list(t) for s, t in self.account.stages.items()}
         root = edges.root
         q_lens, k_lens = (torch.as_tensor(x) for x in root.sample_lens())
@@ -69,7 +69,7 @@ def _oracle(forward, seen):
             module.gate.weight.data.view(q.shape[1], 3, -1)[:, 0] = 0
             module.gate.bias.data.view(q.shape[1], 3)[:, 0] = -1e4
         with torch.no_grad():
-            weights = forward(self, q, k, one_hot, edges, trainable)
+            weights = forward(self, q, k, one_hot, edges, trainable, inputs)
         if gate is not None:
             module.gate.weight.data, module.gate.bias.data = gate
         self.account.stages = saved

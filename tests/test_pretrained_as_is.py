@@ -140,7 +140,7 @@ REFUSED = {
     "qwen2's config over llama's weights": ({"config": {"model_type": "qwen2"}}, "its weights do not fit the Qwen2ForCausalLM"),
     "bert's config over llama's weights": ({"config": {"model_type": "bert"}}, "model_type 'bert' in config.json is not a family gtx checks"),
     "gemma2's logit soft-capping": ({"family": "gemma2"}, "logit soft-capping (attn_logit_softcapping=50.0 in the model's config; layer 0)"),
-    "a trainable pattern within a window": ({"family": "mistral", "sliding_window": 5, "pattern": "nsa"},
+    "a trainable pattern within a window": ({"family": "mistral", "sliding_window": 5, "pattern": "nsa", "args": ["--set", "untrained_attention=true"]},
                                             "sliding window of 5 keys (sliding_window; on layers 0, 1)"),
     "moba within a window": ({"family": "mistral", "sliding_window": 5, "pattern": "moba:b=4,k=2"}, "not among its candidates"),
 }
@@ -150,10 +150,10 @@ REFUSED = {
 def test_what_gtx_would_not_compute_is_one_line_and_nothing_written(root, tmp_path, case):
     how, match = REFUSED[case]
     how = dict(how)
-    pattern = how.pop("pattern", "full")
+    pattern, args = how.pop("pattern", "full"), how.pop("args", [])
     path = edited(root, tmp_path, **how)
     result = CliRunner().invoke(cli, ["run", "--model", "hf", "--set", f"path={path}", "--task", "text", "--set", "context=32", "--set", "train_tokens=600",
-                                      "--set", "eval_tokens=300", "--pattern", pattern, "--epochs", "0", "--quiet", "--results", str(tmp_path / "r")])
+                                      "--set", "eval_tokens=300", "--pattern", pattern, "--epochs", "0", "--quiet", "--results", str(tmp_path / "r"), *args])
     assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "r").exists()
 

@@ -38,15 +38,18 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
     edges = method_edges(pattern, stage, cell.n, device)
     q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
     grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
+    width = cell.heads * cell.head_dim
+    inputs = torch.randn(cell.n, width, generator=gen).to(device)  # the layer's input, which DSA's indexer reads
     with torch.no_grad():  # one tiny call first: what the method and backend import lazily must not count as its memory
-        layer(*(torch.randn(8, cell.heads, cell.head_dim, device=device) for _ in range(3)), method_edges(pattern, stage, 8, device))
+        layer(*(torch.randn(8, cell.heads, cell.head_dim, device=device) for _ in range(3)), method_edges(pattern, stage, 8, device),
+              inputs=torch.randn(8, width, device=device))
     attention.take_reads(), attention.take_losses(), attention.reset_choices(), attention.reset_stats()
     reads = []
 
     def step():
         q.grad = k.grad = v.grad = None
         attention.begin_step(0)
-        out = layer(q, k, v, edges)
+        out = layer(q, k, v, edges, inputs=inputs)
         reads[:] = [attention.take_reads()[stage]]
         aux, _ = attention.take_losses()
         ((out * grad).sum() + (aux if aux is not None else 0)).backward()
