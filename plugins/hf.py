@@ -162,11 +162,6 @@ def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, 
     return attention(q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs)[None], None
 
 
-def check_cacheable(pattern: Pattern, cache: bool) -> None:
-    if cache and not pattern.plain:
-        raise GtxError(f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)")
-
-
 class _Edges:
     """A forward's ``dd`` edges, and per sliding window of its layers, those edges within it (made once)."""
 
@@ -316,6 +311,12 @@ class HFModel(GraphModel):
             self._holder.edges, self._holder.windowed, self._holder.inputs = None, {}, None
         return out.logits[0]
 
+    @staticmethod
+    def check_cacheable(pattern: Pattern, cache: bool) -> None:
+        """One line for generating with the cache under a pattern that chooses or learns its keys at run time."""
+        if cache and not pattern.plain:
+            raise GtxError(f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)")
+
     @torch.no_grad()
     def generate(self, ids: list[int], new: int, pattern: Pattern, cache: bool = True) -> Generated:
         """``new`` tokens after the prompt ``ids``, greedily, each query reading the keys ``pattern``'s
@@ -323,7 +324,7 @@ class HFModel(GraphModel):
         alone over cached keys and values, and a cached key is dropped as soon as no later position
         reads it, so the cache holds what the pattern can still read (``local:w``: the last w + 1
         keys). Without: the whole sequence again at every step (the reference)."""
-        check_cacheable(pattern, cache)
+        self.check_cacheable(pattern, cache)
         self.eval()
         device = next(self.parameters()).device
         seq, most = list(ids), 0
@@ -364,144 +365,3 @@ class HFModel(GraphModel):
 @hookimpl
 def register_models(register):
     register("hf", HFModel, config=HFConfig)
-
-
-@hookimpl
-def register_commands(cli):
-    import click
-
-    from gtx.attention.module import Attention, check_pattern
-    from gtx.attention.trainable import check_untrained, stages_of
-    from gtx.backends import get_backend
-    from gtx.cli.common import key_value
-    from gtx.experiments.config import build_configs, resolve_device
-    from gtx.graph.spec import parse_pattern
-
-    @cli.command()
-    @click.argument("run", required=False)
-    @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False),
-                  help="Where RUN is looked up.")
-    @click.option("--prompt", required=True, help="The text to continue.")
-    @click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE",
-                  help="An hf model setting: path=DIR (a save_pretrained folder) is needed without RUN.")
-    @click.option("--pattern", help="The pattern every query reads its keys by [default: RUN's own, else full].")
-    @click.option("--new", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens to generate.")
-    @click.option("--cache/--no-cache", default=True, show_default=True,
-                  help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.")
-    @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-    def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
-        """Continue a text greedily with a transformers model (--model hf) under a pattern: a
-        save_pretrained folder (--set path=DIR), or RUN, a fine-tuned `gtx run --model hf` (its id, a
-        unique prefix or its 6-hex tail; its best checkpoint).
-
-        \b
-          gtx generate --set path=DIR --pattern local:w=256 --prompt "Once upon a time" --new 64
-          gtx generate 99df6a --prompt "Once upon a time"
-        """
-        if run is not None:
-            if settings:
-                raise GtxError(f"gtx generate {run} uses the run's own model settings; drop --set")
-            model, r = trained_run(run, results_dir, pattern, device)
-            config, p, tokenizer = r.model_config, r.pattern, r.task.tokenizer
-            if tokenizer is None:
-                raise GtxError(f"run {run} read task {r.config.task}'s own symbols, not text with a tokenizer: gtx generate continues "
-                               "text; fine-tune a save_pretrained folder (--set path=DIR) to generate from it")
-            check_cacheable(p, cache)
-        else:
-            config = build_configs(settings, {"model": ("hf", HFConfig)})["model"]
-            if not config.path:
-                raise GtxError("gtx generate reads text with the model's own tokenizer: give RUN (a fine-tuned hf run) or --set path=DIR "
-                               "(a save_pretrained folder)")
-            p, where = parse_pattern(pattern or "full"), resolve_device(device)
-            backend = get_backend("auto", where)
-            check_pattern(p, backend, config.heads)
-            check_cacheable(p, cache)
-            check_untrained(p, config, "generating")
-            tokenizer = HFModel.tokenizer(config)
-        ids = tokenizer.vocab.encode(tokenizer.tokenize(prompt))
-        if not ids or len(ids) + new > config.max_len:
-            raise GtxError(f"--prompt of {len(ids)} tokens and --new {new}: the model has {config.max_len} positions; "
-                           "give a non-empty prompt and at most that many tokens in all")
-        if run is None:
-            model = HFModel(config, tokenizer.vocab, tokenizer.vocab, Attention.for_width(backend, p, config.heads, config.dim)).to(where)
-        out = model.generate(ids, new, p, cache)
-        click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))
-        held = f"the cache held at most {out.cached} keys per layer" if cache else "no cache: every query read the whole sequence"
-        stage = stages_of(model)
-        source = f" (run {run}'s fine-tuned weights)" if run is not None else ""
-        untrained = " (its own parameters untrained)" if run is None and p.trainable is not None else ""
-        click.echo(f"{len(out.tokens)} tokens under {p.spec}{source}{untrained}{f' ({stage})' if stage else ''}; {held} "
-                   f"(of {out.positions} positions)", err=True)
-
-    @cli.command()
-    @click.argument("run")
-    @click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
-    @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False),
-                  help="Where RUN is looked up.")
-    def export(run, folder, results_dir):
-        """Write a fine-tuned `gtx run --model hf` as a save_pretrained FOLDER that transformers loads.
-
-        RUN: its id, a unique prefix or its 6-hex tail (its best checkpoint). FOLDER must be new or
-        empty. It holds config.json and the weights, the tokenizer where the run read text with one
-        (else gtx_vocab.json: the task's symbols by id), and, where the run's pattern has trained
-        parameters of its own (nsa's gates, dsa's indexer), gtx_pattern.safetensors beside them.
-        """
-        from gtx.files import check_writable
-
-        if folder.exists() and any(folder.iterdir()):
-            raise GtxError(f"{folder} is not empty; export into a new folder (nothing there is overwritten)")
-        check_writable(folder, "export folder")
-        model, r = trained_run(run, results_dir, None, "cpu")
-        written = export_folder(model, r, folder)
-        click.echo(f"run {run} ({r.config.task}, {r.chosen.spec}): {', '.join(written)} in {folder}; "
-                   f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it", err=True)
-        click.echo(folder)
-
-
-def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
-    """(model, r): the fine-tuned model of an hf run under ``results_dir`` (``gtx.measure.probe.load_model``,
-    under ``pattern`` or its own) and its resolved configuration; one line for a run of another model."""
-    from gtx.experiments import checkpoint
-    from gtx.experiments.runref import find_checkpoint
-    from gtx.measure.probe import load_model
-
-    path = find_checkpoint(ref, results_dir)
-    trained = checkpoint.load(path, mmap=True)["run_config"]
-    if trained["model"] != "hf":
-        raise GtxError(f"run {ref} trained model {trained['model']!r}; gtx generate and gtx export take runs of --model hf")
-    model, r, _ = load_model(str(path), results_dir, device, pattern=pattern)
-    return model, r
-
-
-def export_folder(model: HFModel, r, folder: Path) -> list[str]:
-    """Write ``model`` (a trained ``HFModel``) to ``folder`` as transformers' ``save_pretrained`` does,
-    its tokenizer (or ``gtx_vocab.json``) and its pattern's own parameters (``gtx_pattern.safetensors``,
-    with the pattern's spec in its metadata); built in a sibling folder and renamed, so a failure leaves none."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        implementation = model.hf.config._attn_implementation
-        model.hf.config._attn_implementation = "sdpa"  # "gtx" is registered by gtx alone: the folder loads with transformers' own
-        try:
-            model.hf.save_pretrained(work)
-        finally:
-            model.hf.config._attn_implementation = implementation
-        if r.task.tokenizer is not None:
-            r.task.tokenizer.hf.save_pretrained(work)
-        else:
-            (work / "gtx_vocab.json").write_text(json.dumps(list(r.task.tgt_vocab.itos)))
-        own = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith("hf.")}
-        if own:
-            save_file(own, work / "gtx_pattern.safetensors", metadata={"pattern": r.chosen.spec, "format": "gtx-pattern/1"})
-        if folder.exists():
-            folder.rmdir()  # empty: checked by the caller
-        work.rename(folder)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return sorted(p.name for p in folder.iterdir())

@@ -8,7 +8,8 @@
 
 Commands with modules of their own: ``gtx sweep`` (sweep.py), ``gtx plot`` and ``gtx report``
 (plot.py), ``gtx bench`` (bench.py), ``gtx runs`` and ``gtx show RUN`` (runs.py), ``gtx frontier``
-(frontier.py). docs/cli.md holds every command's help (reference.py writes it).
+(frontier.py), ``gtx generate`` and ``gtx export`` (pretrained.py: the hf model plugin's models).
+docs/cli.md holds every command's help (reference.py writes it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gtx.cli.bench import bench
 from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option, progress_lines
 from gtx.cli.frontier import frontier
 from gtx.cli.plot import plot, report
+from gtx.cli.pretrained import export, generate
 from gtx.cli.runs import runs, show
 from gtx.cli.sweep import sweep
 from gtx.errors import GtxError
@@ -295,7 +297,7 @@ def plugins_list(show_all):
     click.echo(json.dumps(out, indent=2))
 
 
-for command in (bench, frontier, plot, report, runs, show, sweep):  # commands with modules of their own
+for command in (bench, export, frontier, generate, plot, report, runs, show, sweep):  # commands with modules of their own
     cli.add_command(command)
 
 
