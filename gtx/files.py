@@ -56,18 +56,18 @@ def _usable_cache(name: str | None, value: str | None) -> Path:
     path = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "gtx"
     what = f"{name}={value}" if name else f"the default cache {path} (no {CACHE_VARIABLE} set)"
     reason = "it is empty" if name and not value else None
-    if reason is None:
-        existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
-        if not existing.is_dir():
-            reason = "it is not a folder" if existing == path else f"{existing} is not a folder"
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            reason = "it is not writable"
-    if reason is None:
-        try:
+    try:
+        if reason is None:
+            existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+            if not existing.is_dir():
+                reason = "it is not a folder" if existing == path else f"{existing} is not a folder"
+            elif not os.access(existing, os.W_OK | os.X_OK):
+                reason = "it is not writable"
+        if reason is None:
             path.mkdir(parents=True, exist_ok=True)
             return path
-        except OSError as e:
-            reason = f"cannot create it: {e.strerror}"
+    except OSError as e:
+        reason = f"cannot create it: {e.strerror or e}"
     tmp = Path(tempfile.mkdtemp(prefix="gtx-cache-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     log.warning("%s cannot be used as gtx's cache (%s): caching in %s for this process; set %s to a writable folder",
