@@ -45,10 +45,11 @@ SLOWER = "topk and dsa run on their torch path, several times slower on the CPU"
 _said: set[str] = set()
 
 
-def _say(level: int, message: str) -> None:
-    """Log ``message`` once per process."""
-    if message not in _said:
-        _said.add(message)
+def _say(level: int, message: str, about: str | None = None) -> None:
+    """Log ``message`` once per process, and once per ``about`` where given (the same trouble with
+    both kernels: one line)."""
+    if (about or message) not in _said:
+        _said.add(about or message)
         log.log(level, message)
 
 
@@ -171,14 +172,14 @@ def library(name: str) -> Path | None:
             target, marker = folder / f"{name}-{key}.so", folder / f"{name}-{key}.failed"
             if _verified(target):
                 if lacks:
-                    _say(logging.INFO, f"C kernel {name} built {lacks} ({cc}: {_first_error(errors[0])})")
+                    _say(logging.INFO, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
                 return target
             error = _failed_recently(marker)
             if error is None:
                 error = _build(argv, flags, source, target)
                 if error is None:
                     if lacks:
-                        _say(logging.WARNING, f"C kernel {name} built {lacks} ({cc}: {_first_error(errors[0])})")
+                        _say(logging.WARNING, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
                     return target
                 atomic_write(marker, error)
             errors.append(error)
@@ -186,7 +187,7 @@ def library(name: str) -> Path | None:
         _say(logging.WARNING, f"the C kernels' cache {folder} cannot be used ({e.strerror or e}): {SLOWER}; set {CACHE_VARIABLE} to a writable folder")
         return None
     _say(logging.WARNING, f"C kernel {name} does not build with {cc} ({_first_error(errors[0])}): {SLOWER}; "
-         f"set CC to another compiler, or remove {folder}/{name}-*.failed to retry")
+         f"set CC to another compiler, or remove {folder}/*.failed to retry", f"fails {cc}")
     return None
 
 
@@ -200,7 +201,7 @@ def load(name: str) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:
-        _say(logging.WARNING, f"C kernel {name} does not load ({e}): {SLOWER}")
+        _say(logging.WARNING, f"C kernel {name} does not load ({e}): {SLOWER}", "does not load")
         return None
 
 
