@@ -55,7 +55,7 @@ def _say(level: int, message: str, about: str | None = None) -> None:
 
 def _variants() -> list[tuple[list[str], str]]:
     """The builds tried, best first: (flags, what the build lacks; empty for the best)."""
-    return [([*ARCH, *OPENMP], ""), (ARCH, "without OpenMP: its parts run one after another"),
+    return [([*ARCH, *OPENMP], ""), (ARCH, "without OpenMP: their parts run one after another"),
             (OPENMP, "for the baseline CPU (the compiler refused -march=native)"),
             ([], "for the baseline CPU and without OpenMP")]
 
