@@ -3,11 +3,19 @@ writes, the data cache."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 from gtx.errors import GtxError
+
+log = logging.getLogger(__name__)
+CACHE_VARIABLE = "GTX_CACHE"
+OLD_CACHE_VARIABLE = "GTX_CACHE_DIR"  # its earlier name, still read where GTX_CACHE is unset
 
 
 def check_writable(path: str | Path, what: str = "--results") -> Path:
@@ -34,19 +42,69 @@ def writable_dir(path: str | Path, what: str = "--results") -> Path:
 
 
 def cache_dir() -> Path:
-    """Where generated task data is cached: ``GTX_CACHE_DIR``, else ``~/.cache/gtx``."""
-    return Path(os.environ.get("GTX_CACHE_DIR") or Path.home() / ".cache" / "gtx")
+    """Where gtx caches what it generates and builds (task data, cost calibrations, the C kernels):
+    ``$GTX_CACHE`` (or ``$GTX_CACHE_DIR``, its earlier name, where ``GTX_CACHE`` is unset), else
+    ``~/.cache/gtx``; created if missing. A folder that cannot be used (an empty value, a file, below
+    a file, not writable) gives this process a temporary folder instead, with one warning line naming
+    the variable."""
+    name = next((v for v in (CACHE_VARIABLE, OLD_CACHE_VARIABLE) if v in os.environ), None)
+    return _usable_cache(name, os.environ.get(name) if name else None)
+
+
+@functools.cache
+def _usable_cache(name: str | None, value: str | None) -> Path:
+    path = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "gtx"
+    what = f"{name}={value}" if name else f"the default cache {path} (no {CACHE_VARIABLE} set)"
+    reason = "it is empty" if name and not value else None
+    try:
+        if reason is None:
+            existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+            if not existing.is_dir():
+                reason = "it is not a folder" if existing == path else f"{existing} is not a folder"
+            elif not os.access(existing, os.W_OK | os.X_OK):
+                reason = "it is not writable"
+        if reason is None:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+    except OSError as e:
+        reason = f"cannot create it: {e.strerror or e}"
+    tmp = Path(tempfile.mkdtemp(prefix="gtx-cache-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    log.warning("%s cannot be used as gtx's cache (%s): caching in %s for this process; set %s to a writable folder",
+                what, reason, tmp, CACHE_VARIABLE)
+    return tmp
+
+
+def replace_durably(tmp: str | Path, path: Path) -> None:
+    """Move the written file ``tmp`` onto ``path`` (same folder) once its bytes are on disk: a crash or
+    a full disk then leaves the old file or the new one, never one cut short."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    try:  # the rename itself, where the platform can sync a folder
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write through a temporary file in the same folder and rename: readers never see a partial
-    file, and a kill leaves the previous one whole."""
+    """Write through a temporary file in the same folder, synced, and rename: readers never see a
+    partial file, and a kill or a crash leaves the previous one whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise

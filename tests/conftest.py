@@ -13,8 +13,9 @@ settings.load_profile("gtx")
 # Installed third-party plugins must not leak into the tests: load no entry points.
 os.environ["GTX_LOAD_PLUGINS"] = ""
 os.environ.pop("GTX_PLUGINS_DIR", None)
-# Generated task data goes to a throw-away cache, not ~/.cache/gtx.
-os.environ["GTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="gtx-test-cache-")
+# Generated task data and the C kernels go to a throw-away cache, not ~/.cache/gtx.
+os.environ["GTX_CACHE"] = tempfile.mkdtemp(prefix="gtx-test-cache-")
+os.environ.pop("GTX_CACHE_DIR", None)
 
 from gtx.plugins import registry as plugins  # noqa: E402
 

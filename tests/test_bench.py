@@ -67,7 +67,7 @@ def test_bench_train_compares_backends_and_torch_transformer():
 
 
 def test_bench_train_cli_writes_a_table(tmp_path, monkeypatch):
-    monkeypatch.setenv("GTX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GTX_CACHE", str(tmp_path / "cache"))
     sets = [a for kv in ("n_train=32", "n_valid=8", "n_test=8", "layers=1", "dim=16", "heads=2", "dim_ff=16", "batch_size=16") for a in ("--set", kv)]
     result = CliRunner().invoke(cli, ["bench", "train", "--backends", "auto", "--steps", "1", "--rounds", "1", "--no-baseline",
                                       "--no-memory", "--results", str(tmp_path), *sets])

@@ -1,14 +1,21 @@
 """The C kernels (gtx/attention/keys_kernel.c) compute what their torch paths compute: attention over
 selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL loss, values and
-gradients; a machine that cannot build them falls back with one logged line."""
+gradients; they build with older compilers, and a machine that cannot build or cache them falls back
+with one logged line."""
 
 import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gtx import files
 from gtx.attention import native
 from gtx.attention.choice import top_keys
 from gtx.attention.indexer import index_kl, top_indexed
@@ -125,22 +132,222 @@ def test_the_indexer_kl_over_kept_keys_agrees_with_the_torch_path(n, count, dim,
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
-def test_a_machine_without_a_compiler_runs_the_torch_path_and_says_so_once(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("GTX_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    with caplog.at_level(logging.WARNING, logger="gtx.attention.native"):
-        assert native.load.__wrapped__("keys_kernel") is None
-    assert "building keys_kernel failed" in caplog.text and not list(tmp_path.glob("*.so"))
+REAL_CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch, caplog):
+    """An empty cache (GTX_CACHE), nothing logged or looked up yet in this process, the log captured;
+    returns a function giving the warning lines."""
+    monkeypatch.setenv("GTX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GTX_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_said", set())
+    native.toolchain.cache_clear()
+    files._usable_cache.cache_clear()
+    caplog.set_level(logging.INFO, logger="gtx")
+    yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    native.toolchain.cache_clear()
+    files._usable_cache.cache_clear()
+
+
+def script(path: Path, body: str) -> str:
+    """An executable shell script at ``path`` (a stand-in compiler); returns its path."""
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def loads_and_agrees(monkeypatch):
+    """Both kernels load (from ``$GTX_CACHE``, as built now) and compute what the torch paths compute."""
+    libs = {name: native.load.__wrapped__(name) for name in ("keys_kernel", "index_kernel")}
+    assert all(libs.values())
+    monkeypatch.setattr(native, "load", libs.get)
+    check_selected_keys(30, 40, 2, 12, False, (32, 32), 0)  # the lane sums' shuffles at the unrolled size
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(50, 2, 8, generator=g) for _ in range(2))
+    edges = build_graph(parse_pattern("causal"), None, [50]).edges["dd"]
+    (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_keys(q, k, edges, 5))
+    assert same_sets(keys, valid, want_keys, want_valid)
+
+
+def test_the_kernels_use_no_builtin_that_only_gcc_12_has_outside_its_guard():
+    """GCC 11 (Ubuntu 22.04, RHEL 9, Debian 11) has no __builtin_shufflevector: kernel.h picks it only
+    for clang and GCC >= 12, __builtin_shuffle elsewhere."""
+    folder = Path(native.__file__).parent
+    text = re.sub(r"/\*.*?\*/", "", "\n".join(p.read_text() for p in [*folder.glob("*.h"), *folder.glob("*.c")]), flags=re.S)
+    guarded = re.compile(r"#if defined\(__clang__\) \|\| __GNUC__ >= 12\n(.*?)#else\n(.*?)#endif", re.S)
+    assert len(guarded.findall(text)) == 1 and "__builtin_shuffle(" in guarded.search(text).group(2)
+    assert "__builtin_shufflevector" not in guarded.sub("", text)
+
+
+@pytest.mark.parametrize("compiler", ["gcc-11", "clang"])
+def test_older_compilers_build_kernels_that_agree_with_the_torch_path(compiler, fresh, monkeypatch):
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} here (CI installs gcc-11 where it can)")
+    monkeypatch.setenv("CC", compiler)
+    loads_and_agrees(monkeypatch)
+    assert not [line for line in fresh() if "does not build" in line]
+
+
+def test_cc_is_split_as_a_shell_would_a_wrapper_and_flags_too(fresh, tmp_path, monkeypatch):
+    calls = tmp_path / "calls"
+    wrap = script(tmp_path / "my wrap", f'echo x >> "{calls}"; exec "$@"')  # as ccache runs the compiler it is given
+    monkeypatch.setenv("CC", f"'{wrap}' {REAL_CC} -O2")
+    loads_and_agrees(monkeypatch)
+    assert fresh() == [] and len(calls.read_text().split()) == 3  # --version, then one build per kernel
+
+
+@pytest.mark.parametrize("cc", ["/nonexistent/cc", "gcc '-O2"])
+def test_a_compiler_that_is_not_there_gives_the_torch_path_and_one_line_naming_cc(cc, fresh, monkeypatch):
+    monkeypatch.setenv("CC", cc)
+    assert native.load.__wrapped__("keys_kernel") is None and native.load.__wrapped__("index_kernel") is None
+    (line,) = fresh()
+    assert line.startswith(f"CC={cc!r}") and "torch path" in line
+
+
+def test_no_compiler_on_the_path_says_so_once(fresh, tmp_path, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert native.library("keys_kernel") is None and native.library("index_kernel") is None
+    assert fresh() == ["no C compiler (no cc or gcc on the PATH): topk and dsa run on their torch path, several times slower on the CPU; "
+                       "set CC to a C compiler's command"]
+
+
+def test_gtx_native_0_says_so_in_one_line(fresh, monkeypatch):
     monkeypatch.setenv("GTX_NATIVE", "0")
-    assert native.load.__wrapped__("keys_kernel") is None
+    assert native.load.__wrapped__("keys_kernel") is None and native.load.__wrapped__("index_kernel") is None
+    (line,) = fresh()
+    assert line.startswith("GTX_NATIVE=0:")
 
 
-def test_a_compiler_without_openmp_builds_the_kernels_whose_parts_then_run_in_turn(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("GTX_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "OPENMP", ["-fno-such-openmp-flag"])  # the OpenMP build fails
-    with caplog.at_level(logging.WARNING, logger="gtx.attention.native"):
-        lib = native.load.__wrapped__("keys_kernel")
-    assert lib is not None and "with OpenMP failed" in caplog.text
-    monkeypatch.setattr(native, "load", lambda name: lib)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    check_selected_keys(120, 700, 2, 40, True, (32, 32), 3)
+@pytest.mark.parametrize("kind", ["a file", "below a file", "/dev/null", "empty", "read-only"])
+def test_a_cache_that_cannot_be_used_gives_a_temporary_folder_and_one_line_naming_gtx_cache(kind, fresh, tmp_path, monkeypatch):
+    (tmp_path / "f").write_text("")
+    value = {"a file": tmp_path / "f", "below a file": tmp_path / "f" / "sub", "/dev/null": "/dev/null", "empty": "",
+             "read-only": tmp_path / "ro"}[kind]
+    if kind == "read-only":  # root writes anywhere: the check is made to see a read-only folder
+        (tmp_path / "ro").mkdir()
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and access(p, mode))
+    monkeypatch.setenv("GTX_CACHE", str(value))
+    lib = native.library("keys_kernel")
+    (line,) = fresh()
+    assert line.startswith(f"GTX_CACHE={value} cannot be used") and "set GTX_CACHE to a writable folder" in line
+    assert lib is not None and lib.parent.parent == files.cache_dir() != Path(str(value)).absolute()
+    assert lib.parent.parent.name.startswith("gtx-cache-") and native.load.__wrapped__("keys_kernel") is not None
+
+
+def test_gtx_cache_dir_is_read_as_gtx_cache_where_that_is_unset(fresh, tmp_path, monkeypatch):
+    monkeypatch.delenv("GTX_CACHE")
+    monkeypatch.setenv("GTX_CACHE_DIR", str(tmp_path / "old"))
+    assert files.cache_dir() == tmp_path / "old"
+    monkeypatch.setenv("GTX_CACHE", str(tmp_path / "new"))
+    assert files.cache_dir() == tmp_path / "new" and fresh() == []
+
+
+def test_a_kernels_folder_that_cannot_be_made_gives_the_torch_path_and_one_line_naming_gtx_cache(fresh, tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "native").write_text("")
+    assert native.library("keys_kernel") is None and native.library("index_kernel") is None
+    (line,) = fresh()
+    assert "cannot be used" in line and "set GTX_CACHE to a writable folder" in line
+
+
+def test_a_damaged_cached_library_is_rebuilt_never_loaded(fresh):
+    """A library cut short (a crash, a full disk) killed the process with SIGBUS when loaded."""
+    path = native.library("keys_kernel")  # built, not loaded: this process never maps it
+    whole = path.read_bytes()
+    for damage in ("cut short", "empty", "a byte changed", "no hash beside it"):
+        if damage == "no hash beside it":
+            (path.parent / (path.name + ".sha256")).unlink()
+        else:
+            path.write_bytes({"cut short": whole[:len(whole) // 2], "empty": b"", "a byte changed": whole[:-1] + b"\1"}[damage])
+        assert not native._verified(path)
+        assert native.library("keys_kernel") == path and len(path.read_bytes()) == len(whole) and native._verified(path), damage
+    assert native.load.__wrapped__("keys_kernel") is not None and fresh() == []
+
+
+def test_the_library_is_synced_before_it_is_moved_into_place(fresh, monkeypatch):
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(Path(b).name), replace(a, b))[1])
+    path = native.library("keys_kernel")
+    at = events.index(path.name)
+    assert at > 0 and events[at - 1] == "fsync"
+
+
+def test_the_openmp_choice_and_the_toolchain_are_in_the_cache_key(fresh, tmp_path, monkeypatch):
+    """A one-off OpenMP failure builds without OpenMP, under its own key; the failure is retried a day
+    later, and then the OpenMP build is used. Another compiler (a wrapper too) builds its own library."""
+    once = tmp_path / "fail-once"
+    once.write_text("")
+    flaky = script(tmp_path / "flaky", f'case "$*" in *-fopenmp*) if [ -e "{once}" ]; then rm "{once}"; exit 1; fi;; esac; exec {REAL_CC} "$@"')
+    monkeypatch.setenv("CC", flaky)
+    single = native.library("keys_kernel")
+    assert single is not None and "built without OpenMP" in fresh()[0]
+    monkeypatch.setattr(native, "_said", set())
+    assert native.library("keys_kernel") == single  # the failure remembered: no retry by this process
+    (marker,) = single.parent.glob("keys_kernel-*.failed")
+    os.utime(marker, (time.time() - native.RETRY_AFTER - 1,) * 2)
+    threaded = native.library("keys_kernel")
+    assert threaded not in (None, single)
+    monkeypatch.setenv("CC", REAL_CC)
+    assert native.library("keys_kernel") not in (single, threaded)
+
+
+def test_a_compiler_that_refuses_march_native_builds_for_the_baseline(fresh, tmp_path, monkeypatch):
+    picky = script(tmp_path / "picky", f'case "$*" in *-march=native*) echo "error: unknown target CPU native" >&2; exit 1;; esac; exec {REAL_CC} "$@"')
+    monkeypatch.setenv("CC", picky)
+    loads_and_agrees(monkeypatch)
+    (line,) = fresh()  # one line for both kernels
+    assert line.startswith("the C kernels are built for the baseline CPU (the compiler refused -march=native)")
+
+
+def test_a_failing_compiler_is_remembered_not_retried_by_every_process(fresh, tmp_path, monkeypatch):
+    calls = tmp_path / "calls"
+    broken = script(tmp_path / "broken", f'echo x >> "{calls}"; echo "broken.c:1: error: no" >&2; exit 1')
+    monkeypatch.setenv("CC", broken)
+    assert native.library("keys_kernel") is None and native.library("index_kernel") is None
+    (line,) = fresh()  # one line for both kernels
+    assert f"does not build with CC={broken}" in line and "broken.c:1: error: no" in line and ".failed to retry" in line
+    tries = len(calls.read_text().split())  # --version, then each build tried
+    monkeypatch.setattr(native, "_said", set())  # as a new process
+    assert native.library("keys_kernel") is None and native.library("index_kernel") is None
+    assert len(calls.read_text().split()) == tries == 9 and len(fresh()) == 2  # --version, then 4 builds of each kernel, once
+
+
+def test_the_cache_key_holds_the_cpus_model_where_there_is_no_proc_cpuinfo(tmp_path, monkeypatch):
+    """macOS: the architecture's name alone let a cache copied from a newer Mac run unknown instructions."""
+    script(tmp_path / "sysctl", 'echo "machdep.cpu.brand_string: Apple M9"')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError()) if str(self) == "/proc/cpuinfo"
+                        else read_text(self, *a, **k))
+    assert "Apple M9" in native._cpu_features.__wrapped__()
+
+
+@pytest.mark.parametrize("on_kernel", [True, False])
+def test_attention_over_no_keys_reads_nothing_and_ids_out_of_range_are_an_error(on_kernel, monkeypatch):
+    """Over an empty key set the kernel read out of bounds (a segfault); the torch path raised."""
+    if not on_kernel:
+        monkeypatch.setattr(native, "kernel", lambda *_: None)
+    e = build_graph(parse_pattern("full"), [0], [5]).edges["ed"]
+    q = torch.randn(5, 2, 8, requires_grad=True)
+    k, v = torch.randn(0, 2, 8, requires_grad=True), torch.randn(0, 2, 8, requires_grad=True)
+    out = attend_keys(q, k, v, e, KeySelection(*top_keys(q.detach(), k.detach(), e, 4)))
+    assert out.shape == (5, 2, 8) and not out.any()
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert not dq.any() and dk.shape == k.shape and dv.shape == v.shape
+    k3, v3 = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    for keys in (torch.full((5, 2, 4), 3), torch.full((5, 2, 4), -1)):
+        with pytest.raises(IndexError, match="out of range"):
+            attend_keys(q, k3, v3, e, KeySelection(keys, torch.zeros(5, 2, 4, dtype=torch.bool)))
+    with pytest.raises(IndexError, match="out of range"):
+        attend_keys(q, k, v, e, KeySelection(torch.zeros(5, 2, 4, dtype=torch.long), torch.ones(5, 2, 4, dtype=torch.bool)))
+
+
+def test_the_indexer_kl_refuses_ids_out_of_range():
+    iq, w, ik = torch.randn(4, 2, 8), torch.randn(4, 2), torch.randn(3, 8)
+    keys, valid = torch.full((4, 2), 3), torch.ones(4, 2, dtype=torch.bool)
+    with pytest.raises(IndexError, match="out of range"):
+        index_kl(torch.full((4, 2), 0.5), iq, w, ik, keys, valid)

@@ -106,6 +106,7 @@ class _IndexKL(torch.autograd.Function):
         lib = native.load("index_kernel")
         iq, w, ik, valid, p = (x.contiguous() for x in (iq, w, ik, valid, p))
         keys = keys.to(torch.int32).contiguous()
+        native.check_ids(keys, len(ik), "index key")
         loss, diq, dw = p.new_empty(len(keys)), torch.empty_like(iq), torch.empty_like(w)
         parts = native.parts(len(keys))
         diks = ik.new_zeros(parts, *ik.shape)  # each part adds into its own, summed after

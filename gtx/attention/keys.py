@@ -85,7 +85,11 @@ class _KeyAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keys, valid):
-        forward = _forward_native if native.kernel("keys_kernel", q, k, v) else _forward_torch
+        if len(k) == 0 and not valid.any():  # no keys, none selected: every query reads nothing, as an invalid slot
+            forward = _forward_none
+        else:
+            native.check_ids(keys, len(k))
+            forward = _forward_native if native.kernel("keys_kernel", q, k, v) else _forward_torch
         out, lse, mean_p = forward(q, k, v, keys, valid)
         ctx.save_for_backward(q, k, v, keys, valid, out, lse)
         ctx.mark_non_differentiable(mean_p)
@@ -94,6 +98,8 @@ class _KeyAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         q, k, v, keys, valid, out, lse = ctx.saved_tensors
+        if len(k) == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
         backward = _backward_native if native.kernel("keys_kernel", q, k, v) else _backward_torch
         return *backward(q, k, v, keys, valid, grad.contiguous(), out, lse), None, None
 
@@ -130,6 +136,11 @@ def _backward_native(q, k, v, keys, valid, grad, out, lse):
     native.check(lib.gtx_keys_backward(*native.ints(parts, RANGE_SHIFT, n, k.shape[0], *shape), *ptrs[:5],
                                        *native.ints(*strides), *ptrs[5:]))
     return dqs.sum(0), dk, dv
+
+
+def _forward_none(q, k, v, keys, valid):
+    n, heads = q.shape[:2]
+    return q.new_zeros(n, heads, v.shape[-1]), q.new_full((n, heads), float("-inf")), q.new_zeros(n, keys.shape[2])
 
 
 def _forward_torch(q, k, v, keys, valid):

@@ -1,10 +1,17 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded through ctypes.
 
-A kernel's source sits beside this module (``<name>.c``, and the headers it includes); the shared
-library is cached under ``$GTX_CACHE`` (default ``~/.cache/gtx``) by the hash of the sources, the
-compiler flags and the CPU's features (it is built with ``-march=native``), so a machine builds
-each version once. Without a compiler, or with ``GTX_NATIVE=0``, ``load`` returns None and the
-callers use their torch path; the reason is logged once.
+A kernel's source sits beside this module (``<name>.c``, and the headers it includes). The compiler
+is ``$CC``, split as a shell would (``CC='ccache gcc'``), else ``cc`` or ``gcc``. Its library is
+cached under ``<cache>/native`` (``gtx.files.cache_dir``: ``$GTX_CACHE``, else ``~/.cache/gtx``)
+by the hash of the sources, the toolchain (the compiler's path and ``--version``), the flags and
+the CPU's features, so a machine builds each version once. The build tries ``-march=native`` with
+OpenMP, then without OpenMP, then the baseline architecture (for compilers that refuse
+``-march=native``) with and without OpenMP, each under its own key. A built library is synced to
+disk before it is moved into place, with its size and SHA-256 beside it, and checked against them
+before it is loaded: one cut short (a crash, a full disk) is rebuilt, never loaded. A build that
+fails is remembered beside it (``<name>-<key>.failed``, for a day), not retried by every process.
+Without a usable compiler or cache, or with ``GTX_NATIVE=0``, ``load`` returns None and the callers
+use their torch path; each reason is logged once per process, on one line.
 """
 
 from __future__ import annotations
@@ -14,59 +21,188 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+from gtx.files import CACHE_VARIABLE, atomic_write, cache_dir, replace_durably
+
 log = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC"]  # associative math: dot products vectorize
+ARCH = ["-march=native"]  # this CPU's vector instructions; some compilers refuse it (clang <= 14 on AArch64, older Apple clang)
 OPENMP = ["-fopenmp"]  # a kernel's parts on the OpenMP team torch's threads form (the kernels' ON_PARTS)
+RETRY_AFTER = 24 * 3600  # seconds a failed build is remembered
+SLOWER = "topk and dsa run on their torch path, several times slower on the CPU"
+
+_said: set[str] = set()
 
 
+def _say(level: int, message: str, about: str | None = None) -> None:
+    """Log ``message`` once per process, and once per ``about`` where given (the same trouble with
+    both kernels: one line)."""
+    if (about or message) not in _said:
+        _said.add(about or message)
+        log.log(level, message)
+
+
+def _variants() -> list[tuple[list[str], str]]:
+    """The builds tried, best first: (flags, what the build lacks; empty for the best)."""
+    return [([*ARCH, *OPENMP], ""), (ARCH, "without OpenMP: their parts run one after another"),
+            (OPENMP, "for the baseline CPU (the compiler refused -march=native)"),
+            ([], "for the baseline CPU and without OpenMP")]
+
+
+@functools.cache
 def _cpu_features() -> str:
+    """What ``-march=native`` builds for: Linux's CPU flags line; elsewhere (macOS) the CPU's model and
+    feature lists from sysctl, not only the architecture's name."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return os.uname().machine
+        try:
+            sysctl = subprocess.run(["sysctl", "machdep.cpu", "hw.optional"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            sysctl = ""
+        return "\n".join([platform.machine(), platform.processor(), sysctl])
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), text[:200])
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("GTX_CACHE", Path.home() / ".cache" / "gtx"))
+@functools.cache
+def toolchain(cc: str | None) -> tuple[list[str], str] | str:
+    """For ``$CC`` (None: unset): the compiler's command, split as a shell would (else ``cc`` or
+    ``gcc`` on the PATH), and what identifies it (its path and ``--version``); or why there is none,
+    one line naming CC."""
+    if not cc or not cc.strip():
+        found = shutil.which("cc") or shutil.which("gcc")
+        if found is None:
+            return "no C compiler (no cc or gcc on the PATH)"
+        argv = [found]
+    else:
+        try:
+            argv = shlex.split(cc)
+        except ValueError as e:
+            return f"CC={cc!r} cannot be split as a shell would ({e})"
+        found = shutil.which(argv[0])
+        if found is None:
+            return f"CC={cc!r}: no program {argv[0]!r} found"
+    try:
+        version = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"CC={cc!r} does not run ({e})"
+    return argv, f"{os.path.realpath(found)}\n{version}"
+
+
+def _first_error(stderr: str) -> str:
+    """The line of a compiler's output that says what failed, cut to 200 characters."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    causes = [x for x in lines if "ld returned" not in x and "linker command failed" not in x]  # the linker's own line says why
+    line = next((x for x in causes if "error" in x.lower() or "cannot find" in x), lines[-1] if lines else "no output")
+    return line[:200]
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _verified(target: Path) -> bool:
+    """``target`` is whole: its size and SHA-256 are those written beside it when it was built."""
+    try:
+        size, digest = _sidecar(target).read_text().split()
+        data = target.read_bytes()
+        return len(data) == int(size) and hashlib.sha256(data).hexdigest() == digest
+    except (OSError, ValueError):
+        return False
+
+
+def _build(argv: list[str], flags: list[str], source: Path, target: Path) -> str | None:
+    """Build into a folder beside ``target``, sync and move into place, then write its size and hash
+    beside it (concurrent processes see the old file or a whole new one); None, or what failed."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        try:
+            proc = subprocess.run([*argv, *FLAGS, *flags, str(source), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            return str(e)
+        if proc.returncode != 0 or not built.is_file():
+            return proc.stderr or proc.stdout or f"exit status {proc.returncode}"
+        data = built.read_bytes()
+        replace_durably(built, target)
+    atomic_write(_sidecar(target), f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
+    return None
+
+
+def _failed_recently(marker: Path) -> str | None:
+    """What a remembered build failure said, while it is remembered."""
+    try:
+        if time.time() - marker.stat().st_mtime < RETRY_AFTER:
+            return marker.read_text()
+    except OSError:
+        pass
+    return None
+
+
+def library(name: str) -> Path | None:
+    """The path of kernel ``name``'s library, built if this machine has none yet and checked whole;
+    None (logged once) where it cannot be built."""
+    if os.environ.get("GTX_NATIVE", "1") == "0":
+        _say(logging.WARNING, f"GTX_NATIVE=0: {SLOWER}")
+        return None
+    tool = toolchain(os.environ.get("CC"))
+    if isinstance(tool, str):
+        _say(logging.WARNING, f"{tool}: {SLOWER}; set CC to a C compiler's command")
+        return None
+    argv, identity = tool
+    source = Path(__file__).with_name(f"{name}.c")
+    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]  # what the sources include
+    folder = cache_dir() / "native"
+    cc = f"CC={shlex.join(argv)}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        errors = []
+        for flags, lacks in _variants():
+            key = hashlib.sha256("\0".join([*texts, *argv, identity, *FLAGS, *flags, _cpu_features()]).encode()).hexdigest()[:16]
+            target, marker = folder / f"{name}-{key}.so", folder / f"{name}-{key}.failed"
+            if _verified(target):
+                if lacks:
+                    _say(logging.INFO, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
+                return target
+            error = _failed_recently(marker)
+            if error is None:
+                error = _build(argv, flags, source, target)
+                if error is None:
+                    if lacks:
+                        _say(logging.WARNING, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
+                    return target
+                atomic_write(marker, error)
+            errors.append(error)
+    except OSError as e:
+        _say(logging.WARNING, f"the C kernels' cache {folder} cannot be used ({e.strerror or e}): {SLOWER}; set {CACHE_VARIABLE} to a writable folder")
+        return None
+    _say(logging.WARNING, f"C kernel {name} does not build with {cc} ({_first_error(errors[0])}): {SLOWER}; "
+         f"set CC to another compiler, or remove {folder}/*.failed to retry", f"fails {cc}")
+    return None
 
 
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
-    """The kernel ``name`` as a loaded library, built if this machine has no copy yet; None (logged
-    once) where it cannot be built."""
-    if os.environ.get("GTX_NATIVE", "1") == "0":
+    """The kernel ``name`` as a loaded library (``library``); None (logged once) where it cannot be
+    built or loaded."""
+    path = library(name)
+    if path is None:
         return None
-    source = Path(__file__).with_name(f"{name}.c")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler (cc): %s runs on its torch path, several times slower on the CPU", name)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        _say(logging.WARNING, f"C kernel {name} does not load ({e}): {SLOWER}", "does not load")
         return None
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, *FLAGS, *OPENMP, _cpu_features()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved: concurrent runs never see half a file
-            built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *FLAGS, *OPENMP, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                log.warning("building %s with OpenMP failed (%s): its parts run one after another", name, compiler)
-                proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                log.warning("building %s failed (%s): it runs on its torch path\n%s", name, compiler, proc.stderr[-2000:])
-                return None
-            os.replace(built, target)
-    return ctypes.CDLL(str(target))
 
 
 def kernel(name: str, *tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -74,6 +210,19 @@ def kernel(name: str, *tensors: torch.Tensor) -> ctypes.CDLL | None:
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         return None
     return load(name)
+
+
+def check_ids(keys: torch.Tensor, count: int, what: str = "key") -> None:
+    """Every id in ``keys`` (valid slots or not: the kernels read each slot's row) lies in [0, count);
+    else an IndexError, as the torch path's indexing raises, where a kernel would read out of bounds.
+    A selection shared by the heads (head stride 0) is checked once."""
+    if keys.dim() == 3 and keys.stride(1) == 0:
+        keys = keys[:, :1]
+    if keys.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(keys))
+    if low < 0 or high >= count:
+        raise IndexError(f"{what} ids out of range: {low}..{high} selected among {count} {what}s")
 
 
 def pointer(x: torch.Tensor) -> ctypes.c_void_p:
