@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gtx.cli.common import GtxGroup, csv_list, key_value
+from gtx.cli.common import GtxGroup, csv_list, key_value, lengths_option
 from gtx.experiments.results import format_table
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import BACKENDS, load_plugins
@@ -36,7 +36,7 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
 
 @bench.command(name="attention")
 @click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
-@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Sequence lengths, comma-separated.")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, callback=lengths_option, help="Sequence lengths, comma-separated.")
 @click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True,
               help="Backends, comma-separated; for reference, sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask) "
                    "and flexattention (CUDA) FlexAttention called directly with the flex backend's BlockMask.")
@@ -60,8 +60,7 @@ def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, devic
         if name not in gtx_bench.REFERENCE_CELLS:  # plain torch, for reference: not a gtx backend
             BACKENDS.get(name)
     specs = [parse_pattern(p).spec for p in patterns]
-    sizes = [int(n) for n in csv_list(lengths)]
-    df = gtx_bench.bench_attention(specs, sizes, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
+    df = gtx_bench.bench_attention(specs, lengths, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
                                    log=lambda s: click.echo(s, err=True))
     path = gtx_bench.save(df, results_dir, "attention")
     click.echo(format_table(df, fmt))
@@ -122,7 +121,7 @@ def bench_train(task, model, patterns, backends, steps, rounds, settings, baseli
 @bench.command(name="prefill")
 @click.option("--family", default="llama", show_default=True, help="The transformers family of the hf model: llama, qwen2 or gpt2.")
 @click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable).")
-@click.option("--lengths", default="4096,16384", show_default=True, help="Sequence lengths, comma-separated.")
+@click.option("--lengths", default="4096,16384", show_default=True, callback=lengths_option, help="Sequence lengths, comma-separated.")
 @click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="An hf model setting (layers, heads, kv_heads, dim, dim_ff).")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median).")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
@@ -138,7 +137,7 @@ def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir
     from gtx.measure.prefill import bench_prefill as run
 
     load_plugins()
-    df = run(family, patterns, [int(n) for n in csv_list(lengths)], settings, repeats, log=lambda s: click.echo(s, err=True))
+    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True))
     path = gtx_bench.save(df, results_dir, "prefill")
     click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)

@@ -46,6 +46,11 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
       gtx generate --set path=DIR --pattern local:w=256 --prompt "Once upon a time" --new 64
       gtx generate 99df6a --prompt "Once upon a time"
     """
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the shell passed that are no UTF-8: click keeps them as surrogates
+        raise GtxError(f"--prompt is not UTF-8 text (byte {e.object[e.start].encode('utf-8', 'surrogateescape')!r} at position {e.start}); "
+                       "give the prompt in UTF-8") from None
     entry = hf_entry()
     if run is not None:
         if settings:
