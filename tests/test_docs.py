@@ -199,3 +199,20 @@ def test_code_cites_references_by_name_not_by_a_path_outside_the_repository():
     hits = [f"{f.relative_to(ROOT)}:{n}" for f in sources for n, line in enumerate(f.read_text().splitlines(), 1)
             if outside.search(line)]
     assert not hits, hits
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_to_a_heading_find_it():
+    broken = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for path, anchor in re.findall(r"\]\(([^)\s#:]*\.md|)#([^)\s]+)\)", line):
+                target = (page.parent / path).resolve() if path else page
+                if target.exists() and anchor not in heading_anchors(target):
+                    broken.append(f"{page.relative_to(ROOT)}:{n}: {path}#{anchor}")
+    assert not broken, "\n".join(broken)
