@@ -1,6 +1,7 @@
 """listops: Long Range Arena ListOps, regenerated from the published procedure (Tay et al. 2021).
 
-Written from the prose description in ../shared/docs/paper_tables.md §1.5: trees of MIN, MAX,
+Written from a prose description of LRA's generator (google-research/long-range-arena,
+``lra_benchmarks/data/listops.py``), not from its code: trees of MIN, MAX,
 MED (median, truncated) and SM (sum mod 10) over digits, rejection-sampled on token length and
 deduplicated. Classification with 10 classes, in either form: ``form=seq2seq`` (default) decodes
 one output token (the label, no <eos>) with an encoder-decoder (``transformer``, ``ut``);

@@ -1,5 +1,6 @@
-"""Independent dense oracles for the built-in patterns: scalar Python, written from the definitions
-in ../shared/docs/sparse_anchors.md §3, not from gtx's code. ``allowed(stage, i, j, n_q, n_k)``:
+"""Independent dense oracles for the built-in patterns: scalar Python, written from the papers'
+definitions (Sparse Transformer, Child et al. 2019; Longformer, Beltagy et al. 2020; BigBird,
+Zaheer et al. 2020), not from gtx's code. ``allowed(stage, i, j, n_q, n_k)``:
 may query i attend to key j?"""
 
 

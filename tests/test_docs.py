@@ -125,3 +125,95 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
     assert out.exit_code == 0 and out.output.startswith("moba\n\nParameters: `b: int = 64") and "Budget: k*b keys per query" in out.output
     unknown = CliRunner().invoke(cli, ["patterns", "nosuch"])
     assert unknown.exit_code == 2 and "nosuch" in unknown.output and "local" in unknown.output
+
+
+# Words that narrate how gtx was developed rather than say what it does, each specific enough to leave
+# ordinary uses alone ("target length", "random seeds"; "session" has no user's sense in gtx).
+NARRATION = {
+    "a work session": r"\bsessions?\b",
+    "a worktree": r"\bworktrees?\b",
+    "a scratch script": r"\bscratch (?:scripts?|folders?)\b",
+    "an issue": r"\bthe issue\b|\bissue #?\d+",
+    "the seed code ('the seeds')": r"\bthe seeds\b",
+    "the project's own machines": r"\bthis project\b",
+    "a past plan's targets": r"\btargets?,? where (?:it|they) stands?\b|\btarget \(issue|\(target\s*[≤≥<>]"
+    r"|\b(?:meets?|met|missed|misses|short of|against)\s+(?:the\s+|its\s+|both of its\s+)?(?:[\d.]+x\s+)?targets?\b",
+    "a development log": r"\b(?:later|earlier) session\b|\bperf\b showed",
+}
+ROOT = DOCS.parent
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def narration(text: str) -> list[tuple[int, str]]:
+    """(line, what) for each narrating phrase in text."""
+    lines = enumerate(text.splitlines(), 1)
+    return [(n, what) for n, line in lines for what, rx in NARRATION.items() if re.search(rx, line, re.I)]
+
+
+def links_outside(page: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """Markdown link targets and ``../`` code spans naming a path that is absolute, climbs out of the
+    repository, or is not in it (``../shared/x.md`` from docs/ meant a folder beside the repository)."""
+    found = []
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        for target in re.findall(r"\]\(([^)\s]+)", line) + re.findall(r"`(\.\./[^`\s]*)`", line):
+            if re.match(r"[a-z]+://|#|mailto:", target):
+                continue
+            path = target.split("#")[0]
+            resolved = (page.parent / path).resolve()
+            if path.startswith(("/", "file:")) or not resolved.is_relative_to(root) or not resolved.exists():
+                found.append((n, target))
+    return found
+
+
+def test_narration_is_found_where_it_is_and_nowhere_else():
+    found = set(narration("A later session met the 2x target.\nThe issue's targets, where they stand."))
+    session, log, targets, issue = "a work session", "a development log", "a past plan's targets", "an issue"
+    assert found == {(1, session), (1, log), (1, targets), (2, issue), (2, targets)}
+    assert narration("Decoder edges must not depend on the target length; pooled over random seeds.") == []
+    assert len(narration("on this project's 2-core CPU,\nthe seeds' formulation,\nin a worktree")) == 3
+
+
+def test_docs_narrate_no_development_history_and_link_nothing_outside_the_repository():
+    problems = []
+    for page in PAGES:
+        name = page.relative_to(ROOT)
+        problems += [f"{name}:{n}: narrates {what}" for n, what in narration(page.read_text())]
+        problems += [f"{name}:{n}: link outside the repository: {target}" for n, target in links_outside(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_link_outside_the_repository_is_named(tmp_path):
+    page = tmp_path / "docs" / "x.md"
+    page.parent.mkdir()
+    (tmp_path / "README.md").write_text("")
+    (page.parent / "other.md").write_text("")
+    page.write_text("[ok](other.md#a) [up](../README.md) [web](https://x.org)\n"
+                    "see `../../shared/notes.md`, `../shared/notes.md` and [abs](/etc/passwd)\n")
+    expected = [(2, "/etc/passwd"), (2, "../../shared/notes.md"), (2, "../shared/notes.md")]
+    assert links_outside(page, root=tmp_path) == expected
+
+
+def test_code_cites_references_by_name_not_by_a_path_outside_the_repository():
+    outside = re.compile(r"\.\./(?:shared|seeds)/")
+    sources = [f for folder in ("gtx", "patterns", "plugins", "tests", "bench") for f in (ROOT / folder).rglob("*")
+               if f.suffix in {".py", ".c", ".h", ".sh"} and f != Path(__file__)]
+    hits = [f"{f.relative_to(ROOT)}:{n}" for f in sources for n, line in enumerate(f.read_text().splitlines(), 1)
+            if outside.search(line)]
+    assert not hits, hits
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_to_a_heading_find_it():
+    broken = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for path, anchor in re.findall(r"\]\(([^)\s#:]*\.md|)#([^)\s]+)\)", line):
+                target = (page.parent / path).resolve() if path else page
+                if target.exists() and anchor not in heading_anchors(target):
+                    broken.append(f"{page.relative_to(ROOT)}:{n}: {path}#{anchor}")
+    assert not broken, "\n".join(broken)

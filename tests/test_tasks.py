@@ -77,7 +77,7 @@ def test_listops_labels_and_lengths():
     for s, t in data["train"]:
         assert 8 < len(s) < 40 and len(t) == 1 and t[0] in "0123456789"
         assert s[0] in mod.OPERATORS and s[-1] == "]"
-    assert importlib.import_module("gtx.task").Task.eos is True and TASKS.get("listops").obj.eos is False
+    assert importlib.import_module("gtx.data.task").Task.eos is True and TASKS.get("listops").obj.eos is False
 
 
 def test_vocabularies_are_fixed_where_test_data_is_longer():
