@@ -37,7 +37,9 @@ def writable_dir(path: str | Path, what: str = "--results") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise GtxError(f"{what} {path}: cannot create the folder ({e.strerror}); choose another --results folder") from None
+        raise GtxError(
+            f"{what} {path}: cannot create the folder ({e.strerror}); choose another --results folder"
+        ) from None
     return path
 
 
@@ -70,8 +72,13 @@ def _usable_cache(name: str | None, value: str | None) -> Path:
         reason = f"cannot create it: {e.strerror or e}"
     tmp = Path(tempfile.mkdtemp(prefix="gtx-cache-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    log.warning("%s cannot be used as gtx's cache (%s): caching in %s for this process; set %s to a writable folder",
-                what, reason, tmp, CACHE_VARIABLE)
+    log.warning(
+        "%s cannot be used as gtx's cache (%s): caching in %s for this process; set %s to a writable folder",
+        what,
+        reason,
+        tmp,
+        CACHE_VARIABLE,
+    )
     return tmp
 
 

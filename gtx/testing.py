@@ -44,12 +44,21 @@ def check_edges(pattern: str | Pattern, lengths: Sequence[int] = LENGTHS) -> Non
 
 def _run(attention: Attention, q, k, v, edges, inputs):
     out = attention(q, k, v, edges, inputs=inputs)
-    weights = torch.linspace(-1, 1, out.numel()).view_as(out)  # an uneven loss: every output position matters differently
+    weights = torch.linspace(-1, 1, out.numel()).view_as(
+        out
+    )  # an uneven loss: every output position matters differently
     return out, torch.autograd.grad((out * weights).sum(), [q, k, v, *attention.parameters()], materialize_grads=True)
 
 
-def check_agrees_with_dense(pattern: str | Pattern, lens: Sequence[int] = (5, 11, 3), heads: int = 2, dim: int = 8,
-                            backends: Sequence[str] = BACKENDS, atol: float = 1e-5, seed: int = 0) -> None:
+def check_agrees_with_dense(
+    pattern: str | Pattern,
+    lens: Sequence[int] = (5, 11, 3),
+    heads: int = 2,
+    dim: int = 8,
+    backends: Sequence[str] = BACKENDS,
+    atol: float = 1e-5,
+    seed: int = 0,
+) -> None:
     """Attention under ``pattern`` on each backend equals the dense reference (float32, ``atol``)
     on a batch of samples of lengths ``lens``, for encoder (``ee``) and decoder (``dd``) self-attention;
     random layer inputs (``heads * dim`` wide) stand for the states q, k and v come from."""
@@ -57,10 +66,14 @@ def check_agrees_with_dense(pattern: str | Pattern, lens: Sequence[int] = (5, 11
     g = torch.Generator().manual_seed(seed)
     for stage in ("ee", "dd"):
         edges = build_graph(p, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
-        q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src))
+        q, k, v = (
+            torch.randn(n, heads, dim, generator=g, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src)
+        )
         inputs = torch.randn(edges.n_dst, heads * dim, generator=g)
         reference = Attention(get_backend("dense"), p, heads, dim)
-        for table in reference.parameters():  # learned parameters away from their start, so that their gradients are compared
+        for (
+            table
+        ) in reference.parameters():  # learned parameters away from their start, so that their gradients are compared
             table.data = torch.randn(table.shape, generator=g)
         want, want_grads = _run(reference, q, k, v, edges, inputs)
         for name in backends:
@@ -68,10 +81,17 @@ def check_agrees_with_dense(pattern: str | Pattern, lens: Sequence[int] = (5, 11
             attention.load_state_dict(reference.state_dict())
             got, grads = _run(attention, q, k, v, edges, inputs)
             where = f"pattern {p.spec!r}, stage {stage}, lengths {list(lens)}, backend {name}"
-            torch.testing.assert_close(got, want, atol=atol, rtol=atol, msg=lambda m, where=where: f"{where}: output differs from dense: {m}")
+            torch.testing.assert_close(
+                got, want, atol=atol, rtol=atol, msg=lambda m, where=where: f"{where}: output differs from dense: {m}"
+            )
             for what, a, b in zip(["q", "k", "v", *(n for n, _ in reference.named_parameters())], grads, want_grads):
-                torch.testing.assert_close(a, b, atol=atol, rtol=atol,
-                                           msg=lambda m, where=where, what=what: f"{where}: gradient of {what} differs from dense: {m}")
+                torch.testing.assert_close(
+                    a,
+                    b,
+                    atol=atol,
+                    rtol=atol,
+                    msg=lambda m, where=where, what=what: f"{where}: gradient of {what} differs from dense: {m}",
+                )
 
 
 def check_pattern(pattern: str | Pattern, lengths: Sequence[int] = LENGTHS, backends: Sequence[str] = BACKENDS) -> None:

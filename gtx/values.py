@@ -26,7 +26,9 @@ def setting(default, help: str | None = None, range: str | None = None):
     setting against its interval before anything runs (``out_of_range``)."""
     if range is not None and not INTERVAL_RE.match(range):
         raise ValueError(f"range {range!r}: write an interval such as '[1, inf)' or '(0, 1]'")
-    return dataclasses.field(default=default, metadata={k: v for k, v in (("help", help), ("range", range)) if v is not None})
+    return dataclasses.field(
+        default=default, metadata={k: v for k, v in (("help", help), ("range", range)) if v is not None}
+    )
 
 
 def out_of_range(config) -> tuple[str, object, str] | None:

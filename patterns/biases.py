@@ -31,7 +31,9 @@ def t5_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int, max_dis
     else:
         n = n.clamp_min(0)
     exact = buckets // 2
-    log = exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact) * (buckets - exact)).long()
+    log = (
+        exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact) * (buckets - exact)).long()
+    )
     return offset + torch.where(n < exact, n, log.clamp_max(buckets - 1))
 
 
@@ -41,7 +43,9 @@ class RelBias(torch.nn.Module):
     def __init__(self, heads: int, buckets: int = 32, max_distance: int = 128):
         super().__init__()
         if buckets < 4 or max_distance <= buckets // 2:
-            raise ValueError(f"need buckets >= 4 and max_distance > buckets / 2, got buckets={buckets}, max_distance={max_distance}")
+            raise ValueError(
+                f"need buckets >= 4 and max_distance > buckets / 2, got buckets={buckets}, max_distance={max_distance}"
+            )
         self.buckets, self.max_distance = buckets, max_distance
         # zeros: training starts from the unbiased model, as T5's tables effectively do at small init
         self.tables = torch.nn.ParameterDict({s: torch.nn.Parameter(torch.zeros(buckets, heads)) for s in ("ee", "dd")})

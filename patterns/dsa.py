@@ -68,7 +68,7 @@ class Indexer(nn.Module):
         """(n, query_dim) queries, (n, input_dim) layer inputs, (n,) positions -> index queries
         (n, heads, dim), weights (n, heads), keys (n, dim)."""
         angles = rotary_angles(positions, self.rope)
-        w = self.weights(inputs) * (self.heads ** -0.5 * self.dim ** -0.5)
+        w = self.weights(inputs) * (self.heads**-0.5 * self.dim**-0.5)
         iq = rotate(self.wq(queries).unflatten(-1, (self.heads, self.dim)), angles)
         return iq, w, rotate(self.k_norm(self.wk(inputs)), angles)
 
@@ -91,13 +91,17 @@ class SparseIndexed(Trainable):
         x = run.inputs
         if x is None or tuple(x.shape) != (len(q), self.indexer.wk.in_features):
             got = "none" if x is None else f"{tuple(x.shape)}"
-            raise GtxError(f"pattern {run.spec!r} reads the layer's input for its index keys, {len(q)} x {self.indexer.wk.in_features} here, "
-                           f"and got {got}: call the attention with inputs= (gtx's models do; gtx.attention.trainable.Run.inputs)")
+            raise GtxError(
+                f"pattern {run.spec!r} reads the layer's input for its index keys, {len(q)} x {self.indexer.wk.in_features} here, "
+                f"and got {got}: call the attention with inputs= (gtx's models do; gtx.attention.trainable.Run.inputs)"
+            )
         sparse = run.step >= c.warmup if run.training else bool(self.sparse)
         if run.training:  # the steps trained with this one, and the stage the next one (or an evaluation) runs in
             self.steps.fill_(run.step + 1)
             self.sparse.fill_(run.step + 1 >= c.warmup)
-        iq, w, ik = self.indexer(q.detach().flatten(1), x.detach(), positions_of(lens, q.device))  # the indexer's input: detached
+        iq, w, ik = self.indexer(
+            q.detach().flatten(1), x.detach(), positions_of(lens, q.device)
+        )  # the indexer's input: detached
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
         if not sparse:
             if run.training:
@@ -117,7 +121,14 @@ class SparseIndexed(Trainable):
         with torch.no_grad():
             keys, valid = top_indexed(iq, w, ik, edges, c.k)
         heads = q.shape[1]
-        out, p = attend_keys(q, k, v, edges, KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)), probs=True)
+        out, p = attend_keys(
+            q,
+            k,
+            v,
+            edges,
+            KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)),
+            probs=True,
+        )
         if run.training:
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
         run.kept("selected", valid.sum(-1), edges.n_dst)
@@ -132,6 +143,7 @@ class SparseIndexed(Trainable):
         divided by the queries; with ``blocks``, both as masses per block (a query's own block and
         those before it). Row blocks are recomputed in the backward (checkpoint), their masks too:
         kept, a block's (rows, keys) mask cost 256 MB a layer at 16k tokens."""
+
         def block(q_r, iq_r, w_r, k_s, ik_s, r0):
             # k_s: the keys up to the block's last row, so only the block's own rows hide keys from
             # each other: masks over those (rows x rows) columns only, not over every key
@@ -142,7 +154,7 @@ class SparseIndexed(Trainable):
                 p = softmax_(scores).mean(0)
             if blocks is not None:  # ik_s: the sample's block index keys
                 hidden = blocks.after(later_keys(r0, r0 + len(q_r), len(k_s), q_r.device))
-                return kl_to(per_block(p, blocks.size), index_scores(iq_r, w_r, ik_s[:hidden.shape[-1]]), ~hidden)
+                return kl_to(per_block(p, blocks.size), index_scores(iq_r, w_r, ik_s[: hidden.shape[-1]]), ~hidden)
             logits = index_scores(iq_r, w_r, ik_s)
             logits[:, r0:].masked_fill_(own, torch.finfo(logits.dtype).min)  # p is 0 there already
             return kl_masked(p, logits)
@@ -165,7 +177,9 @@ class SparseIndexed(Trainable):
 def positions_of(lens: list[int], device) -> torch.Tensor:
     """Each token's position in its sample, for samples of ``lens`` tokens packed in a row."""
     starts = torch.cumsum(torch.as_tensor([0, *lens[:-1]], device=device), 0)
-    return torch.arange(sum(lens), device=device) - torch.repeat_interleave(starts, torch.as_tensor(lens, device=device))
+    return torch.arange(sum(lens), device=device) - torch.repeat_interleave(
+        starts, torch.as_tensor(lens, device=device)
+    )
 
 
 def _check_definition(module, state_dict, prefix, *args) -> None:
@@ -174,11 +188,16 @@ def _check_definition(module, state_dict, prefix, *args) -> None:
     key, rotated = f"{prefix}indexer.rotated", module.config.rope
     if f"{prefix}indexer.wk.weight" not in state_dict or (key in state_dict and int(state_dict[key]) == rotated):
         return
-    was = ("under an earlier definition (index keys from the attention's keys, nothing turned by position)" if key not in state_dict
-           else f"turning {int(state_dict[key])} index dimensions by position")
-    raise GtxError(f"the checkpoint's dsa indexer ({prefix}indexer) was trained {was}; this pattern's reads the layer's input and turns "
-                   f"{rotated} of {module.config.index_dim}: its choices would mean something else; train under this pattern, or evaluate "
-                   "the checkpoint under one without an indexer")
+    was = (
+        "under an earlier definition (index keys from the attention's keys, nothing turned by position)"
+        if key not in state_dict
+        else f"turning {int(state_dict[key])} index dimensions by position"
+    )
+    raise GtxError(
+        f"the checkpoint's dsa indexer ({prefix}indexer) was trained {was}; this pattern's reads the layer's input and turns "
+        f"{rotated} of {module.config.index_dim}: its choices would mean something else; train under this pattern, or evaluate "
+        "the checkpoint under one without an indexer"
+    )
 
 
 def enumerate_samples(blocks):
@@ -207,11 +226,15 @@ class BlockIndex:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) rows of the samples -> (B, n_blocks * size, ...), zero-padded."""
-        return pad_samples(x[..., None], self.lens, self.length)[..., 0] if x.dim() == 2 else pad_samples(x, self.lens, self.length)
+        return (
+            pad_samples(x[..., None], self.lens, self.length)[..., 0]
+            if x.dim() == 2
+            else pad_samples(x, self.lens, self.length)
+        )
 
     def after(self, hidden: torch.Tensor) -> torch.Tensor:
         """A (rows, keys) mask of keys after each query -> the same per block (a block after the query's own)."""
-        return hidden[:, ::self.size]
+        return hidden[:, :: self.size]
 
     def top(self, iq, w, count: int, heads: int) -> TokenBlockSelection:
         """Per token, the ``count`` earlier blocks with the highest index score (its own it reads anyway),
@@ -221,14 +244,22 @@ class BlockIndex:
         n_blocks = self.keys.shape[1]
         blocks = torch.zeros(len(lens), self.length, count, dtype=torch.long, device=iq.device)
         valid = torch.zeros(len(lens), self.length, count, dtype=torch.bool, device=iq.device)
-        later = torch.arange(n_blocks, device=iq.device)[None, :] >= (torch.arange(self.length, device=iq.device) // size)[:, None]
+        later = (
+            torch.arange(n_blocks, device=iq.device)[None, :]
+            >= (torch.arange(self.length, device=iq.device) // size)[:, None]
+        )
         for i, n in enumerate(lens):
             for r0 in range(0, n, ROWS):
                 r = slice(r0, min(r0 + ROWS, n))
-                values, indices = top_later_first(index_scores(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")), count)
-                blocks[i, r, :indices.shape[-1]] = indices
-                valid[i, r, :indices.shape[-1]] = values > float("-inf")
-        blocks, valid = (unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous() for x in (blocks.masked_fill(~valid, 0), valid))
+                values, indices = top_later_first(
+                    index_scores(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")), count
+                )
+                blocks[i, r, : indices.shape[-1]] = indices
+                valid[i, r, : indices.shape[-1]] = values > float("-inf")
+        blocks, valid = (
+            unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous()
+            for x in (blocks.masked_fill(~valid, 0), valid)
+        )
         return TokenBlockSelection(size, list(lens), blocks, valid)
 
     def sparse_kl(self, mass: torch.Tensor, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
@@ -236,9 +267,13 @@ class BlockIndex:
         block first, then the chosen ones, averaged over heads, as ``attend_token_blocks`` gives it)
         against the indexer's softmax over the same blocks, per query, averaged."""
         n_blocks = self.keys.shape[1]
-        sample = torch.repeat_interleave(torch.arange(len(self.lens), device=iq.device), torch.as_tensor(self.lens, device=iq.device))
+        sample = torch.repeat_interleave(
+            torch.arange(len(self.lens), device=iq.device), torch.as_tensor(self.lens, device=iq.device)
+        )
         pos = torch.cat([torch.arange(n, device=iq.device) for n in self.lens])
-        idx = sample[:, None] * n_blocks + torch.cat([(pos // self.size)[:, None], sel.blocks[:, 0]], 1)  # (n, 1 + K) rows of keys
+        idx = sample[:, None] * n_blocks + torch.cat(
+            [(pos // self.size)[:, None], sel.blocks[:, 0]], 1
+        )  # (n, 1 + K) rows of keys
         read = torch.cat([torch.ones_like(sel.valid[:, :1, 0]), sel.valid[:, 0]], 1)
         keys = self.keys.reshape(-1, self.keys.shape[-1])
         total = iq.new_zeros(())
@@ -252,7 +287,15 @@ def _block_kl(p, iq, w, keys, idx, read):
     return kl_to(p, index_scores(iq, w, keys[idx]), read)
 
 
-def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, rope: float = 0.5, warmup: int = 100, freeze: bool = True, b: int = 1):
+def dsa(
+    k: int = 256,
+    index_heads: int = 2,
+    index_dim: int = 32,
+    rope: float = 0.5,
+    warmup: int = 100,
+    freeze: bool = True,
+    b: int = 1,
+):
     """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included);
     with b > 1, the k / b blocks of b positions (its own and the best earlier ones: MSA's corner).
 
@@ -274,16 +317,24 @@ def dsa(k: int = 256, index_heads: int = 2, index_dim: int = 32, rope: float = 0
     if k < 1:
         raise ValueError(f"k={k}: dsa keeps k >= 1 tokens per query")
     if index_heads < 1 or index_dim < 1 or warmup < 0:
-        raise ValueError(f"need index_heads >= 1, index_dim >= 1, warmup >= 0; got {index_heads}, {index_dim}, {warmup}")
+        raise ValueError(
+            f"need index_heads >= 1, index_dim >= 1, warmup >= 0; got {index_heads}, {index_dim}, {warmup}"
+        )
     if b < 1 or (b > 1 and (k % b or k < 2 * b)):
-        raise ValueError(f"b={b}, k={k}: blocks of b >= 1 positions; with b > 1, k (keys read) must be a multiple of b and at least 2b "
-                         f"(the own block and one chosen), e.g. k={2 * max(b, 1)}")
+        raise ValueError(
+            f"b={b}, k={k}: blocks of b >= 1 positions; with b > 1, k (keys read) must be a multiple of b and at least 2b "
+            f"(the own block and one chosen), e.g. k={2 * max(b, 1)}"
+        )
     turned = round(rope * index_dim)
     if not 0 <= rope <= 1 or abs(rope * index_dim - turned) > 1e-4 or turned % 2:
-        raise ValueError(f"rope={rope} of index_dim={index_dim}: the share of index dimensions turned by position, in [0, 1], must turn an "
-                         f"even number of them (pairs), e.g. rope={2 * (index_dim // 4) / index_dim:g} ({2 * (index_dim // 4)} of {index_dim})")
+        raise ValueError(
+            f"rope={rope} of index_dim={index_dim}: the share of index dimensions turned by position, in [0, 1], must turn an "
+            f"even number of them (pairs), e.g. rope={2 * (index_dim // 4) / index_dim:g} ({2 * (index_dim // 4)} of {index_dim})"
+        )
     config = DSAConfig(k, index_heads, index_dim, warmup, freeze, b, turned)
-    return replace(parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k)
+    return replace(
+        parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k
+    )
 
 
 @hookimpl

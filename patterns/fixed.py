@@ -4,7 +4,7 @@ from gtx import hookimpl
 from gtx.graph.pattern import Pattern
 
 
-def fixed(l: int = 8, c: int = 2) -> Pattern:  # noqa: E741 - the paper's name for the block length
+def fixed(l: int = 8, c: int = 2) -> Pattern:
     """Sparse Transformer fixed: the query's own block of l, plus the last c positions of every block.
 
     Args:

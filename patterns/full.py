@@ -10,8 +10,12 @@ def full() -> Pattern:
     Note:
         Self-edges included. ``dd`` is the causal (half-complete) graph: the most a decoder may see.
     """
-    return Pattern(ee=everything, dd=lambda q, k, n_q, n_k: causal(q, k), ed=everything,
-                   structures={"ee": "complete", "dd": "causal", "ed": "complete"})
+    return Pattern(
+        ee=everything,
+        dd=lambda q, k, n_q, n_k: causal(q, k),
+        ed=everything,
+        structures={"ee": "complete", "dd": "causal", "ed": "complete"},
+    )
 
 
 @hookimpl

@@ -23,7 +23,9 @@ def heads(inner) -> Pattern:
         rules = [g.rule(stage) for g in groups]
         return lambda q, k, n_q, n_k: torch.stack(torch.broadcast_tensors(*(r(q, k, n_q, n_k) for r in rules))).any(0)
 
-    return Pattern(**{s: union(s) for s in STAGES}, heads=groups, filter=next((g.filter for g in groups if g.filter), None))
+    return Pattern(
+        **{s: union(s) for s in STAGES}, heads=groups, filter=next((g.filter for g in groups if g.filter), None)
+    )
 
 
 @hookimpl

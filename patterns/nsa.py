@@ -15,7 +15,13 @@ from torch import nn
 
 from gtx import hookimpl, parse_pattern
 from gtx.attention.choice import top_later_first
-from gtx.attention.compressed import attend_compressed, block_ends, compressed_keys_seen, compressed_weights, sliding_blocks
+from gtx.attention.compressed import (
+    attend_compressed,
+    block_ends,
+    compressed_keys_seen,
+    compressed_weights,
+    sliding_blocks,
+)
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 from gtx.errors import GtxError
@@ -51,7 +57,9 @@ class Compressor(nn.Module):
         flattened block is a convolution (kernel l, stride d) and the position encoding a constant it
         adds per block."""
         first = self.mlp[0]
-        kernel = first.weight.view(-1, self.size, x.shape[-1]).transpose(1, 2)  # (2D, D, l): [o, c, p] = W[o, p * D + c]
+        kernel = first.weight.view(-1, self.size, x.shape[-1]).transpose(
+            1, 2
+        )  # (2D, D, l): [o, c, p] = W[o, p * D + c]
         bias = first.bias + first.weight @ self.pos.flatten()
         hidden = _StridedConv.apply(x, lens, kernel, bias, self.stride)  # (B, m, H, 2D)
         return self.mlp[2](self.mlp[1](hidden))
@@ -76,8 +84,18 @@ class _StridedConv(torch.autograd.Function):
         grad = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[3], grad.shape[1])  # (B * H, O, m)
         with _float32_convolutions():
             dx, dkernel, dbias = torch.ops.aten.convolution_backward(
-                grad, _channels_first(x, ctx.lens), kernel, [kernel.shape[0]], [ctx.stride], [0], [1], False, [0], 1,
-                [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]])
+                grad,
+                _channels_first(x, ctx.lens),
+                kernel,
+                [kernel.shape[0]],
+                [ctx.stride],
+                [0],
+                [1],
+                False,
+                [0],
+                1,
+                [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]],
+            )
         if dx is not None:
             batch, heads, dim = len(ctx.lens), x.shape[1], x.shape[2]
             dx = unpad_samples(dx.view(batch, heads, dim, -1).permute(0, 3, 1, 2), ctx.lens)
@@ -103,7 +121,9 @@ class NativeSparse(Trainable):
     def __init__(self, heads: int, head_dim: int, config: NSAConfig):
         super().__init__()
         if heads % config.g:
-            raise GtxError(f"nsa: g={config.g} heads per group does not divide the model's {heads} heads; choose a divisor of {heads}")
+            raise GtxError(
+                f"nsa: g={config.g} heads per group does not divide the model's {heads} heads; choose a divisor of {heads}"
+            )
         self.config = config
         if config.phi == "mlp":
             self.phi_k, self.phi_v = Compressor(config.l, config.d, head_dim), Compressor(config.l, config.d, head_dim)
@@ -114,8 +134,10 @@ class NativeSparse(Trainable):
         """The last query's branches at ``n`` tokens (the docstring's budget): compressed keys, selected and window keys."""
         c = self.config
         compressed, selected, window = max(0, (n - c.l) // c.d + 1), min(c.n * c.s, n), min(c.w, n)
-        return (f"at most {compressed} compressed + {selected} selected + {window} window keys per query "
-                f"(selected and window tokens overlap: at most {min(n, selected + window)} tokens)")
+        return (
+            f"at most {compressed} compressed + {selected} selected + {window} window keys per query "
+            f"(selected and window tokens overlap: at most {min(n, selected + window)} tokens)"
+        )
 
     def compress(self, x: torch.Tensor, lens: list[int], phi: Compressor | None) -> torch.Tensor:
         """(n, H, D) rows of the samples -> (B, m, H, D), one key per block (``sliding_blocks``)."""
@@ -136,9 +158,11 @@ class NativeSparse(Trainable):
         gates = torch.sigmoid(self.gate(q.flatten(1))).view(-1, heads, 3, 1)
         # the compressed branch last: its rows are strided, and a sum takes its first term's layout,
         # which the output projection would copy (and keep) to make contiguous
-        out = (gates[:, :, 1] * attend_token_blocks(q, k, v, edges, chosen)
-               + gates[:, :, 2] * run.attend(q, k, v, window)
-               + attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0]))
+        out = (
+            gates[:, :, 1] * attend_token_blocks(q, k, v, edges, chosen)
+            + gates[:, :, 2] * run.attend(q, k, v, window)
+            + attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0])
+        )
         queries = sum(lens)
         run.kept("compressed", compressed_keys_seen(lens, ends), queries)
         run.kept("selected", chosen.edges_per_head(), queries)
@@ -148,7 +172,9 @@ class NativeSparse(Trainable):
         return out
 
 
-def keys_read(chosen: TokenBlockSelection, lens: list[int], c: NSAConfig, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_read(
+    chosen: TokenBlockSelection, lens: list[int], c: NSAConfig, blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query (the mean over heads): the distinct tokens its selected and window branches read
     (its own block's causal part, the window, and each chosen earlier block less what the window
     holds of it), and the compressed keys it sees (those of blocks ending at or before it)."""
@@ -174,11 +200,17 @@ def window_edges(edges, window, lens: list[int], device):
     step, and the steps of fixed-length data, build them (and the backend its plan of them) once.
     Each layer once kept its own, for every batch's lengths up to 256: 13 GB on recall at 4096
     tokens, where lengths vary every batch."""
-    return edges.pattern.memo("nsa windows", (window.spec, tuple(lens), str(device)),
-                              lambda: batch_edges(window, "dd", lens, lens).to(device), WINDOWS)
+    return edges.pattern.memo(
+        "nsa windows",
+        (window.spec, tuple(lens), str(device)),
+        lambda: batch_edges(window, "dd", lens, lens).to(device),
+        WINDOWS,
+    )
 
 
-def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor, c: NSAConfig) -> TokenBlockSelection:
+def choose_blocks(
+    q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor, c: NSAConfig
+) -> TokenBlockSelection:
     """Per query token, the selected blocks of ``c.s`` positions besides its own: importance is the
     compressed branch's weight on the compressed blocks that overlap a selection block (eq. 9, for
     any l, d and s), summed over the ``c.g`` heads of a group; the first block and the one before
@@ -186,19 +218,29 @@ def choose_blocks(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torc
     heads, length = q.shape[1], max(lens)
     n_sel = -(-length // c.s)
     j = torch.arange(n_sel, device=q.device)
-    first, last = (ends - c.l + 1) // c.s, ends // c.s  # the selection blocks each compressed block overlaps: first..last
+    first, last = (
+        (ends - c.l + 1) // c.s,
+        ends // c.s,
+    )  # the selection blocks each compressed block overlaps: first..last
     spans = [(first + o, first + o <= last) for o in range(int((last - first).max()) + 1 if len(ends) else 0)]
     width = min(c.n - 1, n_sel)
     blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
     valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
     for r0, r1, take, weights in compressed_weights(q, kc, lens, ends):
-        score = weights.new_zeros(*weights.shape[:-1], n_sel)  # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
+        score = weights.new_zeros(
+            *weights.shape[:-1], n_sel
+        )  # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
         seen = weights.shape[-1]  # the compressed blocks that end before r1
-        for target, real in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
+        for (
+            target,
+            real,
+        ) in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
             real = real[:seen]
             score.index_add_(-1, target[:seen][real], weights[..., real])
         if c.g > 1:
-            score = score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
+            score = (
+                score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
+            )
         own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]
         earlier = j[None, :] < own
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
@@ -225,10 +267,14 @@ def nsa(l: int = 32, d: int = 16, s: int = 64, n: int = 4, w: int = 128, phi: st
     if min(l, d, s, w, g) < 1:
         raise ValueError(f"l, d, s, w and g must be >= 1, got l={l}, d={d}, s={s}, w={w}, g={g}")
     if d > l:
-        raise ValueError(f"stride d={d} is larger than the compression block l={l}: keys between blocks would be skipped; choose d <= l")
+        raise ValueError(
+            f"stride d={d} is larger than the compression block l={l}: keys between blocks would be skipped; choose d <= l"
+        )
     if n < 4:
-        raise ValueError(f"n={n}: n counts the selected blocks including the first and the two local ones, which are always kept; "
-                         "choose n >= 4 so that the content chooses at least one")
+        raise ValueError(
+            f"n={n}: n counts the selected blocks including the first and the two local ones, which are always kept; "
+            "choose n >= 4 so that the content chooses at least one"
+        )
     if phi not in PHI:
         raise ValueError(f"phi={phi!r}: choose mlp (the paper's learned compression) or mean (mean pooling)")
     config = NSAConfig(l, d, s, n, w, phi, g)

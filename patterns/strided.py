@@ -4,7 +4,7 @@ from gtx import hookimpl
 from gtx.graph.pattern import Pattern
 
 
-def strided(l: int = 4) -> Pattern:  # noqa: E741 - the paper's name for the stride
+def strided(l: int = 4) -> Pattern:
     """Sparse Transformer strided: the previous l positions plus every l-th position.
 
     Args:

@@ -24,7 +24,9 @@ def topk(inner: Pattern = None, k: int = 32) -> Pattern:
         raise ValueError(f"k must be >= 1, got {k}")
     candidates = inner or parse_pattern("full")
     if not candidates.plain:
-        raise PatternError(f"topk selects among fixed candidates; {candidates.spec!r} is not one (write topk(P) with P a fixed pattern)")
+        raise PatternError(
+            f"topk selects among fixed candidates; {candidates.spec!r} is not one (write topk(P) with P a fixed pattern)"
+        )
 
     def select(q, keys, edges):
         if edges.root.structure is not None:  # complete or causal candidates: score in blocks, list no edge

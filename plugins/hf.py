@@ -40,9 +40,19 @@ FAMILIES = ("llama", "qwen2", "gpt2")
 # the folders' families tests/test_pretrained.py checks against transformers' own model (model_type in config.json)
 CHECKED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2")
 # what transformers may hand an attention function beyond q, k, v that gtx does not compute: the feature and the config field declaring it
-REFUSED = {"softcap": ("logit soft-capping", "attn_logit_softcapping"), "s_aux": ("attention sinks", "sinks"), "sinks": ("attention sinks", "sinks"),
-           "attention_mask": ("an attention mask", "attn_implementation")}
-PASSED = ("position_ids", "is_causal", "output_attentions", "use_cache", "cache_position")  # handed on, no part of the attention's function
+REFUSED = {
+    "softcap": ("logit soft-capping", "attn_logit_softcapping"),
+    "s_aux": ("attention sinks", "sinks"),
+    "sinks": ("attention sinks", "sinks"),
+    "attention_mask": ("an attention mask", "attn_implementation"),
+}
+PASSED = (
+    "position_ids",
+    "is_causal",
+    "output_attentions",
+    "use_cache",
+    "cache_position",
+)  # handed on, no part of the attention's function
 INSTALL = "pip install -e '.[hf]' (transformers)"
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, byte-level BPE
@@ -54,16 +64,29 @@ class HFConfig:
     family: str = setting("llama", "a small random model of this transformers family: llama, qwen2 or gpt2")
     layers: int = setting(2, range="[1, inf)")
     heads: int = setting(4, "query heads", "[1, inf)")
-    kv_heads: int = setting(0, "key/value heads (grouped-query attention: a divisor of heads); 0: as heads; gpt2 has none", "[0, inf)")
+    kv_heads: int = setting(
+        0, "key/value heads (grouped-query attention: a divisor of heads); 0: as heads; gpt2 has none", "[0, inf)"
+    )
     dim: int = setting(64, "hidden size", "[1, inf)")
     dim_ff: int = setting(128, "MLP size", "[1, inf)")
-    max_len: int = setting(4096, "positions the model has: the longest sequence it reads (path: the folder's)", "[1, inf)")
-    path: str = setting("", "a save_pretrained folder (config.json, weights, tokenizer): that model, its weights and its tokenizer "
-                            "instead of a random one of family (whose sizes are then unused)")
-    train_params: str = setting("", "fine-tune only the parameters whose names match this regular expression "
-                                    "(e.g. self_attn; gtx models show names); empty: all")
-    untrained_attention: bool = setting(False, "path: score or generate under a pattern whose own parameters (nsa's gates and "
-                                               "compression, dsa's indexer) the folder lacks, as initialised, untrained")
+    max_len: int = setting(
+        4096, "positions the model has: the longest sequence it reads (path: the folder's)", "[1, inf)"
+    )
+    path: str = setting(
+        "",
+        "a save_pretrained folder (config.json, weights, tokenizer): that model, its weights and its tokenizer "
+        "instead of a random one of family (whose sizes are then unused)",
+    )
+    train_params: str = setting(
+        "",
+        "fine-tune only the parameters whose names match this regular expression "
+        "(e.g. self_attn; gtx models show names); empty: all",
+    )
+    untrained_attention: bool = setting(
+        False,
+        "path: score or generate under a pattern whose own parameters (nsa's gates and "
+        "compression, dsa's indexer) the folder lacks, as initialised, untrained",
+    )
 
     def __post_init__(self):
         try:
@@ -78,7 +101,9 @@ class HFConfig:
             raise ValueError(f"family={self.family!r}: choose {', '.join(FAMILIES)}")
         kv = self.kv_heads or self.heads
         if self.dim % self.heads or self.heads % kv:
-            raise ValueError(f"heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}: dim must be a multiple of heads, heads of kv_heads")
+            raise ValueError(
+                f"heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}: dim must be a multiple of heads, heads of kv_heads"
+            )
         if self.family == "gpt2" and self.kv_heads not in (0, self.heads):
             raise ValueError(f"kv_heads={self.kv_heads}: gpt2 has no grouped-query attention; leave kv_heads at 0")
 
@@ -88,23 +113,39 @@ def pretrained_sizes(folder: Path) -> dict:
     is checked to hold a config, weights and a tokenizer: what a run records and its attention is built for."""
     where = f"path={folder}"
     if not (folder / "config.json").is_file():
-        raise ValueError(f"{where} has no config.json; give a folder written by save_pretrained (config, weights and tokenizer)")
+        raise ValueError(
+            f"{where} has no config.json; give a folder written by save_pretrained (config, weights and tokenizer)"
+        )
     if not any(any(folder.glob(w)) for w in WEIGHTS):
         raise ValueError(f"{where} has no weights ({' or '.join(WEIGHTS)}); save the model there with save_pretrained")
     if not any((folder / t).is_file() for t in TOKENIZER):
-        raise ValueError(f"{where} has no tokenizer ({', '.join(TOKENIZER)}); save the model's tokenizer there with save_pretrained")
+        raise ValueError(
+            f"{where} has no tokenizer ({', '.join(TOKENIZER)}); save the model's tokenizer there with save_pretrained"
+        )
     raw = json.loads((folder / "config.json").read_text())
     positions = next((raw[k] for k in POSITIONS if k in raw), None)
     if not isinstance(positions, int):
-        raise ValueError(f"{where}: config.json names no positions ({' or '.join(POSITIONS)}); its model cannot say how long a text it reads")
-    c = transformers().AutoConfig.from_pretrained(folder)  # its attribute maps read every family's names (n_embd: hidden_size)
+        raise ValueError(
+            f"{where}: config.json names no positions ({' or '.join(POSITIONS)}); its model cannot say how long a text it reads"
+        )
+    c = transformers().AutoConfig.from_pretrained(
+        folder
+    )  # its attribute maps read every family's names (n_embd: hidden_size)
     if c.model_type not in CHECKED:
-        raise ValueError(f"{where}: model_type {c.model_type!r} in config.json is not a family gtx checks against transformers' own model "
-                         f"({', '.join(CHECKED)}); its attention may hold features gtx would not compute")
+        raise ValueError(
+            f"{where}: model_type {c.model_type!r} in config.json is not a family gtx checks against transformers' own model "
+            f"({', '.join(CHECKED)}); its attention may hold features gtx would not compute"
+        )
     heads = c.num_attention_heads
-    return {"family": c.model_type, "layers": c.num_hidden_layers, "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
-            "dim": c.hidden_size, "dim_ff": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
-            "max_len": positions}
+    return {
+        "family": c.model_type,
+        "layers": c.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "dim": c.hidden_size,
+        "dim_ff": getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+        "max_len": positions,
+    }
 
 
 class HFTokenizer(Tokenizer):
@@ -137,14 +178,33 @@ def hf_config(c: HFConfig, vocab_size: int):
     """The transformers config of a small random model of family ``c.family``."""
     t = transformers()
     if c.family == "gpt2":
-        return t.GPT2Config(vocab_size=vocab_size, n_embd=c.dim, n_layer=c.layers, n_head=c.heads, n_inner=c.dim_ff, n_positions=c.max_len,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return t.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=c.dim,
+            n_layer=c.layers,
+            n_head=c.heads,
+            n_inner=c.dim_ff,
+            n_positions=c.max_len,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     cls = t.LlamaConfig if c.family == "llama" else t.Qwen2Config
-    return cls(vocab_size=vocab_size, hidden_size=c.dim, intermediate_size=c.dim_ff, num_hidden_layers=c.layers, num_attention_heads=c.heads,
-               num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.max_len, tie_word_embeddings=True)
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.dim_ff,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        num_key_value_heads=c.kv_heads or c.heads,
+        max_position_embeddings=c.max_len,
+        tie_word_embeddings=True,
+    )
 
 
-def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+def gtx_attention(
+    module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
     """transformers' attention-function contract: query (1, H, N, D), key and value (1, H_kv, N, D)
     -> ((1, N, H, D), None). The layer's ``gtx`` attribute holds its gtx attention and the batch's
     edges; ``sliding_window``: the layer reads those edges within a window of that many keys;
@@ -154,12 +214,18 @@ def gtx_attention(module, query, key, value, attention_mask=None, scaling=None, 
         holder.seen[module] = {"sliding_window": sliding_window, "attention_mask": attention_mask, **kwargs}
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if query.shape[0] != 1 or holder.edges is None:
-        raise GtxError("a model under attn_implementation='gtx' reads packed batches through gtx's hf model plugin (one row, gtx's edges)")
+        raise GtxError(
+            "a model under attn_implementation='gtx' reads packed batches through gtx's hf model plugin (one row, gtx's edges)"
+        )
     groups = query.shape[1] // key.shape[1]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
-    k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))  # grouped-query heads as repeat_kv orders them
-    return attention(q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs)[None], None
+    k, v = (
+        x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value)
+    )  # grouped-query heads as repeat_kv orders them
+    return attention(
+        q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs
+    )[None], None
 
 
 class _Edges:
@@ -170,7 +236,9 @@ class _Edges:
 
     def window(self, keys: int) -> EdgeSet:
         if keys not in self.windowed:
-            short = self.edges.q_lens is not None and max(self.edges.q_lens) <= keys  # no sample is longer than the window
+            short = (
+                self.edges.q_lens is not None and max(self.edges.q_lens) <= keys
+            )  # no sample is longer than the window
             self.windowed[keys] = self.edges if short else window_edges(self.edges, keys)
         return self.windowed[keys]
 
@@ -181,19 +249,31 @@ def load_folder(t, path: str):
     verbosity = t.utils.logging.get_verbosity()
     t.utils.logging.set_verbosity_error()  # transformers' table of the weights that did not load: gtx's refusal says it in one line
     try:
-        hf, info = t.AutoModelForCausalLM.from_pretrained(path, attn_implementation="gtx", dtype=torch.float32, output_loading_info=True,
-                                                          ignore_mismatched_sizes=True)
+        hf, info = t.AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="gtx", dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
+        )
     except ValueError as e:  # transformers' words for a family that is no causal LM, or whose attention is its own code
-        raise GtxError(f"path={path}: transformers cannot load it as a causal LM with gtx's attention: {str(e).splitlines()[0]}") from None
+        raise GtxError(
+            f"path={path}: transformers cannot load it as a causal LM with gtx's attention: {str(e).splitlines()[0]}"
+        ) from None
     finally:
         t.utils.logging.set_verbosity(verbosity)
-    wrong = {"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-             "mis-shaped": sorted(f"{k} ({tuple(saved)} saved, {tuple(built)} built)" for k, saved, built in info["mismatched_keys"])}
+    wrong = {
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "mis-shaped": sorted(
+            f"{k} ({tuple(saved)} saved, {tuple(built)} built)" for k, saved, built in info["mismatched_keys"]
+        ),
+    }
     wrong = {what: keys for what, keys in wrong.items() if keys}
     if wrong or info["error_msgs"]:
-        said = "; ".join(f"{len(keys)} {what} ({keys[0]}{', ...' if len(keys) > 1 else ''})" for what, keys in wrong.items())
-        raise GtxError(f"path={path}: its weights do not fit the {type(hf).__name__} its config.json (model_type {hf.config.model_type!r}) builds: "
-                       f"{said or info['error_msgs'][0]}; give the folder save_pretrained wrote, config and weights of one model")
+        said = "; ".join(
+            f"{len(keys)} {what} ({keys[0]}{', ...' if len(keys) > 1 else ''})" for what, keys in wrong.items()
+        )
+        raise GtxError(
+            f"path={path}: its weights do not fit the {type(hf).__name__} its config.json (model_type {hf.config.model_type!r}) builds: "
+            f"{said or info['error_msgs'][0]}; give the folder save_pretrained wrote, config and weights of one model"
+        )
     return hf
 
 
@@ -211,22 +291,28 @@ def check_features(model, layers, pattern, where: str) -> list[int | None]:
         model.hf.train(training)
     for module in layers:
         if module not in seen:
-            raise GtxError(f"{where}: layer {module.layer_idx}'s attention does not call transformers' attention interface; it cannot be replaced")
+            raise GtxError(
+                f"{where}: layer {module.layer_idx}'s attention does not call transformers' attention interface; it cannot be replaced"
+            )
         for name, value in seen[module].items():
             if value is None or name in PASSED or name == "sliding_window":
                 continue
             feature, field = REFUSED.get(name, (f"'{name}'", name))
             declared = getattr(model.hf.config, field, None)
-            raise GtxError(f"{where}: {feature} ({field}{f'={declared}' if declared is not None else ''} in the model's config; layer "
-                           f"{module.layer_idx}) is an attention feature gtx does not compute; scores would not be the model's")
+            raise GtxError(
+                f"{where}: {feature} ({field}{f'={declared}' if declared is not None else ''} in the model's config; layer "
+                f"{module.layer_idx}) is an attention feature gtx does not compute; scores would not be the model's"
+            )
     windows = [seen[m]["sliding_window"] for m in layers]
     for keys in sorted({w for w in windows if w is not None}):
         on = [i for i, w in enumerate(windows) if w == keys]
         try:
             check_window(pattern, keys)
         except GtxError as e:
-            raise GtxError(f"{where}: the model's config declares a sliding window of {keys} keys (sliding_window; on layers "
-                           f"{', '.join(map(str, on))}), within which the pattern applies: {e}") from None
+            raise GtxError(
+                f"{where}: the model's config declares a sliding window of {keys} keys (sliding_window; on layers "
+                f"{', '.join(map(str, on))}), within which the pattern applies: {e}"
+            ) from None
     return windows
 
 
@@ -247,9 +333,11 @@ def check_window(pattern: Pattern | None, keys: int) -> None:
 def _hold_inputs(holder: _Edges):
     """A forward pre-hook on an attention module: its hidden states (the layer's normalised input)
     are kept for ``gtx_attention``, which transformers hands only queries, keys and values."""
+
     def hook(module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
         holder.inputs = x[0] if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1 else None
+
     return hook
 
 
@@ -284,11 +372,15 @@ class HFModel(GraphModel):
             for name, p in self.hf.named_parameters():
                 p.requires_grad_(re.search(config.train_params, name) is not None)
             if not any(p.requires_grad for p in self.hf.parameters()):
-                raise GtxError(f"train_params={config.train_params!r} matches no parameter of {type(self.hf).__name__}; "
-                               f"its names look like {next(iter(dict(self.hf.named_parameters())))}")
+                raise GtxError(
+                    f"train_params={config.train_params!r} matches no parameter of {type(self.hf).__name__}; "
+                    f"its names look like {next(iter(dict(self.hf.named_parameters())))}"
+                )
         layers = [m for m in self.hf.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
         if not layers or not getattr(self.hf, "_supports_attention_backend", False):
-            raise GtxError(f"{type(self.hf).__name__} does not call transformers' attention interface; its attention cannot be replaced")
+            raise GtxError(
+                f"{type(self.hf).__name__} does not call transformers' attention interface; its attention cannot be replaced"
+            )
         self.layer_attention = nn.ModuleList(layer_attention(attention) for _ in layers)
         self._holder = _Edges()
         for module, own in zip(layers, self.layer_attention):
@@ -315,7 +407,9 @@ class HFModel(GraphModel):
     def check_cacheable(pattern: Pattern, cache: bool) -> None:
         """One line for generating with the cache under a pattern that chooses or learns its keys at run time."""
         if cache and not pattern.plain:
-            raise GtxError(f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)")
+            raise GtxError(
+                f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)"
+            )
 
     @torch.no_grad()
     def generate(self, ids: list[int], new: int, pattern: Pattern, cache: bool = True) -> Generated:
@@ -331,17 +425,27 @@ class HFModel(GraphModel):
         if not cache:
             for _ in range(new):
                 n = len(seq)
-                logits = self._logits(torch.tensor(seq, device=device), torch.arange(n, device=device),
-                                      build_graph(pattern, None, [n]).edges["dd"].to(device))
+                logits = self._logits(
+                    torch.tensor(seq, device=device),
+                    torch.arange(n, device=device),
+                    build_graph(pattern, None, [n]).edges["dd"].to(device),
+                )
                 seq.append(int(logits[-1].argmax()))
-            return Generated(seq[len(ids):], len(ids) + new - 1, len(ids) + new - 1)
+            return Generated(seq[len(ids) :], len(ids) + new - 1, len(ids) + new - 1)
         n = len(ids) + new - 1  # the positions that run as queries: the last token generated is never read
         edges = batch_edges(pattern, "dd", [n], [n])
         last_reader = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, edges.src, edges.dst, "amax")
-        rows = torch.searchsorted(edges.dst, torch.arange(n + 1))  # edges are sorted by query: query t's are rows[t]:rows[t + 1]
+        rows = torch.searchsorted(
+            edges.dst, torch.arange(n + 1)
+        )  # edges are sorted by query: query t's are rows[t]:rows[t + 1]
         kv = transformers().DynamicCache()
         kept = torch.arange(len(ids))
-        logits = self._logits(torch.tensor(ids, device=device), kept.to(device), build_graph(pattern, None, [len(ids)]).edges["dd"].to(device), kv)
+        logits = self._logits(
+            torch.tensor(ids, device=device),
+            kept.to(device),
+            build_graph(pattern, None, [len(ids)]).edges["dd"].to(device),
+            kv,
+        )
         for t in range(len(ids), n + 1):
             alive = last_reader[kept] >= t  # False: no query from position t on reads this key
             if not alive.all():
@@ -353,13 +457,19 @@ class HFModel(GraphModel):
             if t == n:
                 break
             kept = torch.cat([kept, torch.tensor([t])])
-            src = edges.src[rows[t]:rows[t + 1]]
+            src = edges.src[rows[t] : rows[t + 1]]
             ids_of = torch.searchsorted(kept, src)
             step = EdgeSet(ids_of, torch.zeros(len(src), dtype=torch.long), len(kept), 1, "dd")
-            near = {w: EdgeSet(ids_of[t - src < w], torch.zeros(int((t - src < w).sum()), dtype=torch.long), len(kept), 1, "dd").to(device)
-                    for w in set(self.windows) - {None}}  # a sliding-window layer's keys among the cached ones
-            logits = self._logits(torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv, near)
-        return Generated(seq[len(ids):], most, n)
+            near = {
+                w: EdgeSet(
+                    ids_of[t - src < w], torch.zeros(int((t - src < w).sum()), dtype=torch.long), len(kept), 1, "dd"
+                ).to(device)
+                for w in set(self.windows) - {None}
+            }  # a sliding-window layer's keys among the cached ones
+            logits = self._logits(
+                torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv, near
+            )
+        return Generated(seq[len(ids) :], most, n)
 
 
 @hookimpl

@@ -32,7 +32,9 @@ class ListOpsConfig:
     max_args: int = setting(10, range="[1, inf)")
     seed: int = 0
     form: str = field(default="seq2seq", metadata={"help": "seq2seq (transformer, ut) or classify (encoder)"})
-    preset: str = field(default="", metadata={"help": "lra: the paper's lengths and sizes, for settings left at their defaults"})
+    preset: str = field(
+        default="", metadata={"help": "lra: the paper's lengths and sizes, for settings left at their defaults"}
+    )
 
     def __post_init__(self):
         if self.form not in ("seq2seq", "classify"):

@@ -35,15 +35,51 @@ from gtx.data.task import Task, Vocab, disjoint_splits, grouped_accuracy
 from gtx.values import setting
 
 FILLER = (
-    "The grass is green and the sky is blue.", "A river runs past the old mill.", "The market opens early on Mondays.",
-    "Rain fell on the roofs of the town all night.", "The road to the hills is long and quiet.", "Bread is baked before sunrise.",
-    "Children walk to school along the canal.", "The library keeps its doors open late.", "A cat sleeps in the warm window.",
-    "Boats rest in the harbour at low tide.", "The clock in the square strikes every hour.", "Apples ripen slowly in the orchard.",
-    "Snow covers the fields in winter.", "The baker sells rolls and small cakes.", "Wind turns the sails of the mill.",
-    "The train leaves the station at noon.", "Lamps are lit along the street at dusk.", "The garden is full of bees in June.",
+    "The grass is green and the sky is blue.",
+    "A river runs past the old mill.",
+    "The market opens early on Mondays.",
+    "Rain fell on the roofs of the town all night.",
+    "The road to the hills is long and quiet.",
+    "Bread is baked before sunrise.",
+    "Children walk to school along the canal.",
+    "The library keeps its doors open late.",
+    "A cat sleeps in the warm window.",
+    "Boats rest in the harbour at low tide.",
+    "The clock in the square strikes every hour.",
+    "Apples ripen slowly in the orchard.",
+    "Snow covers the fields in winter.",
+    "The baker sells rolls and small cakes.",
+    "Wind turns the sails of the mill.",
+    "The train leaves the station at noon.",
+    "Lamps are lit along the street at dusk.",
+    "The garden is full of bees in June.",
 )
-NAMES = ("Ada", "Basil", "Clara", "Dmitri", "Edith", "Felix", "Greta", "Hugo", "Iris", "Jonas", "Karin", "Leon", "Mira", "Nils",
-         "Olga", "Pavel", "Quinn", "Rosa", "Soren", "Tara", "Ulla", "Viktor", "Wanda", "Yusuf")
+NAMES = (
+    "Ada",
+    "Basil",
+    "Clara",
+    "Dmitri",
+    "Edith",
+    "Felix",
+    "Greta",
+    "Hugo",
+    "Iris",
+    "Jonas",
+    "Karin",
+    "Leon",
+    "Mira",
+    "Nils",
+    "Olga",
+    "Pavel",
+    "Quinn",
+    "Rosa",
+    "Soren",
+    "Tara",
+    "Ulla",
+    "Viktor",
+    "Wanda",
+    "Yusuf",
+)
 NEEDLE = " The secret number of {name} is {value}."
 QUESTION = " What is the secret number of {name}? It is"
 ANSWER = " {value}"  # with its space, as the tokenizer writes the number after "It is"; only tokens that write digits are scored
@@ -53,9 +89,13 @@ DIGITS = "0123456789"
 @dataclass
 class NeedleConfig:
     context: int = setting(256, "tokens the model reads per example: filler, needle, question and answer", "[1, inf)")
-    depths: str = setting("0,0.25,0.5,0.75,1", "where the needle sits, as fractions of the filler (comma-separated, each in [0, 1])")
+    depths: str = setting(
+        "0,0.25,0.5,0.75,1", "where the needle sits, as fractions of the filler (comma-separated, each in [0, 1])"
+    )
     digits: int = setting(4, "digits of each secret number", "[1, 12]")
-    n_names: int = setting(len(NAMES), f"names the secret belongs to, the first n of {len(NAMES)} fixed ones", f"[1, {len(NAMES)}]")
+    n_names: int = setting(
+        len(NAMES), f"names the secret belongs to, the first n of {len(NAMES)} fixed ones", f"[1, {len(NAMES)}]"
+    )
     n_train: int = setting(2000, range="[1, inf)")
     n_valid: int = setting(200, range="[1, inf)")
     n_test: int = setting(200, range="[1, inf)")
@@ -74,7 +114,9 @@ class NeedleConfig:
         names = [group(d) for d in depths]
         if len(set(names)) < len(names):
             twice = next(n for n in names if names.count(n) > 1)
-            raise ValueError(f"depths={self.depths!r}: two depths share the group {twice}; give each depth once, differing in the first two decimals")
+            raise ValueError(
+                f"depths={self.depths!r}: two depths share the group {twice}; give each depth once, differing in the first two decimals"
+            )
 
 
 def group(depth: float) -> str:
@@ -93,7 +135,9 @@ class Needle(Task):
     def tokens(self, text: str) -> list[str]:
         return self.tokenizer.tokenize(text) if self.tokenizer is not None else list(text)
 
-    def make(self, rng: np.random.Generator, depth: float, filler_tokens: list[list[str]]) -> tuple[list[str], list[str]]:
+    def make(
+        self, rng: np.random.Generator, depth: float, filler_tokens: list[list[str]]
+    ) -> tuple[list[str], list[str]]:
         """One example: ``context + 1`` tokens and one group per prediction; ``filler_tokens``: each
         filler sentence's tokens (with its leading space)."""
         c = self.config
@@ -101,17 +145,23 @@ class Needle(Task):
         needle, question, answer = (self.tokens(t.format(name=name, value=value)) for t in (NEEDLE, QUESTION, ANSWER))
         room = c.context + 1 - len(needle) - len(question) - len(answer)
         if room < 1:
-            raise ValueError(f"context={c.context} holds no filler: the needle, question and answer take {c.context + 1 - room} tokens; "
-                             "raise context")
+            raise ValueError(
+                f"context={c.context} holds no filler: the needle, question and answer take {c.context + 1 - room} tokens; "
+                "raise context"
+            )
         sentences, total = [], 0
         while total < room:
             sentences.append(filler_tokens[rng.integers(len(FILLER))])
             total += len(sentences[-1])
-        ends = [int(e) for e in np.cumsum([0] + [len(s) for s in sentences]) if e < room] + [room]  # the last sentence is cut at room
+        ends = [int(e) for e in np.cumsum([0] + [len(s) for s in sentences]) if e < room] + [
+            room
+        ]  # the last sentence is cut at room
         filler = [t for s in sentences for t in s][:room]
         at = min(ends, key=lambda e: abs(e - depth * room))  # the sentence boundary nearest the depth
         tokens = filler[:at] + needle + filler[at:] + question + answer
-        scored = [group(depth) if any(ch in DIGITS for ch in t) else "" for t in answer]  # not a lone space token before the digits
+        scored = [
+            group(depth) if any(ch in DIGITS for ch in t) else "" for t in answer
+        ]  # not a lone space token before the digits
         return tokens, [""] * (len(tokens) - 1 - len(answer)) + scored
 
     def generate(self):
@@ -124,13 +174,22 @@ class Needle(Task):
         def draw(split):
             i = counts[split]
             counts[split] += 1
-            return self.make(rng, depths[rng.integers(len(depths))] if split == "train" else depths[i % len(depths)], filler_tokens)
+            return self.make(
+                rng, depths[rng.integers(len(depths))] if split == "train" else depths[i % len(depths)], filler_tokens
+            )
 
         return disjoint_splits(draw, {"train": c.n_train, "valid": c.n_valid, "test": c.n_test})
 
     def vocabularies(self, train):
         """Characters of every sentence, name and digit the task can write: fixed by the task, not by the draw."""
-        text = "".join(FILLER) + "".join(NAMES) + NEEDLE.format(name="", value="") + QUESTION.format(name="") + DIGITS + " "
+        text = (
+            "".join(FILLER)
+            + "".join(NAMES)
+            + NEEDLE.format(name="", value="")
+            + QUESTION.format(name="")
+            + DIGITS
+            + " "
+        )
         vocab = Vocab(sorted(set(text)))
         return vocab, vocab
 

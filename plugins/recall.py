@@ -76,8 +76,15 @@ class RecallConfig:
     n_keys: int = setting(16, "key vocabulary (the keys of a sequence are distinct)", "[1, inf)")
     n_values: int = field(default=16, metadata={"help": "value vocabulary (chance accuracy is 1 / n_values)"})
     queries_per_key: int = field(default=4, metadata={"help": "times each key is queried in a sequence (Zoology: 1)"})
-    placement: str = field(default="uniform", metadata={"help": "query slots: power (Zoology's power law, 1/(slot+1)) or uniform"})
-    train_min_len: int = field(default=64, metadata={"help": "training lengths log-uniform on [train_min_len, seq_len], clipped to what fits (0: all seq_len)"})
+    placement: str = field(
+        default="uniform", metadata={"help": "query slots: power (Zoology's power law, 1/(slot+1)) or uniform"}
+    )
+    train_min_len: int = field(
+        default=64,
+        metadata={
+            "help": "training lengths log-uniform on [train_min_len, seq_len], clipped to what fits (0: all seq_len)"
+        },
+    )
     n_train: int = setting(4000, range="[1, inf)")
     n_valid: int = setting(200, range="[1, inf)")
     n_test: int = setting(200, range="[1, inf)")
@@ -92,14 +99,22 @@ class RecallConfig:
         if self.n_pairs < 1 or self.queries_per_key < 1:
             raise ValueError(f"n_pairs={self.n_pairs} and queries_per_key={self.queries_per_key} must be >= 1")
         if self.n_pairs > self.n_keys:
-            raise ValueError(f"n_pairs={self.n_pairs} needs n_keys >= {self.n_pairs} (the keys of a sequence are distinct); raise n_keys or lower n_pairs")
+            raise ValueError(
+                f"n_pairs={self.n_pairs} needs n_keys >= {self.n_pairs} (the keys of a sequence are distinct); raise n_keys or lower n_pairs"
+            )
         if self.n_values < 2:
-            raise ValueError(f"n_values={self.n_values}: need at least 2 values for recall to mean anything; raise n_values")
+            raise ValueError(
+                f"n_values={self.n_values}: need at least 2 values for recall to mean anything; raise n_values"
+            )
         if self.seq_len < self.min_len():
-            raise ValueError(f"seq_len={self.seq_len} is too small for n_pairs={self.n_pairs} with queries_per_key={self.queries_per_key}: "
-                             f"need seq_len >= {self.min_len()} (2 tokens per pair and per query); raise seq_len or lower n_pairs")
+            raise ValueError(
+                f"seq_len={self.seq_len} is too small for n_pairs={self.n_pairs} with queries_per_key={self.queries_per_key}: "
+                f"need seq_len >= {self.min_len()} (2 tokens per pair and per query); raise seq_len or lower n_pairs"
+            )
         if self.train_min_len < 0:
-            raise ValueError(f"train_min_len={self.train_min_len} must be >= 0 (0: every training sequence is seq_len long)")
+            raise ValueError(
+                f"train_min_len={self.train_min_len} must be >= 0 (0: every training sequence is seq_len long)"
+            )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r}: choose {' or '.join(PLACEMENTS)}")
 

@@ -49,10 +49,17 @@ BYTE_LEVEL = {"enwik8"}  # file stems read byte by byte under tokens=auto
 @dataclass
 class TextConfig:
     context: int = setting(512, "tokens the model reads per example (windows of context+1, stride context)", "[1, inf)")
-    data_file: str = field(default="", metadata={"help": "text file, enwik8, text8 (or their .zip); empty: the built-in King James Bible"})
+    data_file: str = field(
+        default="", metadata={"help": "text file, enwik8, text8 (or their .zip); empty: the built-in King James Bible"}
+    )
     tokens: str = field(default="auto", metadata={"help": "char, byte, or auto (byte for enwik8, else char)"})
     train_tokens: int = field(default=0, metadata={"help": "train on the first N tokens of the train split (0 = all)"})
-    eval_tokens: int = field(default=131072, metadata={"help": "evaluate on the first N tokens of valid and test (0 = all, e.g. for reported enwik8 numbers)"})
+    eval_tokens: int = field(
+        default=131072,
+        metadata={
+            "help": "evaluate on the first N tokens of valid and test (0 = all, e.g. for reported enwik8 numbers)"
+        },
+    )
 
 
 class Windows:
@@ -107,7 +114,9 @@ def read_bytes(path: Path) -> bytes:
         with zipfile.ZipFile(path) as z:
             members = [m for m in z.infolist() if not m.is_dir()]
             if len(members) != 1:
-                raise ValueError(f"data_file {path} holds {len(members)} files; a .zip must hold exactly one (as enwik8.zip and text8.zip do)")
+                raise ValueError(
+                    f"data_file {path} holds {len(members)} files; a .zip must hold exactly one (as enwik8.zip and text8.zip do)"
+                )
             return z.read(members[0])
     if path.suffix == ".xz":
         return lzma.decompress(path.read_bytes())
@@ -121,7 +130,9 @@ def load_text(path: str, tokens: str) -> str:
     (each byte one character)."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"data_file {path}: no such file; give --set data_file=PATH of a text file, or leave it empty for the built-in corpus")
+        raise ValueError(
+            f"data_file {path}: no such file; give --set data_file=PATH of a text file, or leave it empty for the built-in corpus"
+        )
     data = read_bytes(p)
     if not data:
         raise ValueError(f"data_file {path} is empty; give a text file with some text in it")
@@ -130,8 +141,10 @@ def load_text(path: str, tokens: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"data_file {path} is not UTF-8 (byte offset {e.start:,}: 0x{data[e.start]:02x}); "
-                         "read it byte by byte with --set tokens=byte") from None
+        raise ValueError(
+            f"data_file {path} is not UTF-8 (byte offset {e.start:,}: 0x{data[e.start]:02x}); "
+            "read it byte by byte with --set tokens=byte"
+        ) from None
 
 
 def corpus_name(path: Path) -> str:
@@ -170,17 +183,23 @@ class Text(Task):
         if c.context < 1:
             raise ValueError(f"context must be >= 1, got {c.context}")
         if c.train_tokens < 0 or c.eval_tokens < 0:
-            raise ValueError(f"train_tokens and eval_tokens must be >= 0 (0 = all), got {c.train_tokens}, {c.eval_tokens}")
+            raise ValueError(
+                f"train_tokens and eval_tokens must be >= 0 (0 = all), got {c.train_tokens}, {c.eval_tokens}"
+            )
         for name in ("train_tokens", "eval_tokens"):
             if 0 < getattr(c, name) < c.context:
-                raise ValueError(f"{name}={getattr(c, name)} is less than one window; set it >= context={c.context} (or 0 for all)")
+                raise ValueError(
+                    f"{name}={getattr(c, name)} is less than one window; set it >= context={c.context} (or 0 for all)"
+                )
         text = load_text(str(self.path), self.level)
         n = len(text)
         need = min_length(c.context)
         if n < need:
             unit = "bytes" if self.level == "byte" else "characters"
-            raise ValueError(f"data_file {self.path} has {n:,} {unit}, too short for one window of context+1={c.context + 1} in each of "
-                             f"train/valid/test (90/5/5); it must be at least {need:,} {unit}, or lower --set context")
+            raise ValueError(
+                f"data_file {self.path} has {n:,} {unit}, too short for one window of context+1={c.context + 1} in each of "
+                f"train/valid/test (90/5/5); it must be at least {need:,} {unit}, or lower --set context"
+            )
         a, b = split_bounds(n)
         bounds = {"train": (0, a, c.train_tokens), "valid": (a, b, c.eval_tokens), "test": (b, n, c.eval_tokens)}
         if self.tokenizer is None:

@@ -22,7 +22,9 @@ class TransformerConfig:
     dim: int = setting(128, "d_model", "[1, inf)")
     dim_ff: int = setting(512, range="[1, inf)")
     dropout: float = setting(0.1, range="[0, 1)")
-    share_embeddings: bool = field(default=True, metadata={"help": "tie source/target embeddings and the output projection"})
+    share_embeddings: bool = field(
+        default=True, metadata={"help": "tie source/target embeddings and the output projection"}
+    )
     embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
 
 
@@ -33,9 +35,15 @@ class Transformer(Seq2SeqModel):
 
     def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, attention):
         super().__init__(attention)
-        self.embed = Embeddings(src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale)
-        self.encoder = nn.ModuleList(EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
-        self.decoder = nn.ModuleList(DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers))
+        self.embed = Embeddings(
+            src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale
+        )
+        self.encoder = nn.ModuleList(
+            EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers)
+        )
+        self.decoder = nn.ModuleList(
+            DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers)
+        )
         # each layer's own trainable attention (patterns with parameters: nsa, dsa)
         self.enc_attention = nn.ModuleList(layer_attention(attention) for _ in self.encoder)
         self.dec_attention = nn.ModuleList(layer_attention(attention) for _ in self.decoder)
@@ -45,15 +53,26 @@ class Transformer(Seq2SeqModel):
     def encode(self, src, src_pos, graph):
         nodes = {"enc": {"x": self.embed.embed(self.embed.src, src, src_pos)}}
         for layer, attention in zip(self.encoder, self.enc_attention):
-            update_graph(nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], attention)
+            update_graph(
+                nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], attention
+            )
         return Encoded(self.enc_norm(nodes["enc"]["x"]))
 
     def decode(self, encoded, tgt_in, tgt_pos, graph):
         nodes = {"enc": {"x": encoded.x}, "dec": {"x": self.embed.embed(self.embed.tgt, tgt_in, tgt_pos)}}
         for layer, attention in zip(self.decoder, self.dec_attention):
-            update_graph(nodes, "dd", graph.edges["dd"], [(layer.pre_self, "dec", None)], [(layer.post_self, "dec", None)], attention)
             update_graph(
-                nodes, "ed", graph.edges["ed"],
+                nodes,
+                "dd",
+                graph.edges["dd"],
+                [(layer.pre_self, "dec", None)],
+                [(layer.post_self, "dec", None)],
+                attention,
+            )
+            update_graph(
+                nodes,
+                "ed",
+                graph.edges["ed"],
                 [(layer.pre_query, "dec", None), (layer.pre_memory, "enc", None)],
                 [(layer.post_cross, "dec", None)],
                 attention,
@@ -71,10 +90,14 @@ class Transformer(Seq2SeqModel):
         for i, layer in enumerate(self.decoder):
             new = layer.pre_self({"x": x})
             state["k"][i], state["v"][i] = append_keys(state["k"][i], new["k"]), append_keys(state["v"][i], new["v"])
-            wv = propagate_attention(new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.dec_attention[i])
+            wv = propagate_attention(
+                new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.dec_attention[i]
+            )
             x = layer.post_self({"x": x, "wv": wv})["x"]
             memory = state["memory"][i]
-            wv = propagate_attention(layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.dec_attention[i])
+            wv = propagate_attention(
+                layer.pre_query({"x": x})["q"], memory["k"], memory["v"], edges["ed"], self.dec_attention[i]
+            )
             x = layer.post_cross({"x": x, "wv": wv})["x"]
         return self.embed.generator(self.dec_norm(x)), state
 

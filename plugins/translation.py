@@ -53,7 +53,9 @@ class Translation(Task):
             paths = [root / f"{stem}.src", root / f"{stem}.tgt"]
             missing = [str(p) for p in paths if not p.is_file()]
             if missing:
-                raise GtxError(f"task translation: missing {', '.join(missing)}; data_dir needs train, val and test .src/.tgt files")
+                raise GtxError(
+                    f"task translation: missing {', '.join(missing)}; data_dir needs train, val and test .src/.tgt files"
+                )
             src, tgt = (p.read_text(encoding="utf-8").splitlines() for p in paths)
             if len(src) != len(tgt):
                 raise GtxError(f"task translation: {paths[0]} has {len(src)} lines but {paths[1]} has {len(tgt)}")

@@ -11,7 +11,16 @@ from torch import nn
 from gtx import hookimpl
 from gtx.attention.act import AdaptiveComputation, Halting
 from gtx.attention.engine import apply_nodes, propagate_attention, update_graph
-from gtx.attention.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, PositionalEncoding, Seq2SeqModel, append_keys
+from gtx.attention.model import (
+    DecoderLayer,
+    Embeddings,
+    Encoded,
+    EncoderLayer,
+    Output,
+    PositionalEncoding,
+    Seq2SeqModel,
+    append_keys,
+)
 from gtx.attention.module import layer_attention
 from gtx.values import setting
 
@@ -41,7 +50,10 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
         self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
         self.dec_layer = DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
-        self.enc_attention, self.dec_attention = layer_attention(attention), layer_attention(attention)  # the shared layers' trainable attention
+        self.enc_attention, self.dec_attention = (
+            layer_attention(attention),
+            layer_attention(attention),
+        )  # the shared layers' trainable attention
         self.halt_enc, self.halt_dec = Halting(c.dim), Halting(c.dim)
         self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
         self.enc_norm, self.dec_norm = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
@@ -53,7 +65,9 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
 
         def step(t, ids, edges, end):
             update_graph(
-                nodes, "ee", edges(graph.edges["ee"]),
+                nodes,
+                "ee",
+                edges(graph.edges["ee"]),
                 [(self._step_forward(t), "enc", ids), (layer.pre, "enc", ids)],
                 [(layer.post, "enc", ids), *self._halting(self.halt_enc, "enc", ids, end)],
                 self.enc_attention,
@@ -70,13 +84,17 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
 
         def step(t, ids, edges, end):
             update_graph(
-                nodes, "dd", edges(graph.edges["dd"]),
+                nodes,
+                "dd",
+                edges(graph.edges["dd"]),
                 [(self._step_forward(t), "dec", ids), (layer.pre_self, "dec", ids)],
                 [(layer.post_self, "dec", ids)],
                 self.dec_attention,
             )
             update_graph(
-                nodes, "ed", edges(graph.edges["ed"]),
+                nodes,
+                "ed",
+                edges(graph.edges["ed"]),
                 [(layer.pre_query, "dec", ids)],
                 [(layer.post_cross, "dec", ids), *self._halting(self.halt_dec, "dec", ids, end)],
                 self.dec_attention,
@@ -89,7 +107,12 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
 
     def start_decoding(self, encoded, pattern):
         memory = self.dec_layer.pre_memory({"x": encoded.x})  # ed keys/values, the same every step
-        return {"memory": memory, "pattern": pattern, "k": [None] * self.config.max_depth, "v": [None] * self.config.max_depth}
+        return {
+            "memory": memory,
+            "pattern": pattern,
+            "k": [None] * self.config.max_depth,
+            "v": [None] * self.config.max_depth,
+        }
 
     def decode_next(self, state, tokens, pos, edges):
         """The decoder's steps for the latest token of each hypothesis. Self-attention at step t reads

@@ -43,11 +43,11 @@ def local(w):
     return from_rule(lambda i, j, n: abs(i - j) <= w)
 
 
-def strided(l):  # noqa: E741
+def strided(l):
     return from_rule(lambda i, j, n: abs(i - j) <= l or abs(i - j) % l == 0)
 
 
-def fixed(l, c):  # noqa: E741
+def fixed(l, c):
     return from_rule(lambda i, j, n: i // l == j // l or j % l in range(l - c, l))
 
 

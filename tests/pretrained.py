@@ -8,10 +8,19 @@ import torch
 
 TEXT = "the quick brown fox jumps over the lazy dog; a needle hides in a haystack of filler text. " * 40
 # every family but gpt2 is built from these sizes: 2 layers of width 32, 4 query and 2 key/value heads of 8 dimensions
-SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+SIZES = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
 
 
-def save_tiny(folder: Path, family: str = "llama", vocab_size: int = 300, positions: int = 256, seed: int = 0, **config) -> Path:
+def save_tiny(
+    folder: Path, family: str = "llama", vocab_size: int = 300, positions: int = 256, seed: int = 0, **config
+) -> Path:
     """``folder`` holding config.json, model.safetensors and a tokenizer (transformers' fast tokenizer files);
     ``config``: settings of the family's transformers config beyond (or replacing) the tiny sizes."""
     import tokenizers
@@ -22,10 +31,21 @@ def save_tiny(folder: Path, family: str = "llama", vocab_size: int = 300, positi
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
     n = len(tokenizer)
     if family == "gpt2":
-        made = transformers.GPT2Config(vocab_size=n, n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=positions, bos_token_id=0, eos_token_id=0,
-                                       **config)
+        made = transformers.GPT2Config(
+            vocab_size=n,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_inner=64,
+            n_positions=positions,
+            bos_token_id=0,
+            eos_token_id=0,
+            **config,
+        )
     else:
-        made = transformers.AutoConfig.for_model(family, vocab_size=n, max_position_embeddings=positions, **{**SIZES, **config})
+        made = transformers.AutoConfig.for_model(
+            family, vocab_size=n, max_position_embeddings=positions, **{**SIZES, **config}
+        )
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(made).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

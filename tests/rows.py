@@ -9,11 +9,36 @@ from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, validate
 def row(run_id="r1", pattern="full", split="valid", epoch=1, acc=0.5, seq=0.25, tps=1000.0, **kw):
     base = {c: None for c in COLUMNS}
     base.update(
-        schema_version=SCHEMA_VERSION, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
-        pattern=pattern, backend="dgl", device="cpu", seed=0, epoch=epoch, split=split, loss=1.0, token_acc=acc,
-        seq_acc=seq, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, context_len=16, density=0.5, edges_per_query_ee=3.0, edges_per_query_dd=2.0,
-        edges_per_query_ed=3.0, act_mean_steps=np.nan, n_params=10, metrics="{}", backend_plan="{}", config="{}",
-        gtx_version="0", torch_version="0", dgl_version="0",
+        schema_version=SCHEMA_VERSION,
+        run_id=run_id,
+        started_at="2026-01-01T00:00:00+00:00",
+        task="copy",
+        model="transformer",
+        pattern=pattern,
+        backend="dgl",
+        device="cpu",
+        seed=0,
+        epoch=epoch,
+        split=split,
+        loss=1.0,
+        token_acc=acc,
+        seq_acc=seq,
+        tokens_per_s=tps,
+        wall_s=1.0,
+        peak_mem_mb=10.0,
+        context_len=16,
+        density=0.5,
+        edges_per_query_ee=3.0,
+        edges_per_query_dd=2.0,
+        edges_per_query_ed=3.0,
+        act_mean_steps=np.nan,
+        n_params=10,
+        metrics="{}",
+        backend_plan="{}",
+        config="{}",
+        gtx_version="0",
+        torch_version="0",
+        dgl_version="0",
     )
     base.update(kw)
     return base
@@ -21,19 +46,25 @@ def row(run_id="r1", pattern="full", split="valid", epoch=1, acc=0.5, seq=0.25, 
 
 def seeds(pattern, accs, tps, **kw):
     """One finished run per accuracy: a train, a valid and a test row each."""
-    return [r for seed, (acc, speed) in enumerate(zip(accs, tps)) for r in (
-        row(f"{pattern}{seed}", pattern, "train", tps=speed, seed=seed, cell=f"{pattern}/{seed}", **kw),
-        row(f"{pattern}{seed}", pattern, "valid", acc=acc, seed=seed, cell=f"{pattern}/{seed}", **kw),
-        row(f"{pattern}{seed}", pattern, "test", acc=acc, seed=seed, cell=f"{pattern}/{seed}", **kw),
-    )]
+    return [
+        r
+        for seed, (acc, speed) in enumerate(zip(accs, tps))
+        for r in (
+            row(f"{pattern}{seed}", pattern, "train", tps=speed, seed=seed, cell=f"{pattern}/{seed}", **kw),
+            row(f"{pattern}{seed}", pattern, "valid", acc=acc, seed=seed, cell=f"{pattern}/{seed}", **kw),
+            row(f"{pattern}{seed}", pattern, "test", acc=acc, seed=seed, cell=f"{pattern}/{seed}", **kw),
+        )
+    ]
 
 
 def three_seeds():
-    return validate(pd.DataFrame([
-        *seeds("full", [0.99, 0.98, 0.97], [1000.0, 1100.0, 900.0]),
-        *seeds("local:w=4", [0.80, 0.82, 0.81], [3000.0, 3300.0, 2700.0]),
-        *seeds("local:w=1", [0.70, 0.74, 0.72], [2000.0, 2000.0, 2000.0]),  # slower and less accurate than w=4
-        *seeds("strided", [0.965, 0.975, 0.97], [1500.0, 1500.0, 1500.0]),
-    ]))
-
-
+    return validate(
+        pd.DataFrame(
+            [
+                *seeds("full", [0.99, 0.98, 0.97], [1000.0, 1100.0, 900.0]),
+                *seeds("local:w=4", [0.80, 0.82, 0.81], [3000.0, 3300.0, 2700.0]),
+                *seeds("local:w=1", [0.70, 0.74, 0.72], [2000.0, 2000.0, 2000.0]),  # slower and less accurate than w=4
+                *seeds("strided", [0.965, 0.975, 0.97], [1500.0, 1500.0, 1500.0]),
+            ]
+        )
+    )

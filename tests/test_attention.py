@@ -16,9 +16,17 @@ from gtx.errors import PluginError
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
 
-SPECS = ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "full+relbias:buckets=8,max_distance=16", "topk:k=2", "lsh:buckets=4",
-         "topk(local:w=3):k=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "moba:b=4,k=2",
-         "moba:b=4,k=2,gate=block"]
+SPECS = [
+    "heads(local:w=1,strided:l=3)",
+    "local:w=2+alibi",
+    "full+relbias:buckets=8,max_distance=16",
+    "topk:k=2",
+    "lsh:buckets=4",
+    "topk(local:w=3):k=2+alibi",
+    "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16",
+    "moba:b=4,k=2",
+    "moba:b=4,k=2,gate=block",
+]
 BACKENDS = ["torch", "dgl", "auto", "blocksparse"]
 
 
@@ -30,13 +38,20 @@ def inputs(n_q, n_k, heads, dim=8, seed=0):
 def run(attention, q, k, v, edges):
     out = attention(q, k, v, edges)
     params = list(attention.parameters())
-    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [q, k, v, *params], materialize_grads=True)
+    grads = torch.autograd.grad(
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [q, k, v, *params], materialize_grads=True
+    )
     return out, grads
 
 
 @settings(max_examples=40, deadline=None)
-@given(spec=st.sampled_from(SPECS), lens=st.lists(st.integers(1, 11), min_size=1, max_size=3), stage=st.sampled_from(["ee", "dd"]),
-       heads=st.sampled_from([2, 4]), seed=st.integers(0, 10))
+@given(
+    spec=st.sampled_from(SPECS),
+    lens=st.lists(st.integers(1, 11), min_size=1, max_size=3),
+    stage=st.sampled_from(["ee", "dd"]),
+    heads=st.sampled_from([2, 4]),
+    seed=st.integers(0, 10),
+)
 def test_every_backend_agrees_with_dense_on_values_and_gradients(spec, lens, stage, heads, seed):
     pattern = parse_pattern(spec)
     graph = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None)
@@ -76,7 +91,12 @@ def explicit_edges(sel: BlockSelection, head: int) -> tuple[torch.Tensor, torch.
 
 
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), b=st.integers(1, 6), k=st.integers(1, 4), seed=st.integers(0, 10))
+@given(
+    lens=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+    b=st.integers(1, 6),
+    k=st.integers(1, 4),
+    seed=st.integers(0, 10),
+)
 def test_block_gated_moba_is_causal_attention_over_the_blocks_it_names(lens, b, k, seed):
     pattern = parse_pattern(f"moba:b={b},k={k},gate=block")
     edges = build_graph(pattern, None, lens).edges["dd"]
@@ -89,16 +109,23 @@ def test_block_gated_moba_is_causal_attention_over_the_blocks_it_names(lens, b, 
         src, dst = explicit_edges(sel, h)
         assert (src <= dst).all()  # never a future key
         sub = EdgeSet(src, dst, edges.n_src, edges.n_dst, "dd", edges.q_lens, edges.k_lens)
-        want = dense(q[:, h:h + 1], keys[:, h:h + 1], v[:, h:h + 1], sub)
-        torch.testing.assert_close(out[:, h:h + 1], want, atol=1e-5, rtol=1e-5)
-    gq, = torch.autograd.grad(out.sum(), q)
+        want = dense(q[:, h : h + 1], keys[:, h : h + 1], v[:, h : h + 1], sub)
+        torch.testing.assert_close(out[:, h : h + 1], want, atol=1e-5, rtol=1e-5)
+    (gq,) = torch.autograd.grad(out.sum(), q)
     assert torch.isfinite(gq).all()
     listed = sum(len(explicit_edges(sel, h)[0]) for h in range(2)) / 2
-    assert sel.edges_per_head() == pytest.approx(listed)  # the results' edges per query count what was attended, padding left out
+    assert sel.edges_per_head() == pytest.approx(
+        listed
+    )  # the results' edges per query count what was attended, padding left out
 
 
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), count=st.integers(1, 6), stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 10))
+@given(
+    lens=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+    count=st.integers(1, 6),
+    stage=st.sampled_from(["ee", "dd"]),
+    seed=st.integers(0, 10),
+)
 def test_topk_without_edges_is_dense_attention_over_the_keys_it_names(lens, count, stage, seed):
     pattern = parse_pattern(f"topk:k={count}")
     edges = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
@@ -108,14 +135,25 @@ def test_topk_without_edges_is_dense_attention_over_the_keys_it_names(lens, coun
     out = attend_keys(q, keys, v, edges, sel)
     keep = sel.as_mask(edges)
     for h in range(2):
-        sub = EdgeSet(edges.src[keep[:, h]], edges.dst[keep[:, h]], edges.n_src, edges.n_dst, stage, edges.q_lens, edges.k_lens)
-        torch.testing.assert_close(out[:, h:h + 1], get_backend("dense")(q[:, h:h + 1], keys[:, h:h + 1], v[:, h:h + 1], sub), atol=1e-5, rtol=1e-5)
+        sub = EdgeSet(
+            edges.src[keep[:, h]], edges.dst[keep[:, h]], edges.n_src, edges.n_dst, stage, edges.q_lens, edges.k_lens
+        )
+        torch.testing.assert_close(
+            out[:, h : h + 1],
+            get_backend("dense")(q[:, h : h + 1], keys[:, h : h + 1], v[:, h : h + 1], sub),
+            atol=1e-5,
+            rtol=1e-5,
+        )
     assert torch.isfinite(torch.autograd.grad(out.sum(), q)[0]).all()
 
 
 @settings(max_examples=25, deadline=None)
-@given(spec=st.sampled_from(["topk:k=1", "topk:k=3", "lsh:buckets=2", "lsh:buckets=6", "topk(local:w=2):k=1"]),
-       lens=st.lists(st.integers(2, 12), min_size=1, max_size=3), stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 20))
+@given(
+    spec=st.sampled_from(["topk:k=1", "topk:k=3", "lsh:buckets=2", "lsh:buckets=6", "topk(local:w=2):k=1"]),
+    lens=st.lists(st.integers(2, 12), min_size=1, max_size=3),
+    stage=st.sampled_from(["ee", "dd"]),
+    seed=st.integers(0, 20),
+)
 def test_selections_keep_a_subset_of_candidates_and_every_query(spec, lens, stage, seed):
     pattern = parse_pattern(spec)
     edges = build_graph(pattern, lens if stage == "ee" else None, lens if stage == "dd" else None).edges[stage]
@@ -123,7 +161,10 @@ def test_selections_keep_a_subset_of_candidates_and_every_query(spec, lens, stag
     keep = pattern.select(q.detach(), k.detach(), edges)
     if isinstance(keep, KeySelection):  # complete or causal candidates: chosen without listing edges
         keep = keep.as_mask(edges)
-    assert keep.dtype == torch.bool and keep.shape == (edges.num_edges, 3)  # a mask over the candidates: a subset by construction
+    assert keep.dtype == torch.bool and keep.shape == (
+        edges.num_edges,
+        3,
+    )  # a mask over the candidates: a subset by construction
     per_query = torch.zeros(edges.n_dst, 3, dtype=torch.long).index_add_(0, edges.dst, keep.long())
     assert (per_query >= 1).all()
     if spec.startswith("topk"):
@@ -153,7 +194,10 @@ def test_t5_buckets_match_the_reference_formula():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--pattern", "heads(local:w=8,topk:k=8)", "--heads", "3", "--dim", "33"], "splits the heads into 2 groups but the model has 3 heads"),
+        (
+            ["--pattern", "heads(local:w=8,topk:k=8)", "--heads", "3", "--dim", "33"],
+            "splits the heads into 2 groups but the model has 3 heads",
+        ),
         (["--pattern", "local+alibi", "--backend", "dgl-seed"], "backend 'dgl-seed' cannot apply score biases"),
         (["--pattern", "local+nope"], "unknown bias 'nope'; known biases: alibi, relbias"),
         (["--pattern", "local|topk:k=2"], "cannot be combined with '|'"),
@@ -162,9 +206,33 @@ def test_t5_buckets_match_the_reference_formula():
     ],
 )
 def test_bad_patterns_are_one_line(tmp_path, args, message):
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=16", "--set", "n_valid=4",
-                                      "--set", "n_test=4", "--epochs", "1", "--quiet", "--results", str(tmp_path), *args])
-    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "lm",
+            "--set",
+            "seq_len=64",
+            "--set",
+            "n_train=16",
+            "--set",
+            "n_valid=4",
+            "--set",
+            "n_test=4",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path),
+            *args,
+        ],
+    )
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -194,7 +262,9 @@ def test_specs_round_trip_and_list_their_groups():
         assert parse_pattern(canonical).spec == canonical
     p = parse_pattern("heads(bigbird:b=2,r=1,local:w=1)+alibi")
     assert [g.spec for g in p.heads] == ["bigbird:b=2,r=1,seed=0", "local:w=1"] and p.bias == ("alibi", ())
-    shown = CliRunner().invoke(cli, ["show-pattern", "heads(local:w=1,strided:l=3)", "--src-len", "6", "--tgt-len", "4"])
+    shown = CliRunner().invoke(
+        cli, ["show-pattern", "heads(local:w=1,strided:l=3)", "--src-len", "6", "--tgt-len", "4"]
+    )
     assert shown.exit_code == 0 and "head group 2 of 2: strided:l=3" in shown.output
 
 
@@ -203,9 +273,37 @@ def test_lm_trains_with_groups_biases_and_selection_and_checkpoints_the_learned_
     from gtx.experiments.results import load
 
     spec = "heads(local:w=4,topk:k=4)+relbias:buckets=8,max_distance=32"
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--set", "seq_len=64", "--set", "n_train=32",
-                                      "--set", "n_valid=8", "--set", "n_test=8", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1",
-                                      "--quiet", "--results", str(tmp_path)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "lm",
+            "--pattern",
+            spec,
+            "--set",
+            "seq_len=64",
+            "--set",
+            "n_train=32",
+            "--set",
+            "n_valid=8",
+            "--set",
+            "n_test=8",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "16",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     state = checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)
@@ -216,7 +314,8 @@ def test_lm_trains_with_groups_biases_and_selection_and_checkpoints_the_learned_
 
 
 def test_hook_register_biases(plugin_dir, tmp_path):
-    folder = plugin_dir(sinks='''
+    folder = plugin_dir(
+        sinks='''
         import torch
         from gtx import hookimpl
 
@@ -233,7 +332,8 @@ def test_hook_register_biases(plugin_dir, tmp_path):
         @hookimpl
         def register_biases(register):
             register("sinks", Sinks)
-    ''')
+    '''
+    )
     listed = CliRunner().invoke(cli, ["patterns", "--plugins-dir", str(folder)])
     assert "sinks" in listed.output and "n: int = 4" in listed.output
     pattern = parse_pattern("local:w=2+sinks:n=2")
@@ -249,9 +349,20 @@ def test_hook_register_biases(plugin_dir, tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (lambda e: KeySelection(torch.full((e.n_dst, 2, 1), 4), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "key 4 for query 0 in head 0"),
-        (lambda e: KeySelection(torch.zeros(e.n_dst, 2, 1), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)), "expected (5, 2, K) int64 or int32 / bool"),
-        (lambda e: BlockSelection(2, [5], torch.tensor([[[[0, 1], [1, 2], [2, 0]]] * 2]), torch.ones(1, 2, 3, 2, dtype=torch.bool)), "a later block"),
+        (
+            lambda e: KeySelection(torch.full((e.n_dst, 2, 1), 4), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)),
+            "key 4 for query 0 in head 0",
+        ),
+        (
+            lambda e: KeySelection(torch.zeros(e.n_dst, 2, 1), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)),
+            "expected (5, 2, K) int64 or int32 / bool",
+        ),
+        (
+            lambda e: BlockSelection(
+                2, [5], torch.tensor([[[[0, 1], [1, 2], [2, 0]]] * 2]), torch.ones(1, 2, 3, 2, dtype=torch.bool)
+            ),
+            "a later block",
+        ),
     ],
 )
 def test_a_selection_outside_its_causal_candidates_is_named(bad, message):

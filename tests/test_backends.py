@@ -103,7 +103,12 @@ def test_large_scores_are_stable():
 
 @pytest.mark.parametrize("block", [1, 4, 16, 64])
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**16), n_q=st.integers(1, 70), n_k=st.integers(1, 70), density=st.sampled_from([0.05, 0.5, 1.0]))
+@given(
+    seed=st.integers(0, 2**16),
+    n_q=st.integers(1, 70),
+    n_k=st.integers(1, 70),
+    density=st.sampled_from([0.05, 0.5, 1.0]),
+)
 def test_blocksparse_any_block_size(block, seed, n_q, n_k, density):
     from gtx.backends.blocksparse import BlockSparseBackend
 
@@ -163,7 +168,12 @@ def test_flex_is_unavailable_on_cpu_with_the_reason():
 
 
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**16), n_q=st.integers(1, 300), n_k=st.integers(1, 300), density=st.sampled_from([0.01, 0.3, 1.0]))
+@given(
+    seed=st.integers(0, 2**16),
+    n_q=st.integers(1, 300),
+    n_k=st.integers(1, 300),
+    density=st.sampled_from([0.01, 0.3, 1.0]),
+)
 def test_flex_block_mask_matches_dense_forward_on_cpu(seed, n_q, n_k, density):
     """The BlockMask built from edges is checked with FlexAttention's eager forward (no grad) on CPU."""
     import warnings
@@ -219,7 +229,9 @@ def test_unavailable_backend_says_why():
 
     BACKENDS.entries()["never"] = Entry("never", Never(), "test")
     try:
-        with pytest.raises(GtxError, match="backend 'never' is unavailable on cpu: needs a device this machine lacks; choose another"):
+        with pytest.raises(
+            GtxError, match="backend 'never' is unavailable on cpu: needs a device this machine lacks; choose another"
+        ):
             get_backend("never")
     finally:
         BACKENDS.entries().pop("never")
@@ -277,7 +289,11 @@ def plain_attention_sets():
         ("unequal-complete", unequal["ee"], "complete"),
         ("unequal-causal", unequal["dd"], "causal"),
         ("unequal-cross", unequal["ed"], "complete"),
-        ("no-lens-complete", EdgeSet(*reversed(torch.ones(11, 7).nonzero(as_tuple=True)), 7, 11), "complete"),  # one sample
+        (
+            "no-lens-complete",
+            EdgeSet(*reversed(torch.ones(11, 7).nonzero(as_tuple=True)), 7, 11),
+            "complete",
+        ),  # one sample
     ]
 
 
@@ -292,7 +308,9 @@ def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_w
 
     _, edges, structure = case
     monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
-    edges = EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)  # no plans yet
+    edges = EdgeSet(
+        edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens
+    )  # no plans yet
     assert flash.flash_structure(edges) == structure
     assert_matches_reference(get_backend(name), edges)
     if name == "auto":
@@ -315,7 +333,9 @@ def test_flash_matches_the_reference_on_batches(spec, src_lens, tgt_lens, call_w
     try:
         g = build_graph(parse_pattern(spec), src_lens, tgt_lens[: len(src_lens)])
         for stage, edges in g.edges.items():
-            causal = (stage == "dd" or spec == "causal" and stage == "ee") and max(edges.q_lens) > 1  # n=1: both, complete
+            causal = (stage == "dd" or spec == "causal" and stage == "ee") and max(
+                edges.q_lens
+            ) > 1  # n=1: both, complete
             assert flash.flash_structure(edges) == ("causal" if causal else "complete")
             assert_matches_reference(get_backend("dense"), edges, heads=2, dim=8, dim_v=8)
     finally:
@@ -343,14 +363,18 @@ def test_near_plain_attention_is_not_taken_for_it_and_stays_correct():
         _without(complete, 7, add=(7, 0)),  # the count of a complete batch, one edge across samples
         _without(causal, 4, add=(4, 1)),  # the count of a causal batch, one key after its query
         _without(causal, 4, add=(7, 3)),  # ... and one key of the next sample
-        _without(build_graph(parse_pattern("causal"), [6]).edges["ee"], 4, add=(4, 1)),  # one sequence, one key after its query
+        _without(
+            build_graph(parse_pattern("causal"), [6]).edges["ee"], 4, add=(4, 1)
+        ),  # one sequence, one key after its query
     ]
     for edges in near:
         assert flash_structure(edges) is None
         for name in ("dense", "auto"):
             assert_matches_reference(get_backend(name), edges)
         assert not get_backend("auto").choose(edges, 2, 4, torch.device("cpu")).startswith("flash")
-    duplicated = EdgeSet(complete.src.repeat_interleave(2)[:-2], complete.dst.repeat_interleave(2)[:-2], 12, 12, "ee", (12,), (12,))
+    duplicated = EdgeSet(
+        complete.src.repeat_interleave(2)[:-2], complete.dst.repeat_interleave(2)[:-2], 12, 12, "ee", (12,), (12,)
+    )
     assert duplicated.num_edges == 142 and flash_structure(duplicated) is None  # not unique: a count proves nothing
 
 
@@ -385,10 +409,17 @@ def test_buckets_cover_every_sample_once(causal):
     assert runs == sorted(runs) and runs[-1] == len(shapes) and 6 in runs  # 40 is never padded with the 9s
 
 
-@pytest.mark.parametrize("spec,stage,lens,structure", [
-    ("full", "ee", [5, 1, 3], "complete"), ("full", "dd", [4, 1, 6], "causal"), ("causal", "ee", [3, 3], "causal"),
-    ("full", "dd", [1, 1], "complete"), ("local:w=1", "dd", [4, 2], None), ("local:w=1", "dd", [2, 1], "causal"),
-])
+@pytest.mark.parametrize(
+    "spec,stage,lens,structure",
+    [
+        ("full", "ee", [5, 1, 3], "complete"),
+        ("full", "dd", [4, 1, 6], "causal"),
+        ("causal", "ee", [3, 3], "causal"),
+        ("full", "dd", [1, 1], "complete"),
+        ("local:w=1", "dd", [4, 2], None),
+        ("local:w=1", "dd", [2, 1], "causal"),
+    ],
+)
 def test_plain_attention_batches_know_their_structure_without_building_edges(spec, stage, lens, structure):
     from gtx.graph.tokens import batch_edges
 

@@ -21,22 +21,50 @@ from gtx.plugins.registry import MODELS
 
 
 def test_bench_attention_cli_writes_a_table(tmp_path):
-    result = CliRunner().invoke(cli, ["bench", "attention", "--pattern", "local:w=4", "--lengths", "96",
-                                      "--backends", "dense,auto", "--repeats", "1", "--no-plot",
-                                      "--format", "csv", "--results", str(tmp_path), "--device", "cpu"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "attention",
+            "--pattern",
+            "local:w=4",
+            "--lengths",
+            "96",
+            "--backends",
+            "dense,auto",
+            "--repeats",
+            "1",
+            "--no-plot",
+            "--format",
+            "csv",
+            "--results",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == 0, result.output
     files = list((tmp_path / "bench").glob("attention-*.csv"))
     df = pd.read_csv(files[0])
     assert list(df.columns) == bench.ATTENTION_COLUMNS and len(df) == 2
     assert df.ms.notna().all() and (df.edges > 0).all()
-    assert set(df[df.backend == "auto"].choice) <= {"dense", "blocksparse:16", "blocksparse:32", "blocksparse:64", "dgl", "torch"}
+    assert set(df[df.backend == "auto"].choice) <= {
+        "dense",
+        "blocksparse:16",
+        "blocksparse:32",
+        "blocksparse:64",
+        "dgl",
+        "torch",
+    }
 
 
 def test_bench_attention_measures_each_cells_own_peak_memory():
     # dense builds (n, n) scores per head: at 2048 tokens and 4 heads, 64 MB each for scores, weights and their gradients;
     # the window's blocks are a small fraction of that
     df = bench.bench_attention(["local:w=4"], [2048], ["dense", "auto"], repeats=1).set_index("backend")
-    assert df.peak_mem_mb["auto"] > 0 and df.peak_mem_mb["dense"] > 128 + df.peak_mem_mb["auto"]  # it read 0.0 for every backend
+    assert (
+        df.peak_mem_mb["auto"] > 0 and df.peak_mem_mb["dense"] > 128 + df.peak_mem_mb["auto"]
+    )  # it read 0.0 for every backend
 
 
 def test_bench_attention_has_a_plain_torch_sdpa_row():
@@ -47,18 +75,35 @@ def test_bench_attention_has_a_plain_torch_sdpa_row():
 
 def test_bench_attention_reports_a_failing_cell_instead_of_stopping():
     df = bench.bench_attention(["local:w=1"], [8], ["flex"], repeats=1)
-    assert df.ms.isna().all() and df.choice.iloc[0].startswith("error:") and "FlexAttention cannot train on CPU" in df.choice.iloc[0]
+    assert (
+        df.ms.isna().all()
+        and df.choice.iloc[0].startswith("error:")
+        and "FlexAttention cannot train on CPU" in df.choice.iloc[0]
+    )
 
 
 def test_bench_train_compares_backends_and_torch_transformer():
-    settings = {"n_train": "64", "n_valid": "8", "n_test": "8", "layers": "1", "dim": "16", "heads": "2", "dim_ff": "16", "batch_size": "16"}
-    df = bench.bench_train("copy", "transformer", "full", ["auto", "dgl-seed"], steps=2, warmup_steps=1, settings=settings, rounds=2)
+    settings = {
+        "n_train": "64",
+        "n_valid": "8",
+        "n_test": "8",
+        "layers": "1",
+        "dim": "16",
+        "heads": "2",
+        "dim_ff": "16",
+        "batch_size": "16",
+    }
+    df = bench.bench_train(
+        "copy", "transformer", "full", ["auto", "dgl-seed"], steps=2, warmup_steps=1, settings=settings, rounds=2
+    )
     assert list(df.columns) == bench.TRAIN_COLUMNS
     assert list(df.backend) == ["auto", "dgl-seed", "(no attention)", "torch.nn"] and (df.tokens_per_s > 0).all()
     assert (df.steps == 2).all() and (df.rounds == 2).all()
     assert json.loads(df.choice.iloc[0])  # auto's choices per stage
     assert df.attention_ms.iloc[2] == 0 and df.attention_ms.iloc[:2].notna().all() and df.attention_ms.isna().iloc[3]
-    assert df.vs_reference.iloc[3] == 1 and df.peak_mem_mb.isna().all()  # torch.nn.Transformer is the reference; memory off
+    assert (
+        df.vs_reference.iloc[3] == 1 and df.peak_mem_mb.isna().all()
+    )  # torch.nn.Transformer is the reference; memory off
     ut_settings = {**{k: v for k, v in settings.items() if k != "layers"}, "max_depth": "2"}
     ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
     assert list(ut.model) == ["ut", "ut", "ut[act=false]", "ut[act=false]"]
@@ -68,9 +113,29 @@ def test_bench_train_compares_backends_and_torch_transformer():
 
 def test_bench_train_cli_writes_a_table(tmp_path, monkeypatch):
     monkeypatch.setenv("GTX_CACHE", str(tmp_path / "cache"))
-    sets = [a for kv in ("n_train=32", "n_valid=8", "n_test=8", "layers=1", "dim=16", "heads=2", "dim_ff=16", "batch_size=16") for a in ("--set", kv)]
-    result = CliRunner().invoke(cli, ["bench", "train", "--backends", "auto", "--steps", "1", "--rounds", "1", "--no-baseline",
-                                      "--no-memory", "--results", str(tmp_path), *sets])
+    sets = [
+        a
+        for kv in ("n_train=32", "n_valid=8", "n_test=8", "layers=1", "dim=16", "heads=2", "dim_ff=16", "batch_size=16")
+        for a in ("--set", kv)
+    ]
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "train",
+            "--backends",
+            "auto",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+            "--no-baseline",
+            "--no-memory",
+            "--results",
+            str(tmp_path),
+            *sets,
+        ],
+    )
     assert result.exit_code == 0, result.output
     (path,) = (tmp_path / "bench").glob("train-*.csv")
     assert list(pd.read_csv(path).backend) == ["auto", "(no attention)"]
@@ -81,7 +146,15 @@ def tiny_text(tmp_path, context):
     rng = random.Random(0)
     path = tmp_path / "letters.txt"
     path.write_text("".join(rng.choice("abcdefghij \n") for _ in range(12_000)))
-    return {"data_file": str(path), "context": str(context), "batch_size": "4", "layers": "1", "dim": "16", "heads": "2", "dim_ff": "16"}
+    return {
+        "data_file": str(path),
+        "context": str(context),
+        "batch_size": "4",
+        "layers": "1",
+        "dim": "16",
+        "heads": "2",
+        "dim_ff": "16",
+    }
 
 
 class Letters(Task):
@@ -93,7 +166,9 @@ class Letters(Task):
         return {split: [(s, []) for s in seqs] for split in SPLITS}
 
 
-@pytest.mark.parametrize("spec, masked", [("causal", False), ("causal", True), ("full", False), ("local:w=2", True), ("strided:l=3", True)])
+@pytest.mark.parametrize(
+    "spec, masked", [("causal", False), ("causal", True), ("full", False), ("local:w=2", True), ("strided:l=3", True)]
+)
 def test_torch_lm_computes_gtx_lm_with_the_same_weights(spec, masked):
     """The plain-torch reference is the same model: gtx's lm weights load into it by name, and it
     gives the same logits (eval mode) on a batch of unequal lengths (padding) and of equal ones."""
@@ -114,23 +189,62 @@ def test_torch_lm_computes_gtx_lm_with_the_same_weights(spec, masked):
 def test_references_per_model():
     lm_config = MODELS.get("lm").config()
     lm, transformer, ut = (MODELS.get(m).obj for m in ("lm", "transformer", "ut"))  # each model declares its references
-    assert references(lm, lm_config, ["full", "local:w=4", "causal"]) == [(SDPA_CAUSAL, "causal"), (SDPA_MASK, "local:w=4")]
+    assert references(lm, lm_config, ["full", "local:w=4", "causal"]) == [
+        (SDPA_CAUSAL, "causal"),
+        (SDPA_MASK, "local:w=4"),
+    ]
     assert references(lm, MODELS.get("lm").config(universal=True), ["full"]) == []  # no ACT in plain torch
-    assert references(transformer, None, ["local:w=4"]) == [("torch.nn", "full")] and references(ut, None, ["full"]) == []
+    assert (
+        references(transformer, None, ["local:w=4"]) == [("torch.nn", "full")] and references(ut, None, ["full"]) == []
+    )
 
 
 def test_bench_train_cli_repeats_pattern_and_compares_lm_with_sdpa(tmp_path):
     sets = [a for kv in tiny_text(tmp_path, 32).items() for a in ("--set", "=".join(kv))]
-    result = CliRunner().invoke(cli, ["bench", "train", "--task", "text", "--model", "lm", "--pattern", "full", "--pattern", "local:w=2",
-                                      "--backends", "auto", "--steps", "2", "--rounds", "2", "--no-memory", "--format", "csv",
-                                      "--results", str(tmp_path), *sets])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "train",
+            "--task",
+            "text",
+            "--model",
+            "lm",
+            "--pattern",
+            "full",
+            "--pattern",
+            "local:w=2",
+            "--backends",
+            "auto",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--no-memory",
+            "--format",
+            "csv",
+            "--results",
+            str(tmp_path),
+            *sets,
+        ],
+    )
     assert result.exit_code == 0, result.output
     (path,) = (tmp_path / "bench").glob("train-*.csv")
     df = pd.read_csv(path)
     assert list(df.columns) == bench.TRAIN_COLUMNS
-    assert list(zip(df.pattern, df.backend)) == [("full", "auto"), ("local:w=2", "auto"), ("-", "(no attention)"),
-                                                 ("causal", "torch SDPA is_causal"), ("local:w=2", "torch SDPA bool mask")]
-    assert (df.model == "lm").all() and (df.tokens_per_s > 0).all() and (df.steps == 2).all() and df.peak_mem_mb.isna().all()
+    assert list(zip(df.pattern, df.backend)) == [
+        ("full", "auto"),
+        ("local:w=2", "auto"),
+        ("-", "(no attention)"),
+        ("causal", "torch SDPA is_causal"),
+        ("local:w=2", "torch SDPA bool mask"),
+    ]
+    assert (
+        (df.model == "lm").all()
+        and (df.tokens_per_s > 0).all()
+        and (df.steps == 2).all()
+        and df.peak_mem_mb.isna().all()
+    )
     ref, top = df.tokens_per_s.iloc[3], df.tokens_per_s.iloc[2]
     assert df.vs_reference.tolist() == pytest.approx((df.tokens_per_s / ref).tolist())
     share = (df.tokens_per_s - ref) / (top - ref) if top > ref else df.tokens_per_s * float("nan")
@@ -139,8 +253,19 @@ def test_bench_train_cli_repeats_pattern_and_compares_lm_with_sdpa(tmp_path):
 
 
 def test_bench_train_memory_pass_measures_each_row_in_a_fresh_process(tmp_path):
-    df = bench.bench_train("text", "lm", ["full"], ["dense"], steps=1, warmup_steps=0, settings=tiny_text(tmp_path, 256), rounds=1,
-                           bound=False, memory=True, memory_steps=2)
+    df = bench.bench_train(
+        "text",
+        "lm",
+        ["full"],
+        ["dense"],
+        steps=1,
+        warmup_steps=0,
+        settings=tiny_text(tmp_path, 256),
+        rounds=1,
+        bound=False,
+        memory=True,
+        memory_steps=2,
+    )
     assert list(df.backend) == ["dense", SDPA_CAUSAL]
     mem = df.set_index("backend").peak_mem_mb
     # each row is measured in its own process, above that process's baseline: a few MB at this size, whose ratio is noise
@@ -160,7 +285,9 @@ def test_skip_attention_has_the_output_shape_and_sends_gradients_to_q_k_v():
 def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     from gtx.backends import auto
 
-    monkeypatch.setattr(bench, "CALIBRATION_SUITE", [("local:w=2", [64]), ("full", [48]), ("local:w=4", [200]), ("full", [8] * 20)])
+    monkeypatch.setattr(
+        bench, "CALIBRATION_SUITE", [("local:w=2", [64]), ("full", [48]), ("local:w=4", [200]), ("full", [8] * 20)]
+    )
     fitted = bench.calibrate("cpu", heads=2, head_dim=8, repeats=1)
     assert {"dense", "blocksparse:32", "dgl", "torch"} <= set(fitted)
     assert auto.costs("cpu")["dense"] == tuple(fitted["dense"])
@@ -184,8 +311,30 @@ def test_auto_chooses_flash_for_plain_attention_and_blocks_for_long_local():
 def test_runs_record_the_auto_plan(tmp_path):
     from gtx.experiments.results import load
 
-    args = ["run", "--epochs", "1", "--results", str(tmp_path), "--quiet", "--dim", "16", "--heads", "2", "--dim-ff", "16",
-            "--layers", "1", "--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8", "--pattern", "local:w=1"]
+    args = [
+        "run",
+        "--epochs",
+        "1",
+        "--results",
+        str(tmp_path),
+        "--quiet",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--layers",
+        "1",
+        "--set",
+        "n_train=32",
+        "--set",
+        "n_valid=8",
+        "--set",
+        "n_test=8",
+        "--pattern",
+        "local:w=1",
+    ]
     assert CliRunner().invoke(cli, args).exit_code == 0
     df = load(tmp_path)
     plans = [json.loads(p) for p in df.backend_plan]

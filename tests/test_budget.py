@@ -26,11 +26,22 @@ load_plugins()
 
 #: per registered pattern, specs that choose something at a dozen tokens
 SPECS = {
-    "full": ["full"], "causal": ["causal"], "local": ["local:w=2", "local:w=3+alibi"], "strided": ["strided:l=3"],
-    "dilated": ["dilated:w=2,d=2"], "fixed": ["fixed:l=4,c=1"], "longformer": ["longformer:w=2,g=1"], "bigbird": ["bigbird:b=2,r=1"],
-    "bipartite": ["bipartite"], "act": ["act(local:w=2)"], "heads": ["heads(local:w=1,strided:l=3)", "heads(local:w=2,topk:k=3)"],
-    "topk": ["topk:k=3", "topk(local:w=5):k=2"], "lsh": ["lsh:buckets=4"], "moba": ["moba:b=3,k=2", "moba:b=3,k=2,gate=block"],
-    "nsa": ["nsa:l=4,d=2,s=4,n=4,w=3", "nsa:l=4,d=4,s=2,n=4,w=2,phi=mean"], "dsa": ["dsa:k=3,warmup=0", "dsa:k=3", "dsa:k=6,b=3,warmup=0"],
+    "full": ["full"],
+    "causal": ["causal"],
+    "local": ["local:w=2", "local:w=3+alibi"],
+    "strided": ["strided:l=3"],
+    "dilated": ["dilated:w=2,d=2"],
+    "fixed": ["fixed:l=4,c=1"],
+    "longformer": ["longformer:w=2,g=1"],
+    "bigbird": ["bigbird:b=2,r=1"],
+    "bipartite": ["bipartite"],
+    "act": ["act(local:w=2)"],
+    "heads": ["heads(local:w=1,strided:l=3)", "heads(local:w=2,topk:k=3)"],
+    "topk": ["topk:k=3", "topk(local:w=5):k=2"],
+    "lsh": ["lsh:buckets=4"],
+    "moba": ["moba:b=3,k=2", "moba:b=3,k=2,gate=block"],
+    "nsa": ["nsa:l=4,d=2,s=4,n=4,w=3", "nsa:l=4,d=4,s=2,n=4,w=2,phi=mean"],
+    "dsa": ["dsa:k=3,warmup=0", "dsa:k=3", "dsa:k=6,b=3,warmup=0"],
 }
 SMALL = {"dim": "32", "heads": "2", "dim_ff": "16"}  # head_dim 16: each sample's keys fit one-hot
 FEW = {"n_train": "8", "n_valid": "2", "n_test": "2"}
@@ -39,7 +50,10 @@ COPY = {"mean_len": "6", "std_len": "3", **FEW}
 MODELS = {
     "lm": ("recall", RECALL),
     "lm universal": ("recall", {**RECALL, "universal": "true", "max_depth": "3"}),
-    "encoder": ("listops", {"layers": "2", "form": "classify", "task.min_len": "4", "task.max_len": "14", "task.max_depth": "2", **FEW}),
+    "encoder": (
+        "listops",
+        {"layers": "2", "form": "classify", "task.min_len": "4", "task.max_len": "14", "task.max_depth": "2", **FEW},
+    ),
     "transformer": ("copy", {"layers": "1", **COPY}),
     "ut": ("copy", {"max_depth": "3", **COPY}),
 }
@@ -58,11 +72,18 @@ def _oracle(forward, seen):
         root = edges.root
         q_lens, k_lens = (torch.as_tensor(x) for x in root.sample_lens())
         k_pos = positions(k_lens)
-        assert int(k_lens.max()) <= v.shape[2], "a sample longer than the head dimension: make the test's samples shorter"
+        assert int(k_lens.max()) <= v.shape[2], (
+            "a sample longer than the head dimension: make the test's samples shorter"
+        )
         one_hot = torch.zeros_like(v)
         one_hot[torch.arange(len(k_pos)), :, k_pos] = 1.0
         module = trainable if trainable is not None else self.trainable
-        nsa = edges.pattern is not None and edges.pattern.trainable is not None and hasattr(module, "phi_k") or hasattr(module, "compress")
+        nsa = (
+            edges.pattern is not None
+            and edges.pattern.trainable is not None
+            and hasattr(module, "phi_k")
+            or hasattr(module, "compress")
+        )
         gate = None
         if nsa and edges.stage in module.stages:  # the compressed branch off: its values mix tokens
             gate = (module.gate.weight.data.clone(), module.gate.bias.data.clone())
@@ -99,7 +120,11 @@ def test_recorded_keys_are_the_keys_the_attention_weights_read(kind, monkeypatch
     for specs in SPECS.values():
         for spec in specs:
             try:
-                r = resolve(RunConfig(task=task, model=model_name, pattern=spec, backend="dense", settings={**SMALL, **settings}))
+                r = resolve(
+                    RunConfig(
+                        task=task, model=model_name, pattern=spec, backend="dense", settings={**SMALL, **settings}
+                    )
+                )
             except GtxError as e:  # a pattern this model refuses (nsa and dsa attend in dd alone): nothing runs
                 assert "attends in dd only" in str(e) and model_name == "encoder", (spec, str(e))
                 continue
@@ -121,8 +146,32 @@ def test_recorded_keys_are_the_keys_the_attention_weights_read(kind, monkeypatch
     assert checked >= 12
 
 
-TINY_RECALL = ["--task", "recall", "--model", "lm", "--set", "seq_len=32", "--set", "n_pairs=2", "--set", "n_train=24", "--set", "n_valid=4",
-               "--set", "n_test=4", "--epochs", "1", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "12"]
+TINY_RECALL = [
+    "--task",
+    "recall",
+    "--model",
+    "lm",
+    "--set",
+    "seq_len=32",
+    "--set",
+    "n_pairs=2",
+    "--set",
+    "n_train=24",
+    "--set",
+    "n_valid=4",
+    "--set",
+    "n_test=4",
+    "--epochs",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--batch-size",
+    "12",
+]
 
 
 def _run(tmp_path, *args):
@@ -153,12 +202,17 @@ def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_sta
     sparse = _run(tmp_path, "--pattern", "dsa:k=8,warmup=0")
     assert "full attention" not in sparse.output and "note:" not in sparse.output, sparse.output
     run_id = load(tmp_path).run_id.iloc[0]
-    again = CliRunner().invoke(cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)])  # the spec's warm-up is 100 steps
+    again = CliRunner().invoke(
+        cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)]
+    )  # the spec's warm-up is 100 steps
     assert again.exit_code == 0 and "(sparse stage, indexer trained 2 steps)" in again.output, again.output
     evaluated = load(tmp_path).query("eval_of == @run_id")
     assert (evaluated.edges_per_query_dd <= 8).all() and evaluated.pattern.str.contains("warmup=100").all()
     dense = _run(tmp_path / "warm", "--pattern", "dsa:k=8")
-    assert "full attention" not in dense.output and "it ran in its dense warm-up stage, indexer trained 2 steps" in dense.output, dense.output
+    assert (
+        "full attention" not in dense.output
+        and "it ran in its dense warm-up stage, indexer trained 2 steps" in dense.output
+    ), dense.output
 
 
 def test_nsa_counts_a_key_both_branches_read_once(tmp_path):
@@ -168,22 +222,39 @@ def test_nsa_counts_a_key_both_branches_read_once(tmp_path):
     rows = load(tmp_path)
     assert (rows.density <= 1).all() and (rows.density > 0.5).all()
     kept = [json.loads(m) for m in rows.metrics]
-    assert all(row.edges_per_query_dd < m["kept_compressed"] + m["kept_selected"] + m["kept_window"] for row, m in zip(rows.itertuples(), kept))
+    assert all(
+        row.edges_per_query_dd < m["kept_compressed"] + m["kept_selected"] + m["kept_window"]
+        for row, m in zip(rows.itertuples(), kept)
+    )
 
 
 def test_the_note_judges_head_groups_and_chosen_keys_by_what_they_read(tmp_path):
     full = _run(tmp_path, "--pattern", "heads(causal,full)")
-    assert "read (nearly) every key its queries could see in epoch 1's train phase (density dd 1.000)" in full.output, full.output
+    assert "read (nearly) every key its queries could see in epoch 1's train phase (density dd 1.000)" in full.output, (
+        full.output
+    )
     half = _run(tmp_path, "--pattern", "heads(local:w=1,full)")
     assert "note:" not in half.output, half.output
 
 
-@pytest.mark.parametrize("spec", ["moba:b=8,k=2", "moba:b=8,k=2,gate=block", "dsa:k=8,warmup=0", "topk:k=8", "lsh:buckets=8", "nsa:l=16,d=8,s=16,w=16"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "moba:b=8,k=2",
+        "moba:b=8,k=2,gate=block",
+        "dsa:k=8,warmup=0",
+        "topk:k=8",
+        "lsh:buckets=8",
+        "nsa:l=16,d=8,s=16,w=16",
+    ],
+)
 def test_bench_attention_times_the_method_and_counts_its_keys_as_runs_do(spec):
     from gtx.measure.bench import AttentionCell, run_attention_cell
 
     row = run_attention_cell(AttentionCell(spec, 256, "auto", repeats=1, warmup=0))
-    assert "flash-complete" not in row["choice"] and row["choice"].startswith("dd: " if spec[:3] in ("mob", "dsa", "nsa") else "ee: ")
+    assert "flash-complete" not in row["choice"] and row["choice"].startswith(
+        "dd: " if spec[:3] in ("mob", "dsa", "nsa") else "ee: "
+    )
     assert row["density"] < 0.5 and abs(row["edges"] - row["keys_per_query"] * 256) <= 0.5
     if not spec.startswith(("lsh", "nsa")):
         assert row["keys_per_query"] <= 20

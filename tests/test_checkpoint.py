@@ -17,8 +17,27 @@ from gtx.cli import cli
 from gtx.experiments import checkpoint
 from gtx.experiments.results import load
 
-TINY = ["--set", "n_train=64", "--set", "n_valid=16", "--set", "n_test=16", "--set", "mean_len=5", "--layers", "1",
-        "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]
+TINY = [
+    "--set",
+    "n_train=64",
+    "--set",
+    "n_valid=16",
+    "--set",
+    "n_test=16",
+    "--set",
+    "mean_len=5",
+    "--layers",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--batch-size",
+    "8",
+    "--quiet",
+]
 FIGURES = ["epoch", "split", "loss", "token_acc", "seq_acc"]
 
 
@@ -78,7 +97,13 @@ def test_ctrl_c_keeps_what_is_done_and_resume_reproduces_the_uninterrupted_run(r
 
 def test_sigkill_after_epoch_2_then_resume_gives_the_same_figures(reference, tmp_path):
     cmd = [sys.executable, "-m", "gtx.cli", "run", "--epochs", "4", "--seed", "3", "--results", str(tmp_path), *TINY]
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     runs = tmp_path / "runs"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -113,7 +138,11 @@ def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp
     assert other.exit_code == 0, other.output
     assert "evaluated under local:w=1 on valid" in other.output
     row = load(results).iloc[0]
-    assert row.pattern == "local:w=1" and json.loads(row.config)["trained_pattern"] == "full" and row.edges_per_query_ee < 3
+    assert (
+        row.pattern == "local:w=1"
+        and json.loads(row.config)["trained_pattern"] == "full"
+        and row.edges_per_query_ee < 3
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,17 +200,24 @@ def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
     empty = gtx("run", "--resume", "", "--results", reference)
     assert empty.exit_code == 2 and "--resume needs a run id" in empty.output
     settings = gtx("run", "--resume", run_id, "--results", reference, "--set", "dim=8", "--epochs", "2")
-    assert settings.exit_code == 2 and "continues the run with its own settings; drop --epochs, --set" in settings.output
+    assert (
+        settings.exit_code == 2 and "continues the run with its own settings; drop --epochs, --set" in settings.output
+    )
     assert sorted(p.read_bytes() for p in reference.rglob("*.csv")) == before
 
 
 def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_path):
     source = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST
     state = checkpoint.load(source)
-    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])  # unfinished, so resumable
+    state["rows"] = json.dumps(
+        [r for r in checkpoint.rows_of(state) if r["split"] != "test"]
+    )  # unfinished, so resumable
     checkpoint.save(checkpoint.checkpoint_dir(tmp_path, "other-run") / checkpoint.LAST, state)
     result = gtx("run", "--resume", "other-run", "--results", tmp_path)
-    assert result.exit_code == 2 and f"is a checkpoint of run {json.loads(state['common'])['run_id']}, not of other-run" in result.output
+    assert (
+        result.exit_code == 2
+        and f"is a checkpoint of run {json.loads(state['common'])['run_id']}, not of other-run" in result.output
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -210,7 +246,10 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
     monkeypatch.setattr(train.F, "cross_entropy", nan_from_step_10)
     result = gtx("run", "--epochs", 3, "--results", tmp_path, *TINY)  # 8 steps per epoch: step 10 is in epoch 2
     assert result.exit_code == 2, result.output
-    assert "training loss is nan at epoch 2, step 10" in result.output and "epochs up to 1 and their checkpoint are kept" in result.output
+    assert (
+        "training loss is nan at epoch 2, step 10" in result.output
+        and "epochs up to 1 and their checkpoint are kept" in result.output
+    )
     df = load(tmp_path)
     assert sorted(df.epoch) == [1, 1]
     assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
@@ -223,11 +262,17 @@ def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
     evaluated = gtx("eval", tail, "--results", reference, "--split", "valid")
     assert evaluated.exit_code == 0, evaluated.output
     assert f"run {run_id} (trained with full)" in evaluated.output
-    resumed = gtx("run", "--resume", tail, "--results", reference)  # resolved: then refused for being finished, not for its name
+    resumed = gtx(
+        "run", "--resume", tail, "--results", reference
+    )  # resolved: then refused for being finished, not for its name
     assert resumed.exit_code == 2 and f"--resume {run_id}: that run is finished" in resumed.output
     drawn = gtx("plot", "attention", tail, "--results", reference, "-o", tmp_path / "a.png")
     assert drawn.exit_code == 0 and (tmp_path / "a.png").is_file(), drawn.output
     assert gtx("show", tail, "--results", reference).output.startswith(f"run         {run_id}")
     ambiguous = gtx("eval", run_id[:4], "--results", reference)  # the eval above is another run of the same year
-    assert ambiguous.exit_code == 2 and ambiguous.output.count("\n") == 1 and "is ambiguous: it matches" in ambiguous.output
+    assert (
+        ambiguous.exit_code == 2
+        and ambiguous.output.count("\n") == 1
+        and "is ambiguous: it matches" in ambiguous.output
+    )
     assert run_id in ambiguous.output  # the candidates are listed

@@ -27,7 +27,9 @@ def tensors(draw, max_dim=2):
 
 anything = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=3), tensors()),
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner), st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner, inner), st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -100,7 +102,8 @@ def test_model_outputs_are_accepted_or_named(logits, aux):
 
 
 BAD_PLUGINS = {
-    "float edges": ('''
+    "float edges": (
+        '''
         import torch
         from gtx import hookimpl
         from gtx.graph.pattern import Pattern
@@ -113,8 +116,12 @@ BAD_PLUGINS = {
         @hookimpl
         def register_patterns(register):
             register("floaty", floaty)
-    ''', ["--pattern", "floaty"], "pattern 'floaty' (ee edges for n_q="),
-    "string metric": ('''
+    ''',
+        ["--pattern", "floaty"],
+        "pattern 'floaty' (ee edges for n_q=",
+    ),
+    "string metric": (
+        '''
         from gtx import hookimpl
         from gtx.plugins.registry import TASKS
 
@@ -128,8 +135,12 @@ BAD_PLUGINS = {
         @hookimpl
         def register_tasks(register):
             register("chatty", Chatty, config=COPY.config)
-    ''', ["--task", "chatty"], "task 'chatty' phase_metrics: metric 'mood' is 'good'"),
-    "wrong logits": ('''
+    ''',
+        ["--task", "chatty"],
+        "task 'chatty' phase_metrics: metric 'mood' is 'good'",
+    ),
+    "wrong logits": (
+        '''
         import torch
         from gtx import hookimpl
         from gtx.attention.model import Output
@@ -146,8 +157,12 @@ BAD_PLUGINS = {
         @hookimpl
         def register_models(register):
             register("short", Short, config=TRANSFORMER.config)
-    ''', ["--model", "short"], "model 'short' ("),
-    "model raises": ('''
+    ''',
+        ["--model", "short"],
+        "model 'short' (",
+    ),
+    "model raises": (
+        '''
         from gtx import hookimpl
         from gtx.plugins.registry import MODELS
 
@@ -161,7 +176,10 @@ BAD_PLUGINS = {
         @hookimpl
         def register_models(register):
             register("broken", Broken, config=TRANSFORMER.config)
-    ''', ["--model", "broken"], "raised while being built: KeyError"),
+    ''',
+        ["--model", "broken"],
+        "raised while being built: KeyError",
+    ),
 }
 
 
@@ -169,8 +187,30 @@ BAD_PLUGINS = {
 def test_a_bad_plugin_return_is_one_line_naming_the_plugin(case, plugin_dir, tmp_path):
     source, args, message = BAD_PLUGINS[case]
     folder = plugin_dir(bad=source)
-    result = CliRunner().invoke(cli, ["run", "--plugins-dir", str(folder), *args, "--results", str(tmp_path), "--epochs", "1", "--quiet",
-                                      "--set", "n_train=16", "--set", "n_valid=4", "--set", "n_test=4", "--dim", "16", "--heads", "2"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--plugins-dir",
+            str(folder),
+            *args,
+            "--results",
+            str(tmp_path),
+            "--epochs",
+            "1",
+            "--quiet",
+            "--set",
+            "n_train=16",
+            "--set",
+            "n_valid=4",
+            "--set",
+            "n_test=4",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()

@@ -111,9 +111,13 @@ def test_warnings_reach_the_user_as_one_line_without_a_source_path(tmp_path):
 
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "bad.csv").write_text("garbage,x\n")
-    out = subprocess.run([sys.executable, "-m", "gtx.cli", "compare", "--results", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "gtx.cli", "compare", "--results", str(tmp_path)], capture_output=True, text=True
+    )
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and lines[0].startswith(f"warning: skipping {tmp_path / 'runs' / 'bad.csv'}: results do not match the schema")
+    assert out.returncode == 2 and lines[0].startswith(
+        f"warning: skipping {tmp_path / 'runs' / 'bad.csv'}: results do not match the schema"
+    )
     assert len(lines) == 2 and lines[1].startswith("Error: no runs under") and ".py:" not in out.stderr
 
 
@@ -135,16 +139,27 @@ def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
     for t in (3, 11, 12, 25, 40):  # a batch finishes at each of these seconds
         now[0] = t
         tick()
-    assert lines == ["epoch 1/4: 2/5 batches, 11 s", "epoch 1/4: 4/5 batches, 25 s"]  # none for the last: the phase's own line follows
+    assert lines == [
+        "epoch 1/4: 2/5 batches, 11 s",
+        "epoch 1/4: 4/5 batches, 25 s",
+    ]  # none for the last: the phase's own line follows
 
 
-@pytest.mark.parametrize("args, message", [
-    (["bench", "prefill", "--lengths", "abc"], "'abc' is not a length"),
-    (["bench", "attention", "--lengths", "64,64"], "a length named twice"),
-    (["bench", "attention", "--lengths", "0"], "'0' is not a length"),
-    (["generate", "--set", "path=x", "--prompt", "caf\udce9"], "--prompt is not UTF-8 text (byte b'\\xe9' at position 3)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "prefill", "--lengths", "abc"], "'abc' is not a length"),
+        (["bench", "attention", "--lengths", "64,64"], "a length named twice"),
+        (["bench", "attention", "--lengths", "0"], "'0' is not a length"),
+        (
+            ["generate", "--set", "path=x", "--prompt", "caf\udce9"],
+            "--prompt is not UTF-8 text (byte b'\\xe9' at position 3)",
+        ),
+    ],
+)
 def test_bad_lengths_and_a_prompt_that_is_not_utf8_are_one_line(args, message):
     result = CliRunner().invoke(cli, args)
-    said = [line for line in result.output.strip().splitlines() if not line.startswith("warning: load average")]  # a busy machine's note
+    said = [
+        line for line in result.output.strip().splitlines() if not line.startswith("warning: load average")
+    ]  # a busy machine's note
     assert result.exit_code == 2 and len(said) == 1 and message in said[0], result.output

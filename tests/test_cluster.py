@@ -20,33 +20,86 @@ submitit = pytest.importorskip("submitit")  # the test extra installs it; CI alw
 
 
 def test_executor_options_parse_numbers_and_flags():
-    assert cluster.executor_options(["timeout_min=60", "mem_gb=1.5", "slurm_partition=dev", "stderr_to_stdout=true"]) == {
-        "timeout_min": 60, "mem_gb": 1.5, "slurm_partition": "dev", "stderr_to_stdout": True}
+    assert cluster.executor_options(
+        ["timeout_min=60", "mem_gb=1.5", "slurm_partition=dev", "stderr_to_stdout=true"]
+    ) == {"timeout_min": 60, "mem_gb": 1.5, "slurm_partition": "dev", "stderr_to_stdout": True}
     with pytest.raises(GtxError, match="write key=value"):
         cluster.executor_options(["timeout_min"])
 
 
 def test_without_submitit_one_line_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "submitit", None)  # import submitit now raises ModuleNotFoundError
-    result = CliRunner().invoke(cli, ["sweep", "--task", "copy", "--epochs", "1", "--launcher", "submitit", "--results", str(tmp_path / "r")])
-    assert result.exit_code == 2 and "pip install 'gtx[cluster]'" in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(
+        cli, ["sweep", "--task", "copy", "--epochs", "1", "--launcher", "submitit", "--results", str(tmp_path / "r")]
+    )
+    assert (
+        result.exit_code == 2
+        and "pip install 'gtx[cluster]'" in result.output
+        and len(result.output.strip().splitlines()) == 1
+    )
     assert not (tmp_path / "r" / "runs").exists()
 
 
-@pytest.mark.parametrize("opt, match", [("bogus=1", "need to be prefixed by an executor name"), ("timeout_min=soon", "timeout_min"),
-                                        ("cluster=nowhere", "nowhere")])
+@pytest.mark.parametrize(
+    "opt, match",
+    [
+        ("bogus=1", "need to be prefixed by an executor name"),
+        ("timeout_min=soon", "timeout_min"),
+        ("cluster=nowhere", "nowhere"),
+    ],
+)
 def test_refused_executor_options_start_nothing(tmp_path, opt, match):
-    result = CliRunner().invoke(cli, ["sweep", "--task", "copy", "--epochs", "1", "--launcher", "submitit", "--executor-opt", "cluster=local",
-                                      "--executor-opt", opt, "--results", str(tmp_path / "r")])
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            "--task",
+            "copy",
+            "--epochs",
+            "1",
+            "--launcher",
+            "submitit",
+            "--executor-opt",
+            "cluster=local",
+            "--executor-opt",
+            opt,
+            "--results",
+            str(tmp_path / "r"),
+        ],
+    )
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "r" / "runs").exists()
 
 
 def test_a_submitit_frontier_gives_the_local_frontiers_table(tmp_path):
-    study = [*RECALL, "--family", "local:w=4", "--lengths", "16,32", "--seeds", "0", "--quiet"]  # 2 patterns x 2 lengths
+    study = [
+        *RECALL,
+        "--family",
+        "local:w=4",
+        "--lengths",
+        "16,32",
+        "--seeds",
+        "0",
+        "--quiet",
+    ]  # 2 patterns x 2 lengths
     local = CliRunner().invoke(cli, ["frontier", *study, "-j", "2", "--results", str(tmp_path / "local")])
-    jobs = CliRunner().invoke(cli, ["frontier", *study, "--launcher", "submitit", "--executor-opt", "cluster=local",
-                                    "--executor-opt", "timeout_min=10", "--results", str(tmp_path / "jobs")])
+    jobs = CliRunner().invoke(
+        cli,
+        [
+            "frontier",
+            *study,
+            "--launcher",
+            "submitit",
+            "--executor-opt",
+            "cluster=local",
+            "--executor-opt",
+            "timeout_min=10",
+            "--results",
+            str(tmp_path / "jobs"),
+        ],
+    )
     assert local.exit_code == 0 and jobs.exit_code == 0, local.output + jobs.output
     assert "4 cells: 4 done" in jobs.output and list((tmp_path / "jobs" / "sweeps").glob("*/submitit/*_log.out"))
     tables = [science(r.output.split("sweep ")[-1].split("\n", 1)[1]) for r in (local, jobs)]
@@ -68,8 +121,23 @@ def children(pid: int) -> list[int]:
 
 def test_a_preempted_cell_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     res = tmp_path / "res"
-    settings = {"n_pairs": "2", "queries_per_key": "1", "n_keys": "4", "n_values": "4", "n_train": "400", "n_valid": "8", "n_test": "8",
-                "train_min_len": "0", "seq_len": "32", "dim": "16", "heads": "2", "dim_ff": "16", "layers": "1", "batch_size": "8", "epochs": "20"}
+    settings = {
+        "n_pairs": "2",
+        "queries_per_key": "1",
+        "n_keys": "4",
+        "n_values": "4",
+        "n_train": "400",
+        "n_valid": "8",
+        "n_test": "8",
+        "train_min_len": "0",
+        "seq_len": "32",
+        "dim": "16",
+        "heads": "2",
+        "dim_ff": "16",
+        "layers": "1",
+        "batch_size": "8",
+        "epochs": "20",
+    }
     grid = sw.make_grid(task=["recall"], model=["lm"], settings={k: [v] for k, v in settings.items()})
     (cell,) = sw.plan(grid, res)
     executor = cluster.make_executor(tmp_path / "jobs", {"cluster": "local", "timeout_min": 10})
@@ -78,7 +146,9 @@ def test_a_preempted_cell_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     while time.monotonic() < deadline and not list((res / "checkpoints").glob("*/last.pt")):
         time.sleep(0.1)
     time.sleep(0.5)  # into a later epoch: the checkpoint is behind the run
-    for task in children(job._process.pid):  # the job's task (its controller's child) gets Slurm's preemption signal, USR2
+    for task in children(
+        job._process.pid
+    ):  # the job's task (its controller's child) gets Slurm's preemption signal, USR2
         os.kill(task, signal.SIGUSR2)  # submitit calls CellJob.checkpoint and requeues the job
     assert job.result() == 0
     df = load(res)

@@ -24,15 +24,38 @@ from gtx.plugins.registry import BACKENDS
 
 # GTX_CUDA_TEST_DEVICE=cpu runs the same checks on the CPU: how the suite itself is checked without a GPU.
 CUDA = torch.device(os.environ.get("GTX_CUDA_TEST_DEVICE", "cuda"))
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 LENS = (37, 130, 200)  # a mixed batch: several blocks of 16 to 128, a sample shorter than one
 # Fixed patterns: their edges do not depend on the inputs, so every backend runs them.
-FIXED = ["full", "causal", "local:w=16", "dilated:w=4,d=3", "strided:l=8", "fixed:l=16,c=2", "bigbird:b=16,r=1", "longformer:w=4,g=2",
-         "local:w=8|strided:l=16", "heads(local:w=4,full)", "local:w=8+alibi", "causal+relbias"]
+FIXED = [
+    "full",
+    "causal",
+    "local:w=16",
+    "dilated:w=4,d=3",
+    "strided:l=8",
+    "fixed:l=16,c=2",
+    "bigbird:b=16,r=1",
+    "longformer:w=4,g=2",
+    "local:w=8|strided:l=16",
+    "heads(local:w=4,full)",
+    "local:w=8+alibi",
+    "causal+relbias",
+]
 # Content-chosen and trainable patterns: their choice reads q and k; they run on gtx's own paths.
-CHOSEN = ["topk:k=8", "lsh(full)", "moba:b=16,k=2", "moba:b=16,k=2,gate=block", "nsa:l=8,d=4,s=16,n=4,w=16",
-          "dsa:k=8,warmup=0", "dsa:k=32,warmup=0,b=16", "topk(local:w=32):k=4"]
+CHOSEN = [
+    "topk:k=8",
+    "lsh(full)",
+    "moba:b=16,k=2",
+    "moba:b=16,k=2,gate=block",
+    "nsa:l=8,d=4,s=16,n=4,w=16",
+    "dsa:k=8,warmup=0",
+    "dsa:k=32,warmup=0,b=16",
+    "topk(local:w=32):k=4",
+]
 _rows: list[dict] = []
 
 
@@ -62,7 +85,9 @@ def report(**row) -> None:
 def outputs_and_grads(attention: Attention, q, k, v, edges, weights, inputs):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = attention(q, k, v, edges, inputs=inputs)
-    grads = torch.autograd.grad((out.float() * weights).sum(), [q, k, v, *attention.parameters()], materialize_grads=True)
+    grads = torch.autograd.grad(
+        (out.float() * weights).sum(), [q, k, v, *attention.parameters()], materialize_grads=True
+    )
     return [out, *grads]
 
 
@@ -83,15 +108,31 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
     want = outputs_and_grads(reference, q, k, v, edges, weights, inputs)
     attention = Attention(get_backend(backend, CUDA), p, heads, dim).to(CUDA)
     attention.load_state_dict(reference.state_dict())
-    got = outputs_and_grads(attention, *(x.to(CUDA, dtype) for x in (q, k, v)), edges.to(CUDA), weights.to(CUDA), inputs.to(CUDA, dtype))
+    got = outputs_and_grads(
+        attention, *(x.to(CUDA, dtype) for x in (q, k, v)), edges.to(CUDA), weights.to(CUDA), inputs.to(CUDA, dtype)
+    )
     names = ["out", "dq", "dk", "dv", *(n for n, _ in reference.named_parameters())]
     errors = {name: rel_error(a, b) for name, a, b in zip(names, got, want)}
     for name, err in errors.items():
-        report(pattern=spec, stage=stage, backend=backend, dtype=str(dtype).removeprefix("torch."), what=name, rel_error=f"{err:.3e}")
+        report(
+            pattern=spec,
+            stage=stage,
+            backend=backend,
+            dtype=str(dtype).removeprefix("torch."),
+            what=name,
+            rel_error=f"{err:.3e}",
+        )
     worst = max(errors, key=errors.get)
-    off = ((got[0].float().cpu() - want[0]).norm(dim=-1) > TOLERANCE[dtype] * want[0].norm(dim=-1)).any(-1).nonzero().flatten()
-    assert errors[worst] <= TOLERANCE[dtype], (f"{spec} {stage} {backend} {dtype}: {worst} off by {errors[worst]:.2e} (relative norm); "
-                                               f"{len(off)} of {len(want[0])} queries' outputs differ, first {off[:8].tolist()}")
+    off = (
+        ((got[0].float().cpu() - want[0]).norm(dim=-1) > TOLERANCE[dtype] * want[0].norm(dim=-1))
+        .any(-1)
+        .nonzero()
+        .flatten()
+    )
+    assert errors[worst] <= TOLERANCE[dtype], (
+        f"{spec} {stage} {backend} {dtype}: {worst} off by {errors[worst]:.2e} (relative norm); "
+        f"{len(off)} of {len(want[0])} queries' outputs differ, first {off[:8].tolist()}"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -99,7 +140,9 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
 def test_every_backend_equals_dense_on_fixed_patterns(spec, dtype):
     for stage in ("ee", "dd"):
         for backend in backends_on_cuda():
-            if parse_pattern(spec).bias is None or BACKENDS.get(backend).obj.supports_bias:  # the others refuse biases in one line
+            if (
+                parse_pattern(spec).bias is None or BACKENDS.get(backend).obj.supports_bias
+            ):  # the others refuse biases in one line
                 compare(spec, stage, backend, dtype)
 
 
@@ -125,11 +168,23 @@ MODELS = {
     "ut": ("copy", ["--set", "mean_len=40", "--set", "max_depth=3"]),
     "hf": ("recall", ["--set", "seq_len=160", "--set", "n_pairs=4", "--set", "layers=2"]),
 }
-METHODS = ["local:w=16", "moba:b=16,k=2", "moba:b=16,k=2,gate=block", "nsa:l=8,d=4,s=16,n=4,w=16", "dsa:k=8,warmup=1", "topk:k=8"]
+METHODS = [
+    "local:w=16",
+    "moba:b=16,k=2",
+    "moba:b=16,k=2,gate=block",
+    "nsa:l=8,d=4,s=16,n=4,w=16",
+    "dsa:k=8,warmup=1",
+    "topk:k=8",
+]
 # (model, precision, methods): every method on the decoder-only models; the seq2seq ones, whose
 # decoding dominates a short run, under three.
-RUNS = [("lm", "float32", METHODS), ("lm", "bfloat16", METHODS), ("hf", "bfloat16", METHODS),
-        ("transformer", "float32", METHODS[:2] + METHODS[4:5]), ("ut", "bfloat16", METHODS[:2] + METHODS[4:5])]
+RUNS = [
+    ("lm", "float32", METHODS),
+    ("lm", "bfloat16", METHODS),
+    ("hf", "bfloat16", METHODS),
+    ("transformer", "float32", METHODS[:2] + METHODS[4:5]),
+    ("ut", "bfloat16", METHODS[:2] + METHODS[4:5]),
+]
 
 
 @pytest.mark.parametrize("model,precision,methods", RUNS, ids=[f"{m}-{p}" for m, p, _ in RUNS])
@@ -142,10 +197,42 @@ def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precis
 
     task, extra = MODELS[model]
     for spec in methods:
-        args = ["run", "--task", task, "--model", model, "--pattern", spec, "--device", CUDA.type, "--epochs", "1", "--dim", "64",
-                "--heads", "4", "--dim-ff", "128", "--set", "n_train=64", "--set", "n_valid=16", "--set", "n_test=16", "--set",
-                "max_steps=2", "--set", "batch_size=32", "--set", "decode_valid=4", "--set", f"precision={precision}",
-                "--results", str(tmp_path / "results"), *extra]
+        args = [
+            "run",
+            "--task",
+            task,
+            "--model",
+            model,
+            "--pattern",
+            spec,
+            "--device",
+            CUDA.type,
+            "--epochs",
+            "1",
+            "--dim",
+            "64",
+            "--heads",
+            "4",
+            "--dim-ff",
+            "128",
+            "--set",
+            "n_train=64",
+            "--set",
+            "n_valid=16",
+            "--set",
+            "n_test=16",
+            "--set",
+            "max_steps=2",
+            "--set",
+            "batch_size=32",
+            "--set",
+            "decode_valid=4",
+            "--set",
+            f"precision={precision}",
+            "--results",
+            str(tmp_path / "results"),
+            *extra,
+        ]
         result = CliRunner().invoke(cli, args)
         why = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info and result.exit_code == 1 else ""
         assert result.exit_code == 0, f"{model} {spec} {precision}: {result.output[-2000:]}{why[-3000:]}"
@@ -155,14 +242,24 @@ def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precis
     assert (rows[rows.split == "train"].peak_mem_mb > 0).all()
 
 
-@pytest.mark.parametrize("spec", ["local:w=16", "moba:b=16,k=2", "nsa:l=8,d=4,s=16,n=4,w=16", "dsa:k=8,warmup=0", "topk:k=8"])
+@pytest.mark.parametrize(
+    "spec", ["local:w=16", "moba:b=16,k=2", "nsa:l=8,d=4,s=16,n=4,w=16", "dsa:k=8,warmup=0", "topk:k=8"]
+)
 def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     """The lm's loss and every parameter's gradient on one batch: CUDA against the CPU, float32."""
     from gtx.data.batch import IGNORE, batches
     from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
 
-    settings = {"seq_len": "160", "n_pairs": "4", "n_train": "8", "n_valid": "4", "n_test": "4", "dim": "64", "heads": "4",
-                "dim_ff": "128"}
+    settings = {
+        "seq_len": "160",
+        "n_pairs": "4",
+        "n_train": "8",
+        "n_valid": "4",
+        "n_test": "4",
+        "dim": "64",
+        "heads": "4",
+        "dim_ff": "128",
+    }
     r = resolve(RunConfig(task="recall", model="lm", pattern=spec, device="cpu", settings=settings))
     torch.manual_seed(0)
     cpu = build_model(r, build_attention(r, "auto")).eval()

@@ -11,16 +11,64 @@ from gtx.experiments.distributed import World
 from gtx.experiments.results import load
 from gtx.experiments.train import PhaseStats
 
-ARGS = ["run", "--epochs", "2", "--seed", "1", "--set", "n_train=60", "--set", "n_valid=16", "--set", "n_test=16", "--set", "mean_len=5",
-        "--layers", "1", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--set", "dropout=0", "--quiet"]
+ARGS = [
+    "run",
+    "--epochs",
+    "2",
+    "--seed",
+    "1",
+    "--set",
+    "n_train=60",
+    "--set",
+    "n_valid=16",
+    "--set",
+    "n_test=16",
+    "--set",
+    "mean_len=5",
+    "--layers",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--batch-size",
+    "8",
+    "--set",
+    "dropout=0",
+    "--quiet",
+]
 
 
 def test_two_processes_match_one_on_the_same_global_batches(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "gtx.cli", *ARGS, "--results", str(tmp_path / "one")], env=env, capture_output=True, text=True)
+    one = subprocess.run(
+        [sys.executable, "-m", "gtx.cli", *ARGS, "--results", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gtx.cli", *ARGS,
-                          "--results", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "gtx.cli",
+            *ARGS,
+            "--results",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("results: ") == 1  # rank 0 alone prints and writes
     a, b = (load(tmp_path / d).sort_values(["epoch", "split"]).reset_index(drop=True) for d in ("one", "two"))
@@ -48,7 +96,19 @@ def test_a_sweep_runs_its_cells_data_parallel(tmp_path):
 
     from gtx.cli import cli
 
-    grid = ["sweep", "--seeds", "1", "--epochs", "1", *ARGS[5:-1], "--nproc-per-node", "2", "--results", str(tmp_path), "--quiet"]
+    grid = [
+        "sweep",
+        "--seeds",
+        "1",
+        "--epochs",
+        "1",
+        *ARGS[5:-1],
+        "--nproc-per-node",
+        "2",
+        "--results",
+        str(tmp_path),
+        "--quiet",
+    ]
     dry = CliRunner().invoke(cli, [*grid, "--dry-run"])
     assert dry.output.startswith("torchrun --standalone --nproc-per-node 2 -m gtx.cli run --task copy"), dry.output
     result = CliRunner().invoke(cli, grid)

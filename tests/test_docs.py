@@ -29,10 +29,14 @@ def test_documented_plugin_works_from_an_empty_folder(tmp_path):
         listed = runner.invoke(cli, ["patterns", "--plugins-dir", str(folder)])
         assert listed.exit_code == 0, listed.output
         assert any(line.startswith("chunks") and "b: int = 4" in line for line in listed.output.splitlines())
-        shown = runner.invoke(cli, ["show-pattern", "chunks:b=3|local:w=1", "--src-len", "6", "--plugins-dir", str(folder)])
+        shown = runner.invoke(
+            cli, ["show-pattern", "chunks:b=3|local:w=1", "--src-len", "6", "--plugins-dir", str(folder)]
+        )
         assert shown.exit_code == 0, shown.output
         assert "pattern chunks:b=3|local:w=1" in shown.output
-        assert "     0 ###...\n     1 ###...\n     2 ####..\n     3 ..####\n     4 ...###\n     5 ...###" in shown.output
+        assert (
+            "     0 ###...\n     1 ###...\n     2 ####..\n     3 ..####\n     4 ...###\n     5 ...###" in shown.output
+        )
         bad = runner.invoke(cli, ["show-pattern", "chunks:b=0", "--plugins-dir", str(folder)])
         assert bad.exit_code == 2 and "b must be >= 1, got 0" in bad.output
         testing.check_pattern("chunks:b=3", lengths=(1, 4, 9))  # the page's "Test it" section
@@ -55,10 +59,38 @@ def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "content"
     folder.mkdir()
-    (folder / "near_max.py").write_text(re.search(r"<!-- content-example -->\s*```python\n(.*?)```", text, re.S).group(1))
+    (folder / "near_max.py").write_text(
+        re.search(r"<!-- content-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    )
     try:
-        args = ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8",
-                "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--quiet", "--results", str(tmp_path / "res"), "--plugins-dir", str(folder)]
+        args = [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "lm",
+            "--set",
+            "seq_len=64",
+            "--set",
+            "n_train=32",
+            "--set",
+            "n_valid=8",
+            "--set",
+            "n_test=8",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "16",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path / "res"),
+            "--plugins-dir",
+            str(folder),
+        ]
         for pattern in ("full", "near_max:margin=1"):
             result = CliRunner().invoke(cli, [*args, "--pattern", pattern])
             assert result.exit_code == 0, result.output
@@ -79,16 +111,49 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "trainable"
     folder.mkdir()
-    (folder / "mixed.py").write_text(re.search(r"<!-- trainable-example -->\s*```python\n(.*?)```", text, re.S).group(1))
+    (folder / "mixed.py").write_text(
+        re.search(r"<!-- trainable-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    )
     try:
-        args = ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8",
-                "--set", "layers=2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--quiet", "--results", str(tmp_path / "res"),
-                "--plugins-dir", str(folder), "--pattern", "mixed:w=4,l=8"]
+        args = [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "lm",
+            "--set",
+            "seq_len=64",
+            "--set",
+            "n_train=32",
+            "--set",
+            "n_valid=8",
+            "--set",
+            "n_test=8",
+            "--set",
+            "layers=2",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "16",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path / "res"),
+            "--plugins-dir",
+            str(folder),
+            "--pattern",
+            "mixed:w=4,l=8",
+        ]
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 0, result.output
         train = load(tmp_path / "res").query("split == 'train'").iloc[0]
         kept = json.loads(train.metrics)
-        assert train.edges_per_query_dd < kept["kept_window"] + kept["kept_strided"]  # the query's own key, in both, read once
+        assert (
+            train.edges_per_query_dd < kept["kept_window"] + kept["kept_strided"]
+        )  # the query's own key, in both, read once
         state = torch.load(next((tmp_path / "res").glob("checkpoints/*/last.pt")), weights_only=False)["model"]
         gates = [state[f"layer_attention.{i}.trainable.gate.weight"] for i in (0, 1)]
         assert not torch.equal(gates[0], gates[1])  # each layer's own gate, trained
@@ -103,7 +168,9 @@ def test_the_cli_reference_is_current():
     ``python -m gtx.cli.reference > docs/cli.md``."""
     from gtx.cli.reference import markdown
 
-    assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: python -m gtx.cli.reference > docs/cli.md"
+    assert (DOCS / "cli.md").read_text() == markdown(), (
+        "docs/cli.md is stale: python -m gtx.cli.reference > docs/cli.md"
+    )
 
 
 def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry():
@@ -122,7 +189,11 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
     for name in BIASES.names():
         assert f"## +{name}\n" in text
     out = CliRunner().invoke(cli, ["patterns", "moba"])
-    assert out.exit_code == 0 and out.output.startswith("moba\n\nParameters: `b: int = 64") and "Budget: k*b keys per query" in out.output
+    assert (
+        out.exit_code == 0
+        and out.output.startswith("moba\n\nParameters: `b: int = 64")
+        and "Budget: k*b keys per query" in out.output
+    )
     unknown = CliRunner().invoke(cli, ["patterns", "nosuch"])
     assert unknown.exit_code == 2 and "nosuch" in unknown.output and "local" in unknown.output
 
@@ -187,18 +258,28 @@ def test_a_link_outside_the_repository_is_named(tmp_path):
     page.parent.mkdir()
     (tmp_path / "README.md").write_text("")
     (page.parent / "other.md").write_text("")
-    page.write_text("[ok](other.md#a) [up](../README.md) [web](https://x.org)\n"
-                    "see `../../shared/notes.md`, `../shared/notes.md` and [abs](/etc/passwd)\n")
+    page.write_text(
+        "[ok](other.md#a) [up](../README.md) [web](https://x.org)\n"
+        "see `../../shared/notes.md`, `../shared/notes.md` and [abs](/etc/passwd)\n"
+    )
     expected = [(2, "/etc/passwd"), (2, "../../shared/notes.md"), (2, "../shared/notes.md")]
     assert links_outside(page, root=tmp_path) == expected
 
 
 def test_code_cites_references_by_name_not_by_a_path_outside_the_repository():
     outside = re.compile(r"\.\./(?:shared|seeds)/")
-    sources = [f for folder in ("gtx", "patterns", "plugins", "tests", "bench") for f in (ROOT / folder).rglob("*")
-               if f.suffix in {".py", ".c", ".h", ".sh"} and f != Path(__file__)]
-    hits = [f"{f.relative_to(ROOT)}:{n}" for f in sources for n, line in enumerate(f.read_text().splitlines(), 1)
-            if outside.search(line)]
+    sources = [
+        f
+        for folder in ("gtx", "patterns", "plugins", "tests", "bench")
+        for f in (ROOT / folder).rglob("*")
+        if f.suffix in {".py", ".c", ".h", ".sh"} and f != Path(__file__)
+    ]
+    hits = [
+        f"{f.relative_to(ROOT)}:{n}"
+        for f in sources
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if outside.search(line)
+    ]
     assert not hits, hits
 
 

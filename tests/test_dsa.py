@@ -54,7 +54,7 @@ def hadamard(d):
     h = torch.ones(1, 1, dtype=torch.float64)
     while len(h) < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / d ** 0.5
+    return h / d**0.5
 
 
 def indexer_by_definition(indexer, qr, x):
@@ -65,11 +65,14 @@ def indexer_by_definition(indexer, qr, x):
     k = turned(torch.nn.functional.layer_norm(indexer.wk(x), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6), r)
     if d & (d - 1) == 0:
         q, k = q @ hadamard(d).to(q.dtype).T, k @ hadamard(d).to(k.dtype).T
-    w = indexer.weights(x) * J ** -0.5 * d ** -0.5
+    w = indexer.weights(x) * J**-0.5 * d**-0.5
     return sum(w[:, j, None] * torch.relu(q[:, j] @ k.T) for j in range(J))
 
 
-@pytest.mark.parametrize("n, heads, dim, share, seed", [(64, 64, 128, 0.5, 0), (300, 4, 32, 0.5, 1), (50, 3, 12, 1 / 3, 2), (20, 2, 8, 0.0, 3)])
+@pytest.mark.parametrize(
+    "n, heads, dim, share, seed",
+    [(64, 64, 128, 0.5, 0), (300, 4, 32, 0.5, 1), (50, 3, 12, 1 / 3, 2), (20, 2, 8, 0.0, 3)],
+)
 def test_the_indexer_scores_equal_deepseeks_indexer_with_its_rotary_angles(n, heads, dim, share, seed):
     """DeepSeek's sizes (64 heads of 128, 64 turned), a long sample whose slow pairs turn (YaRN's
     stretch), a share that is not a half, and none turned; float32 against the float64 formula."""
@@ -101,7 +104,9 @@ def dsa_by_definition(attention, q, k, v, x, lens, top):
         score = indexer_by_definition(indexer, q[rows].flatten(1).detach(), x[rows])
         score = score.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         for t in range(n):
-            best = sorted(range(t + 1), key=lambda s: (score[t, s].item(), s), reverse=True)[:top]  # equal scores: the later key first
+            best = sorted(range(t + 1), key=lambda s: (score[t, s].item(), s), reverse=True)[
+                :top
+            ]  # equal scores: the later key first
             keys = torch.tensor(sorted(best))
             kept.append(set(keys.tolist()))
             s = torch.einsum("hd,khd->hk", q[start + t], k[start + keys])
@@ -121,12 +126,20 @@ def twins(spec, lens, seed, heads=2, dim=8):
     attention = Attention(get_backend("auto"), pattern, heads, dim)
     reference = Attention(get_backend("dense"), pattern, heads, dim).double()
     reference.load_state_dict(attention.state_dict())
-    return pattern, attention, reference, *(torch.randn(sum(lens), heads, dim) for _ in range(3)), torch.randn(sum(lens), heads * dim)
+    return (
+        pattern,
+        attention,
+        reference,
+        *(torch.randn(sum(lens), heads, dim) for _ in range(3)),
+        torch.randn(sum(lens), heads * dim),
+    )
 
 
 @pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
 def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
-    pattern, attention, reference, q, k, v, inputs = twins(f"dsa:k={top},index_heads=3,index_dim=4,warmup=0", lens, seed)
+    pattern, attention, reference, q, k, v, inputs = twins(
+        f"dsa:k={top},index_heads=3,index_dim=4,warmup=0", lens, seed
+    )
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     attention.begin_step(0)
     got = attention(*xs, build_graph(pattern, None, lens).edges["dd"], inputs=inputs)
@@ -135,7 +148,9 @@ def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, 
     want, want_kl, kept = dsa_by_definition(reference, *ys, inputs.double(), lens, top)
     torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
     weights = torch.linspace(-1, 1, got.numel()).view_as(got)
-    for a, b in zip(torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)):
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)
+    ):
         torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(kl.detach(), want_kl.detach().float(), atol=1e-5, rtol=1e-5)
     params = list(attention.trainable.indexer.parameters())
@@ -181,9 +196,23 @@ def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_it
     from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
     from gtx.experiments.train import Trainer
 
-    config = RunConfig(task="recall", model="lm", pattern="dsa:k=8,index_heads=2,index_dim=4,warmup=2",
-                       settings={"seq_len": "64", "n_train": "8", "n_valid": "4", "n_test": "4", "dim": "16", "heads": "2", "dim_ff": "16",
-                                 "batch_size": "2", "max_steps": "2"}, results_dir=str(tmp_path))
+    config = RunConfig(
+        task="recall",
+        model="lm",
+        pattern="dsa:k=8,index_heads=2,index_dim=4,warmup=2",
+        settings={
+            "seq_len": "64",
+            "n_train": "8",
+            "n_valid": "4",
+            "n_test": "4",
+            "dim": "16",
+            "heads": "2",
+            "dim_ff": "16",
+            "batch_size": "2",
+            "max_steps": "2",
+        },
+        results_dir=str(tmp_path),
+    )
     r = resolve(config)
     model = build_model(r, build_attention(r, "auto"))
     before = {key: value.clone() for key, value in model.state_dict().items()}
@@ -191,7 +220,9 @@ def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_it
     trainer.train_epoch(batches(r.task, "train", r.pattern, 2))
     after = model.state_dict()
     changed = {key for key in before if not torch.equal(before[key], after[key])}
-    assert changed and all(".indexer." in key or key.endswith((".steps", ".sparse")) for key in changed), sorted(changed)[:5]
+    assert changed and all(".indexer." in key or key.endswith((".steps", ".sparse")) for key in changed), sorted(
+        changed
+    )[:5]
     assert int(model.layer_attention[0].trainable.steps) == 2  # two steps trained: the warm-up is over
     model.eval()
     with torch.no_grad():
@@ -200,9 +231,36 @@ def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_it
 
 
 def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_refused(tmp_path):
-    base = ["--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=8", "--set", "n_valid=4", "--set", "n_test=4",
-            "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "2", "--set", "batch_size=4", "--quiet", "--results", str(tmp_path)]
-    result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=2,freeze=false"])
+    base = [
+        "--task",
+        "recall",
+        "--model",
+        "lm",
+        "--set",
+        "seq_len=64",
+        "--set",
+        "n_train=8",
+        "--set",
+        "n_valid=4",
+        "--set",
+        "n_test=4",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--epochs",
+        "2",
+        "--set",
+        "batch_size=4",
+        "--quiet",
+        "--results",
+        str(tmp_path),
+    ]
+    result = CliRunner().invoke(
+        cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=2,freeze=false"]
+    )
     assert result.exit_code == 0, result.output
     from gtx.experiments import results
 
@@ -220,8 +278,33 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
 def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_refused_in_one_line(tmp_path):
     """Rows and checkpoints of the indexer that read the attention's keys and turned nothing had no
     ``rope`` in their pattern and no ``indexer.rotated`` in their state: neither passes for this one."""
-    base = ["--task", "recall", "--model", "lm", "--set", "seq_len=48", "--set", "n_train=4", "--set", "n_valid=2", "--set", "n_test=2",
-            "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--set", "batch_size=4", "--quiet", "--results", str(tmp_path)]
+    base = [
+        "--task",
+        "recall",
+        "--model",
+        "lm",
+        "--set",
+        "seq_len=48",
+        "--set",
+        "n_train=4",
+        "--set",
+        "n_valid=2",
+        "--set",
+        "n_test=2",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--epochs",
+        "1",
+        "--set",
+        "batch_size=4",
+        "--quiet",
+        "--results",
+        str(tmp_path),
+    ]
     result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=0"])
     assert result.exit_code == 0, result.output
     from gtx.experiments import results
@@ -232,19 +315,33 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
     path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
     state = torch.load(path, weights_only=False)
     good = dict(state["model"])
-    for edit, why in [({}, "under an earlier definition (index keys from the attention's keys, nothing turned"), ({"rotated": 4}, "turning 4 index")]:
+    for edit, why in [
+        ({}, "under an earlier definition (index keys from the attention's keys, nothing turned"),
+        ({"rotated": 4}, "turning 4 index"),
+    ]:
         model = {key: value for key, value in good.items() if not key.endswith(".indexer.rotated")}
         model.update({key: torch.tensor(v) for key in good if key.endswith(".indexer.rotated") for v in edit.values()})
         torch.save({**state, "model": model}, path)
         refused = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path)])
-        assert refused.exit_code == 2 and why in refused.output and len(refused.output.strip().splitlines()) == 1, refused.output
+        assert refused.exit_code == 2 and why in refused.output and len(refused.output.strip().splitlines()) == 1, (
+            refused.output
+        )
         assert len(results.load(tmp_path)) == len(rows)
 
 
-@pytest.mark.parametrize("spec, message", [("dsa:k=0", "dsa keeps k >= 1 tokens per query"), ("dsa:k=2000", "keeps up to 2000 keys per query"),
-                                           ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"), ("dsa:k=16,b=16", "at least 2b")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("dsa:k=0", "dsa keeps k >= 1 tokens per query"),
+        ("dsa:k=2000", "keeps up to 2000 keys per query"),
+        ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"),
+        ("dsa:k=16,b=16", "at least 2b"),
+    ],
+)
 def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")]
+    )
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
 
@@ -260,26 +357,40 @@ def blocks_by_definition(attention, q, k, v, x, lens, top, size, chosen_by):
     for n in lens:
         rows = slice(start, start + n)
         J, d, r = indexer.heads, indexer.dim, indexer.rope
-        iq, w = turned(indexer.wq(q[rows].flatten(1).detach()).view(n, J, d), r), indexer.weights(x[rows]) * J ** -0.5 * d ** -0.5
-        ik = turned(torch.nn.functional.layer_norm(indexer.wk(x[rows]), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6), r)
-        means = torch.stack([ik[j:j + size].mean(0) for j in range(0, n, size)])
+        iq, w = (
+            turned(indexer.wq(q[rows].flatten(1).detach()).view(n, J, d), r),
+            indexer.weights(x[rows]) * J**-0.5 * d**-0.5,
+        )
+        ik = turned(
+            torch.nn.functional.layer_norm(indexer.wk(x[rows]), (d,), indexer.k_norm.weight, indexer.k_norm.bias, 1e-6),
+            r,
+        )
+        means = torch.stack([ik[j : j + size].mean(0) for j in range(0, n, size)])
         score = sum(w[:, j, None] * torch.relu(iq[:, j] @ means.T) for j in range(J))  # (n, blocks)
         for t in range(n):
             own = t // size
             chosen = chosen_by(start + t)
-            assert len(chosen) == min(top // size - 1, own) and len(set(chosen)) == len(chosen) and all(b < own for b in chosen)
+            assert (
+                len(chosen) == min(top // size - 1, own)
+                and len(set(chosen)) == len(chosen)
+                and all(b < own for b in chosen)
+            )
             left = [b for b in range(own) if b not in chosen]
             assert not left or score[t, chosen].min() >= score[t, left].max() - 1e-9  # no block left out scores higher
             keys = list(range(own * size, t + 1)) + [p for b in chosen for p in range(b * size, (b + 1) * size)]
             p = torch.softmax(torch.einsum("hd,khd->hk", q[start + t], k[start + torch.tensor(keys)]), -1)
             out[start + t] = torch.einsum("hk,khd->hd", p, v[start + torch.tensor(keys)])
-            target = torch.stack([p.detach().mean(0)[:t + 1 - own * size].sum()] + [p.detach().mean(0)[t + 1 - own * size + i * size:][:size].sum()
-                                                                                      for i in range(len(chosen))])
+            target = torch.stack(
+                [p.detach().mean(0)[: t + 1 - own * size].sum()]
+                + [p.detach().mean(0)[t + 1 - own * size + i * size :][:size].sum() for i in range(len(chosen))]
+            )
             logq = torch.log_softmax(score[t, [own, *chosen]], 0)
             sparse.append((target * (target.log() - logq)).sum())
-            causal = torch.softmax(torch.einsum("hd,khd->hk", q[start + t], k[start:start + t + 1]), -1).detach().mean(0)
-            mass = torch.stack([causal[b * size:(b + 1) * size].sum() for b in range(own + 1)])
-            dense.append((mass * (mass.clamp_min(1e-30).log() - torch.log_softmax(score[t, :own + 1], 0))).sum())
+            causal = (
+                torch.softmax(torch.einsum("hd,khd->hk", q[start + t], k[start : start + t + 1]), -1).detach().mean(0)
+            )
+            mass = torch.stack([causal[b * size : (b + 1) * size].sum() for b in range(own + 1)])
+            dense.append((mass * (mass.clamp_min(1e-30).log() - torch.log_softmax(score[t, : own + 1], 0))).sum())
         start += n
     return out, torch.stack(sparse).mean(), torch.stack(dense).mean()
 
@@ -287,7 +398,9 @@ def blocks_by_definition(attention, q, k, v, x, lens, top, size, chosen_by):
 @pytest.mark.parametrize("lens, top, size, seed", [([40], 12, 4, 0), ([33, 50, 9], 16, 8, 1), ([64], 10, 5, 2)])
 def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, seed):
     """The MSA corner: DSA's indexer and losses at block granularity, read on MoBA's per-token kernel."""
-    pattern, attention, reference, q, k, v, inputs = twins(f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1", lens, seed)
+    pattern, attention, reference, q, k, v, inputs = twins(
+        f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1", lens, seed
+    )
     edges = build_graph(pattern, None, lens).edges["dd"]
     dsa = sys.modules[type(attention.trainable).__module__]
     iq, w, ik = attention.trainable.indexer(q.flatten(1), inputs, dsa.positions_of(lens, q.device))
@@ -309,7 +422,9 @@ def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, se
     (sparse,) = attention.pending
     torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
     weights = torch.linspace(-1, 1, got.numel()).view_as(got)
-    for a, b in zip(torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)):
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)
+    ):
         torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(sparse.detach(), want_sparse.detach().float(), atol=1e-5, rtol=1e-5)
     params, want_params = list(attention.trainable.indexer.parameters()), list(reference.trainable.indexer.parameters())
@@ -328,19 +443,39 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
     if model == "hf":
         pytest.importorskip("transformers")
     task = "copy" if model in ("transformer", "ut") else "recall"
-    settings = {"n_train": "4", "n_valid": "4", "n_test": "4", "dim": "16", "heads": "2", "dim_ff": "16", **({"seq_len": "48"} if task == "recall" else {}),
-                **({"layers": "2", "max_len": "64"} if model == "hf" else {})}
-    r = resolve(RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,warmup=0", settings=settings))
+    settings = {
+        "n_train": "4",
+        "n_valid": "4",
+        "n_test": "4",
+        "dim": "16",
+        "heads": "2",
+        "dim_ff": "16",
+        **({"seq_len": "48"} if task == "recall" else {}),
+        **({"layers": "2", "max_len": "64"} if model == "hf" else {}),
+    }
+    r = resolve(
+        RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,warmup=0", settings=settings)
+    )
     net = build_model(r, build_attention(r, "auto")).eval()
-    own = {"transformer": lambda: net.dec_attention[0], "ut": lambda: net.dec_attention}.get(model, lambda: net.layer_attention[0])()
+    own = {"transformer": lambda: net.dec_attention[0], "ut": lambda: net.dec_attention}.get(
+        model, lambda: net.layer_attention[0]
+    )()
     dsa = sys.modules[type(own.trainable).__module__]
     seen, want, forward = [], [], dsa.SparseIndexed.forward
-    monkeypatch.setattr(dsa.SparseIndexed, "forward", lambda self, q, k, v, edges, run: seen.append(run.inputs) or forward(self, q, k, v, edges, run))
+    monkeypatch.setattr(
+        dsa.SparseIndexed,
+        "forward",
+        lambda self, q, k, v, edges, run: seen.append(run.inputs) or forward(self, q, k, v, edges, run),
+    )
     if model == "hf":
         for module in (m for m in net.hf.modules() if type(m).__name__.endswith("Attention")):
-            module.register_forward_pre_hook(lambda m, args, kwargs: want.append(kwargs["hidden_states"][0]), with_kwargs=True)
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: want.append(kwargs["hidden_states"][0]), with_kwargs=True
+            )
     elif model != "ut":
-        for norm in (layer.norm_attn for layer in net.layers) if model == "lm" else (layer.norm_self for layer in net.decoder):
+        for norm in (
+            (layer.norm_attn for layer in net.layers) if model == "lm" else (layer.norm_self for layer in net.decoder)
+        ):
             norm.register_forward_hook(lambda m, args, out: want.append(out))
     batch = next(iter(batches(r.task, "valid", r.pattern, 2)))
     with torch.no_grad():
@@ -368,7 +503,13 @@ def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top,
         out = attention(*xs, edges, inputs=inputs)
         kl, _ = attention.take_losses()
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
-        return out, kl, *grads, *torch.autograd.grad(kl, list(attention.trainable.indexer.parameters())), attention.reset_stats()["kept_selected"]
+        return (
+            out,
+            kl,
+            *grads,
+            *torch.autograd.grad(kl, list(attention.trainable.indexer.parameters())),
+            attention.reset_stats()["kept_selected"],
+        )
 
     got = run()
     monkeypatch.setattr(native, "kernel", lambda *_: None)

@@ -39,7 +39,9 @@ def test_tost_by_hand_equal_variances_three_each():
         p_low = 1 - t_cdf_4((-0.01 + margin) / se)  # H0: d <= -margin
         p_high = t_cdf_4((-0.01 - margin) / se)  # H0: d >= margin
         assert tost_p(a, b, margin) == pytest.approx(max(p_low, p_high), rel=1e-9)
-    assert tost_p(a, b, 0.05) == pytest.approx(0.03524, abs=1e-5) and tost_p(a, b, 0.05) < 0.05  # equivalent within 5 points
+    assert (
+        tost_p(a, b, 0.05) == pytest.approx(0.03524, abs=1e-5) and tost_p(a, b, 0.05) < 0.05
+    )  # equivalent within 5 points
     assert tost_p(a, b, 0.02) > 0.05  # not within 2 points: too few seeds to tell
 
 
@@ -62,7 +64,7 @@ def test_tost_agrees_with_the_90_percent_interval():
     for _ in range(50):
         a, b = (torch.rand(n, generator=rng).double().tolist() for n in (3, 4))
         va, vb = torch.tensor(a).var().item() / 3, torch.tensor(b).var().item() / 4
-        df = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 3)
+        df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
         d, half = sum(a) / 3 - sum(b) / 4, sps.t.ppf(0.95, df) * math.sqrt(va + vb)
         margin = float(torch.rand(1, generator=rng)) * 0.5 + 0.01
         assert (tost_p(a, b, margin) < 0.05) == (-margin < d - half and d + half < margin)
@@ -72,13 +74,24 @@ def test_families():
     f = parse_family("moba:b=16,k=2,4,8")
     assert (f.name, f.param, f.budgets) == ("moba b=16", "k", ("2", "4", "8"))
     assert f.specs == tuple(f"moba:b=16,k={k},gate=token" for k in (2, 4, 8))
-    assert parse_family("local:w=4,8").specs == ("local:w=4", "local:w=8") and parse_family("local:w=4,8").name == "local"
+    assert (
+        parse_family("local:w=4,8").specs == ("local:w=4", "local:w=8") and parse_family("local:w=4,8").name == "local"
+    )
     assert parse_family("moba:b=8,k=2,3,gate=block").name == "moba b=8 gate=block" and parse_family("nsa").param is None
 
 
-@pytest.mark.parametrize("text, match", [("local:q=1,2", "has no parameter 'q'"), ("moba:b=1,2,k=3,4", "one budget parameter"),
-                                         ("local:w=4,,8", "empty item"), ("local:16", "follows no parameter"), ("full", "baseline"),
-                                         ("nope:w=1,2", "unknown pattern"), ("local:w=4,4", "same pattern")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("local:q=1,2", "has no parameter 'q'"),
+        ("moba:b=1,2,k=3,4", "one budget parameter"),
+        ("local:w=4,,8", "empty item"),
+        ("local:16", "follows no parameter"),
+        ("full", "baseline"),
+        ("nope:w=1,2", "unknown pattern"),
+        ("local:w=4,4", "same pattern"),
+    ],
+)
 def test_bad_families(text, match):
     with pytest.raises(GtxError, match=match):
         parse_family(text)
@@ -87,15 +100,27 @@ def test_bad_families(text, match):
 def test_an_operator_after_the_budgets_applies_to_every_budget():
     assert parse_family("local:w=8,16+alibi").specs == ("local:w=8+alibi", "local:w=16+alibi")
     union = parse_family("local:w=8,16|strided:l=8")
-    assert union.specs == ("local:w=8|strided:l=8", "local:w=16|strided:l=8") and union.budgets == ("8", "16") and union.name == "local |strided:l=8"
+    assert (
+        union.specs == ("local:w=8|strided:l=8", "local:w=16|strided:l=8")
+        and union.budgets == ("8", "16")
+        and union.name == "local |strided:l=8"
+    )
     assert parse_family("local:w=8,16&strided:l=4").specs == ("local:w=8&strided:l=4", "local:w=16&strided:l=4")
     assert parse_family("moba:b=8,k=2,3,gate=block+alibi").specs[1] == "moba:b=8,k=3,gate=block+alibi"
     with pytest.raises(GtxError, match="only the first pattern's parameter may list budgets"):
         parse_family("strided:l=8|local:w=8,16")
 
 
-@pytest.mark.parametrize("margin, match", [(math.inf, "must be a finite number > 0"), (math.nan, "finite"), (-0.1, "> 0"),
-                                           (1e308, "query_acc lies in \\[0, 1\\]"), (1.0, "a margin of 1 or more")])
+@pytest.mark.parametrize(
+    "margin, match",
+    [
+        (math.inf, "must be a finite number > 0"),
+        (math.nan, "finite"),
+        (-0.1, "> 0"),
+        (1e308, "query_acc lies in \\[0, 1\\]"),
+        (1.0, "a margin of 1 or more"),
+    ],
+)
 def test_margins_that_call_everything_equivalent_are_refused(margin, match):
     from gtx.experiments.frontier import check_margin
 
@@ -131,9 +156,40 @@ def test_flops_are_counted_per_linear_row_and_attended_edge():
     assert f.total == f.dense + f.attention
 
 
-RECALL = ["--task", "recall", "--model", "lm", "--set", "n_pairs=2", "--set", "queries_per_key=1", "--set", "n_keys=4", "--set", "n_values=4",
-          "--set", "n_train=24", "--set", "n_valid=8", "--set", "n_test=8", "--set", "train_min_len=0", "--dim", "16", "--heads", "2",
-          "--dim-ff", "16", "--layers", "1", "--batch-size", "8", "--epochs", "2"]
+RECALL = [
+    "--task",
+    "recall",
+    "--model",
+    "lm",
+    "--set",
+    "n_pairs=2",
+    "--set",
+    "queries_per_key=1",
+    "--set",
+    "n_keys=4",
+    "--set",
+    "n_values=4",
+    "--set",
+    "n_train=24",
+    "--set",
+    "n_valid=8",
+    "--set",
+    "n_test=8",
+    "--set",
+    "train_min_len=0",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--layers",
+    "1",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "2",
+]
 STUDY = ["--family", "local:w=4,24", "--lengths", "16,32", "--seeds", "0-1", "--margin", "0.5", "-j", "2", "--quiet"]
 FRONTIER = [sys.executable, "-m", "gtx.cli", "frontier"]
 TIMING = ["tokens/s", "vs_full", "train_s"]  # measured, so never equal between two runs
@@ -153,20 +209,34 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
     assert first.exit_code == 0, first.output
     assert "local:w=24' attends to every candidate at 15 tokens" in first.output  # dropped at length 16, kept at 32
     table = science(first.output.split("sweep ")[-1].split("\n", 1)[1])
-    assert [row[:5] for row in table[1:]] == [["recall", "lm", "16", "full", "-"], ["recall", "lm", "16", "local", "4"],
-                                              ["recall", "lm", "32", "full", "-"], ["recall", "lm", "32", "local", "4"],
-                                              ["recall", "lm", "32", "local", "24"]]
+    assert [row[:5] for row in table[1:]] == [
+        ["recall", "lm", "16", "full", "-"],
+        ["recall", "lm", "16", "local", "4"],
+        ["recall", "lm", "32", "full", "-"],
+        ["recall", "lm", "32", "local", "4"],
+        ["recall", "lm", "32", "local", "24"],
+    ]
     assert load(ref).query("split == 'test'").cell.nunique() == 10  # 5 points x 2 seeds
     again = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(ref), "--dry-run"])
     assert again.exit_code == 0 and "gtx run" not in again.output  # every cell reused
-    (name, saved), = load_frontiers(ref).items()  # the table as numbers, and its figure beside it
-    assert len(saved) == 5 and saved.length.tolist() == ["16", "16", "32", "32", "32"] and (ref / "frontiers" / f"{name}.png").is_file()
+    ((name, saved),) = load_frontiers(ref).items()  # the table as numbers, and its figure beside it
+    assert (
+        len(saved) == 5
+        and saved.length.tolist() == ["16", "16", "32", "32", "32"]
+        and (ref / "frontiers" / f"{name}.png").is_file()
+    )
     page = write_report(ref).read_text()
-    assert plot.frontier(saved).axes and "<h2>Frontiers</h2>" in page and "TOST against full at margin 0.5" in page  # the saved table keeps its margin
+    assert (
+        plot.frontier(saved).axes and "<h2>Frontiers</h2>" in page and "TOST against full at margin 0.5" in page
+    )  # the saved table keeps its margin
 
     res = tmp_path / "res"
-    proc = subprocess.Popen([*FRONTIER, *RECALL, *STUDY, "--results", str(res)], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*FRONTIER, *RECALL, *STUDY, "--results", str(res)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None and len(list((res / "runs").glob("*.csv"))) < 3:
@@ -198,7 +268,10 @@ def test_table_only_names_the_budgets_and_cells_without_runs(small):
     result = CliRunner().invoke(cli, [*args, "--family", "local:w=4,8", "--seeds", "0-1", "--table-only"])
     assert result.exit_code == 1, result.output
     assert "partial frontier: 4 of 6 cells have no finished run" in result.output and "is not saved" in result.output
-    assert "recall lm seq_len=32: local 8, seeds 0, 1" in result.output and "recall lm seq_len=32: full -, seed 1" in result.output
+    assert (
+        "recall lm seq_len=32: local 8, seeds 0, 1" in result.output
+        and "recall lm seq_len=32: full -, seed 1" in result.output
+    )
     assert "recall lm seq_len=32: local 4, seed 1" in result.output
     assert sorted((folder / "frontiers").iterdir()) == before  # a partial table is never saved
 
@@ -211,7 +284,10 @@ def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypa
     monkeypatch.setattr(claims, "holder", lambda path: "4242@elsewhere")
     result = CliRunner().invoke(cli, [*args, "--family", "local:w=4,8"])
     assert result.exit_code == 1, result.output
-    assert "recall lm seq_len=32: local 8, seed 0 (running in 4242@elsewhere)" in result.output and "partial frontier: 1 of 3 cells" in result.output
+    assert (
+        "recall lm seq_len=32: local 8, seed 0 (running in 4242@elsewhere)" in result.output
+        and "partial frontier: 1 of 3 cells" in result.output
+    )
     assert load(folder).query("split == 'test'").cell.nunique() == 2  # nothing ran here
     assert len(load_frontiers(folder)) == 1
 
@@ -222,21 +298,36 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small):
         result = CliRunner().invoke(cli, [*args, "--family", "local:w=4", "--table-only", "--margin", margin])
         assert result.exit_code == 0, result.output
     names = sorted(load_frontiers(folder))
-    assert len(names) == 3 and [n.rsplit("-", 2)[1:] for n in names] == [["query_acc", "margin0.01"], ["query_acc", "margin0.25"],
-                                                                          ["query_acc", "margin0.5"]]
+    assert len(names) == 3 and [n.rsplit("-", 2)[1:] for n in names] == [
+        ["query_acc", "margin0.01"],
+        ["query_acc", "margin0.25"],
+        ["query_acc", "margin0.5"],
+    ]
     assert {float(t.margin.iloc[0]) for t in load_frontiers(folder).values()} == {0.01, 0.25, 0.5}
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "0"], "margin 0.0: an equivalence margin must be a finite number > 0"),
-    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "inf"], "margin inf: an equivalence margin must be a finite number > 0"),
-    (["--family", "local:w=4,8", "--lengths", "16", "--margin", "1e308"], "query_acc lies in [0, 1]"),
-    (["--family", "strided:l=4|local:w=4,8", "--lengths", "16"], "only the first pattern's parameter may list budgets"),
-    (["--family", "local:x=4,8", "--lengths", "16"], "has no parameter 'x'"),
-    (["--family", "local:w=4,8", "--lengths", "4"], "seq_len=4 is too small"),
-    (["--family", "local:w=4,8", "--lengths", "16", "--length-key", "nope"], "nope"),
-    (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (
+            ["--family", "local:w=4,8", "--lengths", "16", "--margin", "0"],
+            "margin 0.0: an equivalence margin must be a finite number > 0",
+        ),
+        (
+            ["--family", "local:w=4,8", "--lengths", "16", "--margin", "inf"],
+            "margin inf: an equivalence margin must be a finite number > 0",
+        ),
+        (["--family", "local:w=4,8", "--lengths", "16", "--margin", "1e308"], "query_acc lies in [0, 1]"),
+        (
+            ["--family", "strided:l=4|local:w=4,8", "--lengths", "16"],
+            "only the first pattern's parameter may list budgets",
+        ),
+        (["--family", "local:x=4,8", "--lengths", "16"], "has no parameter 'x'"),
+        (["--family", "local:w=4,8", "--lengths", "4"], "seq_len=4 is too small"),
+        (["--family", "local:w=4,8", "--lengths", "16", "--length-key", "nope"], "nope"),
+        (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
+    ],
+)
 def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match):
     result = CliRunner().invoke(cli, ["frontier", *RECALL, *args, "--results", str(tmp_path / "r")])
     assert result.exit_code == 2, result.output

@@ -15,21 +15,33 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")  # the test extra installs it; CI always runs these
 
-from gtx.attention.module import Attention  # noqa: E402
-from gtx.backends import get_backend  # noqa: E402
-from gtx.cli import cli  # noqa: E402
-from gtx.data.batch import make_batch  # noqa: E402
-from gtx.errors import GtxError  # noqa: E402
-from gtx.graph.spec import parse_pattern  # noqa: E402
-from gtx.plugins.registry import MODELS, TASKS  # noqa: E402
+from gtx.attention.module import Attention
+from gtx.backends import get_backend
+from gtx.cli import cli
+from gtx.data.batch import make_batch
+from gtx.errors import GtxError
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import MODELS, TASKS
 
 SIZES = {"llama": {"kv_heads": 2}, "qwen2": {"kv_heads": 1}, "gpt2": {}}
 
 
 def recall_task(seq_len=48):
     entry = TASKS.get("recall")
-    task = entry.obj("recall", entry.config(seq_len=seq_len, n_pairs=2, queries_per_key=2, n_keys=4, n_values=4, n_train=8, n_valid=4, n_test=4,
-                                            train_min_len=0))
+    task = entry.obj(
+        "recall",
+        entry.config(
+            seq_len=seq_len,
+            n_pairs=2,
+            queries_per_key=2,
+            n_keys=4,
+            n_values=4,
+            n_train=8,
+            n_valid=4,
+            n_test=4,
+            train_min_len=0,
+        ),
+    )
     task.splits()
     return task
 
@@ -47,7 +59,9 @@ def same_weights(model, implementation):
     """transformers' own model with ``model``'s weights, under one of its attention implementations."""
     import transformers
 
-    config = copy.deepcopy(model.hf.config)  # the implementation is the config's: a shared config would switch model.hf too
+    config = copy.deepcopy(
+        model.hf.config
+    )  # the implementation is the config's: a shared config would switch model.hf too
     other = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
     other.load_state_dict(model.hf.state_dict())
     return other.eval()
@@ -93,13 +107,17 @@ def test_local_window_is_eager_attention_with_its_mask(family):
         return (scores.softmax(-1) @ value).transpose(1, 2), None
 
     transformers.AttentionInterface.register("test_window", windowed)
-    assert torch.equal(pattern.dense("dd", 9, 9), window(torch.arange(9)[:, None], torch.arange(9)[None, :]))  # gtx's local:w is this mask
+    assert torch.equal(
+        pattern.dense("dd", 9, 9), window(torch.arange(9)[:, None], torch.arange(9)[None, :])
+    )  # gtx's local:w is this mask
     reference = same_weights(model, "test_window")
     batch = make_batch(task, "valid", [0, 3], pattern)
     with torch.no_grad():
         logits = model(batch).logits
         for a, b in per_sample(batch):
-            torch.testing.assert_close(logits[a:b], reference(input_ids=batch.tgt_in[None, a:b], use_cache=False).logits[0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                logits[a:b], reference(input_ids=batch.tgt_in[None, a:b], use_cache=False).logits[0], atol=1e-4, rtol=0
+            )
 
 
 @pytest.mark.parametrize("spec", ["local:w=8", "moba:b=8,k=2", "nsa:l=8,d=4,s=8,n=4,w=8"])
@@ -109,31 +127,92 @@ def test_gradients_reach_every_weight(spec):
     batch = make_batch(task, "train", [0, 1], pattern)
     out = model.train()(batch)
     torch.nn.functional.cross_entropy(out.logits, batch.targets, ignore_index=-100).backward()
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum())]
+    missing = [
+        name for name, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum())
+    ]
     assert not missing, missing
 
 
 def test_run_trains_and_writes_rows(tmp_path):
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "hf", "--set", "family=qwen2", "--set", "kv_heads=2", "--set", "dim=32",
-                                      "--set", "seq_len=32", "--set", "n_pairs=2", "--set", "queries_per_key=1", "--set", "n_train=16",
-                                      "--set", "n_valid=4", "--set", "n_test=4", "--pattern", "local:w=8", "--epochs", "1", "--quiet",
-                                      "--results", str(tmp_path)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "hf",
+            "--set",
+            "family=qwen2",
+            "--set",
+            "kv_heads=2",
+            "--set",
+            "dim=32",
+            "--set",
+            "seq_len=32",
+            "--set",
+            "n_pairs=2",
+            "--set",
+            "queries_per_key=1",
+            "--set",
+            "n_train=16",
+            "--set",
+            "n_valid=4",
+            "--set",
+            "n_test=4",
+            "--pattern",
+            "local:w=8",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     from gtx.experiments.results import load
 
     df = load(tmp_path)
-    assert set(df.split) == {"train", "valid", "test"} and (df.attn_flops > 0).all() and (df.flops > df.attn_flops).all()
+    assert (
+        set(df.split) == {"train", "valid", "test"} and (df.attn_flops > 0).all() and (df.flops > df.attn_flops).all()
+    )
 
 
-@pytest.mark.parametrize("settings, match", [(["family=bert"], "family='bert': choose llama, qwen2, gpt2"),
-                                             (["family=gpt2", "kv_heads=2"], "gpt2 has no grouped-query attention"),
-                                             (["heads=4", "kv_heads=3"], "heads of kv_heads"),
-                                             (["max_len=16"], "has positions for 16")])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (["family=bert"], "family='bert': choose llama, qwen2, gpt2"),
+        (["family=gpt2", "kv_heads=2"], "gpt2 has no grouped-query attention"),
+        (["heads=4", "kv_heads=3"], "heads of kv_heads"),
+        (["max_len=16"], "has positions for 16"),
+    ],
+)
 def test_bad_settings_are_one_line(tmp_path, settings, match):
     args = [a for s in settings for a in ("--set", s)]
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "hf", *args, "--set", "seq_len=32", "--set", "n_pairs=2",
-                                      "--set", "queries_per_key=1", "--epochs", "1", "--results", str(tmp_path)])
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "hf",
+            *args,
+            "--set",
+            "seq_len=32",
+            "--set",
+            "n_pairs=2",
+            "--set",
+            "queries_per_key=1",
+            "--epochs",
+            "1",
+            "--results",
+            str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -145,15 +224,41 @@ def test_without_transformers_one_line_says_how_to_install(monkeypatch):
 
 
 def test_bench_prefill_rows(tmp_path):
-    result = CliRunner().invoke(cli, ["bench", "prefill", "--family", "gpt2", "--pattern", "full", "--pattern", "local:w=8", "--lengths", "32",
-                                      "--repeats", "1", "--format", "csv", "--results", str(tmp_path)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "prefill",
+            "--family",
+            "gpt2",
+            "--pattern",
+            "full",
+            "--pattern",
+            "local:w=8",
+            "--lengths",
+            "32",
+            "--repeats",
+            "1",
+            "--format",
+            "csv",
+            "--results",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     import pandas as pd
 
     (path,) = (tmp_path / "bench").glob("prefill-*.csv")
     df = pd.read_csv(path)
-    assert df[["attention", "pattern"]].values.tolist() == [["transformers sdpa", "causal"], ["no attention", "-"], ["gtx", "full"], ["gtx", "local:w=8"]]
+    assert df[["attention", "pattern"]].values.tolist() == [
+        ["transformers sdpa", "causal"],
+        ["no attention", "-"],
+        ["gtx", "full"],
+        ["gtx", "local:w=8"],
+    ]
     assert df.vs_sdpa.iloc[0] == 1.0 and (df.ms > 0).all() and (df.tokens_per_s > 0).all()
     bad = CliRunner().invoke(cli, ["bench", "prefill", "--set", "heads=3", "--lengths", "32"])
-    errors = [line for line in bad.output.splitlines() if not line.startswith("warning:")]  # bench warns on a busy machine
+    errors = [
+        line for line in bad.output.splitlines() if not line.startswith("warning:")
+    ]  # bench warns on a busy machine
     assert bad.exit_code == 2 and len(errors) == 1 and "heads" in errors[0], bad.output

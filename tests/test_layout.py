@@ -7,8 +7,19 @@ import gtx
 
 ROOT = Path(gtx.__file__).parent
 #: bottom to top; a module may import its own layer's modules and those below, never above
-LAYERS = [("errors", "values", "files", "memory"), ("plugins",), ("graph",), ("data",), ("backends",), ("attention",), ("experiments",), ("measure",),
-          ("pictures",), ("testing",), ("cli",)]
+LAYERS = [
+    ("errors", "values", "files", "memory"),
+    ("plugins",),
+    ("graph",),
+    ("data",),
+    ("backends",),
+    ("attention",),
+    ("experiments",),
+    ("measure",),
+    ("pictures",),
+    ("testing",),
+    ("cli",),
+]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -25,7 +36,9 @@ def imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gtx" and node.level == 0:
-            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names}
+            out |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+            }
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "gtx"}
     return out - {"gtx"}  # the package root: __version__ and hookimpl, the facade
@@ -39,7 +52,9 @@ def layer(module: str) -> int:
 
 
 def test_every_module_has_a_layer():
-    assert not [m for m in GRAPH if m.split(".")[1] not in LAYER], "a new top-level folder or module needs a place in LAYERS"
+    assert not [m for m in GRAPH if m.split(".")[1] not in LAYER], (
+        "a new top-level folder or module needs a place in LAYERS"
+    )
 
 
 def test_imports_only_go_down():
@@ -53,9 +68,11 @@ def test_no_import_cycles():
     def visit(m, stack):
         state[m] = "open"
         for d in sorted(GRAPH.get(m, ())):
-            if d in GRAPH and d != m and not (m.startswith(d + ".") or d.startswith(m + ".")):  # a package and its own modules
+            if (
+                d in GRAPH and d != m and not (m.startswith(d + ".") or d.startswith(m + "."))
+            ):  # a package and its own modules
                 if state.get(d) == "open":
-                    cycles.append(" -> ".join([*stack[stack.index(d):], d]))
+                    cycles.append(" -> ".join([*stack[stack.index(d) :], d]))
                 elif d not in state:
                     visit(d, [*stack, d])
         state[m] = "done"
@@ -72,8 +89,15 @@ def test_the_public_api_is_what_docs_api_md_lists():
     from pathlib import Path
 
     table = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text().split("## Where things live")[0]
-    listed = {name for row in table.splitlines() if row.startswith("| `") for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", row.split(" | ")[0])}
+    listed = {
+        name
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", row.split(" | ")[0])
+    }
     assert sorted(gtx.__all__) == sorted(listed)
     for name in listed:
         assert getattr(gtx, name) is not None
-    assert gtx.parse_pattern("local:w=2").spec == "local:w=2" and callable(gtx.plot.pattern) and callable(gtx.load_results)
+    assert (
+        gtx.parse_pattern("local:w=2").spec == "local:w=2" and callable(gtx.plot.pattern) and callable(gtx.load_results)
+    )

@@ -6,8 +6,29 @@ from click.testing import CliRunner
 from gtx.cli import cli
 from gtx.experiments.results import load
 
-TINY = ["--set", "n_train=32", "--set", "n_valid=8", "--set", "n_test=8", "--set", "mean_len=5", "--layers", "1",
-        "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet", "--epochs", "2"]
+TINY = [
+    "--set",
+    "n_train=32",
+    "--set",
+    "n_valid=8",
+    "--set",
+    "n_test=8",
+    "--set",
+    "mean_len=5",
+    "--layers",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--batch-size",
+    "8",
+    "--quiet",
+    "--epochs",
+    "2",
+]
 
 
 def gtx(*args):
@@ -64,15 +85,27 @@ def test_hook_register_loggers(tmp_path, plugin_dir):
     result = gtx("run", "--plugins-dir", folder, "--log", "recorder", "--results", tmp_path, *TINY)
     assert result.exit_code == 0, result.output
     calls = (tmp_path / "calls.jsonl").read_text().splitlines()
-    assert calls == ['["start", "copy"]', '["epoch_end", 1, ["train", "valid"]]', '["epoch_end", 2, ["train", "valid"]]', '["end", 5, "finished"]']
+    assert calls == [
+        '["start", "copy"]',
+        '["epoch_end", 1, ["train", "valid"]]',
+        '["epoch_end", 2, ["train", "valid"]]',
+        '["end", 5, "finished"]',
+    ]
 
 
 def test_a_logger_that_raises_is_named_and_the_rows_stay(tmp_path, plugin_dir):
     folder = plugin_dir(my_logger=LOGGER)
     result = gtx("run", "--plugins-dir", folder, "--log", "broken", "--results", tmp_path, *TINY)
     assert result.exit_code == 2
-    assert "logger 'broken' (plugin" in result.output and "my_logger.py) raised: ConnectionError: tracking server unreachable" in result.output
+    assert (
+        "logger 'broken' (plugin" in result.output
+        and "my_logger.py) raised: ConnectionError: tracking server unreachable" in result.output
+    )
     assert sorted(load(tmp_path).split) == ["train", "valid"]  # epoch 1's rows were written before the logger ran
     unknown = gtx("run", "--log", "mlflow", "--results", tmp_path / "u", *TINY)
-    assert unknown.exit_code == 2 and "unknown logger 'mlflow'; known loggers: " in unknown.output and "tensorboard" in unknown.output
+    assert (
+        unknown.exit_code == 2
+        and "unknown logger 'mlflow'; known loggers: " in unknown.output
+        and "tensorboard" in unknown.output
+    )
     assert not (tmp_path / "u").exists()

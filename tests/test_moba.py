@@ -20,12 +20,18 @@ def moba_by_definition(q, k, v, lens, block, top):
     """Dense MoBA, sample by sample: q, k, v (n, H, D), q already scaled; returns (n, H, D)."""
     out, start = [], 0
     for n in lens:
-        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
         n_blocks = -(-n // block)
-        means = torch.stack([ks[j * block:(j + 1) * block].float().mean(0) for j in range(n_blocks)])  # (blocks, H, D)
-        gate = torch.einsum("thd,jhd->htj", qs.float(), means)  # in float32 as gtx's gate, also when the attention runs in float64
+        means = torch.stack(
+            [ks[j * block : (j + 1) * block].float().mean(0) for j in range(n_blocks)]
+        )  # (blocks, H, D)
+        gate = torch.einsum(
+            "thd,jhd->htj", qs.float(), means
+        )  # in float32 as gtx's gate, also when the attention runs in float64
         own = torch.arange(n) // block
-        gate = gate.masked_fill(torch.arange(n_blocks)[None, :] >= own[:, None], float("-inf"))  # only blocks before the own one compete
+        gate = gate.masked_fill(
+            torch.arange(n_blocks)[None, :] >= own[:, None], float("-inf")
+        )  # only blocks before the own one compete
         keep = torch.zeros(gate.shape, dtype=torch.bool)
         if top > 1 and n_blocks > 1:
             best = gate.topk(min(top - 1, n_blocks), dim=-1)
@@ -70,7 +76,12 @@ def assert_agrees_with_definition(lens, block, top, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(lens=st.lists(st.integers(1, 90), min_size=1, max_size=3), block=st.integers(1, 16), top=st.integers(1, 6), seed=st.integers(0, 100))
+@given(
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=3),
+    block=st.integers(1, 16),
+    top=st.integers(1, 6),
+    seed=st.integers(0, 100),
+)
 def test_moba_equals_its_definition_on_values_and_gradients(lens, block, top, seed):
     assert_agrees_with_definition(lens, block, top, seed)
 
@@ -109,9 +120,14 @@ def test_edges_per_query_count_what_each_token_reads():
     assert sel.edges_per_head() == pytest.approx(mask.sum().item() / 2)  # the listed edges are the ones attended
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("moba:b=0", "need b >= 1 and k >= 1"), ("moba:k=0", "need b >= 1 and k >= 1"), ("moba:gate=row", "gate='row': choose token"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("moba:b=0", "need b >= 1 and k >= 1"),
+        ("moba:k=0", "need b >= 1 and k >= 1"),
+        ("moba:gate=row", "gate='row': choose token"),
+    ],
+)
 def test_bad_settings_are_one_line(spec, message):
     with pytest.raises(GtxError, match=message):
         parse_pattern(spec)
@@ -144,15 +160,29 @@ def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     assert_agrees_with_definition(lens, block, top, 2)
 
 
-@pytest.mark.parametrize("blocks, valid, lens, message", [
-    ([[[1]], [[0]], [[0]]] + [[[0]]] * 3, [[[True]]] + [[[False]]] * 5, [6], "not before the query's own block"),  # token 0 names block 1
-    ([[[0]]] * 4 + [[[1]]] * 2, [[[False]]] * 4 + [[[True]]] * 2, [6], "not before the query's own block"),  # tokens 4, 5 name their own block
-    ([[[0]]] * 6, [[[False]]] * 6, [3, 3], "samples of \\[3, 3\\] tokens"),
-    ([[0]] * 6, [[False]] * 6, [6], "expected \\(6, 1, K\\)"),
-])
+@pytest.mark.parametrize(
+    "blocks, valid, lens, message",
+    [
+        (
+            [[[1]], [[0]], [[0]]] + [[[0]]] * 3,
+            [[[True]]] + [[[False]]] * 5,
+            [6],
+            "not before the query's own block",
+        ),  # token 0 names block 1
+        (
+            [[[0]]] * 4 + [[[1]]] * 2,
+            [[[False]]] * 4 + [[[True]]] * 2,
+            [6],
+            "not before the query's own block",
+        ),  # tokens 4, 5 name their own block
+        ([[[0]]] * 6, [[[False]]] * 6, [3, 3], "samples of \\[3, 3\\] tokens"),
+        ([[0]] * 6, [[False]] * 6, [6], "expected \\(6, 1, K\\)"),
+    ],
+)
 def test_a_bad_token_block_selection_is_one_line_naming_the_pattern(blocks, valid, lens, message):
     from gtx.attention.module import check_selection
     from gtx.errors import PluginError
+
     edges = build_graph(parse_pattern("moba:b=4,k=2"), None, [6]).edges["dd"]
     sel = TokenBlockSelection(4, lens, torch.tensor(blocks), torch.tensor(valid))
     with pytest.raises(PluginError, match=f"pattern 'mine' selected .*{message}") as err:
@@ -165,6 +195,7 @@ def test_a_bad_token_block_selection_is_one_line_naming_the_pattern(blocks, vali
 @pytest.mark.parametrize("gate", ["token", "block"])
 def test_a_budget_of_every_candidate_is_refused(gate):
     from gtx.attention.module import check_budget
+
     with pytest.raises(GtxError, match="keeps up to 64 keys per query, but its candidates have at most 64"):
         check_budget(parse_pattern(f"moba:b=16,k=4,gate={gate}"), ["dd"], 64)
     check_budget(parse_pattern(f"moba:b=16,k=3,gate={gate}"), ["dd"], 64)
@@ -175,9 +206,11 @@ def block_gated_by_definition(q, k, v, lens, block, top):
     earlier blocks by mean key; every query of block i reads them and block i causally. (n, H, D) in and out."""
     out, start = [], 0
     for n in lens:
-        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
         n_blocks = -(-n // block)
-        mean_q, mean_k = (torch.stack([x[j * block:(j + 1) * block].float().mean(0) for j in range(n_blocks)]) for x in (qs, ks))
+        mean_q, mean_k = (
+            torch.stack([x[j * block : (j + 1) * block].float().mean(0) for j in range(n_blocks)]) for x in (qs, ks)
+        )
         gate = torch.einsum("ihd,jhd->hij", mean_q, mean_k)  # (H, query block, key block)
         gate = gate.masked_fill(torch.ones(n_blocks, n_blocks, dtype=torch.bool).tril(-1).logical_not(), float("-inf"))
         keep = torch.zeros(gate.shape, dtype=torch.bool)
@@ -185,7 +218,10 @@ def block_gated_by_definition(q, k, v, lens, block, top):
             best = gate.topk(min(top - 1, n_blocks), dim=-1)
             keep.scatter_(-1, best.indices, best.values > float("-inf"))
         keep |= torch.eye(n_blocks, dtype=torch.bool)  # the own block, always
-        mask = keep.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :n, :n] & torch.ones(n, n, dtype=torch.bool).tril()
+        mask = (
+            keep.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :n, :n]
+            & torch.ones(n, n, dtype=torch.bool).tril()
+        )
         scores = torch.einsum("thd,shd->hts", qs, ks).masked_fill(~mask, float("-inf"))
         out.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vs))
         start += n
@@ -193,14 +229,21 @@ def block_gated_by_definition(q, k, v, lens, block, top):
 
 
 @settings(max_examples=20, deadline=None)
-@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), block=st.integers(1, 12), top=st.integers(1, 5), seed=st.integers(0, 100))
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    block=st.integers(1, 12),
+    top=st.integers(1, 5),
+    seed=st.integers(0, 100),
+)
 def test_block_gating_equals_its_definition_on_values_and_gradients(lens, block, top, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
     pattern = parse_pattern(f"moba:b={block},k={top},gate=block")
     edges = build_graph(pattern, None, lens).edges["dd"]
     got, grads = values_and_grads(lambda *x: Attention(get_backend("auto"), pattern, 2)(*x, edges), q, k, v)
-    want, want_grads = values_and_grads(lambda *x: block_gated_by_definition(*x, lens, block, top), *(x.double() for x in (q, k, v)))
+    want, want_grads = values_and_grads(
+        lambda *x: block_gated_by_definition(*x, lens, block, top), *(x.double() for x in (q, k, v))
+    )
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-5)

@@ -35,7 +35,9 @@ def test_forward_backward_agree_across_backends(tiny_task, model, spec):
         m = build(model, tiny_task, backend)
         m.eval()  # no dropout: outputs comparable across backends
         out = m(batch)
-        loss = torch.nn.functional.cross_entropy(out.logits, batch.targets) + (out.aux_loss if out.aux_loss is not None else 0)
+        loss = torch.nn.functional.cross_entropy(out.logits, batch.targets) + (
+            out.aux_loss if out.aux_loss is not None else 0
+        )
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         assert out.logits.shape == (batch.targets.numel(), len(tiny_task.tgt_vocab))
@@ -135,7 +137,9 @@ def test_a_leaking_decoder_pattern_would_be_caught(tiny_task):
     batch = next(batches(tiny_task, "train", parse_pattern("full"), 4))
     dd = batch.graph.edges["dd"]
     n = dd.n_dst
-    batch.graph.edges["dd"] = EdgeSet(torch.cat([dd.src, torch.tensor([n - 1])]), torch.cat([dd.dst, torch.tensor([0])]), n, n)
+    batch.graph.edges["dd"] = EdgeSet(
+        torch.cat([dd.src, torch.tensor([n - 1])]), torch.cat([dd.dst, torch.tensor([0])]), n, n
+    )
     order = torch.argsort(batch.graph.edges["dd"].dst * n + batch.graph.edges["dd"].src)
     e = batch.graph.edges["dd"]
     batch.graph.edges["dd"] = EdgeSet(e.src[order], e.dst[order], n, n)
@@ -215,7 +219,9 @@ def test_incremental_decoding_gives_the_logits_of_the_whole_prefix(tiny_task, mo
         whole = m.decode(encoded, tokens.flatten(), positions(torch.full((len(src_lens),), 7)), graph)
         state = m.start_decoding(encoded, pattern)
         for t in range(7):
-            logits, state = m.decode_next(state, tokens[:, t], torch.full((len(src_lens),), t), latest_edges(pattern, src_lens, t + 1, "cpu"))
+            logits, state = m.decode_next(
+                state, tokens[:, t], torch.full((len(src_lens),), t), latest_edges(pattern, src_lens, t + 1, "cpu")
+            )
             torch.testing.assert_close(logits, whole.logits.view(len(src_lens), 7, -1)[:, t], atol=1e-5, rtol=1e-5)
     if model == "ut" and not overrides:
         assert len(set(whole.steps[1].tolist())) > 1  # nodes halted at different steps
@@ -228,7 +234,9 @@ def test_incremental_decoding_equals_recomputing_the_prefix(tiny_task, model, be
     m.eval()
     pattern = pattern_for(model, "local:w=2")
     batch = next(batches(tiny_task, "valid", pattern, 8))
-    assert decode(m, tiny_task, batch, pattern, beam=beam) == decode(m, tiny_task, batch, pattern, beam=beam, incremental=False)
+    assert decode(m, tiny_task, batch, pattern, beam=beam) == decode(
+        m, tiny_task, batch, pattern, beam=beam, incremental=False
+    )
 
 
 def test_a_model_without_incremental_decoding_is_decoded_by_recomputing(tiny_task):
@@ -256,11 +264,24 @@ def test_checkpoints_from_before_the_attention_rename_still_load(tiny_task):
     from gtx.attention.module import Attention
 
     entry = MODELS.get("transformer")
-    make = lambda: entry.obj(entry.config(**TINY["transformer"]), tiny_task.src_vocab, tiny_task.tgt_vocab,  # noqa: E731
-                             Attention(get_backend("dense"), parse_pattern("full+relbias:buckets=8,max_distance=16"), 2))
+
+    def make():
+        return entry.obj(
+            entry.config(**TINY["transformer"]),
+            tiny_task.src_vocab,
+            tiny_task.tgt_vocab,
+            Attention(get_backend("dense"), parse_pattern("full+relbias:buckets=8,max_distance=16"), 2),
+        )
+
     trained, fresh = make(), make()
-    old = {k.replace("attention.", "backend.", 1) if k.startswith("attention.") else k: v + 1 for k, v in trained.state_dict().items()}
+    old = {
+        k.replace("attention.", "backend.", 1) if k.startswith("attention.") else k: v + 1
+        for k, v in trained.state_dict().items()
+    }
     assert any(k.startswith("backend.") for k in old)  # the learned bias table, saved under the old name
     fresh.load_state_dict(old)
-    assert all(torch.equal(v, old[k.replace("attention.", "backend.", 1) if k.startswith("attention.") else k]) for k, v in fresh.state_dict().items())
+    assert all(
+        torch.equal(v, old[k.replace("attention.", "backend.", 1) if k.startswith("attention.") else k])
+        for k, v in fresh.state_dict().items()
+    )
     assert fresh.backend is fresh.attention  # plugins that read the old attribute

@@ -23,7 +23,9 @@ from gtx.attention.keys import RANGE_SHIFT, KeySelection, attend_keys
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 
-pytestmark = pytest.mark.skipif(native.load("keys_kernel") is None, reason="no C compiler: the torch paths are all there is")
+pytestmark = pytest.mark.skipif(
+    native.load("keys_kernel") is None, reason="no C compiler: the torch paths are all there is"
+)
 
 
 def both_paths(fn):
@@ -35,8 +37,14 @@ def both_paths(fn):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 40), heads=st.sampled_from([1, 2, 4]), count=st.integers(1, 20), shared=st.booleans(),
-       dims=st.sampled_from([(8, 8), (16, 5), (32, 32)]), seed=st.integers(0, 100))  # 32: the kernels' unrolled copy
+@given(
+    n=st.integers(1, 40),
+    heads=st.sampled_from([1, 2, 4]),
+    count=st.integers(1, 20),
+    shared=st.booleans(),
+    dims=st.sampled_from([(8, 8), (16, 5), (32, 32)]),
+    seed=st.integers(0, 100),
+)  # 32: the kernels' unrolled copy
 def test_attention_over_selected_keys_agrees_with_the_torch_path(n, heads, count, shared, dims, seed):
     check_selected_keys(n, n + 3, heads, count, shared, dims, seed)
 
@@ -51,10 +59,14 @@ def test_attention_over_keys_in_several_ranges_agrees_with_the_torch_path(shared
 
 def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
     g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(n, heads, dims[0], generator=g) * dims[0] ** -0.5).requires_grad_()  # scaled, as attention's: scores of order 1
+    q = (
+        torch.randn(n, heads, dims[0], generator=g) * dims[0] ** -0.5
+    ).requires_grad_()  # scaled, as attention's: scores of order 1
     k = torch.randn(n_keys, heads, dims[0], generator=g, requires_grad=True)
     v = torch.randn(n_keys, heads, dims[1], generator=g, requires_grad=True)
-    keys = torch.randint(0, n_keys, (n, 1 if shared else heads, count), generator=g)  # count > 8: runs of 8 slots and a rest
+    keys = torch.randint(
+        0, n_keys, (n, 1 if shared else heads, count), generator=g
+    )  # count > 8: runs of 8 slots and a rest
     valid = torch.rand(n, 1 if shared else heads, count, generator=g) > 0.3
     valid[0] = False  # a query with nothing to read: zero output, no gradient
     sel = KeySelection(keys.expand(-1, heads, -1), valid.expand(-1, heads, -1))  # shared: a view with head stride 0
@@ -74,8 +86,11 @@ def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
 def indexer_inputs(n, heads, dim, seed):
     """Small integers: every score is exact in float32, so the two paths see the same ties (many)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(-1, 2, (n, heads, dim), generator=g).float(), torch.randint(-2, 3, (n, heads), generator=g).float(),
-            torch.randint(-1, 2, (n, dim), generator=g).float())
+    return (
+        torch.randint(-1, 2, (n, heads, dim), generator=g).float(),
+        torch.randint(-2, 3, (n, heads), generator=g).float(),
+        torch.randint(-1, 2, (n, dim), generator=g).float(),
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -88,20 +103,27 @@ def test_the_indexer_chooses_the_same_keys_ties_to_the_later_one(lens, count, se
     start = 0
     for n in lens:  # each query kept min(count, t + 1) of its own sample's earlier keys
         t = torch.arange(n)
-        assert torch.equal(valid[start:start + n].sum(1), (t + 1).clamp(max=count))
-        chosen = keys[start:start + n]
-        assert ((chosen >= start) & (chosen <= start + t[:, None]) | ~valid[start:start + n]).all()
+        assert torch.equal(valid[start : start + n].sum(1), (t + 1).clamp(max=count))
+        chosen = keys[start : start + n]
+        assert ((chosen >= start) & (chosen <= start + t[:, None]) | ~valid[start : start + n]).all()
         start += n
 
 
 def same_sets(keys, valid, want_keys, want_valid) -> bool:
     """The same valid key ids per query (and head), in any order."""
-    return torch.equal(keys.long().masked_fill(~valid, -1).sort(-1).values, want_keys.masked_fill(~want_valid, -1).sort(-1).values)
+    return torch.equal(
+        keys.long().masked_fill(~valid, -1).sort(-1).values, want_keys.masked_fill(~want_valid, -1).sort(-1).values
+    )
 
 
 @settings(max_examples=30, deadline=None)
-@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=3), count=st.integers(1, 40), heads=st.sampled_from([1, 3]),
-       stage=st.sampled_from(["ee", "dd"]), seed=st.integers(0, 100))
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+    count=st.integers(1, 40),
+    heads=st.sampled_from([1, 3]),
+    stage=st.sampled_from(["ee", "dd"]),
+    seed=st.integers(0, 100),
+)
 def test_topk_chooses_the_same_keys_per_head_on_the_kernel(lens, count, heads, stage, seed):
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(sum(lens), heads, 8, generator=g) for _ in range(2))  # random scores: no ties
@@ -116,8 +138,14 @@ def test_topk_chooses_the_same_keys_per_head_on_the_kernel(lens, count, heads, s
 @given(n=st.integers(1, 60), count=st.integers(1, 12), dim=st.sampled_from([5, 8, 32]), seed=st.integers(0, 100))
 def test_the_indexer_kl_over_kept_keys_agrees_with_the_torch_path(n, count, dim, seed):
     g = torch.Generator().manual_seed(seed)
-    iq, w, ik = (x.requires_grad_() for x in (torch.randn(n, 2, dim, generator=g), torch.randn(n, 2, generator=g),
-                                              torch.randn(n + 5, dim, generator=g)))
+    iq, w, ik = (
+        x.requires_grad_()
+        for x in (
+            torch.randn(n, 2, dim, generator=g),
+            torch.randn(n, 2, generator=g),
+            torch.randn(n + 5, dim, generator=g),
+        )
+    )
     keys = torch.randint(0, n + 5, (n, count), generator=g)
     valid = torch.rand(n, count, generator=g) > 0.25
     p = torch.softmax(torch.randn(n, count, generator=g).masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0)
@@ -174,7 +202,9 @@ def test_the_kernels_use_no_builtin_that_only_gcc_12_has_outside_its_guard():
     """GCC 11 (Ubuntu 22.04, RHEL 9, Debian 11) has no __builtin_shufflevector: kernel.h picks it only
     for clang and GCC >= 12, __builtin_shuffle elsewhere."""
     folder = Path(native.__file__).parent
-    text = re.sub(r"/\*.*?\*/", "", "\n".join(p.read_text() for p in [*folder.glob("*.h"), *folder.glob("*.c")]), flags=re.S)
+    text = re.sub(
+        r"/\*.*?\*/", "", "\n".join(p.read_text() for p in [*folder.glob("*.h"), *folder.glob("*.c")]), flags=re.S
+    )
     guarded = re.compile(r"#if defined\(__clang__\) \|\| __GNUC__ >= 12\n(.*?)#else\n(.*?)#endif", re.S)
     assert len(guarded.findall(text)) == 1 and "__builtin_shuffle(" in guarded.search(text).group(2)
     assert "__builtin_shufflevector" not in guarded.sub("", text)
@@ -209,8 +239,10 @@ def test_no_compiler_on_the_path_says_so_once(fresh, tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert native.library("keys_kernel") is None and native.library("index_kernel") is None
-    assert fresh() == ["no C compiler (no cc or gcc on the PATH): topk and dsa run on their torch path, several times slower on the CPU; "
-                       "set CC to a C compiler's command"]
+    assert fresh() == [
+        "no C compiler (no cc or gcc on the PATH): topk and dsa run on their torch path, several times slower on the CPU; "
+        "set CC to a C compiler's command"
+    ]
 
 
 def test_gtx_native_0_says_so_in_one_line(fresh, monkeypatch):
@@ -221,10 +253,17 @@ def test_gtx_native_0_says_so_in_one_line(fresh, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["a file", "below a file", "/dev/null", "empty", "read-only"])
-def test_a_cache_that_cannot_be_used_gives_a_temporary_folder_and_one_line_naming_gtx_cache(kind, fresh, tmp_path, monkeypatch):
+def test_a_cache_that_cannot_be_used_gives_a_temporary_folder_and_one_line_naming_gtx_cache(
+    kind, fresh, tmp_path, monkeypatch
+):
     (tmp_path / "f").write_text("")
-    value = {"a file": tmp_path / "f", "below a file": tmp_path / "f" / "sub", "/dev/null": "/dev/null", "empty": "",
-             "read-only": tmp_path / "ro"}[kind]
+    value = {
+        "a file": tmp_path / "f",
+        "below a file": tmp_path / "f" / "sub",
+        "/dev/null": "/dev/null",
+        "empty": "",
+        "read-only": tmp_path / "ro",
+    }[kind]
     if kind == "read-only":  # root writes anywhere: the check is made to see a read-only folder
         (tmp_path / "ro").mkdir()
         access = os.access
@@ -261,9 +300,13 @@ def test_a_damaged_cached_library_is_rebuilt_never_loaded(fresh):
         if damage == "no hash beside it":
             (path.parent / (path.name + ".sha256")).unlink()
         else:
-            path.write_bytes({"cut short": whole[:len(whole) // 2], "empty": b"", "a byte changed": whole[:-1] + b"\1"}[damage])
+            path.write_bytes(
+                {"cut short": whole[: len(whole) // 2], "empty": b"", "a byte changed": whole[:-1] + b"\1"}[damage]
+            )
         assert not native._verified(path)
-        assert native.library("keys_kernel") == path and len(path.read_bytes()) == len(whole) and native._verified(path), damage
+        assert (
+            native.library("keys_kernel") == path and len(path.read_bytes()) == len(whole) and native._verified(path)
+        ), damage
     assert native.load.__wrapped__("keys_kernel") is not None and fresh() == []
 
 
@@ -281,7 +324,10 @@ def test_the_openmp_choice_and_the_toolchain_are_in_the_cache_key(fresh, tmp_pat
     later, and then the OpenMP build is used. Another compiler (a wrapper too) builds its own library."""
     once = tmp_path / "fail-once"
     once.write_text("")
-    flaky = script(tmp_path / "flaky", f'case "$*" in *-fopenmp*) if [ -e "{once}" ]; then rm "{once}"; exit 1; fi;; esac; exec {REAL_CC} "$@"')
+    flaky = script(
+        tmp_path / "flaky",
+        f'case "$*" in *-fopenmp*) if [ -e "{once}" ]; then rm "{once}"; exit 1; fi;; esac; exec {REAL_CC} "$@"',
+    )
     monkeypatch.setenv("CC", flaky)
     single = native.library("keys_kernel")
     assert single is not None and "built without OpenMP" in fresh()[0]
@@ -296,7 +342,10 @@ def test_the_openmp_choice_and_the_toolchain_are_in_the_cache_key(fresh, tmp_pat
 
 
 def test_a_compiler_that_refuses_march_native_builds_for_the_baseline(fresh, tmp_path, monkeypatch):
-    picky = script(tmp_path / "picky", f'case "$*" in *-march=native*) echo "error: unknown target CPU native" >&2; exit 1;; esac; exec {REAL_CC} "$@"')
+    picky = script(
+        tmp_path / "picky",
+        f'case "$*" in *-march=native*) echo "error: unknown target CPU native" >&2; exit 1;; esac; exec {REAL_CC} "$@"',
+    )
     monkeypatch.setenv("CC", picky)
     loads_and_agrees(monkeypatch)
     (line,) = fresh()  # one line for both kernels
@@ -313,7 +362,9 @@ def test_a_failing_compiler_is_remembered_not_retried_by_every_process(fresh, tm
     tries = len(calls.read_text().split())  # --version, then each build tried
     monkeypatch.setattr(native, "_said", set())  # as a new process
     assert native.library("keys_kernel") is None and native.library("index_kernel") is None
-    assert len(calls.read_text().split()) == tries == 9 and len(fresh()) == 2  # --version, then 4 builds of each kernel, once
+    assert (
+        len(calls.read_text().split()) == tries == 9 and len(fresh()) == 2
+    )  # --version, then 4 builds of each kernel, once
 
 
 def test_the_cache_key_holds_the_cpus_model_where_there_is_no_proc_cpuinfo(tmp_path, monkeypatch):
@@ -321,8 +372,13 @@ def test_the_cache_key_holds_the_cpus_model_where_there_is_no_proc_cpuinfo(tmp_p
     script(tmp_path / "sysctl", 'echo "machdep.cpu.brand_string: Apple M9"')
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     read_text = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError()) if str(self) == "/proc/cpuinfo"
-                        else read_text(self, *a, **k))
+    monkeypatch.setattr(
+        Path,
+        "read_text",
+        lambda self, *a, **k: (
+            (_ for _ in ()).throw(OSError()) if str(self) == "/proc/cpuinfo" else read_text(self, *a, **k)
+        ),
+    )
     assert "Apple M9" in native._cpu_features.__wrapped__()
 
 
@@ -343,7 +399,9 @@ def test_attention_over_no_keys_reads_nothing_and_ids_out_of_range_are_an_error(
         with pytest.raises(IndexError, match="out of range"):
             attend_keys(q, k3, v3, e, KeySelection(keys, torch.zeros(5, 2, 4, dtype=torch.bool)))
     with pytest.raises(IndexError, match="out of range"):
-        attend_keys(q, k, v, e, KeySelection(torch.zeros(5, 2, 4, dtype=torch.long), torch.ones(5, 2, 4, dtype=torch.bool)))
+        attend_keys(
+            q, k, v, e, KeySelection(torch.zeros(5, 2, 4, dtype=torch.long), torch.ones(5, 2, 4, dtype=torch.bool))
+        )
 
 
 def test_the_indexer_kl_refuses_ids_out_of_range():

@@ -48,7 +48,9 @@ def test_examples_fill_the_context_and_score_only_the_answer():
             text = "".join(tokens)
             value = text.rsplit("It is ", 1)[1]
             assert len(tokens) == 201 and len(groups) == 200 and value.isdigit() and len(value) == 4
-            assert groups[-4:] == [groups[-1]] * 4 and groups[-1] in DEPTHS and not any(groups[:-4])  # the 4 digits, not the space before
+            assert (
+                groups[-4:] == [groups[-1]] * 4 and groups[-1] in DEPTHS and not any(groups[:-4])
+            )  # the 4 digits, not the space before
             assert "".join(answer(tokens, groups)) == value and f"is {value}." in text  # the needle holds the answer
     depths = [next(g for g in groups if g) for _, groups in data["valid"]]
     assert depths == DEPTHS * 2  # valid cycles through the depths
@@ -59,7 +61,9 @@ def test_examples_fill_the_context_and_score_only_the_answer():
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 0.9, 1.0])
 def test_the_needle_sits_at_its_depth_in_tokens(tokenizer, depth):
     task = make(tokenizer, context=600, depths=str(depth))
-    longest = max(len(task.tokens(" " + s)) for s in sys.modules[NEEDLE.obj.__module__].FILLER)  # tokens of the longest filler sentence
+    longest = max(
+        len(task.tokens(" " + s)) for s in sys.modules[NEEDLE.obj.__module__].FILLER
+    )  # tokens of the longest filler sentence
     for tokens, groups in task.generate()["test"]:
         needle = task.tokens(" The secret number of")
         start = next(i for i in range(len(tokens)) if tokens[i : i + len(needle)] == needle)
@@ -73,7 +77,9 @@ def test_the_needle_sits_at_its_depth_in_tokens(tokenizer, depth):
 def test_pieces_are_written_as_the_tokenizer_writes_the_whole_text():
     tokenizer = Words()
     for tokens, groups in make(tokenizer, context=100).generate()["valid"]:
-        assert len(tokens) == 101 and tokenizer.tokenize("".join(tokens)) == tokens  # " It is" + " 4821", not " It is " + "4821"
+        assert (
+            len(tokens) == 101 and tokenizer.tokenize("".join(tokens)) == tokens
+        )  # " It is" + " 4821", not " It is " + "4821"
         value = "".join(tokens).rsplit("It is ", 1)[1]
         assert answer(tokens, groups) == [" " + value] and sum(map(bool, groups)) == 1
 
@@ -89,8 +95,12 @@ def test_seeded_and_splits_apart():
 def test_vocabulary_is_fixed_by_the_task_and_names_are_a_setting():
     one, other = make(seed=0), make(seed=3, n_names=1, digits=1)
     one.splits(), other.splits()
-    assert one.src_vocab == other.src_vocab == one.tgt_vocab and "{" not in one.src_vocab.stoi and one.context_len() == 256
-    assert all("".join(t).rsplit("It is ", 1)[0].count(" Ada") == 2 for t, _ in other.splits()["train"])  # only Ada, in needle and question
+    assert (
+        one.src_vocab == other.src_vocab == one.tgt_vocab and "{" not in one.src_vocab.stoi and one.context_len() == 256
+    )
+    assert all(
+        "".join(t).rsplit("It is ", 1)[0].count(" Ada") == 2 for t, _ in other.splits()["train"]
+    )  # only Ada, in needle and question
 
 
 def test_phase_metrics_mirror_recall():
@@ -116,17 +126,66 @@ def test_written_with_a_models_tokenizer(tmp_path):
         tail = tokenizer.tokenize(text.rsplit(" What is", 1)[1])  # question and answer, written whole
         assert tokens[-len(tail) :] == tail
     # the brief's context=64 holds no filler at this tokenizer's ~1 token per character: the needle alone is ~30 tokens
-    result = CliRunner().invoke(cli, ["run", "--task", "needle", "--model", "hf", "--set", f"path={folder}", "--set", "context=120",
-                                      "--set", "n_valid=5", "--set", "n_test=5", "--epochs", "0", "--quiet", "--results", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "needle",
+            "--model",
+            "hf",
+            "--set",
+            f"path={folder}",
+            "--set",
+            "context=120",
+            "--set",
+            "n_valid=5",
+            "--set",
+            "n_test=5",
+            "--epochs",
+            "0",
+            "--quiet",
+            "--results",
+            str(tmp_path / "r"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     metrics = json.loads(load(tmp_path / "r").query("split == 'test'").metrics.iloc[0])
     assert set(metrics["needle_acc_by_depth"]) == set(DEPTHS) and 0 <= metrics["needle_acc"] <= 1
 
 
 def test_tiny_run_reports_accuracy_per_depth(tmp_path):
-    result = CliRunner().invoke(cli, ["run", "--task", "needle", "--model", "lm", "--set", "context=96", "--set", "n_train=64", "--set", "n_valid=10",
-                                      "--set", "n_test=10", "--set", "depths=0,1", "--dim", "32", "--heads", "2", "--dim-ff", "64", "--epochs", "1",
-                                      "--quiet", "--results", str(tmp_path)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "needle",
+            "--model",
+            "lm",
+            "--set",
+            "context=96",
+            "--set",
+            "n_train=64",
+            "--set",
+            "n_valid=10",
+            "--set",
+            "n_test=10",
+            "--set",
+            "depths=0,1",
+            "--dim",
+            "32",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "64",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     assert set(df.split) == {"train", "valid", "test"} and set(df.task) == {"needle"}
@@ -135,17 +194,24 @@ def test_tiny_run_reports_accuracy_per_depth(tmp_path):
     assert 0.0 <= metrics["needle_acc"] <= 1.0 and set(metrics["needle_acc_by_depth"]) == {"depth=0.00", "depth=1.00"}
 
 
-@pytest.mark.parametrize("settings, match", [
-    (["depths=0,1.5"], "depths='0,1.5': every depth is a fraction of the filler, in [0, 1]"),
-    (["depths=half"], "depths='half': write fractions separated by commas"),
-    (["depths=0,,1"], "write fractions separated by commas"),
-    (["depths=0.5,0.501"], "two depths share the group depth=0.50; give each depth once"),
-    (["context=40"], "context=40 holds no filler"),
-    (["n_names=25"], "n_names"),
-    (["digits=0"], "digits"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (["depths=0,1.5"], "depths='0,1.5': every depth is a fraction of the filler, in [0, 1]"),
+        (["depths=half"], "depths='half': write fractions separated by commas"),
+        (["depths=0,,1"], "write fractions separated by commas"),
+        (["depths=0.5,0.501"], "two depths share the group depth=0.50; give each depth once"),
+        (["context=40"], "context=40 holds no filler"),
+        (["n_names=25"], "n_names"),
+        (["digits=0"], "digits"),
+    ],
+)
 def test_bad_settings_are_one_line(tmp_path, settings, match):
     args = [a for s in settings for a in ("--set", s)]
-    result = CliRunner().invoke(cli, ["run", "--task", "needle", "--model", "lm", *args, "--epochs", "1", "--results", str(tmp_path)])
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    result = CliRunner().invoke(
+        cli, ["run", "--task", "needle", "--model", "lm", *args, "--epochs", "1", "--results", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "runs").exists()

@@ -33,7 +33,15 @@ def selected_and_window_by_definition(q, k, v, lens, block_indices, block, windo
         for t in range(n):
             for h in range(q.shape[1]):
                 qt = q[start + t, h]
-                chosen = sorted({b * block + i for b in block_indices[start + t, h].tolist() if b >= 0 for i in range(block) if b * block + i <= t})
+                chosen = sorted(
+                    {
+                        b * block + i
+                        for b in block_indices[start + t, h].tolist()
+                        if b >= 0
+                        for i in range(block)
+                        if b * block + i <= t
+                    }
+                )
                 win = list(range(max(0, t - window + 1), t + 1))
                 for keys, gate in ((chosen, g_slc), (win, g_swa)):
                     ks, vs = k[start + torch.tensor(keys), h], v[start + torch.tensor(keys), h]
@@ -50,7 +58,7 @@ def random_blocks(lens, heads, block, count, g):
             own = t // block
             per_head = []
             for _ in range(heads):
-                earlier = torch.randperm(own, generator=g)[:count - 1].tolist() if own else []
+                earlier = torch.randperm(own, generator=g)[: count - 1].tolist() if own else []
                 per_head.append([own, *earlier] + [-1] * (count - 1 - len(earlier)))
             rows.append(per_head)
     return torch.tensor(rows)
@@ -62,9 +70,15 @@ def grads_of(f, *xs):
     return out.detach(), torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
 
 
-@pytest.mark.parametrize("lens, block, count, window, seed", [
-    ([70], 16, 3, 8, 0), ([45, 30, 61], 8, 4, 16, 1), ([33], 64, 2, 5, 2), ([129, 17], 16, 8, 32, 3),
-])
+@pytest.mark.parametrize(
+    "lens, block, count, window, seed",
+    [
+        ([70], 16, 3, 8, 0),
+        ([45, 30, 61], 8, 4, 16, 1),
+        ([33], 64, 2, 5, 2),
+        ([129, 17], 16, 8, 32, 3),
+    ],
+)
 def test_selected_and_window_branches_equal_naive_nsa_given_blocks_and_gates(lens, block, count, window, seed):
     g = torch.Generator().manual_seed(seed)
     heads, n = 2, sum(lens)
@@ -105,10 +119,13 @@ def nsa_by_definition(module, q, k, v, lens):
     phi = {"k": getattr(module, "phi_k", None), "v": getattr(module, "phi_v", None)}
     out, start = torch.zeros_like(q), 0
     for n in lens:
-        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
         m = (n - c.l) // c.d + 1 if n >= c.l else 0
-        blocks = {name: [x[i * c.d:i * c.d + c.l] for i in range(m)] for name, x in (("k", ks), ("v", vs))}
-        comp = {name: [b.mean(0) if phi[name] is None else mlp_of_block(phi[name], b) for b in bl] for name, bl in blocks.items()}
+        blocks = {name: [x[i * c.d : i * c.d + c.l] for i in range(m)] for name, x in (("k", ks), ("v", vs))}
+        comp = {
+            name: [b.mean(0) if phi[name] is None else mlp_of_block(phi[name], b) for b in bl]
+            for name, bl in blocks.items()
+        }
         for t in range(n):
             seen = [i for i in range(m) if i * c.d + c.l - 1 <= t]
             own = t // c.s
@@ -123,27 +140,34 @@ def nsa_by_definition(module, q, k, v, lens):
                     p = torch.softmax(torch.stack([comp["k"][i][hh] @ qs[t, hh] for i in seen]), 0).detach()
                     for j, i in enumerate(seen):
                         for b in range(own):
-                            if b * c.s <= i * c.d + c.l - 1 and i * c.d <= (b + 1) * c.s - 1:  # compressed block i overlaps block b
+                            if (
+                                b * c.s <= i * c.d + c.l - 1 and i * c.d <= (b + 1) * c.s - 1
+                            ):  # compressed block i overlaps block b
                                 importance[b] += p[j]
                 forced = {b for b in (0, own - 1) if 0 <= b < own}
                 rest = sorted(set(range(own)) - forced, key=lambda b: -float(importance[b]))
-                chosen = sorted(forced | set(rest[:max(0, c.n - 1 - len(forced))])) + [own]
+                chosen = sorted(forced | set(rest[: max(0, c.n - 1 - len(forced))])) + [own]
                 keys = [s for b in chosen for s in range(b * c.s, (b + 1) * c.s) if s <= t]
                 o_slc = torch.softmax(ks[keys, h] @ qt, 0) @ vs[keys, h]
                 win = list(range(max(0, t - c.w + 1), t + 1))
                 o_win = torch.softmax(ks[win, h] @ qt, 0) @ vs[win, h]
-                out[start + t, h] = gates[start + t, h, 0] * o_cmp + gates[start + t, h, 1] * o_slc + gates[start + t, h, 2] * o_win
+                out[start + t, h] = (
+                    gates[start + t, h, 0] * o_cmp + gates[start + t, h, 1] * o_slc + gates[start + t, h, 2] * o_win
+                )
         start += n
     return out
 
 
-@pytest.mark.parametrize("spec, lens, heads", [
-    ("nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", [70], 2),
-    ("nsa:l=8,d=4,s=16,n=4,w=5", [50, 37], 2),
-    ("nsa:l=6,d=3,s=8,n=5,w=12,g=2", [61, 20], 4),
-    ("nsa:l=4,d=4,s=4,n=6,w=4", [40], 2),
-    ("nsa:l=8,d=4,s=4,n=5,w=6", [45], 2),  # a compressed block spans 2 or 3 selection blocks
-])
+@pytest.mark.parametrize(
+    "spec, lens, heads",
+    [
+        ("nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", [70], 2),
+        ("nsa:l=8,d=4,s=16,n=4,w=5", [50, 37], 2),
+        ("nsa:l=6,d=3,s=8,n=5,w=12,g=2", [61, 20], 4),
+        ("nsa:l=4,d=4,s=4,n=6,w=4", [40], 2),
+        ("nsa:l=8,d=4,s=4,n=5,w=6", [45], 2),  # a compressed block spans 2 or 3 selection blocks
+    ],
+)
 def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, heads):
     torch.manual_seed(0)
     pattern = parse_pattern(spec)
@@ -164,7 +188,9 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
     names = ["q", "k", "v", *(n for n, _ in attention.trainable.named_parameters())]
     for name, a, b in zip(names, got_grads, want_grads):
         assert a.abs().sum() > 0, f"no gradient reaches {name}: phi, the gates and all three branches train"
-        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")
+        torch.testing.assert_close(
+            a, b.float(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
@@ -184,15 +210,42 @@ def test_no_future_key_reaches_a_query_through_any_branch():
     out = attention(q, k, v, build_graph(pattern, None, [n]).edges["dd"])
     for t in (0, 7, 20, 33):
         dk, dv = torch.autograd.grad(out[t].sum(), [k, v], retain_graph=True)
-        assert dk[t + 1:].abs().max() == 0 and dv[t + 1:].abs().max() == 0, t
+        assert dk[t + 1 :].abs().max() == 0 and dv[t + 1 :].abs().max() == 0, t
 
 
 def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path):
     from gtx.experiments import results
 
-    args = ["run", "--task", "recall", "--model", "lm", "--pattern", "nsa:l=8,d=4,s=16,n=4,w=16", "--set", "seq_len=96", "--set", "n_train=16",
-            "--set", "n_valid=4", "--set", "n_test=4", "--set", "layers=2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1",
-            "--quiet", "--results", str(tmp_path)]
+    args = [
+        "run",
+        "--task",
+        "recall",
+        "--model",
+        "lm",
+        "--pattern",
+        "nsa:l=8,d=4,s=16,n=4,w=16",
+        "--set",
+        "seq_len=96",
+        "--set",
+        "n_train=16",
+        "--set",
+        "n_valid=4",
+        "--set",
+        "n_test=4",
+        "--set",
+        "layers=2",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--results",
+        str(tmp_path),
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     rows = results.load(tmp_path)
@@ -200,28 +253,66 @@ def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path)
     assert {"kept_compressed", "kept_selected", "kept_window"} <= set(metrics)
     assert 0 < metrics["kept_window"] <= 16 and metrics["kept_selected"] <= 4 * 16
     ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
-    assert {key.split(".trainable.")[0] for key in ckpt if ".trainable." in key} == {"layer_attention.0", "layer_attention.1"}
-    drawn = CliRunner().invoke(cli, ["plot", "attention", rows.run_id.iloc[0], "--results", str(tmp_path), "-o", str(tmp_path / "a.png")])
+    assert {key.split(".trainable.")[0] for key in ckpt if ".trainable." in key} == {
+        "layer_attention.0",
+        "layer_attention.1",
+    }
+    drawn = CliRunner().invoke(
+        cli, ["plot", "attention", rows.run_id.iloc[0], "--results", str(tmp_path), "-o", str(tmp_path / "a.png")]
+    )
     assert drawn.exit_code == 2 and "cannot be recorded" in drawn.output and not (tmp_path / "a.png").exists()
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nsa:l=8,d=16", "stride d=16 is larger than the compression block l=8"),
-    ("nsa:n=3", "n=3: n counts the selected blocks including the first and the two local ones"),
-    ("nsa:phi=max", "phi='max': choose mlp"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nsa:l=8,d=16", "stride d=16 is larger than the compression block l=8"),
+        ("nsa:n=3", "n=3: n counts the selected blocks including the first and the two local ones"),
+        ("nsa:phi=max", "phi='max': choose mlp"),
+    ],
+)
 def test_bad_nsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")]
+    )
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("model, pattern", [("ut", "nsa:l=4,d=2,s=4,n=4,w=4"), ("transformer", "dsa:k=4,warmup=1"), ("lm", "dsa:k=4,warmup=0")])
+@pytest.mark.parametrize(
+    "model, pattern",
+    [("ut", "nsa:l=4,d=2,s=4,n=4,w=4"), ("transformer", "dsa:k=4,warmup=1"), ("lm", "dsa:k=4,warmup=0")],
+)
 def test_every_model_trains_and_decodes_with_a_trainable_pattern(tmp_path, model, pattern):
     task = ["--task", "recall", "--set", "seq_len=48"] if model == "lm" else ["--task", "copy"]
-    result = CliRunner().invoke(cli, ["run", *task, "--model", model, "--pattern", pattern, "--set", "n_train=16", "--set", "n_valid=4",
-                                      "--set", "n_test=4", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--quiet",
-                                      "--results", str(tmp_path)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            *task,
+            "--model",
+            model,
+            "--pattern",
+            pattern,
+            "--set",
+            "n_train=16",
+            "--set",
+            "n_valid=4",
+            "--set",
+            "n_test=4",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "16",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--results",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     ckpt = torch.load(next(tmp_path.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
     assert any(".trainable." in key for key in ckpt)
@@ -244,4 +335,6 @@ def test_the_window_edges_are_shared_by_the_layers_and_kept_for_the_last_few_bat
             layer(q, k, v, edges)
             seen.append(id(pattern._cache[("memo", "nsa windows")][("local:w=3", (n, 7), "cpu")][0]))
     assert seen[0::2] == seen[1::2], "each layer built its own window edges"
-    assert [key[1] for key in pattern._cache[("memo", "nsa windows")]] == [(n, 7) for n in range(20 + windows, 20 + 2 * windows)]
+    assert [key[1] for key in pattern._cache[("memo", "nsa windows")]] == [
+        (n, 7) for n in range(20 + windows, 20 + 2 * windows)
+    ]

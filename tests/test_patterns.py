@@ -42,10 +42,13 @@ CASES = {
     # content-selected patterns: their fixed edges are the candidates they select from (selection: test_attention.py)
     "topk": st.integers(1, 8).map(lambda k: (f"topk:k={k}", oracles.full())),
     "moba": st.tuples(st.integers(1, 8), st.integers(1, 4), st.sampled_from(["token", "block"])).map(
-        lambda a: (f"moba:b={a[0]},k={a[1]},gate={a[2]}", oracles.full())),
+        lambda a: (f"moba:b={a[0]},k={a[1]},gate={a[2]}", oracles.full())
+    ),
     "lsh": st.sampled_from([2, 4, 8]).map(lambda b: (f"lsh:buckets={b}", oracles.full())),
     # trainable attention: its candidates are full (causal in dd); what it attends to: test_nsa.py, test_dsa.py
-    "nsa": st.tuples(st.integers(1, 8), st.integers(1, 8)).map(lambda a: (f"nsa:l={a[0]},d={min(a)},s={a[1]}", oracles.full())),
+    "nsa": st.tuples(st.integers(1, 8), st.integers(1, 8)).map(
+        lambda a: (f"nsa:l={a[0]},d={min(a)},s={a[1]}", oracles.full())
+    ),
     "dsa": st.integers(1, 8).map(lambda k: (f"dsa:k={k}", oracles.full())),
 }
 
@@ -110,8 +113,18 @@ def test_bigbird_random_blocks_are_seeded():
 
 
 ALL_SPECS = [
-    "full", "causal", "bipartite", "local:w=3", "act(local:w=2)", "strided:l=3", "fixed:l=4,c=2",
-    "longformer:w=2,g=2", "bigbird:b=3,r=1", "dilated:w=2,d=3", "local:w=1|strided:l=5", "(local:w=2|full)&causal",
+    "full",
+    "causal",
+    "bipartite",
+    "local:w=3",
+    "act(local:w=2)",
+    "strided:l=3",
+    "fixed:l=4,c=2",
+    "longformer:w=2,g=2",
+    "bigbird:b=3,r=1",
+    "dilated:w=2,d=3",
+    "local:w=1|strided:l=5",
+    "(local:w=2|full)&causal",
 ]
 
 
@@ -223,7 +236,7 @@ def leaky(stage_rule):
 
 
 def test_decoder_future_edge_is_named():
-    p = leaky(lambda q, k, n_q, n_k: (k <= q + 1))
+    p = leaky(lambda q, k, n_q, n_k: k <= q + 1)
     with pytest.raises(PatternError) as info:
         p.edges("dd", 5, 5)
     msg = str(info.value)
@@ -233,7 +246,9 @@ def test_decoder_future_edge_is_named():
 
 def test_decoder_edges_depending_on_target_length_are_rejected():
     p = leaky(lambda q, k, n_q, n_k: (k <= q) & ((k == 0) | (q == n_q - 1)))  # the last query sees all
-    with pytest.raises(PatternError, match=r"stage dd .*edge 1->2 exists for target length 4 but not 3.*independent of n_q"):
+    with pytest.raises(
+        PatternError, match=r"stage dd .*edge 1->2 exists for target length 4 but not 3.*independent of n_q"
+    ):
         p.edges("dd", 4, 4)
 
 
@@ -275,21 +290,31 @@ def test_declared_structures_are_what_the_edges_say(name):
             assert declared.structure(stage, n_q, n_k) == counted.structure(stage, n_q, n_k), (stage, n_q, n_k)
 
 
-@pytest.mark.parametrize("spec", [*ALL_SPECS, "topk:k=2", "moba:b=4,k=2", "moba:b=4,k=2,gate=block", "nsa:l=4,d=2,s=4,w=2",
-                                  "dsa:k=2,warmup=0", "heads(local:w=1,strided:l=3)+alibi"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        *ALL_SPECS,
+        "topk:k=2",
+        "moba:b=4,k=2",
+        "moba:b=4,k=2,gate=block",
+        "nsa:l=4,d=2,s=4,w=2",
+        "dsa:k=2,warmup=0",
+        "heads(local:w=1,strided:l=3)+alibi",
+    ],
+)
 def test_the_checks_pattern_authors_run_pass_on_the_built_in_patterns(spec):
     testing.check_pattern(spec, lengths=(1, 2, 5, 9))
 
 
 def test_the_checks_pattern_authors_run_name_a_broken_pattern():
     with pytest.raises(PatternError, match="lets position 0 see later position 1"):
-        testing.check_edges(leaky(lambda q, k, n_q, n_k: (k <= q + 1)))
+        testing.check_edges(leaky(lambda q, k, n_q, n_k: k <= q + 1))
     with pytest.raises(PatternError, match="must not depend on the target length"):
         testing.check_edges(leaky(lambda q, k, n_q, n_k: (k <= q) & ((k == 0) | (q == n_q - 1))))
 
 
 def test_an_intersection_is_judged_by_its_result_not_its_operands():
-    leaks = leaky(lambda q, k, n_q, n_k: (k <= q + 1))  # sees one token ahead: refused alone
+    leaks = leaky(lambda q, k, n_q, n_k: k <= q + 1)  # sees one token ahead: refused alone
     with pytest.raises(PatternError, match="lets position"):
         leaks.edges("dd", 5, 5)
     fixed = leaks & parse_pattern("causal")  # what the leak error advises: k <= q + 1 and k <= q is causal
@@ -297,11 +322,14 @@ def test_an_intersection_is_judged_by_its_result_not_its_operands():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("local:w=2,w=3", "parameter 'w' is given twice (2 and 3)"),
-    ("local:", "':' with no parameters after it"),
-    ("local:w=2,", "cannot parse pattern 'local:w=2,' at ','"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("local:w=2,w=3", "parameter 'w' is given twice (2 and 3)"),
+        ("local:", "':' with no parameters after it"),
+        ("local:w=2,", "cannot parse pattern 'local:w=2,' at ','"),
+    ],
+)
 def test_ambiguous_parameters_are_refused(spec, message):
     with pytest.raises(PatternError, match=re.escape(message)):
         parse_pattern(spec)
@@ -310,12 +338,24 @@ def test_ambiguous_parameters_are_refused(spec, message):
 def test_a_pattern_within_a_sliding_window_keeps_its_run_time_parts():
     """A pretrained model's sliding window of 3 keys: the query's own and the two before it, intersected
     with the pattern; head groups, bias and selection kept, the selection among the windowed candidates."""
-    assert torch.equal(within_window(parse_pattern("full"), 3).dense("dd", 9, 9), parse_pattern("local:w=2").dense("dd", 9, 9))
+    assert torch.equal(
+        within_window(parse_pattern("full"), 3).dense("dd", 9, 9), parse_pattern("local:w=2").dense("dd", 9, 9)
+    )
     strided = parse_pattern("strided:l=2")
-    assert torch.equal(within_window(strided, 3).dense("dd", 9, 9), strided.dense("dd", 9, 9) & parse_pattern("local:w=2").dense("dd", 9, 9))
+    assert torch.equal(
+        within_window(strided, 3).dense("dd", 9, 9),
+        strided.dense("dd", 9, 9) & parse_pattern("local:w=2").dense("dd", 9, 9),
+    )
     grouped = within_window(parse_pattern("heads(local:w=1,strided:l=4)+alibi"), 3)
-    assert grouped.bias[0] == "alibi" and len(grouped.heads) == 2 and grouped.spec == "(heads(local:w=1,strided:l=4)+alibi)&window:3"
-    assert torch.equal(grouped.heads[1].dense("dd", 9, 9), parse_pattern("strided:l=4").dense("dd", 9, 9) & parse_pattern("local:w=2").dense("dd", 9, 9))
+    assert (
+        grouped.bias[0] == "alibi"
+        and len(grouped.heads) == 2
+        and grouped.spec == "(heads(local:w=1,strided:l=4)+alibi)&window:3"
+    )
+    assert torch.equal(
+        grouped.heads[1].dense("dd", 9, 9),
+        parse_pattern("strided:l=4").dense("dd", 9, 9) & parse_pattern("local:w=2").dense("dd", 9, 9),
+    )
     topk = within_window(parse_pattern("topk:k=2"), 3)
     edges = batch_edges(topk, "dd", [9], [9])
     q = torch.randn(9, 2, 4)
@@ -328,14 +368,17 @@ def test_a_pattern_within_a_sliding_window_keeps_its_run_time_parts():
         within_window(parse_pattern("nsa"), 3)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("lócal", "'ó' at position 1 is not part of a spec"),
-    ("local:w=" + "9" * 23, "beyond 2,147,483,647"),
-    ("dsa:warmup=" + "1" + "0" * 21, "beyond 2,147,483,647"),
-    ("(" * 100 + "full" + ")" * 100, "nests 100 levels of parentheses; gtx takes at most 64"),
-    ("heads(" * 5000 + "full" + ")" * 5000, "gtx takes at most 4,096"),
-    ("|".join(["local:w=1"] * 2000), "pattern spec of 19,999 characters"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("lócal", "'ó' at position 1 is not part of a spec"),
+        ("local:w=" + "9" * 23, "beyond 2,147,483,647"),
+        ("dsa:warmup=" + "1" + "0" * 21, "beyond 2,147,483,647"),
+        ("(" * 100 + "full" + ")" * 100, "nests 100 levels of parentheses; gtx takes at most 64"),
+        ("heads(" * 5000 + "full" + ")" * 5000, "gtx takes at most 4,096"),
+        ("|".join(["local:w=1"] * 2000), "pattern spec of 19,999 characters"),
+    ],
+)
 def test_hostile_specs_are_one_short_line(spec, message):
     from click.testing import CliRunner
 

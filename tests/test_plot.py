@@ -108,7 +108,9 @@ def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "<svg" in (tmp_path / "new" / "deeper" / "p.svg").read_text()  # missing parents are created
     result = gtx("plot", "pattern", "full", "--src-len", 4, "-o", tmp_path / "p", "--format", "pdf")
-    assert result.exit_code == 0 and (tmp_path / "p").read_bytes().startswith(b"%PDF")  # the path as given: no suffix appended
+    assert result.exit_code == 0 and (tmp_path / "p").read_bytes().startswith(
+        b"%PDF"
+    )  # the path as given: no suffix appended
 
 
 @pytest.mark.parametrize(
@@ -153,11 +155,35 @@ def test_a_read_only_folder_is_an_error(tmp_path):
 def row(run_id, pattern, seed, split, epoch, acc, tps=1000.0, **kw):
     base = {c: None for c in COLUMNS}
     base.update(
-        schema_version=SCHEMA_VERSION, run_id=run_id, started_at="2026-01-01T00:00:00+00:00", task="copy", model="transformer",
-        pattern=pattern, backend="dgl", device="cpu", seed=seed, epoch=epoch, split=split, loss=1.0 - acc, token_acc=acc,
-        seq_acc=np.nan if split == "train" else acc / 2, tokens_per_s=tps, wall_s=1.0, peak_mem_mb=10.0, context_len=12, density=0.5,
-        edges_per_query_ee=3.0, edges_per_query_dd=2.0, edges_per_query_ed=3.0, act_mean_steps=np.nan, n_params=10, metrics="{}",
-        backend_plan="{}", config=json.dumps({"pattern": pattern, "seed": seed, "dim": 16}), gtx_version="0", torch_version="0",
+        schema_version=SCHEMA_VERSION,
+        run_id=run_id,
+        started_at="2026-01-01T00:00:00+00:00",
+        task="copy",
+        model="transformer",
+        pattern=pattern,
+        backend="dgl",
+        device="cpu",
+        seed=seed,
+        epoch=epoch,
+        split=split,
+        loss=1.0 - acc,
+        token_acc=acc,
+        seq_acc=np.nan if split == "train" else acc / 2,
+        tokens_per_s=tps,
+        wall_s=1.0,
+        peak_mem_mb=10.0,
+        context_len=12,
+        density=0.5,
+        edges_per_query_ee=3.0,
+        edges_per_query_dd=2.0,
+        edges_per_query_ed=3.0,
+        act_mean_steps=np.nan,
+        n_params=10,
+        metrics="{}",
+        backend_plan="{}",
+        config=json.dumps({"pattern": pattern, "seed": seed, "dim": 16}),
+        gtx_version="0",
+        torch_version="0",
         dgl_version="0",
     )
     base.update(kw)
@@ -172,7 +198,10 @@ def fake_results(folder) -> None:
             rows = []
             for epoch in (1, 2):
                 a = acc * epoch / 2 + 0.02 * seed
-                rows += [row(run_id, pattern, seed, "train", epoch, a, tps + 100 * seed), row(run_id, pattern, seed, "valid", epoch, a)]
+                rows += [
+                    row(run_id, pattern, seed, "train", epoch, a, tps + 100 * seed),
+                    row(run_id, pattern, seed, "valid", epoch, a),
+                ]
             rows.append(row(run_id, pattern, seed, "test", 2, acc))
             write_run(folder, run_id, rows)
 
@@ -181,13 +210,25 @@ def test_run_table_holds_each_runs_best_and_speed(tmp_path):
     fake_results(tmp_path)
     runs = plot.run_table(load(tmp_path), ["task", "model"], "best_valid_token_acc").set_index("run_id")
     assert runs.loc["full-s1", "value"] == pytest.approx(0.82) and runs.loc["full-s1", "tokens_per_s"] == 1100.0
-    assert plot.run_table(load(tmp_path), [], "best_valid_loss").set_index("run_id").loc["full-s0", "value"] == pytest.approx(0.2)
+    assert plot.run_table(load(tmp_path), [], "best_valid_loss").set_index("run_id").loc[
+        "full-s0", "value"
+    ] == pytest.approx(0.2)
     with pytest.raises(GtxError, match="metric 'best_valid_bleu' has no values"):
         plot.run_table(load(tmp_path), [], "best_valid_bleu")
     # a repeat of a cell (same configuration and seed) is no new seed: the latest finished run counts, as in gtx compare
-    write_run(tmp_path, "again", [row("again", "full", 0, "valid", 1, 0.1, cell="c0", started_at="2026-01-02T00:00:00+00:00"),
-                                  row("again", "full", 0, "test", 1, 0.1, cell="c0", started_at="2026-01-02T00:00:00+00:00")])
-    write_run(tmp_path, "first", [row("first", "full", 0, "valid", 1, 0.9, cell="c0"), row("first", "full", 0, "test", 1, 0.9, cell="c0")])
+    write_run(
+        tmp_path,
+        "again",
+        [
+            row("again", "full", 0, "valid", 1, 0.1, cell="c0", started_at="2026-01-02T00:00:00+00:00"),
+            row("again", "full", 0, "test", 1, 0.1, cell="c0", started_at="2026-01-02T00:00:00+00:00"),
+        ],
+    )
+    write_run(
+        tmp_path,
+        "first",
+        [row("first", "full", 0, "valid", 1, 0.9, cell="c0"), row("first", "full", 0, "test", 1, 0.9, cell="c0")],
+    )
     assert "first" not in set(plot.run_table(load(tmp_path), [], "best_valid_token_acc").run_id)
 
 
@@ -197,15 +238,20 @@ def test_many_groups_wrap_into_rows_of_three(tmp_path):
     df = pd.concat([df.assign(task=f"t{i}", run_id=df.run_id + f"-{i}") for i in range(7)], ignore_index=True)
     fig = plot.results(df)
     width, height = fig.get_size_inches()
-    assert width == pytest.approx(3 * 5.6) and height == pytest.approx(3 * 8.4)  # 7 groups: 3 rows of 3 columns, not one row of 7
+    assert width == pytest.approx(3 * 5.6) and height == pytest.approx(
+        3 * 8.4
+    )  # 7 groups: 3 rows of 3 columns, not one row of 7
     titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titled == [f"task=t{i}, model=transformer" for i in range(7)]
     assert sum(not ax.axison for ax in fig.axes) == 2 * 2  # the last row's two empty places, top and bottom
 
 
 def test_task_metrics_come_from_the_metrics_json(tmp_path):
-    rows = [row("r", "full", 0, "train", 1, 0.5), row("r", "full", 0, "valid", 1, 0.5, metrics='{"bpc": 2.5}'),
-            row("r", "full", 0, "valid", 2, 0.6, metrics='{"bpc": 2.0}')]
+    rows = [
+        row("r", "full", 0, "train", 1, 0.5),
+        row("r", "full", 0, "valid", 1, 0.5, metrics='{"bpc": 2.5}'),
+        row("r", "full", 0, "valid", 2, 0.6, metrics='{"bpc": 2.0}'),
+    ]
     write_run(tmp_path, "r", rows)
     assert plot.run_table(load(tmp_path), [], "bpc").value.tolist() == [2.0]  # lower is better: the minimum
 
@@ -214,14 +260,29 @@ def test_results_figure_and_command(tmp_path):
     fake_results(tmp_path)
     fig = plot.results(load(tmp_path))
     assert len(fig.axes) == 2 and fig.axes[0].get_title() == "task=copy, model=transformer"
-    assert {t.get_text() for t in fig.axes[0].get_legend().get_texts()} == {"full (n=2)", "local:w=1 (n=2)", "Pareto front"}
+    assert {t.get_text() for t in fig.axes[0].get_legend().get_texts()} == {
+        "full (n=2)",
+        "local:w=1 (n=2)",
+        "Pareto front",
+    }
     front = next(line for line in fig.axes[0].get_lines() if line.get_label() == "Pareto front")
     assert list(front.get_xdata()) == [1050.0, 3050.0]  # mean tokens/s: full is slower but better, so both are on it
     result = gtx("plot", "results", "--results", tmp_path)
     assert result.exit_code == 0, result.output
     assert result.output.strip() == str(tmp_path / "plots" / "results.png")
     image_of(tmp_path / "plots" / "results.png")
-    result = gtx("plot", "results", "--results", tmp_path, "--by", "task,pattern", "--metric", "test_seq_acc", "-o", tmp_path / "r.svg")
+    result = gtx(
+        "plot",
+        "results",
+        "--results",
+        tmp_path,
+        "--by",
+        "task,pattern",
+        "--metric",
+        "test_seq_acc",
+        "-o",
+        tmp_path / "r.svg",
+    )
     assert result.exit_code == 0 and "<svg" in (tmp_path / "r.svg").read_text()
 
 
@@ -231,20 +292,45 @@ def test_results_and_report_plot_each_tasks_own_metric(tmp_path):
     for task, metrics in (("text", lambda a: {"bpc": 3.0 - a}), ("recall", lambda a: {"query_acc": a / 4})):
         for seed in (0, 1):
             run_id = f"{task}-s{seed}"
-            rows = [row(run_id, "full", seed, split, 1, 0.5 + 0.1 * seed, task=task, metrics=json.dumps(metrics(0.5 + 0.1 * seed)))
-                    for split in ("train", "valid", "test")]
+            rows = [
+                row(
+                    run_id,
+                    "full",
+                    seed,
+                    split,
+                    1,
+                    0.5 + 0.1 * seed,
+                    task=task,
+                    metrics=json.dumps(metrics(0.5 + 0.1 * seed)),
+                )
+                for split in ("train", "valid", "test")
+            ]
             write_run(tmp_path, run_id, rows)
     df = load(tmp_path)
-    assert [plot.own_metric(df, t) for t in ("text", "recall", "copy")] == ["best_valid_bpc", "best_valid_query_acc", "best_valid_token_acc"]
+    assert [plot.own_metric(df, t) for t in ("text", "recall", "copy")] == [
+        "best_valid_bpc",
+        "best_valid_query_acc",
+        "best_valid_token_acc",
+    ]
     fig = plot.results(df)
     labels = {ax.get_title(): ax.get_ylabel() for ax in fig.axes if ax.get_title()}
-    assert labels == {"task=copy, model=transformer": "best_valid_token_acc (higher is better)",
-                      "task=recall, model=transformer": "best_valid_query_acc (higher is better)",
-                      "task=text, model=transformer": "best_valid_bpc (lower is better)"}
+    assert labels == {
+        "task=copy, model=transformer": "best_valid_token_acc (higher is better)",
+        "task=recall, model=transformer": "best_valid_query_acc (higher is better)",
+        "task=text, model=transformer": "best_valid_bpc (lower is better)",
+    }
     text_panel = next(ax for ax in fig.axes if ax.get_title() == "task=text, model=transformer")
-    assert sorted(text_panel.get_lines()[0].get_ydata()) == pytest.approx([2.45])  # mean bpc of the two seeds, not their token_acc
-    result = gtx("plot", "results", "--results", tmp_path, "--by", "model")  # one panel holding three metrics: refused, one line
-    assert result.exit_code == 2 and "holds tasks judged by different metrics" in result.output and result.output.count("\n") == 1
+    assert sorted(text_panel.get_lines()[0].get_ydata()) == pytest.approx(
+        [2.45]
+    )  # mean bpc of the two seeds, not their token_acc
+    result = gtx(
+        "plot", "results", "--results", tmp_path, "--by", "model"
+    )  # one panel holding three metrics: refused, one line
+    assert (
+        result.exit_code == 2
+        and "holds tasks judged by different metrics" in result.output
+        and result.output.count("\n") == 1
+    )
     assert gtx("report", "--results", tmp_path).exit_code == 0
     assert "each task&#x27;s own metric" in (tmp_path / "report.html").read_text()
 
@@ -272,7 +358,11 @@ class Page(HTMLParser):
 
 def test_report_is_one_self_contained_page(tmp_path):
     fake_results(tmp_path)
-    write_run(tmp_path, "full-s2", [row("full-s2", "full", 2, "train", 1, 0.1, 1000.0), row("full-s2", "full", 2, "valid", 1, 0.1)])  # still training
+    write_run(
+        tmp_path,
+        "full-s2",
+        [row("full-s2", "full", 2, "train", 1, 0.1, 1000.0), row("full-s2", "full", 2, "valid", 1, 0.1)],
+    )  # still training
     result = gtx("report", "--results", tmp_path)
     assert result.exit_code == 0, result.output
     path = tmp_path / "report.html"
@@ -281,7 +371,9 @@ def test_report_is_one_self_contained_page(tmp_path):
     page.feed(path.read_text())
     text = "".join(page.text)
     assert page.tags.count("details") == 5 and '"dim": 16' in text  # one configuration per run
-    assert "Left out: 1 unfinished run(s), without test rows yet: full-s2" in text  # the comparison pools finished runs only
+    assert (
+        "Left out: 1 unfinished run(s), without test rows yet: full-s2" in text
+    )  # the comparison pools finished runs only
     assert "table" in page.tags and "best_valid_token_acc" in text and "local:w=1" in text
     assert len(page.images) == 3  # the results figure, one picture per pattern
     for src in page.images:
@@ -290,8 +382,13 @@ def test_report_is_one_self_contained_page(tmp_path):
     assert write_report(tmp_path, tmp_path / "sub" / "r.html").exists()
 
 
-@pytest.mark.parametrize("args, message", [(["--metric", "nosuch"], "metric 'nosuch' has no values in these runs"),
-                                           (["--by", "nosuch"], "cannot group by ['nosuch']")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--metric", "nosuch"], "metric 'nosuch' has no values in these runs"),
+        (["--by", "nosuch"], "cannot group by ['nosuch']"),
+    ],
+)
 def test_report_with_a_bad_metric_or_grouping_is_one_line_and_writes_nothing(tmp_path, args, message):
     fake_results(tmp_path)
     result = gtx("report", "--results", tmp_path, *args)
@@ -303,8 +400,20 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     fake_results(tmp_path)
     path = write_report(tmp_path)
     shot = tmp_path / "report.png"
-    subprocess.run(["chromium", "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}", "--window-size=1200,2000",
-                    path.resolve().as_uri()], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            f"--screenshot={shot}",
+            "--window-size=1200,2000",
+            path.resolve().as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     rgb = image_of(shot)[..., :3]
     assert (rgb.mean(axis=2) < 0.5).mean() > 0.01  # text, tables and figures, not an empty page
     # the page's text is black and grey: coloured pixels come from the embedded results figure's markers
@@ -312,8 +421,29 @@ def test_report_renders_in_a_headless_browser(tmp_path):
 
 
 def test_real_runs_plot_and_report(tmp_path):
-    tiny = ["--layers", "1", "--epochs", "2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet",
-            "--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5"]
+    tiny = [
+        "--layers",
+        "1",
+        "--epochs",
+        "2",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--batch-size",
+        "8",
+        "--quiet",
+        "--set",
+        "n_train=40",
+        "--set",
+        "n_valid=10",
+        "--set",
+        "n_test=10",
+        "--set",
+        "mean_len=5",
+    ]
     for pattern in ("full", "local:w=1"):
         result = gtx("run", "--pattern", pattern, "--results", tmp_path, *tiny)
         assert result.exit_code == 0, result.output
@@ -324,7 +454,14 @@ def test_real_runs_plot_and_report(tmp_path):
 
 
 def test_bench_attention_figure(tmp_path):
-    df = pd.DataFrame({"pattern": ["local:w=32"] * 4, "backend": ["dense", "dense", "dgl", "dgl"], "n": [1024, 2048] * 2, "ms": [1.0, 4.0, 2.0, 3.0]})
+    df = pd.DataFrame(
+        {
+            "pattern": ["local:w=32"] * 4,
+            "backend": ["dense", "dense", "dgl", "dgl"],
+            "n": [1024, 2048] * 2,
+            "ms": [1.0, 4.0, 2.0, 3.0],
+        }
+    )
     image_of(plot.save(plot.attention_bench(df), tmp_path / "bench.png"))
 
 
@@ -332,15 +469,39 @@ def test_bench_attention_figure(tmp_path):
 # Trained models: attention weights and ACT steps
 # ---------------------------------------------------------------------------------------------
 
-TINY_RUN = ["--task", "copy", "--epochs", 1, "--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
-            "--dim", 16, "--heads", 2, "--dim-ff", 16, "--batch-size", 8, "--quiet"]
+TINY_RUN = [
+    "--task",
+    "copy",
+    "--epochs",
+    1,
+    "--set",
+    "n_train=40",
+    "--set",
+    "n_valid=10",
+    "--set",
+    "n_test=10",
+    "--set",
+    "mean_len=5",
+    "--dim",
+    16,
+    "--heads",
+    2,
+    "--dim-ff",
+    16,
+    "--batch-size",
+    8,
+    "--quiet",
+]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Checkpoints of two tiny runs, trained once: a transformer under local:w=1 and a ut with ACT."""
     folder = tmp_path_factory.mktemp("trained")
-    for args in (["--model", "transformer", "--pattern", "local:w=1", "--layers", 2], ["--model", "ut", "--pattern", "local:w=1", "--set", "max_depth=3"]):
+    for args in (
+        ["--model", "transformer", "--pattern", "local:w=1", "--layers", 2],
+        ["--model", "ut", "--pattern", "local:w=1", "--set", "max_depth=3"],
+    ):
         result = gtx("run", *TINY_RUN, *args, "--results", folder)
         assert result.exit_code == 0, result.output
     found = {p.parent.name.split("-")[3]: p for p in folder.glob("checkpoints/*/best.pt")}
@@ -367,7 +528,14 @@ def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
     model, r, _ = probe.load_model(trained["transformer"])
     spy = model.attention.backend = Spy(model.attention.backend)
     seen = probe.run_example(model, r, "test", 1)
-    assert [(c.stage, c.index) for c in seen.calls] == [("ee", 0), ("ee", 1), ("dd", 0), ("ed", 0), ("dd", 1), ("ed", 1)]
+    assert [(c.stage, c.index) for c in seen.calls] == [
+        ("ee", 0),
+        ("ee", 1),
+        ("dd", 0),
+        ("ed", 0),
+        ("dd", 1),
+        ("ed", 1),
+    ]
     assert model.attention.backend is spy  # the recorder is gone afterwards
     for call, (q, k, v, out) in zip(seen.calls, spy.seen):
         (part,) = call.parts
@@ -375,12 +543,22 @@ def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
         torch.testing.assert_close(sums, torch.ones(call.n_q, call.heads))  # every query has an edge under local:w=1
         mixed = torch.zeros_like(out).index_add(0, part.dst, part.weights[..., None] * v[part.src])
         torch.testing.assert_close(mixed, out, atol=1e-5, rtol=1e-5)  # they weight the values into the backend's output
-        dense = torch.full((call.n_q, call.n_k, call.heads), float("-inf"))  # the softmax of q.k over the row's edges, densely
+        dense = torch.full(
+            (call.n_q, call.n_k, call.heads), float("-inf")
+        )  # the softmax of q.k over the row's edges, densely
         dense[part.dst, part.src] = (q[part.dst] * k[part.src]).sum(-1)
         torch.testing.assert_close(dense.softmax(1)[part.dst, part.src], part.weights)
 
 
-@pytest.mark.parametrize("spec", ["heads(local:w=1,strided:l=3)", "local:w=2+alibi", "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16", "topk:k=3"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "heads(local:w=1,strided:l=3)",
+        "local:w=2+alibi",
+        "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16",
+        "topk:k=3",
+    ],
+)
 def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
     from types import SimpleNamespace
 
@@ -398,7 +576,9 @@ def test_head_groups_biases_and_selections_are_recorded_per_head(spec):
     assert call.heads == 4 and call.covered() == 4
     for head in range(4):  # every head's weights mix its values into its column of the output
         src, dst, w = call.weights(head)
-        torch.testing.assert_close(torch.zeros(7, 8).index_add(0, dst, w[:, None] * v[src, head]), out[:, head], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.zeros(7, 8).index_add(0, dst, w[:, None] * v[src, head]), out[:, head], atol=1e-5, rtol=1e-5
+        )
     src, dst, w = call.weights()
     assert torch.zeros(7).index_add(0, dst, w).allclose(torch.ones(7))  # the mean over heads still sums to 1 per query
 
@@ -477,7 +657,10 @@ def test_act_attention_defaults_to_the_step_where_most_queries_are_active(traine
     for ax, stage in zip(panels, [s for s in ("ee", "dd", "ed") if seen.stage(s)]):
         active = [plot_model.active_queries(c) for c in seen.stage(stage)]
         best = active.index(max(active))  # the earliest of the most active
-        assert f"step {best} (" in ax.get_title() and f"{active[best]} of {seen.stage(stage)[best].n_q} queries active" in ax.get_title()
+        assert (
+            f"step {best} (" in ax.get_title()
+            and f"{active[best]} of {seen.stage(stage)[best].n_q} queries active" in ax.get_title()
+        )
     last = plot_model.attention_figure(seen, layer=len(seen.stage("ee")) - 1)
     assert f"step {len(seen.stage('ee')) - 1} (" in last.axes[0].get_title()  # an explicit step is drawn as asked
 
@@ -499,16 +682,24 @@ def test_act_figure_shows_the_models_step_counts(trained):
             assert [p.get_height() for p in ax.patches] == want.tolist()
     totals = probe.split_steps(model, r, "test")
     histogram = fig.axes[-1]  # decoder: nodes per step count, all of them
-    assert sum(p.get_height() for p in histogram.patches) == len(totals["dec"]) == sum(len(y) + 1 for _, y in r.task.splits()["test"])
+    assert (
+        sum(p.get_height() for p in histogram.patches)
+        == len(totals["dec"])
+        == sum(len(y) + 1 for _, y in r.task.splits()["test"])
+    )
     assert plot_model.act_figure  # the drawing half of plot.act
 
 
 def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_id = trained["transformer"].parent.name
-    result = gtx("plot", "attention", run_id, "--results", trained["results"], "--example", 2, "--layer", 0, "--head", 1)
+    result = gtx(
+        "plot", "attention", run_id, "--results", trained["results"], "--example", 2, "--layer", 0, "--head", 1
+    )
     assert result.exit_code == 0, result.output
-    picture = Path(trained["results"]) / "plots" / f"attention-{run_id}-test-2.png"  # under the results folder, not the working directory
+    picture = (
+        Path(trained["results"]) / "plots" / f"attention-{run_id}-test-2.png"
+    )  # under the results folder, not the working directory
     assert result.output.strip() == str(picture)
     image_of(picture)
     result = gtx("plot", "attention", trained["ut"], "--split", "valid", "-o", tmp_path / "a.svg")
@@ -521,8 +712,14 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["act", "transformer"], "model 'transformer' does not use adaptive computation time; train ut or --set universal=true"),
-        (["attention", "transformer", "--example", 12], "example 12 is out of range: the test split has 10 examples (0-9)"),
+        (
+            ["act", "transformer"],
+            "model 'transformer' does not use adaptive computation time; train ut or --set universal=true",
+        ),
+        (
+            ["attention", "transformer", "--example", 12],
+            "example 12 is out of range: the test split has 10 examples (0-9)",
+        ),
         (["act", "ut", "--example", -1], "example -1 is out of range"),
         (["attention", "transformer", "--layer", 2], "layer 2 is out of range: the model has 2 layers (0-1)"),
         (["attention", "ut", "--layer", 3], "step 3 is out of range: the model has 3 steps (0-2)"),
@@ -542,13 +739,16 @@ def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch,
     assert message in result.output
 
 
-@pytest.mark.parametrize("spec, stages, budget", [
-    ("dsa:k=8", ["dd"], "at most 8 keys per query"),
-    ("topk:k=4", ["ee", "dd", "ed"], "at most 4 keys per query"),
-    ("moba:b=8,k=2", ["dd"], "at most 16 keys per query"),
-    ("lsh", ["ee", "dd", "ed"], "no fixed number of keys per query"),
-    ("nsa:l=8,d=4,s=8,n=4,w=16", ["dd"], "at most 15 compressed + 32 selected + 16 window keys per query"),
-])
+@pytest.mark.parametrize(
+    "spec, stages, budget",
+    [
+        ("dsa:k=8", ["dd"], "at most 8 keys per query"),
+        ("topk:k=4", ["ee", "dd", "ed"], "at most 4 keys per query"),
+        ("moba:b=8,k=2", ["dd"], "at most 16 keys per query"),
+        ("lsh", ["ee", "dd", "ed"], "no fixed number of keys per query"),
+        ("nsa:l=8,d=4,s=8,n=4,w=16", ["dd"], "at most 15 compressed + 32 selected + 16 window keys per query"),
+    ],
+)
 def test_content_chosen_patterns_say_their_keys_are_chosen_at_run_time_and_their_budget(spec, stages, budget):
     fig = plot.pattern(spec, src_len=64)
     title = fig._suptitle.get_text()
@@ -564,4 +764,8 @@ def test_content_chosen_patterns_say_their_keys_are_chosen_at_run_time_and_their
 def test_head_groups_get_a_row_of_panels_each():
     fig = plot.pattern("heads(local:w=1,strided:l=3)", src_len=8)
     titles = [ax.get_title() for ax in fig.axes]
-    assert len(titles) == 6 and titles[0].startswith("heads 1/2: local:w=1") and titles[3].startswith("heads 2/2: strided:l=3")
+    assert (
+        len(titles) == 6
+        and titles[0].startswith("heads 1/2: local:w=1")
+        and titles[3].startswith("heads 2/2: strided:l=3")
+    )

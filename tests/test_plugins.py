@@ -66,7 +66,9 @@ def test_misspelled_hook_is_an_error(plugin_dir):
             pass
         """
     )
-    with pytest.raises(PluginError, match=r"typo.py.*unknown hook 'register_pattern'.*gtx's hooks are: register_backends"):
+    with pytest.raises(
+        PluginError, match=r"typo.py.*unknown hook 'register_pattern'.*gtx's hooks are: register_backends"
+    ):
         plugins.load_plugins(dirs=[folder])
 
 
@@ -108,7 +110,9 @@ def test_pattern_raising_while_building_edges_is_named(plugin_dir):
         """
     )
     plugins.load_plugins(dirs=[folder])
-    with pytest.raises(PluginError, match=r"pattern 'bad' raised while building ee edges for n_q=2, n_k=2: ZeroDivisionError"):
+    with pytest.raises(
+        PluginError, match=r"pattern 'bad' raised while building ee edges for n_q=2, n_k=2: ZeroDivisionError"
+    ):
         parse_pattern("bad").edges("ee", 2, 2)
 
 

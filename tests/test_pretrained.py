@@ -14,16 +14,16 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")  # the test extra installs it; CI always runs these
 
-from pretrained import reference_bpc, save_tiny  # noqa: E402
+from pretrained import reference_bpc, save_tiny
 
-from gtx import plugins  # noqa: E402
-from gtx.attention.module import Attention  # noqa: E402
-from gtx.backends import get_backend  # noqa: E402
-from gtx.cli import cli  # noqa: E402
-from gtx.experiments.checkpoint import checkpoint_dir  # noqa: E402
-from gtx.experiments.results import load  # noqa: E402
-from gtx.graph.spec import parse_pattern  # noqa: E402
-from gtx.plugins.registry import MODELS, TASKS  # noqa: E402
+from gtx import plugins
+from gtx.attention.module import Attention
+from gtx.backends import get_backend
+from gtx.cli import cli
+from gtx.experiments.checkpoint import checkpoint_dir
+from gtx.experiments.results import load
+from gtx.graph.spec import parse_pattern
+from gtx.plugins.registry import MODELS, TASKS
 
 TEXT = ["--task", "text", "--set", "context=32", "--set", "train_tokens=600", "--set", "eval_tokens=300", "--quiet"]
 
@@ -31,7 +31,10 @@ TEXT = ["--task", "text", "--set", "context=32", "--set", "train_tokens=600", "-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
-    return {**{family: save_tiny(root / family, family) for family in ("llama", "gpt2")}, "mistral": save_tiny(root / "mistral", "mistral", sliding_window=8)}
+    return {
+        **{family: save_tiny(root / family, family) for family in ("llama", "gpt2")},
+        "mistral": save_tiny(root / "mistral", "mistral", sliding_window=8),
+    }
 
 
 def run(folder, *args):
@@ -49,7 +52,14 @@ def model(folder, spec):
 
 def test_the_folder_gives_sizes_positions_and_tokenizer(folders):
     config = MODELS.get("hf").config(path=str(folders["llama"]))
-    assert (config.family, config.layers, config.heads, config.kv_heads, config.dim, config.max_len) == ("llama", 2, 4, 2, 32, 256)
+    assert (config.family, config.layers, config.heads, config.kv_heads, config.dim, config.max_len) == (
+        "llama",
+        2,
+        4,
+        2,
+        32,
+        256,
+    )
     _, tokenizer, _ = model(folders["gpt2"], "full")
     tokens = tokenizer.tokenize("the lazy dog")
     assert tokenizer.detokenize(tokens) == "the lazy dog" and tokenizer.n_bytes(tokens) == 12
@@ -76,13 +86,17 @@ def test_untrained_bits_per_byte_are_transformers_own(folders, tmp_path, family)
 
 def test_three_patterns_untrained_compare(folders, tmp_path):
     for spec in ("full", "local:w=8", "moba:b=8,k=2"):
-        assert run(folders["gpt2"], *TEXT, "--epochs", "0", "--pattern", spec, "--results", str(tmp_path)).exit_code == 0
+        assert (
+            run(folders["gpt2"], *TEXT, "--epochs", "0", "--pattern", spec, "--results", str(tmp_path)).exit_code == 0
+        )
     result = CliRunner().invoke(cli, ["compare", "--results", str(tmp_path), "--format", "csv"])
     assert result.exit_code == 0 and result.output.count("\ntext,hf,") == 3, result.output
 
 
 def test_fine_tune_a_subset_then_evaluate_under_another_pattern(folders, tmp_path):
-    result = run(folders["llama"], *TEXT, "--set", "train_params=self_attn", "--epochs", "1", "--results", str(tmp_path))
+    result = run(
+        folders["llama"], *TEXT, "--set", "train_params=self_attn", "--epochs", "1", "--results", str(tmp_path)
+    )
     assert result.exit_code == 0, result.output
     run_id = load(tmp_path).run_id.iloc[0]
     trained = torch.load(checkpoint_dir(tmp_path, run_id) / "last.pt", weights_only=False)["model"]
@@ -107,34 +121,71 @@ def test_generation_with_the_cache_equals_without(folders, family, spec, held):
 
 def test_generate_command_and_its_refusals(folders):
     plugins.call_each("register_commands", cli=cli)  # what gtx's entry point does before running a command
-    ok = CliRunner().invoke(cli, ["generate", "--set", f"path={folders['llama']}", "--pattern", "local:w=4", "--prompt", "the quick", "--new", "6"])
-    assert ok.exit_code == 0 and ok.output.startswith("the quick") and "the cache held at most 5 keys per layer" in ok.output, ok.output
-    for args, match in ((["--pattern", "moba:b=4,k=2"], "without the cache (--no-cache)"), ([], "or --set path=DIR"),
-                        (["--new", "300"], "the model has 256 positions")):
+    ok = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "--set",
+            f"path={folders['llama']}",
+            "--pattern",
+            "local:w=4",
+            "--prompt",
+            "the quick",
+            "--new",
+            "6",
+        ],
+    )
+    assert (
+        ok.exit_code == 0
+        and ok.output.startswith("the quick")
+        and "the cache held at most 5 keys per layer" in ok.output
+    ), ok.output
+    for args, match in (
+        (["--pattern", "moba:b=4,k=2"], "without the cache (--no-cache)"),
+        ([], "or --set path=DIR"),
+        (["--new", "300"], "the model has 256 positions"),
+    ):
         path = [] if not args else ["--set", f"path={folders['llama']}"]
         bad = CliRunner().invoke(cli, ["generate", *path, *args, "--prompt", "the quick"])
         assert bad.exit_code == 2 and match in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
 
 
-@pytest.mark.parametrize("remove, match", [("config.json", "has no config.json"), ("model.safetensors", "has no weights"),
-                                           ("tokenizer.json", "has no tokenizer")])
+@pytest.mark.parametrize(
+    "remove, match",
+    [
+        ("config.json", "has no config.json"),
+        ("model.safetensors", "has no weights"),
+        ("tokenizer.json", "has no tokenizer"),
+    ],
+)
 def test_incomplete_folders_are_one_line(folders, tmp_path, remove, match):
     folder = tmp_path / "model"
     shutil.copytree(folders["gpt2"], folder)
     (folder / remove).unlink()
     result = run(folder, *TEXT, "--epochs", "0", "--results", str(tmp_path / "r"))
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("args, match", [(["--task", "recall"], "writes its own symbols, not text"),
-                                         (["--task", "text", "--set", "context=300"], "has positions for 256"),
-                                         (["--task", "text", "--set", "context=32", "--set", "train_params=nothing_is_called_this"], "matches no parameter")])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--task", "recall"], "writes its own symbols, not text"),
+        (["--task", "text", "--set", "context=300"], "has positions for 256"),
+        (
+            ["--task", "text", "--set", "context=32", "--set", "train_params=nothing_is_called_this"],
+            "matches no parameter",
+        ),
+    ],
+)
 def test_bad_runs_are_one_line(folders, tmp_path, args, match):
     result = run(folders["gpt2"], *args, "--epochs", "1", "--results", str(tmp_path))
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "runs").exists()
-
 
 
 @pytest.fixture(scope="module")
@@ -154,23 +205,37 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
     results, tail = tuned
     run_id = load(results).run_id.iloc[0]
     prompt = ["--prompt", "the quick", "--new", "6", "--pattern", "full"]
-    own = CliRunner().invoke(cli, ["generate", tail, "--results", str(results), "--prompt", "the quick", "--new", "4", "--no-cache"])
+    own = CliRunner().invoke(
+        cli, ["generate", tail, "--results", str(results), "--prompt", "the quick", "--new", "4", "--no-cache"]
+    )
     assert own.exit_code == 0 and "4 tokens under dsa:k=8" in own.output, own.output  # the run's own pattern by default
     from_run = CliRunner().invoke(cli, ["generate", tail, "--results", str(results), *prompt])
     assert from_run.exit_code == 0, from_run.output
     out = tmp_path / "exported"
     exported = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
     assert exported.exit_code == 0, exported.output
-    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors"} <= {
+        p.name for p in out.iterdir()
+    }
     trained = torch.load(checkpoint_dir(results, run_id) / "best.pt", weights_only=False)["model"]
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)  # transformers' own attention: the folder names no gtx
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out
+    )  # transformers' own attention: the folder names no gtx
     assert json.loads((out / "config.json").read_text()).get("_attn_implementation") in (None, "sdpa")
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, trained[f"hf.{name}"]), name  # the fine-tuned weights, not the folder's
-    with safe_open(str(out / "gtx_pattern.safetensors"), "pt") as f:  # dsa's indexer, trained with the run, beside the model
-        assert f.metadata()["pattern"].startswith("dsa:k=8") and f.keys() and all(torch.equal(f.get_tensor(k), trained[k]) for k in f.keys())
+    with safe_open(
+        str(out / "gtx_pattern.safetensors"), "pt"
+    ) as f:  # dsa's indexer, trained with the run, beside the model
+        assert (
+            f.metadata()["pattern"].startswith("dsa:k=8")
+            and f.keys()
+            and all(torch.equal(f.get_tensor(k), trained[k]) for k in f.keys())
+        )
     from_folder = CliRunner().invoke(cli, ["generate", "--set", f"path={out}", *prompt])
-    assert from_folder.output.splitlines()[0] == from_run.output.splitlines()[0]  # the exported folder generates what the run does
+    assert (
+        from_folder.output.splitlines()[0] == from_run.output.splitlines()[0]
+    )  # the exported folder generates what the run does
     again = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
     assert again.exit_code == 2 and "is not empty" in again.output and again.output.count("\n") == 1
     unknown = CliRunner().invoke(cli, ["generate", "zzzzzz", "--results", str(results), *prompt])

@@ -12,17 +12,21 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")  # the test extra installs it; CI always runs these
 
-from pretrained import save_tiny  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from pretrained import save_tiny
+from safetensors.torch import load_file, save_file
 
-from gtx.attention.module import Attention  # noqa: E402
-from gtx.backends import get_backend  # noqa: E402
-from gtx.cli import cli  # noqa: E402
-from gtx.graph.spec import parse_pattern  # noqa: E402
-from gtx.graph.tokens import build_graph  # noqa: E402
-from gtx.plugins.registry import MODELS  # noqa: E402
+from gtx.attention.module import Attention
+from gtx.backends import get_backend
+from gtx.cli import cli
+from gtx.graph.spec import parse_pattern
+from gtx.graph.tokens import build_graph
+from gtx.plugins.registry import MODELS
 
-SLIDING = {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}  # Qwen's: layers from max_window_layers on slide
+SLIDING = {
+    "use_sliding_window": True,
+    "sliding_window": 5,
+    "max_window_layers": 1,
+}  # Qwen's: layers from max_window_layers on slide
 # family -> (its config beyond the tiny sizes, each layer's sliding window): every family gtx accepts, the features it declares
 FAMILIES = {
     "llama": ({}, [None, None]),
@@ -30,8 +34,14 @@ FAMILIES = {
     "qwen2": (SLIDING, [None, 5]),
     "qwen3": (SLIDING, [None, 5]),
     "gemma": ({}, [None, None]),
-    "gemma2": ({"sliding_window": 5, "attn_logit_softcapping": None, "query_pre_attn_scalar": 16}, [5, None]),  # scaling 16^-0.5, not 8^-0.5
-    "gemma3_text": ({"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16}, [5, None]),
+    "gemma2": (
+        {"sliding_window": 5, "attn_logit_softcapping": None, "query_pre_attn_scalar": 16},
+        [5, None],
+    ),  # scaling 16^-0.5, not 8^-0.5
+    "gemma3_text": (
+        {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16},
+        [5, None],
+    ),
     "gpt2": ({"scale_attn_by_inverse_layer_idx": True}, [None, None]),  # layer i's scores over i + 1
 }
 LENGTHS = [12, 7, 10]  # packed in one row; each longer than the windows
@@ -95,19 +105,26 @@ def test_a_pattern_applies_within_the_layers_windows(root):
     qwen = folder(root, "qwen2", **SLIDING)
     ids = samples(gtx_model(qwen))
     both = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3}
-    for ours, theirs in zip(packed_logits(gtx_model(qwen, "local:w=2"), "local:w=2", ids), own_logits(qwen, ids, **both)):
+    for ours, theirs in zip(
+        packed_logits(gtx_model(qwen, "local:w=2"), "local:w=2", ids), own_logits(qwen, ids, **both)
+    ):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     mistral = folder(root, "mistral", sliding_window=5)
     for ours, theirs in zip(packed_logits(gtx_model(mistral, "local:w=8"), "local:w=8", ids), own_logits(mistral, ids)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     windowless = packed_logits(gtx_model(mistral), "full", ids)[0]
-    assert not torch.allclose(windowless, own_logits(mistral, ids, sliding_window=None)[0], rtol=1e-4, atol=1e-5)  # the window matters here
+    assert not torch.allclose(
+        windowless, own_logits(mistral, ids, sliding_window=None)[0], rtol=1e-4, atol=1e-5
+    )  # the window matters here
 
 
 def test_generation_with_the_cache_keeps_each_layers_window(root):
     model = gtx_model(folder(root, "qwen2", **SLIDING), "local:w=8")
     pattern = parse_pattern("local:w=8")
-    cached, again = model.generate([5, 9, 2, 7], 12, pattern, cache=True), model.generate([5, 9, 2, 7], 12, pattern, cache=False)
+    cached, again = (
+        model.generate([5, 9, 2, 7], 12, pattern, cache=True),
+        model.generate([5, 9, 2, 7], 12, pattern, cache=False),
+    )
     assert cached.tokens == again.tokens
 
 
@@ -136,13 +153,30 @@ def cut(w):
 REFUSED = {
     "a layer's weights missing": ({"weights": drop_layer_1}, "9 missing (model.layers.1.input_layernorm.weight, ...)"),
     "an unexpected weight": ({"weights": lambda w: w.update(extra=torch.zeros(2))}, "1 unexpected (extra)"),
-    "a weight of another shape": ({"weights": cut}, "1 mis-shaped (model.layers.0.mlp.up_proj.weight ((63, 32) saved, (64, 32) built))"),
-    "qwen2's config over llama's weights": ({"config": {"model_type": "qwen2"}}, "its weights do not fit the Qwen2ForCausalLM"),
-    "bert's config over llama's weights": ({"config": {"model_type": "bert"}}, "model_type 'bert' in config.json is not a family gtx checks"),
-    "gemma2's logit soft-capping": ({"family": "gemma2"}, "logit soft-capping (attn_logit_softcapping=50.0 in the model's config; layer 0)"),
-    "a trainable pattern within a window": ({"family": "mistral", "sliding_window": 5, "pattern": "nsa", "args": ["--set", "untrained_attention=true"]},
-                                            "sliding window of 5 keys (sliding_window; on layers 0, 1)"),
-    "moba within a window": ({"family": "mistral", "sliding_window": 5, "pattern": "moba:b=4,k=2"}, "not among its candidates"),
+    "a weight of another shape": (
+        {"weights": cut},
+        "1 mis-shaped (model.layers.0.mlp.up_proj.weight ((63, 32) saved, (64, 32) built))",
+    ),
+    "qwen2's config over llama's weights": (
+        {"config": {"model_type": "qwen2"}},
+        "its weights do not fit the Qwen2ForCausalLM",
+    ),
+    "bert's config over llama's weights": (
+        {"config": {"model_type": "bert"}},
+        "model_type 'bert' in config.json is not a family gtx checks",
+    ),
+    "gemma2's logit soft-capping": (
+        {"family": "gemma2"},
+        "logit soft-capping (attn_logit_softcapping=50.0 in the model's config; layer 0)",
+    ),
+    "a trainable pattern within a window": (
+        {"family": "mistral", "sliding_window": 5, "pattern": "nsa", "args": ["--set", "untrained_attention=true"]},
+        "sliding window of 5 keys (sliding_window; on layers 0, 1)",
+    ),
+    "moba within a window": (
+        {"family": "mistral", "sliding_window": 5, "pattern": "moba:b=4,k=2"},
+        "not among its candidates",
+    ),
 }
 
 
@@ -152,9 +186,35 @@ def test_what_gtx_would_not_compute_is_one_line_and_nothing_written(root, tmp_pa
     how = dict(how)
     pattern, args = how.pop("pattern", "full"), how.pop("args", [])
     path = edited(root, tmp_path, **how)
-    result = CliRunner().invoke(cli, ["run", "--model", "hf", "--set", f"path={path}", "--task", "text", "--set", "context=32", "--set", "train_tokens=600",
-                                      "--set", "eval_tokens=300", "--pattern", pattern, "--epochs", "0", "--quiet", "--results", str(tmp_path / "r"), *args])
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--model",
+            "hf",
+            "--set",
+            f"path={path}",
+            "--task",
+            "text",
+            "--set",
+            "context=32",
+            "--set",
+            "train_tokens=600",
+            "--set",
+            "eval_tokens=300",
+            "--pattern",
+            pattern,
+            "--epochs",
+            "0",
+            "--quiet",
+            "--results",
+            str(tmp_path / "r"),
+            *args,
+        ],
+    )
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
     assert not (tmp_path / "r").exists()
 
 

@@ -65,16 +65,26 @@ def test_layout_and_lengths():
             assert len(tokens) == 64 if split != "train" else 40 <= len(tokens) <= 64
     assert len({len(t) for t, _ in data["train"]}) > 3  # the training lengths are mixed
     clipped = make(train_min_len=4, seq_len=48).generate()["train"]  # below what 4 pairs x 4 queries need
-    assert {len(t) for t, _ in clipped} <= set(range(40, 49)) and {len(t) for t, _ in make(train_min_len=0).generate()["train"]} == {64}
+    assert {len(t) for t, _ in clipped} <= set(range(40, 49)) and {
+        len(t) for t, _ in make(train_min_len=0).generate()["train"]
+    } == {64}
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    n_pairs=st.integers(1, 6), queries_per_key=st.integers(1, 3), extra=st.integers(0, 40),
-    placement=st.sampled_from(["power", "uniform"]), seed=st.integers(0, 2**32 - 1),
+    n_pairs=st.integers(1, 6),
+    queries_per_key=st.integers(1, 3),
+    extra=st.integers(0, 40),
+    placement=st.sampled_from(["power", "uniform"]),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_layout_property(n_pairs, queries_per_key, extra, placement, seed):
-    c = config(n_pairs=n_pairs, queries_per_key=queries_per_key, placement=placement, seq_len=2 * n_pairs * (1 + queries_per_key) + extra)
+    c = config(
+        n_pairs=n_pairs,
+        queries_per_key=queries_per_key,
+        placement=placement,
+        seq_len=2 * n_pairs * (1 + queries_per_key) + extra,
+    )
     tokens, groups = module().make_example(c, np.random.default_rng(seed), c.seq_len)
     assert len(tokens) == c.seq_len
     check_layout(c, tokens, groups)
@@ -113,9 +123,15 @@ def test_power_placement_puts_queries_near_the_pairs():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(seq_len=30, n_pairs=8, n_keys=8, queries_per_key=1), "seq_len=30 is too small for n_pairs=8 with queries_per_key=1: need seq_len >= 32"),
+        (
+            dict(seq_len=30, n_pairs=8, n_keys=8, queries_per_key=1),
+            "seq_len=30 is too small for n_pairs=8 with queries_per_key=1: need seq_len >= 32",
+        ),
         (dict(n_pairs=8, n_keys=8), "seq_len=64 is too small for n_pairs=8 with queries_per_key=4: need seq_len >= 80"),
-        (dict(n_pairs=9), "n_pairs=9 needs n_keys >= 9 (the keys of a sequence are distinct); raise n_keys or lower n_pairs"),
+        (
+            dict(n_pairs=9),
+            "n_pairs=9 needs n_keys >= 9 (the keys of a sequence are distinct); raise n_keys or lower n_pairs",
+        ),
         (dict(n_values=1), "n_values=1: need at least 2 values"),
         (dict(n_pairs=0), "n_pairs=0 and queries_per_key=4 must be >= 1"),
         (dict(train_min_len=-1), "train_min_len=-1 must be >= 0"),
@@ -129,9 +145,26 @@ def test_bad_settings_name_the_setting_and_the_fix(overrides, message):
 
 
 def test_bad_settings_through_the_cli_are_one_line(tmp_path):
-    result = CliRunner().invoke(cli, ["run", "--task", "recall", "--model", "lm", "--results", str(tmp_path / "r"),
-                                      "--set", "seq_len=64", "--set", "n_pairs=16"])
-    assert result.exit_code == 2 and "bad settings for task 'recall': seq_len=64 is too small for n_pairs=16" in result.output
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "lm",
+            "--results",
+            str(tmp_path / "r"),
+            "--set",
+            "seq_len=64",
+            "--set",
+            "n_pairs=16",
+        ],
+    )
+    assert (
+        result.exit_code == 2
+        and "bad settings for task 'recall': seq_len=64 is too small for n_pairs=16" in result.output
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -149,7 +182,14 @@ def test_buckets_sort_by_distance_and_hold_it(a, b):
 def test_bucket_edges_fit_a_window_of_32():
     bucket = module().bucket
     assert [bucket(d) for d in (0, 31, 32, 63, 64, 1023, 8191)] == [
-        "d0000-0031", "d0000-0031", "d0032-0063", "d0032-0063", "d0064-0127", "d0512-1023", "d4096-8191"]
+        "d0000-0031",
+        "d0000-0031",
+        "d0032-0063",
+        "d0032-0063",
+        "d0064-0127",
+        "d0512-1023",
+        "d4096-8191",
+    ]
     assert bucket(10000, 5) == "d08192-16383"
 
 
@@ -171,9 +211,31 @@ def test_bad_settings_in_splits_become_gtx_errors(monkeypatch):
 
 
 def test_tiny_run_reports_query_accuracy_by_distance(tmp_path):
-    args = ["run", "--task", "recall", "--model", "lm", "--pattern", "local:w=4", "--results", str(tmp_path),
-            "--epochs", "1", "--layers", "1", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet",
-            *[a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]]
+    args = [
+        "run",
+        "--task",
+        "recall",
+        "--model",
+        "lm",
+        "--pattern",
+        "local:w=4",
+        "--results",
+        str(tmp_path),
+        "--epochs",
+        "1",
+        "--layers",
+        "1",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--batch-size",
+        "8",
+        "--quiet",
+        *[a for k, v in TINY.items() for a in ("--set", f"{k}={v}")],
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     df = load(tmp_path)

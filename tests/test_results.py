@@ -71,5 +71,10 @@ def test_older_files_load_with_the_added_columns_missing(tmp_path):
     two.drop(columns=["cell", "eval_of"]).to_csv(tmp_path / "runs" / "two.csv", index=False)
     df = load(tmp_path).drop_duplicates("run_id").set_index("run_id")  # a valid and a test row each: one is enough here
     assert df.context_len["new"] == 16 and df.density["new"] == 0.5 and df.cell["new"] == "abc"
-    assert pd.isna(df.context_len["old"]) and np.isnan(df.density["old"]) and pd.isna(df.cell["two"]) and pd.isna(df.eval_of["old"])
+    assert (
+        pd.isna(df.context_len["old"])
+        and np.isnan(df.density["old"])
+        and pd.isna(df.cell["two"])
+        and pd.isna(df.eval_of["old"])
+    )
     assert compare(load(tmp_path), ["task", "context_len"]).runs.sum() == 3

@@ -8,8 +8,25 @@ from click.testing import CliRunner
 from gtx.cli import cli
 from gtx.experiments.results import load
 
-TINY = ["--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
-        "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--quiet"]
+TINY = [
+    "--set",
+    "n_train=40",
+    "--set",
+    "n_valid=10",
+    "--set",
+    "n_test=10",
+    "--set",
+    "mean_len=5",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--batch-size",
+    "8",
+    "--quiet",
+]
 
 
 def gtx(*args):
@@ -36,7 +53,20 @@ def test_tiny_runs_then_compare(tmp_path):
 
 
 def test_mission_command_shape_ut_local(tmp_path):
-    result = gtx("run", "--pattern", "local", "--model", "ut", "--epochs", "1", "--results", str(tmp_path), *TINY, "--set", "max_depth=3")
+    result = gtx(
+        "run",
+        "--pattern",
+        "local",
+        "--model",
+        "ut",
+        "--epochs",
+        "1",
+        "--results",
+        str(tmp_path),
+        *TINY,
+        "--set",
+        "max_depth=3",
+    )
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     assert set(df.pattern) == {"local:w=4"} and set(df.model) == {"ut"}
@@ -55,9 +85,14 @@ def test_mission_command_shape_ut_local(tmp_path):
         (["--device", "cuda"], "--device cuda: no CUDA GPU is visible to torch here"),
         (["--model", "ut", "--layers", "2"], "--set layers: no such setting"),
         (["--set", "dim"], "write key=value"),
-        (["--dim", "10", "--heads", "3"], "bad settings for model 'transformer': d_model=10 must be divisible by heads=3"),
-        (["--task", "reverse", "--set", "train_len=10", "--set", "test_len=5"],
-         "bad settings for task 'reverse': need train_len >= 1 and test_len > train_len"),
+        (
+            ["--dim", "10", "--heads", "3"],
+            "bad settings for model 'transformer': d_model=10 must be divisible by heads=3",
+        ),
+        (
+            ["--task", "reverse", "--set", "train_len=10", "--set", "test_len=5"],
+            "bad settings for task 'reverse': need train_len >= 1 and test_len > train_len",
+        ),
         # every setting checked against its declared range before anything runs
         (["--set", "heads=-2"], "--set heads=-2: model 'transformer' needs heads in [1, inf)"),
         (["--set", "dim=-1"], "--set dim=-1: model 'transformer' needs dim in [1, inf)"),
@@ -92,7 +127,10 @@ def test_models_and_tasks_list_like_patterns():
     tasks = gtx("tasks").output
     for name in ("copy", "sort", "reverse", "addition", "listops", "g2p", "translation"):
         assert any(line.startswith(name) for line in tasks.splitlines()), name
-    assert [line.split()[0] for line in tasks.splitlines() if "lm, text" in line] == ["needle", "text"]  # what a pretrained model's tokenizer writes
+    assert [line.split()[0] for line in tasks.splitlines() if "lm, text" in line] == [
+        "needle",
+        "text",
+    ]  # what a pretrained model's tokenizer writes
 
 
 def test_runs_are_reproducible_from_the_seed(tmp_path):
@@ -110,12 +148,44 @@ def test_runs_are_reproducible_from_the_seed(tmp_path):
     [
         ("g2p", ["--set", "max_words=150", "--set", "beam=2"], "per"),
         ("listops", ["--set", "n_train=40", "--set", "n_valid=8", "--set", "n_test=8", "--set", "max_len=30"], None),
-        ("addition", ["--set", "n_train=40", "--set", "n_valid=8", "--set", "n_test=8", "--set", "train_len=6", "--set", "test_len=9"], None),
+        (
+            "addition",
+            [
+                "--set",
+                "n_train=40",
+                "--set",
+                "n_valid=8",
+                "--set",
+                "n_test=8",
+                "--set",
+                "train_len=6",
+                "--set",
+                "test_len=9",
+            ],
+            None,
+        ),
     ],
 )
 def test_other_tasks_end_to_end(tmp_path, task, extra, metric):
-    result = gtx("run", "--task", task, "--layers", "1", "--epochs", "1", "--dim", "16", "--heads", "2", "--dim-ff", "16",
-                 "--quiet", "--results", str(tmp_path), *extra)
+    result = gtx(
+        "run",
+        "--task",
+        task,
+        "--layers",
+        "1",
+        "--epochs",
+        "1",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--quiet",
+        "--results",
+        str(tmp_path),
+        *extra,
+    )
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     test = df[df.split == "test"].iloc[0]
@@ -131,8 +201,28 @@ def test_translation_end_to_end_with_beam_and_bleu(tmp_path):
     for stem in ("train", "val", "test"):
         (data / f"{stem}.src").write_text("\n".join(s for s, _ in pairs) + "\n")
         (data / f"{stem}.tgt").write_text("\n".join(t for _, t in pairs) + "\n")
-    result = gtx("run", "--task", "translation", "--set", f"data_dir={data}", "--set", "beam=3", "--layers", "1",
-                 "--epochs", "2", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--quiet", "--results", str(tmp_path / "res"))
+    result = gtx(
+        "run",
+        "--task",
+        "translation",
+        "--set",
+        f"data_dir={data}",
+        "--set",
+        "beam=3",
+        "--layers",
+        "1",
+        "--epochs",
+        "2",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--quiet",
+        "--results",
+        str(tmp_path / "res"),
+    )
     assert result.exit_code == 0, result.output
     test = load(tmp_path / "res").query("split == 'test'").iloc[0]
     metrics = json.loads(test.metrics)
@@ -146,14 +236,29 @@ def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     assert key == cell_key(RunConfig(pattern="local:w=4", settings={"train.epochs": "4", "model.dim": "16"}))
     assert key != cell_key(RunConfig(pattern="local", seed=1, settings={"epochs": "4", "dim": "16"}))
     assert key != cell_key(RunConfig(pattern="local", settings={"epochs": "3", "dim": "16"}))
-    assert key == cell_key(RunConfig(pattern="local", device="cpu", results_dir="elsewhere", settings={"epochs": "4", "dim": "16"}))
-    assert key != cell_key(RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"}))  # equal settings, other task
+    assert key == cell_key(
+        RunConfig(pattern="local", device="cpu", results_dir="elsewhere", settings={"epochs": "4", "dim": "16"})
+    )
+    assert key != cell_key(
+        RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"})
+    )  # equal settings, other task
 
 
 def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp_path):
-    result = gtx("run", "--max-steps", "2", "--epochs", "3", "--layers", "1", "--results", str(tmp_path), *[a for a in TINY if a != "--quiet"])
+    result = gtx(
+        "run",
+        "--max-steps",
+        "2",
+        "--epochs",
+        "3",
+        "--layers",
+        "1",
+        "--results",
+        str(tmp_path),
+        *[a for a in TINY if a != "--quiet"],
+    )
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     assert df[["split", "epoch"]].values.tolist() == [["train", 1], ["valid", 1], ["test", 1]]
-    summary = result.output[result.output.index("split"):].splitlines()
+    summary = result.output[result.output.index("split") :].splitlines()
     assert [line.split()[0] for line in summary[1:4]] == ["train", "valid", "test"]

@@ -115,8 +115,29 @@ def test_encoder_pools_each_sample_alone():
 
 def test_groups_are_scored_and_counted(plugin_dir, tmp_path):
     folder = plugin_dir(counting=LM_TASK)
-    result = CliRunner().invoke(cli, ["run", "--task", "counting", "--model", "lm", "--plugins-dir", str(folder), "--epochs", "1",
-                                      "--dim", "16", "--heads", "2", "--dim-ff", "16", "--results", str(tmp_path), "--quiet"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "counting",
+            "--model",
+            "lm",
+            "--plugins-dir",
+            str(folder),
+            "--epochs",
+            "1",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "16",
+            "--results",
+            str(tmp_path),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     from gtx.plugins.registry import TASKS
 
@@ -133,7 +154,10 @@ def gtx_run(*args):
 
 def test_form_mismatch_lists_the_models_that_fit(tmp_path):
     result = gtx_run("--task", "copy", "--model", "lm", "--results", str(tmp_path / "r"))
-    assert result.exit_code == 2 and "model 'lm' does not serve seq2seq tasks such as 'copy'; models that do: transformer, ut" in result.output
+    assert (
+        result.exit_code == 2
+        and "model 'lm' does not serve seq2seq tasks such as 'copy'; models that do: transformer, ut" in result.output
+    )
     result = gtx_run("--task", "listops", "--model", "encoder", "--results", str(tmp_path / "r"))
     assert result.exit_code == 2 and "models that do: transformer, ut" in result.output
     assert not (tmp_path / "r").exists()
@@ -141,9 +165,23 @@ def test_form_mismatch_lists_the_models_that_fit(tmp_path):
 
 def test_context_beyond_the_positions_is_one_line(plugin_dir, tmp_path):
     folder = plugin_dir(counting=LM_TASK)
-    result = gtx_run("--task", "counting", "--model", "lm", "--plugins-dir", str(folder), "--set", "max_len=8", "--results", str(tmp_path / "r"))
+    result = gtx_run(
+        "--task",
+        "counting",
+        "--model",
+        "lm",
+        "--plugins-dir",
+        str(folder),
+        "--set",
+        "max_len=8",
+        "--results",
+        str(tmp_path / "r"),
+    )
     assert result.exit_code == 2
-    assert "task 'counting' has sequences of 11 tokens but model 'lm' has positions for 8; raise --set max_len=11" in result.output
+    assert (
+        "task 'counting' has sequences of 11 tokens but model 'lm' has positions for 8; raise --set max_len=11"
+        in result.output
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -160,14 +198,53 @@ def register_patterns(register):
     register("leaky", leaky)
 '''
     folder = plugin_dir(counting=LM_TASK, leaky=leaky)
-    result = gtx_run("--task", "counting", "--model", "lm", "--pattern", "leaky", "--plugins-dir", str(folder), "--results", str(tmp_path / "r"))
-    assert result.exit_code == 2 and "stage dd" in result.output and "lets position 0 see later position 1" in result.output
+    result = gtx_run(
+        "--task",
+        "counting",
+        "--model",
+        "lm",
+        "--pattern",
+        "leaky",
+        "--plugins-dir",
+        str(folder),
+        "--results",
+        str(tmp_path / "r"),
+    )
+    assert (
+        result.exit_code == 2
+        and "stage dd" in result.output
+        and "lets position 0 see later position 1" in result.output
+    )
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
 
 
 def test_a_pattern_that_is_full_attention_here_is_called_out(tmp_path):
-    result = CliRunner().invoke(cli, ["run", "--pattern", "bigbird", "--results", str(tmp_path), "--max-steps", "1", "--dim", "16", "--heads", "2",
-                                      "--dim-ff", "16", "--layers", "1", "--set", "n_train=16", "--set", "n_valid=4", "--set", "n_test=4"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--pattern",
+            "bigbird",
+            "--results",
+            str(tmp_path),
+            "--max-steps",
+            "1",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--dim-ff",
+            "16",
+            "--layers",
+            "1",
+            "--set",
+            "n_train=16",
+            "--set",
+            "n_valid=4",
+            "--set",
+            "n_test=4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "note: pattern bigbird" in result.output and "is (nearly) full attention" in result.output
     from gtx.experiments.results import load
@@ -189,7 +266,19 @@ def test_task_train_defaults_apply_under_the_users_settings(plugin_dir, tmp_path
     folder = plugin_dir(counting=LM_TASK)
     for extra, batch_size in (([], 4), (["--batch-size", "3"], 3), (["--set", "train.batch_size=2"], 2)):
         out = tmp_path / str(batch_size)
-        result = gtx_run("--task", "counting", "--model", "lm", "--plugins-dir", str(folder), "--max-steps", "1", "--results", str(out), *extra)
+        result = gtx_run(
+            "--task",
+            "counting",
+            "--model",
+            "lm",
+            "--plugins-dir",
+            str(folder),
+            "--max-steps",
+            "1",
+            "--results",
+            str(out),
+            *extra,
+        )
         assert result.exit_code == 0, result.output
         train = json.loads(load(out).config.iloc[0])["train"]
         assert train["batch_size"] == batch_size and train["warmup"] == 7

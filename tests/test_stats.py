@@ -30,7 +30,9 @@ def test_welch_p_known_properties():
     assert welch_p([0.90, 0.91, 0.92], [0.50, 0.52, 0.51]) < 0.001
     assert welch_p([0.90, 0.95, 0.85], [0.91, 0.86, 0.96]) > 0.5
     assert math.isnan(welch_p([0.9], [0.5, 0.6])) and math.isnan(welch_p([0.9, np.nan], [0.5, 0.6]))
-    assert welch_p([1.0, 1.0, 1.0], [1.0, 1.0]) == 1.0 and welch_p([1.0, 1.0], [0.5, 0.5]) == 0.0  # no spread: 0/0 and x/0
+    assert (
+        welch_p([1.0, 1.0, 1.0], [1.0, 1.0]) == 1.0 and welch_p([1.0, 1.0], [0.5, 0.5]) == 0.0
+    )  # no spread: 0/0 and x/0
     assert welch_p([1, 2, 3, 4], [3, 4, 5, 6]) == welch_p([3, 4, 5, 6], [1, 2, 3, 4])
 
 
@@ -63,7 +65,11 @@ def test_pareto_front_is_non_empty_and_undominated(pts):
 
 def test_values_near_the_float_range_neither_overflow_nor_warn(recwarn):
     s = summarize([1e308, 1.5e308, 0.5e308])
-    assert s.mean == pytest.approx(1e308) and s.std == pytest.approx(5e307) and s.ci_low == pytest.approx(1e308 * (1 - 4.302653 * 0.5 / 3**0.5))
+    assert (
+        s.mean == pytest.approx(1e308)
+        and s.std == pytest.approx(5e307)
+        and s.ci_low == pytest.approx(1e308 * (1 - 4.302653 * 0.5 / 3**0.5))
+    )
     assert s.ci_high == float("inf")  # the interval's end lies past the float range
     assert welch_p([1e308, 1.5e308, 0.5e308], [1e308, 1.2e308, 0.9e308]) > 0.5
     assert paired_p([1e308, 1.5e308], [0.9e308, 1.3e308]) < 1.0

@@ -19,8 +19,26 @@ from gtx.experiments import sweep as sw
 from gtx.experiments.config import RunConfig, resolve_configs
 from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
 
-TINY = ["--set", "n_train=40", "--set", "n_valid=10", "--set", "n_test=10", "--set", "mean_len=5",
-        "--dim", "16", "--heads", "2", "--dim-ff", "16", "--batch-size", "8", "--layers", "1"]
+TINY = [
+    "--set",
+    "n_train=40",
+    "--set",
+    "n_valid=10",
+    "--set",
+    "n_test=10",
+    "--set",
+    "mean_len=5",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--dim-ff",
+    "16",
+    "--batch-size",
+    "8",
+    "--layers",
+    "1",
+]
 SWEEP = [sys.executable, "-m", "gtx.cli", "sweep"]
 
 
@@ -34,7 +52,10 @@ def complete_files(results) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in (Path(results) / "runs").glob("*.csv") if p.stem in done}
 
 
-@pytest.mark.parametrize("text, seeds", [("0-4", [0, 1, 2, 3, 4]), ("0,2,5", [0, 2, 5]), ("0-2,7", [0, 1, 2, 7]), ("3", [3]), ("1,1-2", [1, 2])])
+@pytest.mark.parametrize(
+    "text, seeds",
+    [("0-4", [0, 1, 2, 3, 4]), ("0,2,5", [0, 2, 5]), ("0-2,7", [0, 1, 2, 7]), ("3", [3]), ("1,1-2", [1, 2])],
+)
 def test_parse_seeds(text, seeds):
     assert sw.parse_seeds(text) == seeds
 
@@ -54,9 +75,27 @@ def test_children_share_the_cores_unless_told():
 
 def fake_run(results, run_id, cell, splits, started, eval_of=None, **kw):
     """A run file with the given splits, without training anything."""
-    base = {c: 0 if t == "int64" else 0.0 if t == "float64" else None if t == "Int64" else "x" for c, t in COLUMNS.items()}
-    write_run(results, run_id, [{**base, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started, "cell": cell,
-                                 "eval_of": eval_of, "split": s, "epoch": 1, **kw} for s in splits])
+    base = {
+        c: 0 if t == "int64" else 0.0 if t == "float64" else None if t == "Int64" else "x" for c, t in COLUMNS.items()
+    }
+    write_run(
+        results,
+        run_id,
+        [
+            {
+                **base,
+                "schema_version": SCHEMA_VERSION,
+                "run_id": run_id,
+                "started_at": started,
+                "cell": cell,
+                "eval_of": eval_of,
+                "split": s,
+                "epoch": 1,
+                **kw,
+            }
+            for s in splits
+        ],
+    )
 
 
 def checkpoint(results, run_id):
@@ -74,7 +113,9 @@ def test_plan_skips_complete_cells_resumes_checkpointed_ones_restarts_the_rest(t
     fake_run(res, "b", k[1], ["train", "valid"], "2026-01-01T00:00:00")  # incomplete, checkpoint: resume
     checkpoint(res, "b")
     fake_run(res, "c", k[2], ["train", "valid"], "2026-01-01T00:00:00")  # incomplete, no checkpoint: run afresh
-    fake_run(res, "d1", k[3], ["train", "valid", "test"], "2026-01-01T00:00:00")  # complete once, then started again: skip
+    fake_run(
+        res, "d1", k[3], ["train", "valid", "test"], "2026-01-01T00:00:00"
+    )  # complete once, then started again: skip
     fake_run(res, "d2", k[3], ["train"], "2026-01-02T00:00:00")
     checkpoint(res, "d2")
     fake_run(res, "e1", k[4], ["train"], "2026-01-01T00:00:00")  # only the latest run is resumed: it has no checkpoint
@@ -82,8 +123,24 @@ def test_plan_skips_complete_cells_resumes_checkpointed_ones_restarts_the_rest(t
     fake_run(res, "e2", k[4], ["train"], "2026-01-02T00:00:00")
     fake_run(res, "f", k[5], ["test"], "2026-01-01T00:00:00", eval_of="a")  # gtx eval rows do not complete a cell
     cells = sw.plan(grid, res)
-    assert [(c.action, c.run_id) for c in cells] == [("skip", None), ("resume", "b"), ("run", None), ("skip", None), ("run", None), ("run", None)]
-    assert sw.run_args(cells[1], res, ["plug"]) == ["run", "--resume", "b", "--results", str(res), "--plugins-dir", "plug", "--quiet"]
+    assert [(c.action, c.run_id) for c in cells] == [
+        ("skip", None),
+        ("resume", "b"),
+        ("run", None),
+        ("skip", None),
+        ("run", None),
+        ("run", None),
+    ]
+    assert sw.run_args(cells[1], res, ["plug"]) == [
+        "run",
+        "--resume",
+        "b",
+        "--results",
+        str(res),
+        "--plugins-dir",
+        "plug",
+        "--quiet",
+    ]
     lines = sw.dry_run_lines(cells, res)
     assert len(lines) == 4 and lines[0] == f"gtx run --resume b --results {res} --quiet"
     assert "--seed 2" in lines[1] and "--seed 4" in lines[2] and "--seed 5" in lines[3]
@@ -91,15 +148,36 @@ def test_plan_skips_complete_cells_resumes_checkpointed_ones_restarts_the_rest(t
 
 def test_dry_run_prints_one_quoted_command_per_cell_and_writes_nothing(tmp_path):
     res = tmp_path / "res"
-    result = gtx("--pattern", "full", "--pattern", "bigbird:b=2,r=1", "--pattern", "local|strided:l=4", "--task", "copy,reverse",
-                 "--seeds", "0-1", "--set", "epochs=1,2", "--dim", "16", "--results", res, "--dry-run", "--quiet")
+    result = gtx(
+        "--pattern",
+        "full",
+        "--pattern",
+        "bigbird:b=2,r=1",
+        "--pattern",
+        "local|strided:l=4",
+        "--task",
+        "copy,reverse",
+        "--seeds",
+        "0-1",
+        "--set",
+        "epochs=1,2",
+        "--dim",
+        "16",
+        "--results",
+        res,
+        "--dry-run",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) == 3 * 2 * 2 * 2
     argvs = [shlex.split(line) for line in lines]
     assert all(a[:2] == ["gtx", "run"] and a[-1] == "--quiet" and "dim=16" in a for a in argvs)
     assert {a[a.index("--pattern") + 1] for a in argvs} == {"full", "bigbird:b=2,r=1", "local|strided:l=4"}
-    assert {a[a.index("--seed") + 1] for a in argvs} == {"0", "1"} and {a[a.index("--task") + 1] for a in argvs} == {"copy", "reverse"}
+    assert {a[a.index("--seed") + 1] for a in argvs} == {"0", "1"} and {a[a.index("--task") + 1] for a in argvs} == {
+        "copy",
+        "reverse",
+    }
     assert "'local|strided:l=4'" in result.output  # shell-quoted
     assert not res.exists()
     # a spelling of one experiment twice (local is local:w=4) is one cell
@@ -109,8 +187,22 @@ def test_dry_run_prints_one_quoted_command_per_cell_and_writes_nothing(tmp_path)
 
 def test_every_task_and_model_is_a_cell_of_its_own(tmp_path):
     res = tmp_path / "res"
-    result = gtx("--task", "copy,sort", "--model", "transformer,ut", "--pattern", "full", "--pattern", "local:w=4", "--seeds", "0-1",
-                 "--results", res, "--dry-run", "--quiet")
+    result = gtx(
+        "--task",
+        "copy,sort",
+        "--model",
+        "transformer,ut",
+        "--pattern",
+        "full",
+        "--pattern",
+        "local:w=4",
+        "--seeds",
+        "0-1",
+        "--results",
+        res,
+        "--dry-run",
+        "--quiet",
+    )
     argvs = [shlex.split(line) for line in result.output.splitlines()]
     cells = {tuple(a[a.index(f"--{o}") + 1] for o in ("task", "model", "pattern", "seed")) for a in argvs}
     assert len(argvs) == 16 and len(cells) == 16  # copy and sort have equal settings: their names keep them apart
@@ -124,14 +216,34 @@ def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are
     assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
     # a schema-3 file stored a key that task names could collide in: its key is recomputed from its stored settings
     c = resolve_configs(RunConfig(task="sort"))
-    settings = json.dumps({"model_config": dataclasses.asdict(c.model), "task_config": dataclasses.asdict(c.task), "train": dataclasses.asdict(c.train)})
-    fake_run(res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, task="sort", model="transformer",
-             pattern="full", backend="auto", seed=0, config=settings)
+    settings = json.dumps(
+        {
+            "model_config": dataclasses.asdict(c.model),
+            "task_config": dataclasses.asdict(c.task),
+            "train": dataclasses.asdict(c.train),
+        }
+    )
+    fake_run(
+        res,
+        "old",
+        copy.key,
+        ["train", "valid", "test"],
+        "2026-01-01T00:00:00",
+        schema_version=3,
+        task="sort",
+        model="transformer",
+        pattern="full",
+        backend="auto",
+        seed=0,
+        config=settings,
+    )
     assert load(res).drop_duplicates("run_id").set_index("run_id").cell.to_dict() == {"c": copy.key, "old": sort.key}
     assert [(c.action, c.rekeyed) for c in sw.plan(grid, res)] == [("skip", False), ("skip", True)]
     said = gtx("--task", "copy,sort", "--results", res, "--dry-run")
     assert said.exit_code == 0 and "1 of the complete cells are runs written before results schema 4" in said.output
-    fake_run(res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, config="{}")  # no settings stored
+    fake_run(
+        res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, config="{}"
+    )  # no settings stored
     assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
 
 
@@ -156,48 +268,75 @@ def test_grid_file_with_options_overriding_its_keys(tmp_path):
     path.write_text(GRID.format(res=tmp_path / "res"))
     grid = sw.read_grid_file(path)
     assert grid["pattern"] == ["full", "bigbird:b=2,r=1"] and grid["seeds"] == "0-1" and grid["jobs"] == 2
-    assert grid["settings"] == {"epochs": ["1", "2"], "dim": ["16"], "share_embeddings": ["true"], "train.warmup": ["10"]}
+    assert grid["settings"] == {
+        "epochs": ["1", "2"],
+        "dim": ["16"],
+        "share_embeddings": ["true"],
+        "train.warmup": ["10"],
+    }
     lines = gtx(path, "--dry-run", "--quiet").output.splitlines()
-    assert len(lines) == 8 and all(f"--results {tmp_path / 'res'}" in line and "--set share_embeddings=true" in line for line in lines)
-    lines = gtx(path, "--seeds", "3", "--set", "epochs=5", "--results", tmp_path / "other", "--dry-run", "--quiet").output.splitlines()
-    assert len(lines) == 2 and all("--seed 3" in line and "epochs=5" in line and "--set dim=16" in line and "other" in line for line in lines)
+    assert len(lines) == 8 and all(
+        f"--results {tmp_path / 'res'}" in line and "--set share_embeddings=true" in line for line in lines
+    )
+    lines = gtx(
+        path, "--seeds", "3", "--set", "epochs=5", "--results", tmp_path / "other", "--dry-run", "--quiet"
+    ).output.splitlines()
+    assert len(lines) == 2 and all(
+        "--seed 3" in line and "epochs=5" in line and "--set dim=16" in line and "other" in line for line in lines
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ('task = "copy"\npattern = [full]\n', "grid.toml: not valid TOML: Invalid value (at line 2"),
-    ('patterns = ["full"]\n', "grid.toml: unknown key 'patterns'"),
-    ('task = []\n', "grid.toml: task must be a value or a non-empty list"),
-    ('jobs = 0\n', "grid.toml: jobs must be a positive integer"),
-    ('set = 3\n', "grid.toml: set must be a table"),
-    ('seeds = "2-1"\n', "grid.toml: --seeds 2-1: '2-1' is not a seed or a range"),
-    ('device = "tpu"\n', "grid.toml: device must be auto, cpu or cuda"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('task = "copy"\npattern = [full]\n', "grid.toml: not valid TOML: Invalid value (at line 2"),
+        ('patterns = ["full"]\n', "grid.toml: unknown key 'patterns'"),
+        ("task = []\n", "grid.toml: task must be a value or a non-empty list"),
+        ("jobs = 0\n", "grid.toml: jobs must be a positive integer"),
+        ("set = 3\n", "grid.toml: set must be a table"),
+        ('seeds = "2-1"\n', "grid.toml: --seeds 2-1: '2-1' is not a seed or a range"),
+        ('device = "tpu"\n', "grid.toml: device must be auto, cpu or cuda"),
+    ],
+)
 def test_bad_grid_file_is_one_line_naming_the_file(tmp_path, text, message):
     (tmp_path / "grid.toml").write_text(text)
     result = gtx(tmp_path / "grid.toml", "--results", tmp_path / "res")
-    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--pattern", "full", "--pattern", "lokal"], "cell task=copy model=transformer pattern=lokal backend=auto seed=0: unknown pattern 'lokal'"),
-    (["--task", "copy,nope"], "cell task=nope model=transformer pattern=full"),
-    (["--model", "nope"], "unknown model 'nope'"),
-    (["--backend", "auto,nope"], "unknown backend 'nope'"),
-    (["--set", "nope=1,2"], "seed=0 nope=1: --set nope: no such setting"),
-    (["--seeds", "5-2"], "--seeds 5-2: '5-2' is not a seed or a range"),
-    (["--task", ","], "--task ',': an empty item between commas"),
-    (["--set", "dim"], "write key=value"),
-    (["--set", "epochs=1,,2"], "--set epochs= '1,,2': an empty item between commas"),
-    (["--seeds", "0-100000000"], "--seeds 0-100000000: more than 10,000 seeds"),
-    (["--seeds", "0-999", "--set", "epochs=1,2,3,4,5,6,7,8,9,10,11"], "the grid has 11,000 cells, more than 10,000"),
-    (["--results", "/dev/null"], "--results /dev/null: cannot create the folder"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--pattern", "full", "--pattern", "lokal"],
+            "cell task=copy model=transformer pattern=lokal backend=auto seed=0: unknown pattern 'lokal'",
+        ),
+        (["--task", "copy,nope"], "cell task=nope model=transformer pattern=full"),
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--backend", "auto,nope"], "unknown backend 'nope'"),
+        (["--set", "nope=1,2"], "seed=0 nope=1: --set nope: no such setting"),
+        (["--seeds", "5-2"], "--seeds 5-2: '5-2' is not a seed or a range"),
+        (["--task", ","], "--task ',': an empty item between commas"),
+        (["--set", "dim"], "write key=value"),
+        (["--set", "epochs=1,,2"], "--set epochs= '1,,2': an empty item between commas"),
+        (["--seeds", "0-100000000"], "--seeds 0-100000000: more than 10,000 seeds"),
+        (
+            ["--seeds", "0-999", "--set", "epochs=1,2,3,4,5,6,7,8,9,10,11"],
+            "the grid has 11,000 cells, more than 10,000",
+        ),
+        (["--results", "/dev/null"], "--results /dev/null: cannot create the folder"),
+    ],
+)
 def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
     res = tmp_path / "res"
     result = gtx("--results", res, *args)  # a later --results wins
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
-    assert message in lines[-1] and lines[-1].startswith("Error: ") and (len(lines) == 1 or lines[0].startswith("Usage:"))  # click's own: usage too
+    assert (
+        message in lines[-1] and lines[-1].startswith("Error: ") and (len(lines) == 1 or lines[0].startswith("Usage:"))
+    )  # click's own: usage too
     assert not res.exists()
 
 
@@ -208,7 +347,11 @@ def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
     assert sw.split_patterns("heads(local:w=2,strided:l=4),full", names) == ["heads(local:w=2,strided:l=4)", "full"]
     assert sw.split_patterns("local:w=2|strided:l=4, full", names) == ["local:w=2|strided:l=4", "full"]
     result = gtx("--pattern", "full,local:w=4", "--pattern", "bigbird:b=2,r=1", "--dry-run", "--quiet")
-    assert [shlex.split(line)[shlex.split(line).index("--pattern") + 1] for line in result.output.splitlines()] == ["full", "local:w=4", "bigbird:b=2,r=1"]
+    assert [shlex.split(line)[shlex.split(line).index("--pattern") + 1] for line in result.output.splitlines()] == [
+        "full",
+        "local:w=4",
+        "bigbird:b=2,r=1",
+    ]
 
 
 def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path):
@@ -216,22 +359,44 @@ def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_
 
     res = tmp_path / "res"
     args = ["--epochs", "1", *TINY, "--results", res]
-    pairs = [v.split("=") if flag == "--set" else (flag[2:].replace("-", "_"), v) for flag, v in zip(TINY[::2], TINY[1::2])]
+    pairs = [
+        v.split("=") if flag == "--set" else (flag[2:].replace("-", "_"), v) for flag, v in zip(TINY[::2], TINY[1::2])
+    ]
     (cell,) = sw.plan(sw.make_grid(settings={k: [v] for k, v in [*pairs, ("epochs", "1")]}), res)
     assert claims.claim(res, cell.key) is None  # held by this (living) process
     result = gtx(*args)
-    assert result.exit_code == 0 and "0 done, 0 skipped, 0 failed, 1 run by another sweep" in result.output, result.output
+    assert result.exit_code == 0 and "0 done, 0 skipped, 0 failed, 1 run by another sweep" in result.output, (
+        result.output
+    )
     assert not (res / "runs").exists() or not list((res / "runs").iterdir())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (claims.claim_dir(res) / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")  # its sweep was killed
+    (claims.claim_dir(res) / cell.key).write_text(
+        f"{dead.pid}@{__import__('socket').gethostname()}\n"
+    )  # its sweep was killed
     result = gtx(*args)
-    assert result.exit_code == 0 and "1 done" in result.output and not (claims.claim_dir(res) / cell.key).exists(), result.output
+    assert result.exit_code == 0 and "1 done" in result.output and not (claims.claim_dir(res) / cell.key).exists(), (
+        result.output
+    )
 
 
 def test_sweep_runs_every_cell_once_then_skips_them(tmp_path):
     res = tmp_path / "res"
-    args = ["--pattern", "full", "--pattern", "local:w=1", "--seeds", "0,1", "--epochs", "1", *TINY, "-j", "2", "--results", res]
+    args = [
+        "--pattern",
+        "full",
+        "--pattern",
+        "local:w=1",
+        "--seeds",
+        "0,1",
+        "--epochs",
+        "1",
+        *TINY,
+        "-j",
+        "2",
+        "--results",
+        res,
+    ]
     result = gtx(*args)
     assert result.exit_code == 0, result.output
     assert "4 cells: 4 done, 0 skipped, 0 failed" in result.output
@@ -255,8 +420,10 @@ def test_a_failing_cell_is_reported_and_the_others_complete(tmp_path):
     result = gtx("--epochs", "1", *TINY, "--set", "heads=2,3", "-j", "2", "--results", res)
     assert result.exit_code == 1, result.output
     log = next((res / "sweeps").glob("grid-*/logs/1.log"))
-    assert (f"cell 1 (task=copy model=transformer pattern=full backend=auto seed=0 heads=3) failed with exit status 2: "
-            f"Error: bad settings for model 'transformer': d_model=16 must be divisible by heads=3; log: {log}") in result.output
+    assert (
+        f"cell 1 (task=copy model=transformer pattern=full backend=auto seed=0 heads=3) failed with exit status 2: "
+        f"Error: bad settings for model 'transformer': d_model=16 must be divisible by heads=3; log: {log}"
+    ) in result.output
     assert "2 cells: 1 done, 0 skipped, 1 failed" in result.output
     df = load(res)
     assert (df.split == "test").sum() == 1 and df.run_id.nunique() == 1
@@ -265,9 +432,14 @@ def test_a_failing_cell_is_reported_and_the_others_complete(tmp_path):
 def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(tmp_path):
     res = tmp_path / "res"
     args = ["--seeds", "0-2", "--epochs", "30", *TINY, "-j", "1", "--results", str(res), "--quiet"]
-    proc = subprocess.Popen([*SWEEP, *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*SWEEP, *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
-        deadline, first_done = time.monotonic() + 600, None  # generous: a loaded machine takes minutes for a first run; the loop leaves as soon as one is done
+        deadline, first_done = (
+            time.monotonic() + 600,
+            None,
+        )  # generous: a loaded machine takes minutes for a first run; the loop leaves as soon as one is done
         while time.monotonic() < deadline and proc.poll() is None:
             files = list((res / "runs").glob("*.csv"))
             done = complete_files(res) if files else {}
@@ -292,4 +464,6 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
     assert len(test) == 3 and test.cell.nunique() == 3 and set(test.seed) == {0, 1, 2}  # one complete run per cell
     assert {name: data for name, data in complete_files(res).items() if name in complete} == complete  # byte for byte
     after = {run_id: set(zip(rows.epoch, rows.split)) for run_id, rows in df.groupby("run_id")}
-    assert all(rows <= after[run_id] for run_id, rows in earlier.items())  # a killed run's rows stay (resumed: kept in its file)
+    assert all(
+        rows <= after[run_id] for run_id, rows in earlier.items()
+    )  # a killed run's rows stay (resumed: kept in its file)

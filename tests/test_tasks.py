@@ -100,7 +100,11 @@ def test_g2p_is_real_cmudict_and_scores_phonemes():
 
 
 def test_translation_reads_its_folder_and_scores_bleu(tmp_path):
-    lines = {"train": (["a b c", "b c d", "c d e"], ["x y", "y z", "z w"]), "val": (["a b"], ["x"]), "test": (["q b"], ["y"])}
+    lines = {
+        "train": (["a b c", "b c d", "c d e"], ["x y", "y z", "z w"]),
+        "val": (["a b"], ["x"]),
+        "test": (["q b"], ["y"]),
+    }
     for stem, (src, tgt) in lines.items():
         (tmp_path / f"{stem}.src").write_text("\n".join(src) + "\n")
         (tmp_path / f"{stem}.tgt").write_text("\n".join(tgt) + "\n")
@@ -108,7 +112,9 @@ def test_translation_reads_its_folder_and_scores_bleu(tmp_path):
     data = task.splits()
     assert data["test"] == [(["q", "b"], ["y"])]
     assert task.src_vocab.encode(["q"]) == [3]  # unseen in train: <unk>
-    assert task.metrics([["the", "cat", "sat", "on", "the", "mat"]], [["the", "cat", "sat", "on", "the", "mat"]])["bleu"] == pytest.approx(100)
+    assert task.metrics([["the", "cat", "sat", "on", "the", "mat"]], [["the", "cat", "sat", "on", "the", "mat"]])[
+        "bleu"
+    ] == pytest.approx(100)
     (tmp_path / "test.tgt").unlink()
     with pytest.raises(GtxError, match=r"missing .*test.tgt; data_dir needs train, val and test"):
         make("translation", data_dir=str(tmp_path)).splits()
@@ -129,7 +135,9 @@ def test_data_is_cached_on_disk(monkeypatch):
 def test_batches_are_flat_and_graphs_match(tiny_task):
     batch = next(batches(tiny_task, "train", parse_pattern("local:w=1"), 5))
     lens = batch.graph.src_lens
-    assert batch.src.numel() == int(lens.sum()) and batch.tgt_in.numel() == batch.targets.numel() == int(batch.graph.tgt_lens.sum())
+    assert batch.src.numel() == int(lens.sum()) and batch.tgt_in.numel() == batch.targets.numel() == int(
+        batch.graph.tgt_lens.sum()
+    )
     assert batch.tgt_in[0] == Vocab.sos and batch.targets[int(batch.graph.tgt_lens[0]) - 1] == Vocab.eos
     assert batch.graph.edges["ed"].n_src == batch.src.numel()
     assert (batch.src_pos[: int(lens[0])] == __import__("torch").arange(int(lens[0]))).all()

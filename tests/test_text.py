@@ -113,8 +113,12 @@ def test_bad_files_say_what_to_do(tmp_path):
     # too short: the message names the exact minimum, which fits one window per split; one less does not
     (tmp_path / "short.txt").write_text("x" * 600)
     message = error("short.txt", context=32)
-    assert "has 600 characters, too short for one window of context+1=33 in each of train/valid/test (90/5/5)" in message
-    need = int(re.search(r"it must be at least ([\d,]+) characters, or lower --set context", message).group(1).replace(",", ""))
+    assert (
+        "has 600 characters, too short for one window of context+1=33 in each of train/valid/test (90/5/5)" in message
+    )
+    need = int(
+        re.search(r"it must be at least ([\d,]+) characters, or lower --set context", message).group(1).replace(",", "")
+    )
     assert 20 * 33 - 20 <= need <= 20 * 33
     (tmp_path / "short.txt").write_text("x" * need)
     data = make(data_file=str(tmp_path / "short.txt"), context=32).splits()
@@ -135,17 +139,56 @@ def test_builtin_corpus_is_the_king_james_bible():
 
 
 def test_tiny_run_reports_bpc(tmp_path):
-    args = ["run", "--task", "text", "--model", "lm", "--pattern", "local:w=8", "--set", "context=32", "--set", "train_tokens=2048",
-            "--set", "eval_tokens=256", "--dim", "16", "--heads", "2", "--dim-ff", "16", "--layers", "1", "--batch-size", "4",
-            "--max-steps", "2", "--results", str(tmp_path), "--quiet"]
+    args = [
+        "run",
+        "--task",
+        "text",
+        "--model",
+        "lm",
+        "--pattern",
+        "local:w=8",
+        "--set",
+        "context=32",
+        "--set",
+        "train_tokens=2048",
+        "--set",
+        "eval_tokens=256",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--dim-ff",
+        "16",
+        "--layers",
+        "1",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--results",
+        str(tmp_path),
+        "--quiet",
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     assert set(df.split) == {"train", "valid", "test"} and (df.context_len == 32).all()
     for _, row in df.iterrows():
         assert json.loads(row.metrics)["bpc"] == pytest.approx(row.loss / math.log(2))
-    bad = CliRunner().invoke(cli, ["run", "--task", "text", "--model", "lm", "--set", f"data_file={tmp_path / 'nope'}",
-                                   "--results", str(tmp_path / "r")])
+    bad = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--task",
+            "text",
+            "--model",
+            "lm",
+            "--set",
+            f"data_file={tmp_path / 'nope'}",
+            "--results",
+            str(tmp_path / "r"),
+        ],
+    )
     assert bad.exit_code == 2 and "Error: bad settings for task 'text': data_file" in bad.output
     assert not (tmp_path / "r").exists()
 

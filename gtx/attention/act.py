@@ -42,9 +42,11 @@ class AdaptiveComputation:
         x = self.embed.token(table, ids)
         n = x.shape[0]
         return {
-            "x": x, "pos": pos,
+            "x": x,
+            "pos": pos,
             "s": torch.zeros_like(x),
-            "sum_p": x.new_zeros(n, 1), "r": x.new_ones(n, 1),
+            "sum_p": x.new_zeros(n, 1),
+            "r": x.new_ones(n, 1),
             "steps": torch.zeros(n, dtype=torch.long, device=x.device),
             "active": torch.ones(n, dtype=torch.bool, device=x.device),
         }
@@ -53,7 +55,10 @@ class AdaptiveComputation:
         time = self.time(torch.tensor([t], device=self.time.pe.device))
 
         def fn(nodes):
-            return {"x": self.embed.dropout(nodes["x"] + self.embed.pos(nodes["pos"]) + time), "steps": nodes["steps"] + 1}
+            return {
+                "x": self.embed.dropout(nodes["x"] + self.embed.pos(nodes["pos"]) + time),
+                "steps": nodes["steps"] + 1,
+            }
 
         return fn
 

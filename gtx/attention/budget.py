@@ -55,8 +55,10 @@ class Account:
         queries = edges.n_dst if edges.keep is None else int(edges.keep.sum())
         allowed = on_active(allowed, edges) + on_active(offered, edges)
         if keys > allowed * (1 + 1e-9) + 1e-6:
-            raise PluginError(f"pattern {spec!r} reports {keys:g} keys read by {queries} queries ({edges.stage}), more than the "
-                              f"{allowed:g} they can see; count keys read by several branches once (run.read)")
+            raise PluginError(
+                f"pattern {spec!r} reports {keys:g} keys read by {queries} queries ({edges.stage}), more than the "
+                f"{allowed:g} they can see; count keys read by several branches once (run.read)"
+            )
         total = self.stages.setdefault(edges.stage, [0.0, 0.0, 0.0])
         total[0] += keys
         total[1] += queries

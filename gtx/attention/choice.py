@@ -39,8 +39,9 @@ def query_blocks(edges: EdgeSet, rows: int):
         q_off, k_off = q_off + nq, k_off + nk
 
 
-def top_scored(edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ...] = (),
-               later_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_scored(
+    edges: EdgeSet, count: int, score, rows: int, lead: tuple[int, ...] = (), later_first: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` keys with the best ``score(query rows, key slice)`` -> (rows, *lead,
     keys seen), for complete or causal candidates (``edges.structure``), scored sample by sample in
     blocks of query rows (``query_blocks``): the scores of one block exist at a time, never an edge
@@ -79,6 +80,7 @@ def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows:
     """The ``count`` best keys by q.k per query and head: key ids and valid, (n_dst, H, count), equal
     scores preferring the later key on the C kernel (unspecified in torch ops)."""
     if native.kernel("index_kernel", q, k) is None:
+
         def score(block, keys):  # (rows, H, keys seen)
             return (q[block].transpose(0, 1) @ k[keys].permute(1, 2, 0)).transpose(0, 1)
 
@@ -100,7 +102,19 @@ def top_native(iq, w, ik, edges: EdgeSet, count: int, relu: bool = True) -> tupl
     iq, w = iq.contiguous(), w.contiguous()
     q_off = k_off = 0
     for nq, nk in zip(*edges.sample_lens()):
-        _top_sample(lib, iq[q_off:], w[q_off:], tiles(ik[k_off:k_off + nk]), keys[q_off:], valid[q_off:], nq, nk, causal, k_off, relu)
+        _top_sample(
+            lib,
+            iq[q_off:],
+            w[q_off:],
+            tiles(ik[k_off : k_off + nk]),
+            keys[q_off:],
+            valid[q_off:],
+            nq,
+            nk,
+            causal,
+            k_off,
+            relu,
+        )
         q_off, k_off = q_off + nq, k_off + nk
     return keys, valid
 
@@ -117,5 +131,11 @@ def _top_sample(lib, iq, w, ik_tiles, keys, valid, nq: int, nk: int, causal: int
     of GROUP rows dealt to the kernel's parts in turn (later causal rows cost more)."""
     heads, dim = iq.shape[1:]
     ptrs = [native.pointer(x) for x in (iq, w, ik_tiles)], [native.pointer(x) for x in (keys, valid)]
-    native.check(lib.gtx_top_index(*native.ints(native.parts(-(-nq // GROUP)), nq, nk, heads, dim), *ptrs[0],
-                                   *native.ints(causal, int(relu), keys.shape[1], offset), *ptrs[1]))
+    native.check(
+        lib.gtx_top_index(
+            *native.ints(native.parts(-(-nq // GROUP)), nq, nk, heads, dim),
+            *ptrs[0],
+            *native.ints(causal, int(relu), keys.shape[1], offset),
+            *ptrs[1],
+        )
+    )

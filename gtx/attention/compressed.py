@@ -42,8 +42,14 @@ def compressed_keys_seen(lens: list[int], ends: torch.Tensor) -> int:
     return sum(int((n - ends).clamp_min(0).sum()) for n in lens)
 
 
-def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], ends: torch.Tensor,
-                      weight: torch.Tensor | None = None) -> torch.Tensor:
+def attend_compressed(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    lens: list[int],
+    ends: torch.Tensor,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Each query over the compressed blocks it sees: q (n, H, D) pre-scaled rows of samples
     ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values; ``weight`` (n, H) or None:
     each output row scaled by it (NSA's gate). Returns (n, H, Dv), on SDPA's kernel a block of query
@@ -57,8 +63,16 @@ def attend_compressed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens:
         part = qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1])
         if seen:
             w = None if wp is None else take(wp[:, :, r0:r1])
-            rows = checkpoint(_attend_rows, take(qp[:, :, r0:r1]), take(kt[:, :, :seen]), take(vt[:, :, :seen]), ends[:seen], r0, w,
-                              use_reentrant=False)
+            rows = checkpoint(
+                _attend_rows,
+                take(qp[:, :, r0:r1]),
+                take(kt[:, :, :seen]),
+                take(vt[:, :, :seen]),
+                ends[:seen],
+                r0,
+                w,
+                use_reentrant=False,
+            )
             part = rows if take.every else part.index_copy(0, take.samples, rows)
         parts.append(part)
     return unpad_samples(torch.cat(parts[::-1], 2).transpose(1, 2), lens)
@@ -116,4 +130,9 @@ def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends:
     kt = kc.transpose(1, 2)
     for r0, r1, take, seen in _row_blocks(lens, ends, CHOICE_ROWS):
         score = take(qp[:, :, r0:r1]) @ take(kt[:, :, :seen]).transpose(-1, -2)
-        yield r0, r1, take, softmax_(score.masked_fill_(~_visible(ends[:seen], r0, r1 - r0), float("-inf"))) if seen else score
+        yield (
+            r0,
+            r1,
+            take,
+            softmax_(score.masked_fill_(~_visible(ends[:seen], r0, r1 - r0), float("-inf"))) if seen else score,
+        )

@@ -26,7 +26,9 @@ def _select(encoded: Encoded, src_lens: torch.Tensor, repeat: int) -> Encoded:
     if repeat == 1:
         return encoded
     starts = torch.cumsum(src_lens, 0) - src_lens
-    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), src_lens.tolist()) for _ in range(repeat)])
+    index = torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts.tolist(), src_lens.tolist()) for _ in range(repeat)]
+    )
     index = index.to(encoded.x.device)
     fields = {f.name: getattr(encoded, f.name) for f in dataclasses.fields(encoded)}
     return Encoded(**{k: None if v is None else v[index] for k, v in fields.items()})
@@ -46,7 +48,9 @@ def latest_edges(pattern: Pattern, src_lens: list[int], length: int, device) -> 
 
 
 @torch.no_grad()
-def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam: int = 1, incremental: bool = True) -> list[list[int]]:
+def decode(
+    model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam: int = 1, incremental: bool = True
+) -> list[list[int]]:
     """Token ids of the best hypothesis per sample, without <sos> and <eos>; greedy when beam == 1.
 
     Hypotheses are scored by the sum of log-probabilities; the final choice among a sample's beams
@@ -70,10 +74,14 @@ def decode(model: Seq2SeqModel, task: Task, batch: Batch, pattern: Pattern, beam
         if state is None:
             graph = build_graph(pattern, rep_lens, [length] * len(rep_lens)).to(device)
             lens = torch.full((len(rep_lens),), length)
-            logits = model.decode(encoded, seqs.flatten().to(device), positions(lens).to(device), graph).logits[length - 1 :: length]
+            logits = model.decode(encoded, seqs.flatten().to(device), positions(lens).to(device), graph).logits[
+                length - 1 :: length
+            ]
         else:
             pos = torch.full((len(rep_lens),), length - 1, device=device)
-            logits, state = model.decode_next(state, seqs[:, -1].to(device), pos, latest_edges(pattern, rep_lens, length, device))
+            logits, state = model.decode_next(
+                state, seqs[:, -1].to(device), pos, latest_edges(pattern, rep_lens, length, device)
+            )
         logp = torch.log_softmax(logits.float(), -1).cpu()  # the last position of each hypothesis
         vocab = logp.shape[1]
         logp[:, [Vocab.pad, Vocab.sos]] = float("-inf")  # never generated

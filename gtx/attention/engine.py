@@ -21,8 +21,14 @@ NodeFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 NodePair = tuple[NodeFn, str, "torch.Tensor | None"]
 
 
-def propagate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, backend: Backend,
-                        inputs: torch.Tensor | None = None) -> torch.Tensor:
+def propagate_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    edges: EdgeSet,
+    backend: Backend,
+    inputs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax attention of each query over its incoming edges.
 
     Args:
@@ -33,7 +39,9 @@ def propagate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges
         (n_dst, H, Dv); zeros for a query without incoming edges.
     """
     if edges.pattern is not None and not edges.pattern.plain and not isinstance(backend, (Attention, LayerAttention)):
-        backend = Attention(backend)  # a model built with a bare backend: head groups, fixed biases and selections still apply
+        backend = Attention(
+            backend
+        )  # a model built with a bare backend: head groups, fixed biases and selections still apply
     if inputs is not None and isinstance(backend, (Attention, LayerAttention)):
         return backend(q * q.shape[-1] ** -0.5, k, v, edges, inputs=inputs)
     return backend(q * q.shape[-1] ** -0.5, k, v, edges)

@@ -32,6 +32,7 @@ def rotary_angles(positions: torch.Tensor, dims: int) -> torch.Tensor:
     """(n,) positions -> (n, dims / 2) angles in float64: pair i turns at base^(-2i / dims) per
     position, divided by YARN_FACTOR for the slow pairs (those under YARN_SLOW rotations over
     YARN_POSITIONS) and blended linearly between those and the fast ones (over YARN_FAST)."""
+
     def pair_of(rotations):  # the pair index that turns ``rotations`` times over YARN_POSITIONS
         return dims * math.log(YARN_POSITIONS / (rotations * 2 * math.pi)) / (2 * math.log(ROPE_BASE))
 
@@ -49,9 +50,11 @@ def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     if angles.shape[-1] == 0:
         return x
     cos, sin = (f(angles).to(x.dtype).view(len(x), *[1] * (x.dim() - 2), -1) for f in (torch.cos, torch.sin))
-    turned = x[..., :2 * angles.shape[-1]].unflatten(-1, (-1, 2))
+    turned = x[..., : 2 * angles.shape[-1]].unflatten(-1, (-1, 2))
     a, b = turned[..., 0], turned[..., 1]
-    return torch.cat([torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2), x[..., 2 * angles.shape[-1]:]], -1)
+    return torch.cat(
+        [torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2), x[..., 2 * angles.shape[-1] :]], -1
+    )
 
 
 def index_scores(iq: torch.Tensor, w: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
@@ -78,7 +81,9 @@ def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, to
     highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
     kernel) and valid (n, K) (invalid slots hold key 0). No gradient."""
     if native.kernel("index_kernel", iq, w, ik) is None:
-        return top_scored(edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True)
+        return top_scored(
+            edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True
+        )
     return top_native(iq, w, ik, edges, count)
 
 
@@ -88,7 +93,9 @@ def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
     if native.kernel("index_kernel", iq, w, ik) is not None:
         return _IndexKL.apply(p, iq, w, ik, keys, valid)
 
-    def block(p_r, iq_r, w_r, ik, keys_r, valid_r):  # the kept keys gathered inside: the backward keeps no (rows, K, d) copy
+    def block(
+        p_r, iq_r, w_r, ik, keys_r, valid_r
+    ):  # the kept keys gathered inside: the backward keeps no (rows, K, d) copy
         return kl_to(p_r, index_scores(iq_r, w_r, ik[keys_r]), valid_r)
 
     total = p.new_zeros(())
@@ -111,7 +118,9 @@ class _IndexKL(torch.autograd.Function):
         parts = native.parts(len(keys))
         diks = ik.new_zeros(parts, *ik.shape)  # each part adds into its own, summed after
         ptrs = [native.pointer(x) for x in (iq, w, ik, keys, valid, p, loss, diq, dw, diks)]
-        native.check(lib.gtx_index_kl(*native.ints(parts, len(keys), len(ik), iq.shape[1], keys.shape[1], iq.shape[2]), *ptrs))
+        native.check(
+            lib.gtx_index_kl(*native.ints(parts, len(keys), len(ik), iq.shape[1], keys.shape[1], iq.shape[2]), *ptrs)
+        )
         ctx.save_for_backward(diq, dw, diks.sum(0))
         return loss.sum()
 

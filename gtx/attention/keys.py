@@ -15,7 +15,9 @@ import torch
 from gtx.attention import native
 from gtx.graph.tokens import EdgeSet
 
-RANGE_SHIFT = 8  # 2^8 keys per range of the C backward: their k, v, dk and dv rows (H x 64 dims: 512 KB) stay in a core's cache
+RANGE_SHIFT = (
+    8  # 2^8 keys per range of the C backward: their k, v, dk and dv rows (H x 64 dims: 512 KB) stay in a core's cache
+)
 _CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block of query rows
 
 
@@ -42,8 +44,9 @@ class KeySelection:
         return hit.any(-1)
 
 
-def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection,
-                probs: bool = False):
+def attend_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection, probs: bool = False
+):
     """Attention of each query and head over its selected keys: (n, H, D) in and out. ``probs``: also
     the attention weights averaged over the heads, (n, K), without gradient (DSA's indexer target)."""
     out, mean_p = _KeyAttention.apply(q, k, v, sel.keys, sel.valid)
@@ -119,7 +122,9 @@ def _forward_native(q, k, v, keys, valid):
     n, (heads, count) = q.shape[0], shape[:2]
     out, lse, mean_p = q.new_empty(n, heads, v.shape[-1]), q.new_empty(n, heads), q.new_empty(n, count)
     ptrs = [native.pointer(t) for t in (*tensors, out, lse, mean_p)]
-    native.check(lib.gtx_keys_forward(*native.ints(native.parts(n), n, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:]))
+    native.check(
+        lib.gtx_keys_forward(*native.ints(native.parts(n), n, *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:])
+    )
     return out, lse, mean_p
 
 
@@ -133,8 +138,11 @@ def _backward_native(q, k, v, keys, valid, grad, out, lse):
     delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
     dqs, dk, dv = q.new_zeros(parts, *q.shape), torch.zeros_like(k), torch.zeros_like(v)
     ptrs = [native.pointer(t) for t in (*tensors, grad, lse, delta, dqs, dk, dv)]
-    native.check(lib.gtx_keys_backward(*native.ints(parts, RANGE_SHIFT, n, k.shape[0], *shape), *ptrs[:5],
-                                       *native.ints(*strides), *ptrs[5:]))
+    native.check(
+        lib.gtx_keys_backward(
+            *native.ints(parts, RANGE_SHIFT, n, k.shape[0], *shape), *ptrs[:5], *native.ints(*strides), *ptrs[5:]
+        )
+    )
     return dqs.sum(0), dk, dv
 
 

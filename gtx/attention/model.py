@@ -103,7 +103,16 @@ class Embeddings(nn.Module):
     token content faint. Copy, 1 layer, 1 head, 128 dims, 4 epochs, seed 0, valid token / greedy
     sequence accuracy: scale 11.3: 99.55% / 93.5%; 1: 99.74% / 97.5%; 4 (default): 99.89% / 98.5%."""
 
-    def __init__(self, src_vocab: Vocab, tgt_vocab: Vocab, dim: int, dropout: float, share: bool, scale: float, max_len: int = 4096):
+    def __init__(
+        self,
+        src_vocab: Vocab,
+        tgt_vocab: Vocab,
+        dim: int,
+        dropout: float,
+        share: bool,
+        scale: float,
+        max_len: int = 4096,
+    ):
         super().__init__()
         self.dim, self.scale = dim, scale
         self.tgt = nn.Embedding(len(tgt_vocab), dim)
@@ -173,7 +182,7 @@ class DecoderLayer(nn.Module):
 def _renamed_attention(state_dict, prefix, *args) -> None:
     """Checkpoints written when the attribute was ``backend`` load into ``attention``."""
     for key in [k for k in state_dict if k.startswith(f"{prefix}backend.")]:
-        state_dict[f"{prefix}attention.{key[len(prefix) + len('backend.'):]}"] = state_dict.pop(key)
+        state_dict[f"{prefix}attention.{key[len(prefix) + len('backend.') :]}"] = state_dict.pop(key)
 
 
 class GraphModel(nn.Module):

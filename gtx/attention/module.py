@@ -60,10 +60,20 @@ class Attention(torch.nn.Module):
             self.biases[key] = self._build_bias(bias, heads)
         self.trainable = self._build_trainable()  # shared by the layers of a model that never calls for_layer
         self.account = Account()  # per stage, the keys each query read (gtx.attention.budget), since ``take_reads``
-        self.stats: dict[str, list[float]] = {}  # trainable attention's losses and kept edges: name -> [sum, count], since reset
-        self.step, self.pending, self.frozen = 0, [], False  # the training step, its auxiliary losses, whether it trains them alone
-        self.flops = 0.0  # forward FLOPs of the attention itself (q.k and the weighted sum of v over the attended edges), ever
-        self.list_edges = False  # True: key selections run as edge lists through the backend (slower; what gtx.measure.probe records)
+        self.stats: dict[
+            str, list[float]
+        ] = {}  # trainable attention's losses and kept edges: name -> [sum, count], since reset
+        self.step, self.pending, self.frozen = (
+            0,
+            [],
+            False,
+        )  # the training step, its auxiliary losses, whether it trains them alone
+        self.flops = (
+            0.0  # forward FLOPs of the attention itself (q.k and the weighted sum of v over the attended edges), ever
+        )
+        self.list_edges = (
+            False  # True: key selections run as edge lists through the backend (slower; what gtx.measure.probe records)
+        )
 
     @classmethod
     def for_width(cls, backend: Backend, pattern, heads: int | None, dim: int | None) -> Attention:
@@ -76,7 +86,9 @@ class Attention(torch.nn.Module):
         if make is None:
             return None
         if not self.heads or not self.head_dim:
-            raise GtxError(f"pattern {self.pattern.spec!r} has learned parameters: it needs the model's heads and dim settings")
+            raise GtxError(
+                f"pattern {self.pattern.spec!r} has learned parameters: it needs the model's heads and dim settings"
+            )
         with plugin_code(f"pattern {self.pattern.spec!r}", "while building its trainable attention"):
             return make(self.heads, self.head_dim)
 
@@ -135,13 +147,17 @@ class Attention(torch.nn.Module):
         if key not in self.biases:  # a model built without the pattern (tests, tools): only parameter-free biases
             module = self._build_bias(bias, self.heads).to(heads.device)
             if any(True for _ in module.parameters()):
-                raise GtxError(f"bias {bias[0]!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
-                               "pattern, heads) so that they train")
+                raise GtxError(
+                    f"bias {bias[0]!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
+                    "pattern, heads) so that they train"
+                )
             self.biases[key] = module
         q_pos, k_pos = edges.positions()
         out = self.biases[key](q_pos, k_pos, edges.stage, heads)
         if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (edges.num_edges, len(heads))):
-            raise PluginError(f"bias {bias[0]!r} returned {getattr(out, 'shape', type(out).__name__)}; expected ({edges.num_edges}, {len(heads)})")
+            raise PluginError(
+                f"bias {bias[0]!r} returned {getattr(out, 'shape', type(out).__name__)}; expected ({edges.num_edges}, {len(heads)})"
+            )
         return out
 
     def forward(self, q, k, v, edges: EdgeSet, trainable=None, inputs=None):
@@ -170,7 +186,9 @@ class Attention(torch.nn.Module):
             offered = 0.0
         elif pattern.trainable is not None:
             self.heads = self.heads or q.shape[1]
-            out, keys, offered, work = self._trained(q, k, v, edges, trainable if trainable is not None else self.trainable, inputs)
+            out, keys, offered, work = self._trained(
+                q, k, v, edges, trainable if trainable is not None else self.trainable, inputs
+            )
         else:
             self.heads = self.heads or q.shape[1]
             out, keys = self._attend(q, k, v, edges, torch.arange(q.shape[1], device=q.device), None)
@@ -184,16 +202,20 @@ class Attention(torch.nn.Module):
         tokens (``Run.read``) and the edges computed (the branches' sum: the FLOPs' count)."""
         spec = edges.pattern.spec
         if module is None:
-            raise GtxError(f"pattern {spec!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
-                           "pattern, heads, head_dim) so that they train")
+            raise GtxError(
+                f"pattern {spec!r} has learned parameters: build the model's attention as gtx.attention.Attention(backend, "
+                "pattern, heads, head_dim) so that they train"
+            )
         if edges.stage not in module.stages:
             return self.backend(q, k, v, edges), edges.num_edges, 0.0, edges.num_edges
         run = Run(self, spec, inputs)
         with plugin_code(f"pattern {spec!r}", "in its trainable attention"):
             out = module(q, k, v, edges, run)
         if not isinstance(out, torch.Tensor) or out.shape[:2] != q.shape[:2]:
-            raise PluginError(f"pattern {spec!r} returned {getattr(out, 'shape', type(out).__name__)} from its trainable attention; "
-                              f"expected ({q.shape[0]}, {q.shape[1]}, Dv)")
+            raise PluginError(
+                f"pattern {spec!r} returned {getattr(out, 'shape', type(out).__name__)} from its trainable attention; "
+                f"expected ({q.shape[0]}, {q.shape[1]}, Dv)"
+            )
         out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
         if run.reads is not None:
             return out, on_active(run.reads[0], edges), on_active(run.reads[1], edges), run.edges
@@ -207,21 +229,36 @@ class Attention(torch.nn.Module):
         if edges.groups:
             n = len(edges.groups)
             if q.shape[1] % n:
-                raise GtxError(f"pattern {pattern.spec!r} splits heads into {n} groups but the model has {q.shape[1]} heads here; "
-                               f"use a multiple of {n} heads (--heads)")
+                raise GtxError(
+                    f"pattern {pattern.spec!r} splits heads into {n} groups but the model has {q.shape[1]} heads here; "
+                    f"use a multiple of {n} heads (--heads)"
+                )
             w = q.shape[1] // n
-            parts = [self._attend(q[:, i * w:(i + 1) * w], k[:, i * w:(i + 1) * w], v[:, i * w:(i + 1) * w], e, heads[i * w:(i + 1) * w], bias)
-                     for i, e in enumerate(edges.groups)]
+            parts = [
+                self._attend(
+                    q[:, i * w : (i + 1) * w],
+                    k[:, i * w : (i + 1) * w],
+                    v[:, i * w : (i + 1) * w],
+                    e,
+                    heads[i * w : (i + 1) * w],
+                    bias,
+                )
+                for i, e in enumerate(edges.groups)
+            ]
             return torch.cat([out for out, _ in parts], 1), sum(used for _, used in parts) / n
         if pattern.select is not None:
             return self._selected(q, k, v, edges, heads, bias)
-        return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
+        return self._call(
+            q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec
+        ), edges.num_edges
 
     def _call(self, q, k, v, edges, scores, spec):
         if scores is None:
             return self.backend(q, k, v, edges)
         if not getattr(self.backend, "supports_bias", False):
-            raise GtxError(f"backend {self.backend.name!r} cannot apply score biases (pattern {spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
+            raise GtxError(
+                f"backend {self.backend.name!r} cannot apply score biases (pattern {spec!r}); use --backend auto, blocksparse, dense, torch or dgl"
+            )
         return self.backend(q, k, v, edges, bias=scores)
 
     def _selected(self, q, k, v, edges, heads, bias):
@@ -230,7 +267,9 @@ class Attention(torch.nn.Module):
             chosen = pattern.select(q.detach(), k.detach(), edges)
         check_selection(pattern.spec, chosen, edges, q.shape[1])
         if chosen is None:  # this stage keeps its candidates
-            return self._call(q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec), edges.num_edges
+            return self._call(
+                q, k, v, edges, self.bias(bias, edges, heads) if bias else None, pattern.spec
+            ), edges.num_edges
         if isinstance(chosen, (KeySelection, TokenBlockSelection)) and (bias or self.list_edges):
             chosen = chosen.as_mask(edges)  # biases are applied per edge: list the kept edges
         elif isinstance(chosen, KeySelection):
@@ -239,7 +278,9 @@ class Attention(torch.nn.Module):
             return attend_token_blocks(q, k, v, edges, chosen), on_active(chosen.per_query(), edges)
         if isinstance(chosen, BlockSelection):
             if bias:
-                raise GtxError(f"pattern {pattern.spec!r} selects blocks: score biases are not supported on it; drop the bias")
+                raise GtxError(
+                    f"pattern {pattern.spec!r} selects blocks: score biases are not supported on it; drop the bias"
+                )
             return attend_blocks(q, k, v, edges, chosen), on_active(chosen.per_query(), edges)
         keep = check_keep(pattern.spec, chosen, edges, q.shape[1])
         scores = self.bias(bias, edges, heads) if bias else None
@@ -248,7 +289,11 @@ class Attention(torch.nn.Module):
             m = keep[:, h]
             sub = EdgeSet(edges.src[m], edges.dst[m], edges.n_src, edges.n_dst, edges.stage, *_lens(edges))
             sl = slice(h, h + 1)
-            outs.append(self._call(q[:, sl], k[:, sl], v[:, sl], sub, None if scores is None else scores[m][:, sl], pattern.spec))
+            outs.append(
+                self._call(
+                    q[:, sl], k[:, sl], v[:, sl], sub, None if scores is None else scores[m][:, sl], pattern.spec
+                )
+            )
         return torch.cat(outs, 1), float(keep.sum()) / q.shape[1]
 
 
@@ -281,17 +326,30 @@ def _lens(edges: EdgeSet):
 def check_keep(spec: str, keep, edges: EdgeSet, heads: int) -> torch.Tensor:
     """A selection mask must be bool (E, H) on the edges' device and leave every query that has
     candidates at least one edge in every head."""
-    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (edges.num_edges, heads) or keep.device != edges.device:
-        got = f"{keep.dtype} {tuple(keep.shape)} on {keep.device}" if isinstance(keep, torch.Tensor) else type(keep).__name__
-        raise PluginError(f"pattern {spec!r} selected {got}; expected a bool mask ({edges.num_edges}, {heads}) over its candidate edges "
-                          f"on {edges.device}")
+    if (
+        not isinstance(keep, torch.Tensor)
+        or keep.dtype != torch.bool
+        or tuple(keep.shape) != (edges.num_edges, heads)
+        or keep.device != edges.device
+    ):
+        got = (
+            f"{keep.dtype} {tuple(keep.shape)} on {keep.device}"
+            if isinstance(keep, torch.Tensor)
+            else type(keep).__name__
+        )
+        raise PluginError(
+            f"pattern {spec!r} selected {got}; expected a bool mask ({edges.num_edges}, {heads}) over its candidate edges "
+            f"on {edges.device}"
+        )
     kept = torch.zeros(edges.n_dst, heads, dtype=torch.long, device=keep.device).index_add_(0, edges.dst, keep.long())
     has = edges.in_degree() > 0
     empty = (kept[has] == 0).nonzero()
     if len(empty):
         q, h = (int(x) for x in empty[0])
-        raise PluginError(f"pattern {spec!r} left query {int(has.nonzero()[q])} without an edge in head {h} ({edges.stage}); "
-                          "a selection must keep at least one candidate per query")
+        raise PluginError(
+            f"pattern {spec!r} left query {int(has.nonzero()[q])} without an edge in head {h} ({edges.stage}); "
+            "a selection must keep at least one candidate per query"
+        )
     return keep
 
 
@@ -299,16 +357,24 @@ def check_pattern(pattern, backend: Backend, heads: int | None) -> None:
     """What a run can check before it starts: head groups divide the model's heads, and a score
     bias meets a backend that applies biases."""
     if pattern.trainable is not None and (pattern.bias is not None or pattern.heads):
-        raise GtxError(f"pattern {pattern.spec!r} brings its own trainable attention: it takes no score bias and no head groups; drop them")
+        raise GtxError(
+            f"pattern {pattern.spec!r} brings its own trainable attention: it takes no score bias and no head groups; drop them"
+        )
     if pattern.bias is not None and not getattr(backend, "supports_bias", False):
-        raise GtxError(f"backend {backend.name!r} cannot apply score biases (pattern {pattern.spec!r}); use --backend auto, blocksparse, dense, torch or dgl")
+        raise GtxError(
+            f"backend {backend.name!r} cannot apply score biases (pattern {pattern.spec!r}); use --backend auto, blocksparse, dense, torch or dgl"
+        )
     if pattern.heads:
         n = len(pattern.heads)
         if heads is not None and heads % n:
-            raise GtxError(f"pattern {pattern.spec!r} splits the heads into {n} groups but the model has {heads} heads; use a multiple of {n} (--heads)")
+            raise GtxError(
+                f"pattern {pattern.spec!r} splits the heads into {n} groups but the model has {heads} heads; use a multiple of {n} (--heads)"
+            )
         for group in pattern.heads:
             if group.trainable is not None:
-                raise GtxError(f"pattern {group.spec!r} brings its own trainable attention: it cannot be a head group of {pattern.spec!r}")
+                raise GtxError(
+                    f"pattern {group.spec!r} brings its own trainable attention: it cannot be a head group of {pattern.spec!r}"
+                )
             check_pattern(group, backend, heads // n if heads else None)
 
 
@@ -323,8 +389,10 @@ def full_budget(pattern, stages, length: int) -> str | None:
         elif p.budget:
             most = max(int(torch.bincount(p.edges(stage, length, length)[1]).max()) for stage in stages)
             if p.budget >= most:
-                return (f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
-                        f"task's {length} tokens: it would attend to every candidate")
+                return (
+                    f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
+                    f"task's {length} tokens: it would attend to every candidate"
+                )
     return None
 
 
@@ -342,21 +410,33 @@ def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: 
         return
     module = Attention.for_width(None, pattern, heads, dim).trainable
     if not set(module.stages) & set(stages):
-        raise GtxError(f"pattern {pattern.spec!r} attends in {', '.join(module.stages)} only, but model {model!r} attends in "
-                       f"{', '.join(stages)} here: use it with a model and task that have {module.stages[0]} (lm, transformer, ut)")
+        raise GtxError(
+            f"pattern {pattern.spec!r} attends in {', '.join(module.stages)} only, but model {model!r} attends in "
+            f"{', '.join(stages)} here: use it with a model and task that have {module.stages[0]} (lm, transformer, ut)"
+        )
 
 
 def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
     """A selection that does not list edges must still name only candidates: each query's keys within
     its own sample (and, for causal candidates, at or before it), block selections causal, slot 0 the
     query's own block. A keep mask is checked by ``check_keep``. One PluginError line naming the pattern."""
+
     def bad(what: str):
-        raise PluginError(f"pattern {spec!r} selected {what} ({edges.stage}); a selection must stay within its candidate edges")
+        raise PluginError(
+            f"pattern {spec!r} selected {what} ({edges.stage}); a selection must stay within its candidate edges"
+        )
 
     if isinstance(chosen, KeySelection):
         keys, valid = chosen.keys, chosen.valid
-        if keys.dtype not in (torch.long, torch.int32) or valid.dtype != torch.bool or keys.shape != valid.shape or keys.shape[:2] != (edges.n_dst, heads):
-            bad(f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) int64 or int32 / bool")
+        if (
+            keys.dtype not in (torch.long, torch.int32)
+            or valid.dtype != torch.bool
+            or keys.shape != valid.shape
+            or keys.shape[:2] != (edges.n_dst, heads)
+        ):
+            bad(
+                f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) int64 or int32 / bool"
+            )
         root = edges.root
         q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
         k_lens = torch.as_tensor(root.k_lens if root.k_lens is not None else [root.n_src], device=keys.device)
@@ -365,23 +445,43 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
         position = keys - k_start
         outside = (position < 0) | (position >= k_lens[sample])
         if root.structure == "causal":
-            outside |= position > (torch.arange(edges.n_dst, device=keys.device) - (torch.cumsum(q_lens, 0) - q_lens)[sample[:, 0, 0]])[:, None, None]
+            outside |= (
+                position
+                > (torch.arange(edges.n_dst, device=keys.device) - (torch.cumsum(q_lens, 0) - q_lens)[sample[:, 0, 0]])[
+                    :, None, None
+                ]
+            )
         if (outside & valid).any():
             q, h, j = (int(x) for x in (outside & valid).nonzero()[0])
             bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
     elif isinstance(chosen, TokenBlockSelection):
         blocks, valid = chosen.blocks, chosen.valid
-        if blocks.dtype != torch.long or valid.dtype != torch.bool or blocks.shape != valid.shape or blocks.shape[:-1] != (edges.n_dst, heads):
-            bad(f"blocks {tuple(blocks.shape)} {blocks.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool")
+        if (
+            blocks.dtype != torch.long
+            or valid.dtype != torch.bool
+            or blocks.shape != valid.shape
+            or blocks.shape[:-1] != (edges.n_dst, heads)
+        ):
+            bad(
+                f"blocks {tuple(blocks.shape)} {blocks.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool"
+            )
         if tuple(chosen.lens) != edges.sample_lens()[0]:
-            bad(f"blocks over samples of {list(chosen.lens)} tokens, but its queries come in samples of {list(edges.sample_lens()[0])}")
+            bad(
+                f"blocks over samples of {list(chosen.lens)} tokens, but its queries come in samples of {list(edges.sample_lens()[0])}"
+            )
         lens = torch.as_tensor(chosen.lens, device=blocks.device)
-        position = torch.arange(edges.n_dst, device=blocks.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        position = torch.arange(edges.n_dst, device=blocks.device) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens
+        )
         if ((blocks >= (position // chosen.block)[:, None, None]) & valid).any() or ((blocks < 0) & valid).any():
             bad("a block that is not before the query's own block")
     elif isinstance(chosen, BlockSelection):
         n = chosen.key_blocks.shape[2]
         own = chosen.key_blocks[..., 0] == torch.arange(n, device=chosen.key_blocks.device)
         earlier = chosen.key_blocks[..., 1:] < torch.arange(n, device=chosen.key_blocks.device)[:, None]
-        if not bool(own.all()) or not bool((earlier | ~chosen.valid[..., 1:]).all()) or not bool(chosen.valid[..., 0].all()):
+        if (
+            not bool(own.all())
+            or not bool((earlier | ~chosen.valid[..., 1:]).all())
+            or not bool(chosen.valid[..., 0].all())
+        ):
             bad("a block other than the query's own in slot 0, or a later block")

@@ -35,9 +35,18 @@ from gtx.files import CACHE_VARIABLE, atomic_write, cache_dir, replace_durably
 
 log = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-shared", "-fPIC"]  # associative math: dot products vectorize
-ARCH = ["-march=native"]  # this CPU's vector instructions; some compilers refuse it (clang <= 14 on AArch64, older Apple clang)
+FLAGS = [
+    "-O3",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]  # associative math: dot products vectorize
+ARCH = [
+    "-march=native"
+]  # this CPU's vector instructions; some compilers refuse it (clang <= 14 on AArch64, older Apple clang)
 OPENMP = ["-fopenmp"]  # a kernel's parts on the OpenMP team torch's threads form (the kernels' ON_PARTS)
 RETRY_AFTER = 24 * 3600  # seconds a failed build is remembered
 SLOWER = "topk and dsa run on their torch path, several times slower on the CPU"
@@ -55,9 +64,12 @@ def _say(level: int, message: str, about: str | None = None) -> None:
 
 def _variants() -> list[tuple[list[str], str]]:
     """The builds tried, best first: (flags, what the build lacks; empty for the best)."""
-    return [([*ARCH, *OPENMP], ""), (ARCH, "without OpenMP: their parts run one after another"),
-            (OPENMP, "for the baseline CPU (the compiler refused -march=native)"),
-            ([], "for the baseline CPU and without OpenMP")]
+    return [
+        ([*ARCH, *OPENMP], ""),
+        (ARCH, "without OpenMP: their parts run one after another"),
+        (OPENMP, "for the baseline CPU (the compiler refused -march=native)"),
+        ([], "for the baseline CPU and without OpenMP"),
+    ]
 
 
 @functools.cache
@@ -68,7 +80,9 @@ def _cpu_features() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         try:
-            sysctl = subprocess.run(["sysctl", "machdep.cpu", "hw.optional"], capture_output=True, text=True, timeout=30).stdout
+            sysctl = subprocess.run(
+                ["sysctl", "machdep.cpu", "hw.optional"], capture_output=True, text=True, timeout=30
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             sysctl = ""
         return "\n".join([platform.machine(), platform.processor(), sysctl])
@@ -103,7 +117,9 @@ def toolchain(cc: str | None) -> tuple[list[str], str] | str:
 def _first_error(stderr: str) -> str:
     """The line of a compiler's output that says what failed, cut to 200 characters."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    causes = [x for x in lines if "ld returned" not in x and "linker command failed" not in x]  # the linker's own line says why
+    causes = [
+        x for x in lines if "ld returned" not in x and "linker command failed" not in x
+    ]  # the linker's own line says why
     line = next((x for x in causes if "error" in x.lower() or "cannot find" in x), lines[-1] if lines else "no output")
     return line[:200]
 
@@ -128,7 +144,12 @@ def _build(argv: list[str], flags: list[str], source: Path, target: Path) -> str
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         try:
-            proc = subprocess.run([*argv, *FLAGS, *flags, str(source), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                [*argv, *FLAGS, *flags, str(source), "-o", str(built), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
         except (OSError, subprocess.SubprocessError) as e:
             return str(e)
         if proc.returncode != 0 or not built.is_file():
@@ -161,33 +182,53 @@ def library(name: str) -> Path | None:
         return None
     argv, identity = tool
     source = Path(__file__).with_name(f"{name}.c")
-    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h")))]  # what the sources include
+    texts = [
+        source.read_text(),
+        *(h.read_text() for h in sorted(source.parent.glob("*.h"))),
+    ]  # what the sources include
     folder = cache_dir() / "native"
     cc = f"CC={shlex.join(argv)}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         errors = []
         for flags, lacks in _variants():
-            key = hashlib.sha256("\0".join([*texts, *argv, identity, *FLAGS, *flags, _cpu_features()]).encode()).hexdigest()[:16]
+            key = hashlib.sha256(
+                "\0".join([*texts, *argv, identity, *FLAGS, *flags, _cpu_features()]).encode()
+            ).hexdigest()[:16]
             target, marker = folder / f"{name}-{key}.so", folder / f"{name}-{key}.failed"
             if _verified(target):
                 if lacks:
-                    _say(logging.INFO, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
+                    _say(
+                        logging.INFO,
+                        f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})",
+                        f"{lacks} {cc}",
+                    )
                 return target
             error = _failed_recently(marker)
             if error is None:
                 error = _build(argv, flags, source, target)
                 if error is None:
                     if lacks:
-                        _say(logging.WARNING, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
+                        _say(
+                            logging.WARNING,
+                            f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})",
+                            f"{lacks} {cc}",
+                        )
                     return target
                 atomic_write(marker, error)
             errors.append(error)
     except OSError as e:
-        _say(logging.WARNING, f"the C kernels' cache {folder} cannot be used ({e.strerror or e}): {SLOWER}; set {CACHE_VARIABLE} to a writable folder")
+        _say(
+            logging.WARNING,
+            f"the C kernels' cache {folder} cannot be used ({e.strerror or e}): {SLOWER}; set {CACHE_VARIABLE} to a writable folder",
+        )
         return None
-    _say(logging.WARNING, f"C kernel {name} does not build with {cc} ({_first_error(errors[0])}): {SLOWER}; "
-         f"set CC to another compiler, or remove {folder}/*.failed to retry", f"fails {cc}")
+    _say(
+        logging.WARNING,
+        f"C kernel {name} does not build with {cc} ({_first_error(errors[0])}): {SLOWER}; "
+        f"set CC to another compiler, or remove {folder}/*.failed to retry",
+        f"fails {cc}",
+    )
     return None
 
 

@@ -90,7 +90,9 @@ def block_means(x: torch.Tensor, lens: list[int], block: int) -> torch.Tensor:
     return (padded.sum(2) / count[..., None, None]).transpose(1, 2)
 
 
-def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: BlockSelection) -> torch.Tensor:
+def attend_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: BlockSelection
+) -> torch.Tensor:
     """Attention under a block selection: (N, H, D) in and out, one SDPA call for every head."""
     b, lens = sel.block, sel.lens
     n_b, slots = sel.key_blocks.shape[2], sel.key_blocks.shape[3]
@@ -110,9 +112,19 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: Edge
         return x.reshape(-1, b, x.shape[-1]).index_select(0, index).view(-1, 1, slots * b, x.shape[-1])
 
     causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
-    mask = torch.cat([causal.expand(batch, heads, n_b, b, b), sel.valid[..., 1:, None, None].expand(-1, -1, -1, -1, b, b)
-                      .transpose(3, 4).reshape(batch, heads, n_b, b, (slots - 1) * b)], -1)
-    out = F.scaled_dot_product_attention(qb.reshape(-1, 1, b, dim), gather(kb), gather(vb), attn_mask=mask.reshape(-1, 1, b, slots * b), scale=1.0)
+    mask = torch.cat(
+        [
+            causal.expand(batch, heads, n_b, b, b),
+            sel.valid[..., 1:, None, None]
+            .expand(-1, -1, -1, -1, b, b)
+            .transpose(3, 4)
+            .reshape(batch, heads, n_b, b, (slots - 1) * b),
+        ],
+        -1,
+    )
+    out = F.scaled_dot_product_attention(
+        qb.reshape(-1, 1, b, dim), gather(kb), gather(vb), attn_mask=mask.reshape(-1, 1, b, slots * b), scale=1.0
+    )
     out = out.view(batch, heads, length, v.shape[-1]).transpose(1, 2)  # (B, length, H, Dv)
     rows = unpad_samples(out, lens)
     return rows if edges.keep is None else rows * edges.keep[:, None, None].to(rows.dtype)
@@ -147,7 +159,9 @@ class TokenBlockSelection:
         return chosen | (kb[..., 0] == qb)
 
 
-def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block: int, count: int) -> TokenBlockSelection:
+def choose_token_blocks(
+    q: torch.Tensor, k: torch.Tensor, lens: list[int], block: int, count: int
+) -> TokenBlockSelection:
     """Per token and head, the ``count`` earlier blocks whose mean key scores highest with the token's
     query (MoBA's gate): scores (L, H, blocks of the sample) one sample at a time, never an n x n
     matrix. q, k (n, H, D) rows of concatenated samples of ``lens``."""
@@ -158,19 +172,20 @@ def choose_token_blocks(q: torch.Tensor, k: torch.Tensor, lens: list[int], block
     start = 0
     for i, n in enumerate(lens):  # a sample at a time: padded to the longest, recall's mixed lengths scored 3.5-9x more
         n_b = -(-n // block)
-        score = torch.einsum("lhd,hnd->lhn", q[start:start + n], means[i, :, :n_b])
+        score = torch.einsum("lhd,hnd->lhn", q[start : start + n], means[i, :, :n_b])
         own = torch.arange(n, device=q.device) // block
         later = torch.arange(n_b, device=q.device)[None, :] >= own[:, None]  # (L, n_b): the own block and after
         kept = min(slots, n_b)
         top = score.masked_fill(later[:, None, :], float("-inf")).topk(kept, dim=-1)
-        blocks[start:start + n, :, :kept] = top.indices
-        valid[start:start + n, :, :kept] = top.values > float("-inf")
+        blocks[start : start + n, :, :kept] = top.indices
+        valid[start : start + n, :, :kept] = top.values > float("-inf")
         start += n
     return TokenBlockSelection(block, list(lens), blocks, valid)
 
 
-def attend_token_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection,
-                        masses: bool = False):
+def attend_token_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection, masses: bool = False
+):
     """Attention under a token-gated block selection: (n, H, D) in and out. The own block runs as
     causal block-diagonal attention; the chosen earlier blocks as tiles of up to ``block`` queries
     that chose the same block of the same head, against that block's keys; both on SDPA's fused CPU
@@ -196,23 +211,34 @@ class _TokenBlockPlan:
         n_blocks = (lens + b - 1) // b  # per sample
         sample = torch.repeat_interleave(torch.arange(len(sel.lens), device=device), lens)
         first = (torch.cumsum(n_blocks, 0) - n_blocks) * heads  # each sample's first block row
-        start = first[:, None] + torch.arange(heads, device=device)[None, :] * n_blocks[:, None]  # (B, H): a head's first block row
+        start = (
+            first[:, None] + torch.arange(heads, device=device)[None, :] * n_blocks[:, None]
+        )  # (B, H): a head's first block row
         self.n_rows = int(n_blocks.sum()) * heads
-        position = torch.arange(len(sample), device=device) - (torch.cumsum(lens, 0) - lens)[sample]  # each token's place in its sample
-        place = (start[sample] + (position // b)[:, None]) * b + (position % b)[:, None]  # (n, H): each (token, head)'s place in the blocks
+        position = (
+            torch.arange(len(sample), device=device) - (torch.cumsum(lens, 0) - lens)[sample]
+        )  # each token's place in its sample
+        place = (start[sample] + (position // b)[:, None]) * b + (position % b)[
+            :, None
+        ]  # (n, H): each (token, head)'s place in the blocks
         self.place_of = place.flatten()  # by (token, head) row of (n * H, ...) views
         self.source = torch.full((self.n_rows * b,), len(sample) * heads, dtype=torch.long, device=device).index_copy_(
-            0, self.place_of, torch.arange(len(sample) * heads, device=device))  # each block place's (token, head) row, or one past them
+            0, self.place_of, torch.arange(len(sample) * heads, device=device)
+        )  # each block place's (token, head) row, or one past them
         self.padded = len(self.place_of) < len(self.source)
         token, head, slot = sel.valid.nonzero(as_tuple=True)
-        group = start[sample[token], head] + sel.blocks[token, head, slot]  # the (sample, head, block) row of the key blocks
+        group = (
+            start[sample[token], head] + sel.blocks[token, head, slot]
+        )  # the (sample, head, block) row of the key blocks
         order = torch.argsort(group, stable=True)
         token, head, slot, group = token[order], head[order], slot[order], group[order]
         self.slots = sel.blocks.shape[-1]
         self.pair = token * heads + head  # each pair's (token, head) row of (n * H, D) views
         self.mass_at = self.pair * (1 + self.slots) + 1 + slot  # each pair's place in (n * H, 1 + K) masses
         rank = torch.arange(len(group), device=device) - torch.searchsorted(group, group, side="left")
-        per_group = torch.zeros(self.n_rows, dtype=torch.long, device=device).index_add_(0, group, torch.ones_like(group))
+        per_group = torch.zeros(self.n_rows, dtype=torch.long, device=device).index_add_(
+            0, group, torch.ones_like(group)
+        )
         tiles = (per_group + b - 1) // b
         tile = (torch.cumsum(tiles, 0) - tiles)[group] + rank // b
         self.n_tiles = int(tiles.sum())
@@ -236,7 +262,11 @@ class _TokenBlockPlan:
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``blocks``' inverse: (rows, 1, b, ...) -> (n, H, ...), padding dropped."""
-        return x.reshape(self.n_rows * self.block, *x.shape[3:]).index_select(0, self.place_of).view(-1, self.heads, *x.shape[3:])
+        return (
+            x.reshape(self.n_rows * self.block, *x.shape[3:])
+            .index_select(0, self.place_of)
+            .view(-1, self.heads, *x.shape[3:])
+        )
 
     def chunks(self, size: int = 256):
         """(first tile, key block rows, pair slice, places within the chunk) per chunk of ``size``
@@ -275,7 +305,9 @@ def _flash(q, k, v, causal: bool):
 def _flash_backward(grad, q, k, v, out, lse, causal: bool):
     """Gradients (dq, dk, dv) of ``_flash`` given its output and log-sum-exp (which may be the merged ones)."""
     if q.device.type in _FUSED_DEVICES:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=1.0)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=1.0
+        )
     p = torch.exp(_scores(q, k, causal) - lse[..., None])
     ds = p * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
     return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ grad
@@ -304,20 +336,29 @@ class _TokenBlocks(torch.autograd.Function):
         own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
         part, part_lse = own.new_empty(len(pair), own.shape[-1]), own_lse.new_empty(len(pair))
         for rows, pairs, places in plan.chunks():
-            tile_out, tile_lse = _flash(_tiles(_take(q, pair[pairs]), places, len(rows), b), plan.blocks(k, rows), plan.blocks(v, rows), False)
+            tile_out, tile_lse = _flash(
+                _tiles(_take(q, pair[pairs]), places, len(rows), b), plan.blocks(k, rows), plan.blocks(v, rows), False
+            )
             part[pairs], part_lse[pairs] = _take(tile_out, places), tile_lse.reshape(-1).index_select(0, places)
         top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
         total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
         lse = top + torch.log(total)
         own_w, part_w = torch.exp(own_lse.reshape(-1) - lse), torch.exp(part_lse - lse[pair])
         # in place: own and part are this function's own buffers, and each is as large as the output or larger
-        out = own.view(-1, own.shape[-1]).mul_(own_w[:, None]).index_add_(0, pair, part.mul_(part_w[:, None])).view_as(own)
+        out = (
+            own.view(-1, own.shape[-1])
+            .mul_(own_w[:, None])
+            .index_add_(0, pair, part.mul_(part_w[:, None]))
+            .view_as(own)
+        )
         mass = own_w.new_zeros(*own_lse.shape, 1 + plan.slots)  # (n, H, 1 + K): each block's share of the softmax
         mass[..., 0] = own_w.view_as(own_lse)
         mass.view(-1)[plan.mass_at] = part_w
         ctx.plan = plan
         ctx.mark_non_differentiable(mass)
-        ctx.save_for_backward(q, k, v, out, own_lse, part_lse, own_w, part_w)  # k, v, not their blocks: the backward copies them again
+        ctx.save_for_backward(
+            q, k, v, out, own_lse, part_lse, own_w, part_w
+        )  # k, v, not their blocks: the backward copies them again
         return out, mass
 
     @staticmethod
@@ -328,18 +369,34 @@ class _TokenBlocks(torch.autograd.Function):
         dim, b = q.shape[-1], plan.block
         dqb, dkb, dvb = (x.new_empty(plan.n_rows, 1, b, x.shape[-1]) for x in (q, k, v))
         for r in plan.block_rows():
-            dqb[r], dkb[r], dvb[r] = _flash_backward(plan.blocks(grad, r) * plan.blocks(own_w.view(*own_lse.shape, 1), r), plan.blocks(q, r),
-                                                     plan.blocks(k, r), plan.blocks(v, r), plan.blocks(out, r),
-                                                     plan.blocks(own_lse[..., None], r)[..., 0], True)
+            dqb[r], dkb[r], dvb[r] = _flash_backward(
+                plan.blocks(grad, r) * plan.blocks(own_w.view(*own_lse.shape, 1), r),
+                plan.blocks(q, r),
+                plan.blocks(k, r),
+                plan.blocks(v, r),
+                plan.blocks(out, r),
+                plan.blocks(own_lse[..., None], r)[..., 0],
+                True,
+            )
         dq = plan.rows(dqb).reshape(-1, dim)
         for rows, pairs, places in plan.chunks():
             pair = plan.pair[pairs]
             n_tiles = len(rows)
-            lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[..., 0]  # empty places: 0, harmless where the gradient is 0
-            dqt, dkt, dvt = _flash_backward(_tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
-                                            _tiles(_take(q, pair), places, n_tiles, b), plan.blocks(k, rows), plan.blocks(v, rows),
-                                            _tiles(_take(out, pair), places, n_tiles, b), lse, False)
-            dq.index_add_(0, pair, _take(dqt, places))  # in place: a copy per chunk would move all of dq, dk, dv each time
+            lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[
+                ..., 0
+            ]  # empty places: 0, harmless where the gradient is 0
+            dqt, dkt, dvt = _flash_backward(
+                _tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
+                _tiles(_take(q, pair), places, n_tiles, b),
+                plan.blocks(k, rows),
+                plan.blocks(v, rows),
+                _tiles(_take(out, pair), places, n_tiles, b),
+                lse,
+                False,
+            )
+            dq.index_add_(
+                0, pair, _take(dqt, places)
+            )  # in place: a copy per chunk would move all of dq, dk, dv each time
             dkb.index_add_(0, rows, dkt)
             dvb.index_add_(0, rows, dvt)
         dq = dq.view_as(q)

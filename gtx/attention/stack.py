@@ -29,7 +29,9 @@ class StackConfig:
     dim_ff: int = setting(512, range="[1, inf)")
     dropout: float = setting(0.1, range="[0, 1)")
     max_len: int = setting(16384, "positions the model has: the longest sequence it reads", "[1, inf)")
-    universal: bool = field(default=False, metadata={"help": "one shared layer repeated per node with ACT halting (as ut)"})
+    universal: bool = field(
+        default=False, metadata={"help": "one shared layer repeated per node with ACT halting (as ut)"}
+    )
     max_depth: int = setting(8, "universal: most recurrent steps per node", "[1, inf)")
     threshold: float = setting(0.99, "universal: a node halts once its halting probabilities sum to this", "(0, 1]")
     act_loss_weight: float = setting(0.01, range="[0, inf)")
@@ -49,8 +51,12 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
         super().__init__(attention)
         c = self.config = config
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, share, c.embed_scale, max_len=c.max_len)
-        self.layers = nn.ModuleList(EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout) for _ in range(1 if c.universal else c.layers))
-        self.layer_attention = nn.ModuleList(layer_attention(attention) for _ in self.layers)  # each layer's own trainable attention
+        self.layers = nn.ModuleList(
+            EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout) for _ in range(1 if c.universal else c.layers)
+        )
+        self.layer_attention = nn.ModuleList(
+            layer_attention(attention) for _ in self.layers
+        )  # each layer's own trainable attention
         if c.universal:
             self.halt = Halting(c.dim)
             self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
@@ -60,20 +66,31 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
     def modifier(cls, config: StackConfig) -> str | None:
         return "act" if config.universal else None
 
-    def states(self, table: nn.Embedding, ids: torch.Tensor, pos: torch.Tensor, graph) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+    def states(
+        self, table: nn.Embedding, ids: torch.Tensor, pos: torch.Tensor, graph
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list]:
         """Final states (n, dim) of the nodes, the ponder loss (universal with ACT) and step counts."""
         edges = graph.edges[self.stage]
         if not self.config.universal:
             nodes = {self.ntype: {"x": self.embed.embed(table, ids, pos)}}
             for layer, attention in zip(self.layers, self.layer_attention):
-                update_graph(nodes, self.stage, edges, [(layer.pre, self.ntype, None)], [(layer.post, self.ntype, None)], attention)
+                update_graph(
+                    nodes,
+                    self.stage,
+                    edges,
+                    [(layer.pre, self.ntype, None)],
+                    [(layer.post, self.ntype, None)],
+                    attention,
+                )
             return self.norm(nodes[self.ntype]["x"]), None, []
         nodes = {self.ntype: self._state(table, ids, pos)}
         layer, ntype = self.layers[0], self.ntype
 
         def step(t, sel, keep, end):
             update_graph(
-                nodes, self.stage, keep(edges),
+                nodes,
+                self.stage,
+                keep(edges),
                 [(self._step_forward(t), ntype, sel), (layer.pre, ntype, sel)],
                 [(layer.post, ntype, sel), *self._halting(self.halt, ntype, sel, end)],
                 self.layer_attention[0],

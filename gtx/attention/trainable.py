@@ -68,8 +68,10 @@ def check_untrained(pattern, model_config, doing: str) -> None:
     path = getattr(model_config, "path", "")
     if getattr(pattern, "trainable", None) is None or not path or getattr(model_config, "untrained_attention", False):
         return
-    raise GtxError(f"pattern {pattern.spec!r} attends with parameters of its own that the pretrained folder {path} lacks; {doing} would "
-                   "run them as initialised: train them (--epochs 1 or more), or set untrained_attention=true to score them untrained")
+    raise GtxError(
+        f"pattern {pattern.spec!r} attends with parameters of its own that the pretrained folder {path} lacks; {doing} would "
+        "run them as initialised: train them (--epochs 1 or more), or set untrained_attention=true to score them untrained"
+    )
 
 
 class Run:
@@ -99,7 +101,9 @@ class Run:
     def loss(self, name: str, value: torch.Tensor) -> None:
         """An auxiliary loss: added to the training loss when training; its mean is recorded."""
         if value.dim() != 0 or not value.is_floating_point():
-            raise GtxError(f"pattern {self.spec!r} reported loss {name!r} as {tuple(value.shape)} {value.dtype}; expected a floating scalar")
+            raise GtxError(
+                f"pattern {self.spec!r} reported loss {name!r} as {tuple(value.shape)} {value.dtype}; expected a floating scalar"
+            )
         if self.training:
             self._owner.pending.append(value)
         self._owner.record(name, float(value.detach()), 1)
@@ -133,6 +137,8 @@ def causal_lens(spec: str, edges: EdgeSet) -> list[int]:
     lens = list(root.q_lens) if root.q_lens is not None else [root.n_dst]
     single = root.structure == "complete" and root.n_src == root.n_dst == len(lens)  # samples of one token: causal too
     if root.structure != "causal" and not single:
-        raise GtxError(f"pattern {spec!r} attends over whole causal sequences ({edges.stage}); these candidates are "
-                       f"{root.structure or 'listed edges'}: use it on a causal stage (dd) of an lm or seq2seq task")
+        raise GtxError(
+            f"pattern {spec!r} attends over whole causal sequences ({edges.stage}); these candidates are "
+            f"{root.structure or 'listed edges'}: use it on a causal stage (dd) of an lm or seq2seq task"
+        )
     return lens

@@ -63,7 +63,9 @@ def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
     backend = BACKENDS.get(name).obj
     reason = backend.available(device)
     if reason:
-        raise GtxError(f"backend {name!r} is unavailable on {device}: {reason}; choose another with --backend ({', '.join(BACKENDS.names())})")
+        raise GtxError(
+            f"backend {name!r} is unavailable on {device}: {reason}; choose another with --backend ({', '.join(BACKENDS.names())})"
+        )
     return backend
 
 

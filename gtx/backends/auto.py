@@ -42,10 +42,19 @@ from gtx.graph.tokens import EdgeSet
 # writes this device kind's constants to <cache>/costs-<cpu|cuda>.json, which then take precedence.
 COSTS = {
     "cpu": {
-        "dense": (2.31e-10, 3.2e-4), "dgl": (2.43e-9, 6.1e-4), "torch": (2.06e-8, 0.0),
-        "blocksparse:16": (3.42e-10, 0.0), "blocksparse:32": (2.34e-10, 8e-5), "blocksparse:64": (1.77e-10, 0.0),
+        "dense": (2.31e-10, 3.2e-4),
+        "dgl": (2.43e-9, 6.1e-4),
+        "torch": (2.06e-8, 0.0),
+        "blocksparse:16": (3.42e-10, 0.0),
+        "blocksparse:32": (2.34e-10, 8e-5),
+        "blocksparse:64": (1.77e-10, 0.0),
     },
-    "cuda": {"dense": (2.0e-13, 5e-5), "blocksparse": (4.0e-13, 3e-4), "flex": (1.0e-13, 2e-4), "torch": (2.0e-12, 2e-4)},
+    "cuda": {
+        "dense": (2.0e-13, 5e-5),
+        "blocksparse": (4.0e-13, 3e-4),
+        "flex": (1.0e-13, 2e-4),
+        "torch": (2.0e-12, 2e-4),
+    },
 }
 BLOCKS = (16, 32, 64)
 FLASH = "flash-"  # choice prefix: plain attention, run by gtx.backends.flash
@@ -134,7 +143,9 @@ class AutoBackend(Backend):
             self._backends[key] = usable
         return self._backends[key]
 
-    def choose(self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None, biased: bool = False) -> str:
+    def choose(
+        self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None, biased: bool = False
+    ) -> str:
         """The candidate for this edge set (or ``flash-<structure>``); ``inputs`` (q, k, v) allow
         timing close candidates; ``biased``: only candidates that add score biases."""
         structure = None if biased else flash_structure(edges)
@@ -142,8 +153,16 @@ class AutoBackend(Backend):
             return f"{FLASH}{structure}"
         # Batches of one task differ edge by edge but not in shape: decide once per shape class
         # (sizes and edges per query to within ~20%), not for every new batch.
-        shape = (edges.stage, str(device), heads, dim, round(4 * math.log2(edges.n_dst)), round(4 * math.log2(edges.n_src)),
-                 round(4 * math.log2(edges.num_edges + 1)), biased)
+        shape = (
+            edges.stage,
+            str(device),
+            heads,
+            dim,
+            round(4 * math.log2(edges.n_dst)),
+            round(4 * math.log2(edges.n_src)),
+            round(4 * math.log2(edges.num_edges + 1)),
+            biased,
+        )
         if shape not in self._by_shape:
             self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs, biased)
         return self._by_shape[shape]
@@ -163,8 +182,10 @@ class AutoBackend(Backend):
 
     def __call__(self, q, k, v, edges, bias=None):
         root, biased = edges.root, bias is not None
-        name = root.plan(("auto", q.device, q.shape[1], q.shape[2], biased),
-                         lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased))
+        name = root.plan(
+            ("auto", q.device, q.shape[1], q.shape[2], biased),
+            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased),
+        )
         self.choices[edges.stage or "?"][name] += 1
         if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
             return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
@@ -178,7 +199,9 @@ class AutoBackend(Backend):
         return out
 
 
-def time_candidates(backends: dict[str, Backend], inputs, edges: EdgeSet, biased: bool = False, rounds: int = 3) -> dict[str, float]:
+def time_candidates(
+    backends: dict[str, Backend], inputs, edges: EdgeSet, biased: bool = False, rounds: int = 3
+) -> dict[str, float]:
     """Seconds per call of each backend on copies of ``inputs`` (q, k, v), backward included when
     gradients are on: the fastest of ``rounds`` calls, taken in turns so that a slow spell of a shared
     machine hits every candidate; a first untimed call builds each backend's plan for the edges."""

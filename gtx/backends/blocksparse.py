@@ -39,7 +39,16 @@ class Layout:
     def rows(self, keep_rows: torch.Tensor) -> Layout:
         """The same plan restricted to some query blocks (for ACT: blocks holding an active query)."""
         mask = None if self.mask is None else self.mask[keep_rows]
-        return Layout(self.block, self.n_qb, self.n_kb, self.key_blocks[keep_rows], mask, self.has_edge, self.all_have_edges, self.cell)
+        return Layout(
+            self.block,
+            self.n_qb,
+            self.n_kb,
+            self.key_blocks[keep_rows],
+            mask,
+            self.has_edge,
+            self.all_have_edges,
+            self.cell,
+        )
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``mask`` as SDPA's CPU kernel takes it, (n_qb, 1, block, K*block) in the queries' dtype (the
@@ -48,14 +57,18 @@ class Layout:
         if self.mask is None:
             return None
         if dtype not in self._additive:
-            self._additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))[:, None]
+            self._additive[dtype] = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))[
+                :, None
+            ]
         return self._additive[dtype]
 
     def scores(self, bias: torch.Tensor) -> torch.Tensor:
         """(n_qb, H, block, K*block) additive mask: each edge's bias, -inf off the edges (a row
         without edges gets one 0, its output zeroed like the boolean mask's)."""
         k_width = self.key_blocks.shape[1] * self.block
-        out = torch.full((bias.shape[1], self.n_qb * self.block * k_width), float("-inf"), dtype=bias.dtype, device=bias.device)
+        out = torch.full(
+            (bias.shape[1], self.n_qb * self.block * k_width), float("-inf"), dtype=bias.dtype, device=bias.device
+        )
         out[:, self.cell] = bias.t()
         out = out.view(-1, self.n_qb, self.block, k_width).transpose(0, 1)
         empty = ~F.pad(self.has_edge, (0, self.n_qb * self.block - len(self.has_edge))).view(self.n_qb, self.block)
@@ -108,10 +121,14 @@ def gather_blocks(x: torch.Tensor, layout: Layout, part: slice = slice(None)) ->
 def _key_blocks_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
     """``gather_blocks``' backward: adds (rows, H, K*block, D) gradients of the gathered blocks of
     the query blocks in ``part`` into ``into`` (n_kb, block, H, D), at the key blocks they came from."""
-    into.index_add_(0, layout.key_blocks[part].flatten(), grad.transpose(1, 2).reshape(-1, layout.block, *into.shape[2:]))
+    into.index_add_(
+        0, layout.key_blocks[part].flatten(), grad.transpose(1, 2).reshape(-1, layout.block, *into.shape[2:])
+    )
 
 
-CHUNK_KEYS = 1 << 12  # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
+CHUNK_KEYS = (
+    1 << 12
+)  # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
 
 
 class _GatheredBlocks(torch.autograd.Function):
@@ -130,7 +147,12 @@ class _GatheredBlocks(torch.autograd.Function):
         mask = layout.additive_mask(qb.dtype)
         for part in _chunks(layout):
             out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qb[part], gather_blocks(k, layout, part), gather_blocks(v, layout, part), attn_mask=None if mask is None else mask[part], scale=1.0)
+                qb[part],
+                gather_blocks(k, layout, part),
+                gather_blocks(v, layout, part),
+                attn_mask=None if mask is None else mask[part],
+                scale=1.0,
+            )
         ctx.save_for_backward(qb, k, v, out, lse)
         ctx.layout = layout
         return out
@@ -144,8 +166,17 @@ class _GatheredBlocks(torch.autograd.Function):
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
         for part in _chunks(layout):
             dq[part], dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[part], qb[part], gather_blocks(k, layout, part), gather_blocks(v, layout, part), out[part], lse[part], 0.0, False,
-                attn_mask=None if mask is None else mask[part], scale=1.0)
+                grad[part],
+                qb[part],
+                gather_blocks(k, layout, part),
+                gather_blocks(v, layout, part),
+                out[part],
+                lse[part],
+                0.0,
+                False,
+                attn_mask=None if mask is None else mask[part],
+                scale=1.0,
+            )
             _key_blocks_grad(dkb, layout, part, dk)
             _key_blocks_grad(dvb, layout, part, dv)
         return dq, dk.flatten(0, 1)[: k.shape[0]], dv.flatten(0, 1)[: v.shape[0]], None
@@ -158,8 +189,14 @@ def _chunks(layout: Layout):
     return [slice(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, rows: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Layout,
+    rows: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros);
     ``bias`` (E, H) is added to each edge's score."""
     n_dst, heads, dim = q.shape
@@ -175,7 +212,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, ro
         if bias is not None:
             mask = layout.scores(bias.to(q.dtype))
             mask = mask if rows is None else mask.index_select(0, rows)
-        out = F.scaled_dot_product_attention(qb, gather_blocks(k, layout), gather_blocks(v, layout), attn_mask=mask, scale=1.0)
+        out = F.scaled_dot_product_attention(
+            qb, gather_blocks(k, layout), gather_blocks(v, layout), attn_mask=mask, scale=1.0
+        )
     out = out.transpose(1, 2)  # (rows, b, H, Dv)
     if rows is not None:
         full = out.new_zeros(layout.n_qb, b, heads, v.shape[-1])
@@ -202,10 +241,16 @@ class BlockSparseBackend(Backend):
         return edges.plan(("blocksparse", self.block, edges.device), lambda: plan(edges, self.block))
 
     def __call__(self, q, k, v, edges, bias=None):
-        if edges.parent is not None and bias is None:  # an ACT subset: reuse the full plan on the blocks with kept queries
+        if (
+            edges.parent is not None and bias is None
+        ):  # an ACT subset: reuse the full plan on the blocks with kept queries
             layout = self.layout(edges.parent)
             keep = edges.keep
-            rows = torch.nonzero(F.pad(keep, (0, layout.n_qb * layout.block - len(keep))).view(layout.n_qb, -1).any(1)).squeeze(1)
+            rows = torch.nonzero(
+                F.pad(keep, (0, layout.n_qb * layout.block - len(keep))).view(layout.n_qb, -1).any(1)
+            ).squeeze(1)
             out = attend(q, k, v, layout.rows(rows), rows)
             return out * keep[:, None, None].to(out.dtype)
-        return attend(q, k, v, self.layout(edges), bias=bias)  # a biased subset: its own plan, as its bias is per its edges
+        return attend(
+            q, k, v, self.layout(edges), bias=bias
+        )  # a biased subset: its own plan, as its bias is per its edges

@@ -23,7 +23,9 @@ def _mask(edges: EdgeSet) -> tuple[torch.Tensor, torch.Tensor | None]:
     return adj, (~empty)[:, None, None].to(torch.float32)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, bias: torch.Tensor | None = None) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The backend contract computed with a dense boolean mask, whatever the structure; with
     ``bias`` (E, H), a float mask holding each edge's additive score (-inf off the edges)."""
     mask, keep = edges.plan(("dense", q.device), lambda: _mask(edges))

@@ -54,7 +54,7 @@ def import_dgl():
         _install_shims()
         try:
             import dgl
-            import dgl.ops  # noqa: F401
+            import dgl.ops
             from dgl.nn.functional import edge_softmax  # noqa: F401
         except Exception as e:  # a missing package, or a build for another torch/CUDA
             _error = f"{type(e).__name__}: {e}"

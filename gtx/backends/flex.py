@@ -25,7 +25,9 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
     device = edges.device
     n_qb, n_kb = -(-edges.n_dst // block), -(-edges.n_src // block)
     pairs, _ = block_pairs(edges, block)
-    per_pair = torch.bincount(torch.searchsorted(pairs, (edges.dst // block) * n_kb + edges.src // block), minlength=len(pairs))
+    per_pair = torch.bincount(
+        torch.searchsorted(pairs, (edges.dst // block) * n_kb + edges.src // block), minlength=len(pairs)
+    )
     row, col = pairs // n_kb, pairs % n_kb
     rows_in = (torch.clamp(edges.n_dst - row * block, max=block)).to(per_pair.dtype)
     cols_in = (torch.clamp(edges.n_src - col * block, max=block)).to(per_pair.dtype)
@@ -47,7 +49,12 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
     partial_counts, partial_index = kv_blocks(~full)
     full_counts, full_index = kv_blocks(full)
     return BlockMask.from_kv_blocks(
-        partial_counts, partial_index, full_counts, full_index, BLOCK_SIZE=block, mask_mod=mask_mod,
+        partial_counts,
+        partial_index,
+        full_counts,
+        full_index,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
         seq_lengths=(edges.n_dst, edges.n_src),
     )
 
@@ -76,7 +83,7 @@ class FlexBackend(Backend):
 
     def available(self, device="cpu"):
         try:
-            import torch.nn.attention.flex_attention  # noqa: F401
+            import torch.nn.attention.flex_attention
         except ImportError:
             return "this torch has no FlexAttention (torch >= 2.5 needed)"
         if torch.device(device).type != "cuda":

@@ -99,8 +99,10 @@ def show_pattern(pattern, src_len, tgt_len, max_width):
 
     for group in p.heads or (p,):
         if chosen_stages(group):
-            click.echo(f"({group.spec}: keys chosen at run time from queries and keys in {', '.join(chosen_stages(group))}: shown are the "
-                       f"candidates; {run_time_budget(group, max(src_len, tgt_len))})")
+            click.echo(
+                f"({group.spec}: keys chosen at run time from queries and keys in {', '.join(chosen_stages(group))}: shown are the "
+                f"candidates; {run_time_budget(group, max(src_len, tgt_len))})"
+            )
     groups = p.heads or (p,)
     for i, group in enumerate(groups):
         if len(groups) > 1:
@@ -159,25 +161,79 @@ def tasks():
 @cli.command()
 @click.option("--task", default="copy", show_default=True, help="Task name (gtx tasks).")
 @click.option("--model", default="transformer", show_default=True, help="Model name (gtx models).")
-@click.option("--pattern", default="full", show_default=True, help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).")
+@click.option(
+    "--pattern",
+    default="full",
+    show_default=True,
+    help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).",
+)
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Attention backend (gtx backends).")
-@click.option("--epochs", type=click.IntRange(min=0), help=f"Training epochs; 0 scores the model untrained (a pretrained one) [default: {TrainConfig.epochs}].")
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=0),
+    help=f"Training epochs; 0 scores the model untrained (a pretrained one) [default: {TrainConfig.epochs}].",
+)
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
-@click.option("--batch-size", type=click.IntRange(min=1), help=f"Examples per batch [default: {TrainConfig.batch_size}].")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), help=f"Examples per batch [default: {TrainConfig.batch_size}]."
+)
 @click.option("--layers", type=click.IntRange(min=1), help="Model layers (model setting).")
 @click.option("--heads", type=click.IntRange(min=1), help="Attention heads (model setting).")
 @click.option("--dim", type=click.IntRange(min=1), help="Model width d_model (model setting).")
 @click.option("--dim-ff", type=click.IntRange(min=1), help="Feed-forward width (model setting).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder for the results tables.")
-@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Any model, task or training setting (repeatable).")
-@click.option("--log", "loggers", multiple=True, metavar="NAME", help="Also log to NAME (repeatable): tensorboard, or a plugin's logger.")
-@click.option("--resume", metavar="RUN", help="Continue a killed run (its id, a unique prefix or its 6-hex tail) from its last checkpoint under "
-                                            "--results; its own configuration is used.")
+@click.option(
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for the results tables.",
+)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    callback=key_value,
+    metavar="KEY=VALUE",
+    help="Any model, task or training setting (repeatable).",
+)
+@click.option(
+    "--log",
+    "loggers",
+    multiple=True,
+    metavar="NAME",
+    help="Also log to NAME (repeatable): tensorboard, or a plugin's logger.",
+)
+@click.option(
+    "--resume",
+    metavar="RUN",
+    help="Continue a killed run (its id, a unique prefix or its 6-hex tail) from its last checkpoint under "
+    "--results; its own configuration is used.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar or per-epoch lines.")
 @plugins_dir_option
-def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, heads, dim, dim_ff, seed, device, results_dir, settings, loggers, resume, quiet):
+def run(
+    task,
+    model,
+    pattern,
+    backend,
+    epochs,
+    max_steps,
+    batch_size,
+    layers,
+    heads,
+    dim,
+    dim_ff,
+    seed,
+    device,
+    results_dir,
+    settings,
+    loggers,
+    resume,
+    quiet,
+):
     """Train and evaluate one model under one pattern; append the results.
 
     Each epoch writes a checkpoint under <results>/checkpoints/<run_id>/ (last.pt, and best.pt for
@@ -190,14 +246,37 @@ def run(task, model, pattern, backend, epochs, max_steps, batch_size, layers, he
 
     if resume is not None:  # the checkpoint's configuration is the run's: an option given beside it would be ignored
         ctx = click.get_current_context()
-        given = [p.opts[0] for p in ctx.command.params if p.name not in ("resume", "results_dir", "quiet", "plugins_dir")
-                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if p.name not in ("resume", "results_dir", "quiet", "plugins_dir")
+            and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+        ]
         if given:
-            raise CliError(f"--resume {resume} continues the run with its own settings; drop {', '.join(given)}, or start a new run with them")
-    shortcuts = {"epochs": epochs, "max_steps": max_steps, "batch_size": batch_size, "layers": layers, "heads": heads, "dim": dim, "dim_ff": dim_ff}
+            raise CliError(
+                f"--resume {resume} continues the run with its own settings; drop {', '.join(given)}, or start a new run with them"
+            )
+    shortcuts = {
+        "epochs": epochs,
+        "max_steps": max_steps,
+        "batch_size": batch_size,
+        "layers": layers,
+        "heads": heads,
+        "dim": dim,
+        "dim_ff": dim_ff,
+    }
     settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
-    config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=device, seed=seed, results_dir=results_dir,
-                       settings=settings, loggers=list(loggers))
+    config = RunConfig(
+        task=task,
+        model=model,
+        pattern=pattern,
+        backend=backend,
+        device=device,
+        seed=seed,
+        results_dir=results_dir,
+        settings=settings,
+        loggers=list(loggers),
+    )
 
     def progress(description, total):
         if quiet:
@@ -228,7 +307,12 @@ def _summary(rows: pd.DataFrame, results_dir: str) -> None:
 @click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
 @click.option("--backend", help="Attention backend [default: the run's].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Folder to append to [default: the checkpoint's].")
+@click.option(
+    "--results",
+    "results_dir",
+    type=click.Path(file_okay=False),
+    help="Folder to append to [default: the checkpoint's].",
+)
 @plugins_dir_option
 def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_dir):
     """Evaluate a trained model: CHECKPOINT is a .pt file or a run under --results (its best.pt): its id,
@@ -237,27 +321,54 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
     The rows are appended as a run of their own whose eval_of column names the trained run."""
     from gtx.experiments.runner import evaluate_checkpoint
 
-    rows = evaluate_checkpoint(checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device)
+    rows = evaluate_checkpoint(
+        checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device
+    )
     setup = json.loads(rows.config.iloc[0])
     stage = f" ({setup['attention_stage']})" if setup.get("attention_stage") else ""
-    click.echo(f"run {rows.eval_of.iloc[0]} (trained with {setup['trained_pattern']}) evaluated under {rows.pattern.iloc[0]}{stage} on {split}:", err=True)
+    click.echo(
+        f"run {rows.eval_of.iloc[0]} (trained with {setup['trained_pattern']}) evaluated under {rows.pattern.iloc[0]}{stage} on {split}:",
+        err=True,
+    )
     _summary(rows, json.loads(rows.config.iloc[0])["results_dir"])
 
 
 @cli.command()
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False), help="Folder of results tables.")
-@click.option("--by", default="task,model,pattern,backend", show_default=True,
-              help="Columns to group runs by (comma-separated); a group holds one experiment: runs that differ only by seed.")
 @click.option(
-    "--metric", default=None,
-    help="The metric for the 95% interval (ci95), Welch's t-test against full (vs_full at p < 0.05) and the Pareto front against "
-         "train tokens/s: token_acc, seq_acc, test_seq_acc, loss, or a task's own such as bpc (lower is better for loss, bpc, per) "
-         "[default: each task's own: bpc for text, query_acc for recall, token_acc for copy, ...].",
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder of results tables.",
 )
-@click.option("--evals", is_flag=True, help="Compare gtx eval runs instead: each checkpoint under another pattern beside the same "
-                                            "checkpoint under its training pattern (paired t-test over the runs).")
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True,
-              help="csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.")
+@click.option(
+    "--by",
+    default="task,model,pattern,backend",
+    show_default=True,
+    help="Columns to group runs by (comma-separated); a group holds one experiment: runs that differ only by seed.",
+)
+@click.option(
+    "--metric",
+    default=None,
+    help="The metric for the 95% interval (ci95), Welch's t-test against full (vs_full at p < 0.05) and the Pareto front against "
+    "train tokens/s: token_acc, seq_acc, test_seq_acc, loss, or a task's own such as bpc (lower is better for loss, bpc, per) "
+    "[default: each task's own: bpc for text, query_acc for recall, token_acc for copy, ...].",
+)
+@click.option(
+    "--evals",
+    is_flag=True,
+    help="Compare gtx eval runs instead: each checkpoint under another pattern beside the same "
+    "checkpoint under its training pattern (paired t-test over the runs).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "markdown", "csv"]),
+    default="table",
+    show_default=True,
+    help="csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.",
+)
 @plugins_dir_option
 def compare(results_dir, by, metric, evals, fmt):
     """Compare runs over seeds: accuracy (mean ± std, 95% interval) against training speed, tested against the full pattern.
@@ -276,7 +387,10 @@ def compare(results_dir, by, metric, evals, fmt):
     click.echo(format_compare(table, fmt))
     if unfinished := table.attrs.get("unfinished"):  # said apart from the table, which stays parseable
         shown = ", ".join(unfinished[:5]) + (f" and {len(unfinished) - 5} more" if len(unfinished) > 5 else "")
-        click.echo(f"left out {len(unfinished)} unfinished run(s), without test rows yet (still training, or stopped): {shown}", err=True)
+        click.echo(
+            f"left out {len(unfinished)} unfinished run(s), without test rows yet (still training, or stopped): {shown}",
+            err=True,
+        )
 
 
 @cli.command(name="plugins")
@@ -297,7 +411,17 @@ def plugins_list(show_all):
     click.echo(json.dumps(out, indent=2))
 
 
-for command in (bench, export, frontier, generate, plot, report, runs, show, sweep):  # commands with modules of their own
+for command in (
+    bench,
+    export,
+    frontier,
+    generate,
+    plot,
+    report,
+    runs,
+    show,
+    sweep,
+):  # commands with modules of their own
     cli.add_command(command)
 
 

@@ -30,16 +30,32 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
     if load is None or load <= max(1.0, 0.75 * cores):
         return None
     threads = os.environ.get("OMP_NUM_THREADS")
-    advice = "quote only ratios measured side by side in one run" if threads == "1" else "set OMP_NUM_THREADS=1 and quote only ratios measured side by side"
+    advice = (
+        "quote only ratios measured side by side in one run"
+        if threads == "1"
+        else "set OMP_NUM_THREADS=1 and quote only ratios measured side by side"
+    )
     return f"load average {load:.1f} on {cores} cores: other processes share this machine, so these timings do not compare with a quiet run's; {advice}"
 
 
 @bench.command(name="attention")
-@click.option("--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable).")
-@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, callback=lengths_option, help="Sequence lengths, comma-separated.")
-@click.option("--backends", default="dense,dgl,blocksparse,auto", show_default=True,
-              help="Backends, comma-separated; for reference, sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask) "
-                   "and flexattention (CUDA) FlexAttention called directly with the flex backend's BlockMask.")
+@click.option(
+    "--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable)."
+)
+@click.option(
+    "--lengths",
+    default="1024,2048,4096,8192",
+    show_default=True,
+    callback=lengths_option,
+    help="Sequence lengths, comma-separated.",
+)
+@click.option(
+    "--backends",
+    default="dense,dgl,blocksparse,auto",
+    show_default=True,
+    help="Backends, comma-separated; for reference, sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask) "
+    "and flexattention (CUDA) FlexAttention called directly with the flex backend's BlockMask.",
+)
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
@@ -47,8 +63,16 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
 @click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG.")
-@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
-def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs):
+@click.option(
+    "--plugins-dir",
+    "plugins_dirs",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Plugin folders (also for the subprocesses).",
+)
+def bench_attention(
+    patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs
+):
     """Forward + backward time and peak memory per (pattern, length, backend)."""
     from gtx.experiments.runner import resolve_device
     from gtx.measure import bench as gtx_bench
@@ -60,8 +84,17 @@ def bench_attention(patterns, lengths, backends, heads, head_dim, repeats, devic
         if name not in gtx_bench.REFERENCE_CELLS:  # plain torch, for reference: not a gtx backend
             BACKENDS.get(name)
     specs = [parse_pattern(p).spec for p in patterns]
-    df = gtx_bench.bench_attention(specs, lengths, names, heads, head_dim, repeats, device=str(dev), plugins_dirs=plugins_dirs,
-                                   log=lambda s: click.echo(s, err=True))
+    df = gtx_bench.bench_attention(
+        specs,
+        lengths,
+        names,
+        heads,
+        head_dim,
+        repeats,
+        device=str(dev),
+        plugins_dirs=plugins_dirs,
+        log=lambda s: click.echo(s, err=True),
+    )
     path = gtx_bench.save(df, results_dir, "attention")
     click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)
@@ -88,42 +121,122 @@ def bench_calibrate(device, heads, head_dim):
 @bench.command(name="train")
 @click.option("--task", default="copy", show_default=True)
 @click.option("--model", default="transformer", show_default=True)
-@click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable: one table).")
+@click.option(
+    "--pattern",
+    "patterns",
+    multiple=True,
+    default=["full"],
+    show_default=True,
+    help="Pattern spec (repeatable: one table).",
+)
 @click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
-@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Model, task or training setting.")
 @click.option(
-    "--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+    "--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Model, task or training setting."
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
     help="Interleaved rounds of --steps per variant; rows report the median round.",
 )
 @click.option(
-    "--baseline/--no-baseline", default=True, show_default=True,
+    "--baseline/--no-baseline",
+    default=True,
+    show_default=True,
     help="Also time the model's plain-torch references (transformer: torch.nn.Transformer; lm: torch SDPA is_causal, and with each pattern's bool mask).",
 )
-@click.option("--bound/--no-bound", default=True, show_default=True, help="Also time the model with attention skipped: the ceiling for any backend.")
-@click.option("--memory/--no-memory", default=True, show_default=True, help="Also measure each row's peak memory, each in a fresh process.")
+@click.option(
+    "--bound/--no-bound",
+    default=True,
+    show_default=True,
+    help="Also time the model with attention skipped: the ceiling for any backend.",
+)
+@click.option(
+    "--memory/--no-memory",
+    default=True,
+    show_default=True,
+    help="Also measure each row's peak memory, each in a fresh process.",
+)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also for the subprocesses).")
-def bench_train(task, model, patterns, backends, steps, rounds, settings, baseline, bound, memory, device, fmt, results_dir, plugins_dirs):
+@click.option(
+    "--plugins-dir",
+    "plugins_dirs",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Plugin folders (also for the subprocesses).",
+)
+def bench_train(
+    task,
+    model,
+    patterns,
+    backends,
+    steps,
+    rounds,
+    settings,
+    baseline,
+    bound,
+    memory,
+    device,
+    fmt,
+    results_dir,
+    plugins_dirs,
+):
     """Training tokens/s and peak memory per (pattern, backend) on the same batches, beside plain-torch references."""
     from gtx.measure import bench as gtx_bench
 
     load_plugins(dirs=plugins_dirs)
-    df = gtx_bench.bench_train(task, model, patterns, csv_list(backends), steps, settings=settings, device=device, baseline=baseline,
-                               bound=bound, rounds=rounds, memory=memory, plugins_dirs=plugins_dirs, log=lambda s: click.echo(s, err=True))
+    df = gtx_bench.bench_train(
+        task,
+        model,
+        patterns,
+        csv_list(backends),
+        steps,
+        settings=settings,
+        device=device,
+        baseline=baseline,
+        bound=bound,
+        rounds=rounds,
+        memory=memory,
+        plugins_dirs=plugins_dirs,
+        log=lambda s: click.echo(s, err=True),
+    )
     path = gtx_bench.save(df, results_dir, "train")
     click.echo(format_table(df.drop(columns=["choice"]), fmt))
     click.echo(f"table: {path}", err=True)
 
 
 @bench.command(name="prefill")
-@click.option("--family", default="llama", show_default=True, help="The transformers family of the hf model: llama, qwen2 or gpt2.")
-@click.option("--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable).")
-@click.option("--lengths", default="4096,16384", show_default=True, callback=lengths_option, help="Sequence lengths, comma-separated.")
-@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="An hf model setting (layers, heads, kv_heads, dim, dim_ff).")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median).")
+@click.option(
+    "--family",
+    default="llama",
+    show_default=True,
+    help="The transformers family of the hf model: llama, qwen2 or gpt2.",
+)
+@click.option(
+    "--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable)."
+)
+@click.option(
+    "--lengths",
+    default="4096,16384",
+    show_default=True,
+    callback=lengths_option,
+    help="Sequence lengths, comma-separated.",
+)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    callback=key_value,
+    metavar="KEY=VALUE",
+    help="An hf model setting (layers, heads, kv_heads, dim, dim_ff).",
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median)."
+)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
 def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir):

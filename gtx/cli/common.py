@@ -72,11 +72,12 @@ def lengths_option(ctx, param, value: str) -> list[int]:
     items = csv_list(value)
     bad = next((v for v in items if not v.isdigit() or int(v) < 1), None)
     if bad is not None or not items:
-        raise CliError(f"--lengths {value}: {bad!r} is not a length; give positive integers separated by commas, e.g. 4096,16384")
+        raise CliError(
+            f"--lengths {value}: {bad!r} is not a length; give positive integers separated by commas, e.g. 4096,16384"
+        )
     if len(set(map(int, items))) < len(items):
         raise CliError(f"--lengths {value}: a length named twice; give each once")
     return [int(v) for v in items]
-
 
 
 def progress_lines(description: str, total: int, echo, every_s: float = 10.0, clock=time.monotonic):

@@ -12,18 +12,54 @@ from gtx.experiments import sweep as sw
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--family", "families", multiple=True, required=True, metavar="NAME:P=B1,B2,...",
-              help="A pattern and its budgets: the one parameter with several values (local:w=16,32,64; moba:b=16,k=2,4,8); repeatable.")
-@click.option("--lengths", required=True, metavar="L1[,L2...]", help="Sequence lengths: values of the task's seq_len or context setting.")
-@click.option("--length-key", metavar="SETTING", help="The task setting the lengths set [default: seq_len, else context].")
-@click.option("--margin", type=float, default=0.01, show_default=True,
-              help="Equivalence margin in the metric's units: a budget is equivalent to full when TOST says |difference| < margin.")
+@click.option(
+    "--family",
+    "families",
+    multiple=True,
+    required=True,
+    metavar="NAME:P=B1,B2,...",
+    help="A pattern and its budgets: the one parameter with several values (local:w=16,32,64; moba:b=16,k=2,4,8); repeatable.",
+)
+@click.option(
+    "--lengths",
+    required=True,
+    metavar="L1[,L2...]",
+    help="Sequence lengths: values of the task's seq_len or context setting.",
+)
+@click.option(
+    "--length-key", metavar="SETTING", help="The task setting the lengths set [default: seq_len, else context]."
+)
+@click.option(
+    "--margin",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Equivalence margin in the metric's units: a budget is equivalent to full when TOST says |difference| < margin.",
+)
 @click.option("--metric", help="Judge by this metric [default: each task's own, e.g. query_acc, bpc].")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--table-only", is_flag=True, help="Print the frontier of the runs already in --results; run nothing. Budgets and cells "
-                                                  "without a finished run are named, and the exit status is 1.")
+@click.option(
+    "--table-only",
+    is_flag=True,
+    help="Print the frontier of the runs already in --results; run nothing. Budgets and cells "
+    "without a finished run are named, and the exit status is 1.",
+)
 @grid_options
-def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry_run, quiet, launcher, executor_opts, nproc, **options):
+def frontier(
+    families,
+    lengths,
+    length_key,
+    margin,
+    metric,
+    fmt,
+    table_only,
+    dry_run,
+    quiet,
+    launcher,
+    executor_opts,
+    nproc,
+    **options,
+):
     """Accuracy against attention budget: every family's budgets and full, at every length, over seeds.
 
     \b
@@ -49,8 +85,22 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
         cells, points = fr.plan_study(study, results_dir)
         for note in study.notes:
             click.echo(f"note: {note}", err=True)
-        failed = 0 if table_only else run_cells(cells, sw.sweep_name(None, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"],
-                                                  launcher, executor_opts, nproc)
+        failed = (
+            0
+            if table_only
+            else run_cells(
+                cells,
+                sw.sweep_name(None, cells),
+                results_dir,
+                jobs,
+                dry_run,
+                quiet,
+                options["plugins_dirs"],
+                launcher,
+                executor_opts,
+                nproc,
+            )
+        )
         if dry_run:
             return
         from gtx.experiments.results import format_table, load
@@ -64,20 +114,29 @@ def frontier(families, lengths, length_key, margin, metric, fmt, table_only, dry
             raise GtxError(f"no runs of this frontier under {results_dir} yet; run it without --table-only")
         missing = fr.missing_cells(cells, df)
         click.echo(fr.format_frontier(table, fmt))
-        click.echo(f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
-                   "smallest such budget per family (fewest edges per query):")
+        click.echo(
+            f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
+            "smallest such budget per family (fewest edges per query):"
+        )
         click.echo(format_table(fr.equivalent_budgets(table), fmt))
-        click.echo("\ncost front: per task and length, across sizes, families and budgets, the rows no cheaper row matches or beats:")
+        click.echo(
+            "\ncost front: per task and length, across sizes, families and budgets, the rows no cheaper row matches or beats:"
+        )
         click.echo(fr.format_frontier(fr.cost_front(table), fmt))
         if missing:  # a partial table is printed as one, never saved as the study's reading
             lines = fr.describe_missing(missing, cells, points, results_dir)
-            click.echo(f"\npartial frontier: {len(missing)} of {len(cells)} cells have no finished run (still to run, failed, or running "
-                       "elsewhere); the table above leaves them out and is not saved; run this command again when they end:", err=True)
+            click.echo(
+                f"\npartial frontier: {len(missing)} of {len(cells)} cells have no finished run (still to run, failed, or running "
+                "elsewhere); the table above leaves them out and is not saved; run this command again when they end:",
+                err=True,
+            )
             for line in lines:
                 click.echo(f"  {line}", err=True)
             raise click.exceptions.Exit(1)
         name = fr.reading_name(cells, table, margin)
-        saved = fr.frontier_dir(results_dir) / f"{name}.csv"  # not with_suffix: the margin's own dot would be taken for one
+        saved = (
+            fr.frontier_dir(results_dir) / f"{name}.csv"
+        )  # not with_suffix: the margin's own dot would be taken for one
         atomic_write(saved, table.to_csv(index=False))
         figure = save(plot.frontier(table), fr.frontier_dir(results_dir) / f"{name}.png")
         if not quiet:

@@ -26,11 +26,26 @@ def plot():
 
 @plot.command(name="pattern")
 @click.argument("spec")
-@click.option("--src-len", type=click.IntRange(min=1), default=64, show_default=True, help="Source (encoder) length: ee, and the keys of ed.")
-@click.option("--tgt-len", type=click.IntRange(min=1), help="Target (decoder) length: dd, and the queries of ed [default: --src-len].")
+@click.option(
+    "--src-len",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Source (encoder) length: ee, and the keys of ed.",
+)
+@click.option(
+    "--tgt-len",
+    type=click.IntRange(min=1),
+    help="Target (decoder) length: dd, and the queries of ed [default: --src-len].",
+)
 @click.option("--stages", default="ee,dd,ed", show_default=True, help="Stages to draw, comma-separated.")
-@click.option("--max-cells", type=click.IntRange(min=1), default=gtx_plot.MAX_CELLS, show_default=True,
-              help="Cells per side; longer sequences are binned into blocks shaded by their fraction of edges.")
+@click.option(
+    "--max-cells",
+    type=click.IntRange(min=1),
+    default=gtx_plot.MAX_CELLS,
+    show_default=True,
+    help="Cells per side; longer sequences are binned into blocks shaded by their fraction of edges.",
+)
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./pattern-<spec>.png].")
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
@@ -49,11 +64,20 @@ def plot_pattern(spec, src_len, tgt_len, stages, max_cells, output, fmt):
 
 
 @plot.command(name="results")
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP)
-@click.option("--by", default="task,model", show_default=True, help="Columns that split the runs into panels (comma-separated).")
-@click.option("--metric", help="best_valid_X (best over valid epochs) or test_X; X: token_acc, seq_acc, loss, or a task metric such as bpc "
-                              "[default: each task's own, as gtx compare picks it: bpc for text, query_acc for recall, token_acc for copy].")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/results.png].")
+@click.option(
+    "--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP
+)
+@click.option(
+    "--by", default="task,model", show_default=True, help="Columns that split the runs into panels (comma-separated)."
+)
+@click.option(
+    "--metric",
+    help="best_valid_X (best over valid epochs) or test_X; X: token_acc, seq_acc, loss, or a task metric such as bpc "
+    "[default: each task's own, as gtx compare picks it: bpc for text, query_acc for recall, token_acc for copy].",
+)
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/results.png]."
+)
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
 def plot_results(results_dir, by, metric, output, fmt):
@@ -70,10 +94,26 @@ CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/
 @click.argument("checkpoint")
 @click.option("--example", type=int, default=0, show_default=True, help="Index of the example in --split.")
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
-@click.option("--layer", type=int, help="Layer to draw, 0-based (ACT models: step) [default: the last; ACT: the step with the most queries active].")
+@click.option(
+    "--layer",
+    type=int,
+    help="Layer to draw, 0-based (ACT models: step) [default: the last; ACT: the step with the most queries active].",
+)
 @click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/attention-<run_id>-<split>-<example>.png].")
+@click.option(
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help=CHECKPOINT_HELP,
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="File to write [default: <results>/plots/attention-<run_id>-<split>-<example>.png].",
+)
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
 def plot_attention(checkpoint, example, split, layer, head, results_dir, output, fmt):
@@ -87,15 +127,44 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     Example:
       gtx plot attention results/checkpoints/<run_id>/best.pt --example 3 --head 0"""
     fig = gtx_plot.attention(checkpoint, example, split, layer, head, results_dir=str(results_dir))
-    click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}", fmt))
+    click.echo(
+        gtx_plot.save(
+            fig,
+            output
+            or results_dir
+            / "plots"
+            / f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}",
+            fmt,
+        )
+    )
 
 
 @plot.command(name="act")
 @click.argument("checkpoint")
-@click.option("--example", "examples", type=int, multiple=True, default=[0], show_default=True, help="Example index in --split (repeatable).")
+@click.option(
+    "--example",
+    "examples",
+    type=int,
+    multiple=True,
+    default=[0],
+    show_default=True,
+    help="Example index in --split (repeatable).",
+)
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=CHECKPOINT_HELP)
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/act-<run_id>-<split>.png].")
+@click.option(
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help=CHECKPOINT_HELP,
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="File to write [default: <results>/plots/act-<run_id>-<split>.png].",
+)
 @click.option("--format", "fmt", help=FORMAT_HELP)
 @plugins_dir_option
 def plot_act(checkpoint, examples, split, results_dir, output, fmt):
@@ -106,7 +175,13 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
     Example:
       gtx plot act <run_id> --example 0 --example 1"""
     fig = gtx_plot.act(checkpoint, examples, split, results_dir=str(results_dir))
-    click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}", fmt))
+    click.echo(
+        gtx_plot.save(
+            fig,
+            output or results_dir / "plots" / f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}",
+            fmt,
+        )
+    )
 
 
 def _run_name(ref: str, results_dir: Path) -> str:
@@ -118,7 +193,9 @@ def _run_name(ref: str, results_dir: Path) -> str:
 
 
 @click.command()
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP)
+@click.option(
+    "--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP
+)
 @click.option("--by", default="task,model", show_default=True, help="Panels of the results plot (comma-separated).")
 @click.option("--metric", help="Metric of the results plot (as in gtx plot results) [default: each task's own].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/report.html].")

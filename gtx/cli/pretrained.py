@@ -27,15 +27,31 @@ def hf_entry():
 
 @click.command()
 @click.argument("run", required=False)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False),
-              help="Where RUN is looked up.")
+@click.option(
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where RUN is looked up.",
+)
 @click.option("--prompt", required=True, help="The text to continue.")
-@click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE",
-              help="An hf model setting: path=DIR (a save_pretrained folder) is needed without RUN.")
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    callback=key_value,
+    metavar="KEY=VALUE",
+    help="An hf model setting: path=DIR (a save_pretrained folder) is needed without RUN.",
+)
 @click.option("--pattern", help="The pattern every query reads its keys by [default: RUN's own, else full].")
 @click.option("--new", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens to generate.")
-@click.option("--cache/--no-cache", default=True, show_default=True,
-              help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.")
+@click.option(
+    "--cache/--no-cache",
+    default=True,
+    show_default=True,
+    help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.",
+)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
     """Continue a text greedily with a transformers model (--model hf) under a pattern: a
@@ -49,8 +65,10 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # bytes the shell passed that are no UTF-8: click keeps them as surrogates
-        raise GtxError(f"--prompt is not UTF-8 text (byte {e.object[e.start].encode('utf-8', 'surrogateescape')!r} at position {e.start}); "
-                       "give the prompt in UTF-8") from None
+        raise GtxError(
+            f"--prompt is not UTF-8 text (byte {e.object[e.start].encode('utf-8', 'surrogateescape')!r} at position {e.start}); "
+            "give the prompt in UTF-8"
+        ) from None
     entry = hf_entry()
     if run is not None:
         if settings:
@@ -58,14 +76,18 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
         model, r = trained_run(run, results_dir, pattern, device)
         config, p, tokenizer = r.model_config, r.pattern, r.task.tokenizer
         if tokenizer is None:
-            raise GtxError(f"run {run} read task {r.config.task}'s own symbols, not text with a tokenizer: gtx generate continues "
-                           "text; fine-tune a save_pretrained folder (--set path=DIR) to generate from it")
+            raise GtxError(
+                f"run {run} read task {r.config.task}'s own symbols, not text with a tokenizer: gtx generate continues "
+                "text; fine-tune a save_pretrained folder (--set path=DIR) to generate from it"
+            )
         entry.obj.check_cacheable(p, cache)
     else:
         config = build_configs(settings, {"model": ("hf", entry.config)})["model"]
         if not config.path:
-            raise GtxError("gtx generate reads text with the model's own tokenizer: give RUN (a fine-tuned hf run) or --set path=DIR "
-                           "(a save_pretrained folder)")
+            raise GtxError(
+                "gtx generate reads text with the model's own tokenizer: give RUN (a fine-tuned hf run) or --set path=DIR "
+                "(a save_pretrained folder)"
+            )
         p, where = parse_pattern(pattern or "full"), resolve_device(device)
         backend = get_backend("auto", where)
         check_pattern(p, backend, config.heads)
@@ -74,25 +96,42 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
         tokenizer = entry.obj.tokenizer(config)
     ids = tokenizer.vocab.encode(tokenizer.tokenize(prompt))
     if not ids or len(ids) + new > config.max_len:
-        raise GtxError(f"--prompt of {len(ids)} tokens and --new {new}: the model has {config.max_len} positions; "
-                       "give a non-empty prompt and at most that many tokens in all")
+        raise GtxError(
+            f"--prompt of {len(ids)} tokens and --new {new}: the model has {config.max_len} positions; "
+            "give a non-empty prompt and at most that many tokens in all"
+        )
     if run is None:
-        model = entry.obj(config, tokenizer.vocab, tokenizer.vocab, Attention.for_width(backend, p, config.heads, config.dim)).to(where)
+        model = entry.obj(
+            config, tokenizer.vocab, tokenizer.vocab, Attention.for_width(backend, p, config.heads, config.dim)
+        ).to(where)
     out = model.generate(ids, new, p, cache)
     click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))
-    held = f"the cache held at most {out.cached} keys per layer" if cache else "no cache: every query read the whole sequence"
+    held = (
+        f"the cache held at most {out.cached} keys per layer"
+        if cache
+        else "no cache: every query read the whole sequence"
+    )
     stage = stages_of(model)
     source = f" (run {run}'s fine-tuned weights)" if run is not None else ""
     untrained = " (its own parameters untrained)" if run is None and p.trainable is not None else ""
-    click.echo(f"{len(out.tokens)} tokens under {p.spec}{source}{untrained}{f' ({stage})' if stage else ''}; {held} "
-               f"(of {out.positions} positions)", err=True)
+    click.echo(
+        f"{len(out.tokens)} tokens under {p.spec}{source}{untrained}{f' ({stage})' if stage else ''}; {held} "
+        f"(of {out.positions} positions)",
+        err=True,
+    )
 
 
 @click.command()
 @click.argument("run")
 @click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False),
-              help="Where RUN is looked up.")
+@click.option(
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where RUN is looked up.",
+)
 def export(run, folder, results_dir):
     """Write a fine-tuned `gtx run --model hf` as a save_pretrained FOLDER that transformers loads.
 
@@ -108,9 +147,13 @@ def export(run, folder, results_dir):
     check_writable(folder, "export folder")
     model, r = trained_run(run, results_dir, None, "cpu")
     written = export_folder(model, r, folder)
-    click.echo(f"run {run} ({r.config.task}, {r.chosen.spec}): {', '.join(written)} in {folder}; "
-               f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it", err=True)
+    click.echo(
+        f"run {run} ({r.config.task}, {r.chosen.spec}): {', '.join(written)} in {folder}; "
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it",
+        err=True,
+    )
     click.echo(folder)
+
 
 def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
     """(model, r): the fine-tuned model of an hf run under ``results_dir`` (``gtx.measure.probe.load_model``,
@@ -122,7 +165,9 @@ def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
     path = find_checkpoint(ref, results_dir)
     trained = checkpoint.load(path, mmap=True)["run_config"]
     if trained["model"] != "hf":
-        raise GtxError(f"run {ref} trained model {trained['model']!r}; gtx generate and gtx export take runs of --model hf")
+        raise GtxError(
+            f"run {ref} trained model {trained['model']!r}; gtx generate and gtx export take runs of --model hf"
+        )
     model, r, _ = load_model(str(path), results_dir, device, pattern=pattern)
     return model, r
 
@@ -140,7 +185,9 @@ def export_folder(model, r, folder: Path) -> list[str]:
     work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         implementation = model.hf.config._attn_implementation
-        model.hf.config._attn_implementation = "sdpa"  # "gtx" is registered by gtx alone: the folder loads with transformers' own
+        model.hf.config._attn_implementation = (
+            "sdpa"  # "gtx" is registered by gtx alone: the folder loads with transformers' own
+        )
         try:
             model.hf.save_pretrained(work)
         finally:
@@ -151,7 +198,9 @@ def export_folder(model, r, folder: Path) -> list[str]:
             (work / "gtx_vocab.json").write_text(json.dumps(list(r.task.tgt_vocab.itos)))
         own = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith("hf.")}
         if own:
-            save_file(own, work / "gtx_pattern.safetensors", metadata={"pattern": r.chosen.spec, "format": "gtx-pattern/1"})
+            save_file(
+                own, work / "gtx_pattern.safetensors", metadata={"pattern": r.chosen.spec, "format": "gtx-pattern/1"}
+            )
         if folder.exists():
             folder.rmdir()  # empty: checked by the caller
         work.rename(folder)

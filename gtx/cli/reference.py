@@ -1,7 +1,7 @@
 """References generated from the code, which tests/test_docs.py checks are current:
 
-    python -m gtx.cli.reference cli > docs/cli.md           # every command's --help, at 100 columns
-    python -m gtx.cli.reference methods > docs/methods.md   # every pattern and score bias (gtx patterns NAME)
+python -m gtx.cli.reference cli > docs/cli.md           # every command's --help, at 100 columns
+python -m gtx.cli.reference methods > docs/methods.md   # every pattern and score bias (gtx patterns NAME)
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ a test fails when this file is stale). The README shows the commands in use.
 def _sections(command: click.Command, name: str, parent: click.Context | None):
     """(path, help) of ``command`` and every command below it, each in a context chain (so that usage
     lines read "gtx bench train ...") of the width the reference is written at."""
-    ctx = click.Context(command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH, **command.context_settings)
+    ctx = click.Context(
+        command,
+        info_name=name,
+        parent=parent,
+        terminal_width=WIDTH,
+        max_content_width=WIDTH,
+        **command.context_settings,
+    )
     yield ctx.command_path, command.get_help(ctx)
     if isinstance(command, click.Group):
         for sub in sorted(command.list_commands(ctx)):
@@ -36,7 +43,9 @@ def markdown() -> str:
 
     load_plugins()  # with the commands plugins add (hf's generate and export), as ``gtx.cli.main`` does
     call_each("register_commands", cli=cli)
-    return "\n".join([HEADER, *(f"## {path}\n\n```\n{text.rstrip()}\n```\n" for path, text in _sections(cli, "gtx", None))])
+    return "\n".join(
+        [HEADER, *(f"## {path}\n\n```\n{text.rstrip()}\n```\n" for path, text in _sections(cli, "gtx", None))]
+    )
 
 
 METHODS_HEADER = """# Methods: the pattern library and score biases
@@ -85,7 +94,9 @@ def methods() -> str:
     from gtx.plugins.registry import BIASES, PATTERNS, load_plugins
 
     load_plugins()
-    entries = [method_entry(n) for n in sorted(PATTERNS.names())] + [method_entry(n, bias=True) for n in sorted(BIASES.names())]
+    entries = [method_entry(n) for n in sorted(PATTERNS.names())] + [
+        method_entry(n, bias=True) for n in sorted(BIASES.names())
+    ]
     return "\n".join([METHODS_HEADER, *entries])
 
 

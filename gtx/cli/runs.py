@@ -12,8 +12,14 @@ from gtx.experiments import results
 from gtx.experiments import runs as runlist
 from gtx.plugins.registry import task_metrics
 
-results_option = click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False),
-                              help="Folder of results tables.")
+results_option = click.option(
+    "--results",
+    "results_dir",
+    default="results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder of results tables.",
+)
 
 
 def _load(results_dir: str):
@@ -45,15 +51,23 @@ def runs(results_dir, task, model, pattern, fmt):
             df = df[df[column] == value]
     if df.empty:
         asked = " ".join(f"--{k} {v}" for k, v in chosen.items() if v is not None)
-        raise CliError(f"no runs match {asked} under {Path(results_dir) / 'runs'}; `gtx runs` without filters lists them all")
+        raise CliError(
+            f"no runs match {asked} under {Path(results_dir) / 'runs'}; `gtx runs` without filters lists them all"
+        )
     click.echo(results.format_table(runlist.summary(df, results_dir, task_metrics()), fmt))
 
 
 @click.command()
 @click.argument("run")
 @results_option
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="json: the run's resolved configuration only, for scripts.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: the run's resolved configuration only, for scripts.",
+)
 @plugins_dir_option
 def show(run, results_dir, fmt):
     """Describe one run: RUN is its id or a unique prefix or suffix of it (the trailing 6 hex digits).

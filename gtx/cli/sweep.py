@@ -22,7 +22,9 @@ def _settings(ctx, param, values) -> dict[str, list[str]]:
     for item in values:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            raise click.BadParameter(f"{item!r}: write key=value or key=v1,v2, e.g. --set dim=32,64", ctx=ctx, param=param)
+            raise click.BadParameter(
+                f"{item!r}: write key=value or key=v1,v2, e.g. --set dim=32,64", ctx=ctx, param=param
+            )
         if not value.strip():
             raise click.BadParameter(f"{item!r}: no values after '='", ctx=ctx, param=param)
         try:
@@ -34,7 +36,9 @@ def _settings(ctx, param, values) -> dict[str, list[str]]:
 
 def _shortcut_options(f):
     for name in reversed(SHORTCUTS):
-        f = click.option(f"--{name.replace('_', '-')}", name, metavar="N[,N...]", help=f"Shortcut for --set {name}=...")(f)
+        f = click.option(
+            f"--{name.replace('_', '-')}", name, metavar="N[,N...]", help=f"Shortcut for --set {name}=..."
+        )(f)
     return f
 
 
@@ -44,22 +48,69 @@ def grid_options(f):
         click.option("--task", metavar="A[,B...]", help="Tasks, comma-separated [default: copy]."),
         click.option("--model", metavar="A[,B...]", help="Models, comma-separated [default: transformer]."),
         click.option("--backend", metavar="A[,B...]", help="Attention backends, comma-separated [default: auto]."),
-        click.option("--seeds", "--seed", "seeds", metavar="SEEDS", help="Seeds: a range 0-4 (inclusive), a list 0,2,5, or both 0-2,7 [default: 0]."),
+        click.option(
+            "--seeds",
+            "--seed",
+            "seeds",
+            metavar="SEEDS",
+            help="Seeds: a range 0-4 (inclusive), a list 0,2,5, or both 0-2,7 [default: 0].",
+        ),
         _shortcut_options,
-        click.option("--set", "settings", multiple=True, callback=_settings, metavar="KEY=V1[,V2...]",
-                     help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable)."),
-        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto]."),
-        click.option("--results", "results_dir", type=click.Path(file_okay=False), help="Results folder shared by the runs [default: results]."),
-        click.option("-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1]."),
-        click.option("--dry-run", is_flag=True, help="Print a `gtx run` command per cell still to run (for any scheduler); run nothing."),
-        click.option("--launcher", type=click.Choice(["local", "submitit"]), default="local", show_default=True,
-                     help="local: -j processes here; submitit: one job per cell through submitit (Slurm, or cluster=local), resumed when requeued."),
-        click.option("--executor-opt", "executor_opts", multiple=True, metavar="KEY=VALUE",
-                     help="A submitit executor option (cluster=slurm|local, timeout_min=60, slurm_partition=dev, ...); repeatable."),
-        click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Processes per cell: above 1, each cell is one data-parallel run under torchrun (rank 0 writes)."),
+        click.option(
+            "--set",
+            "settings",
+            multiple=True,
+            callback=_settings,
+            metavar="KEY=V1[,V2...]",
+            help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable).",
+        ),
+        click.option(
+            "--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto]."
+        ),
+        click.option(
+            "--results",
+            "results_dir",
+            type=click.Path(file_okay=False),
+            help="Results folder shared by the runs [default: results].",
+        ),
+        click.option(
+            "-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1]."
+        ),
+        click.option(
+            "--dry-run",
+            is_flag=True,
+            help="Print a `gtx run` command per cell still to run (for any scheduler); run nothing.",
+        ),
+        click.option(
+            "--launcher",
+            type=click.Choice(["local", "submitit"]),
+            default="local",
+            show_default=True,
+            help="local: -j processes here; submitit: one job per cell through submitit (Slurm, or cluster=local), resumed when requeued.",
+        ),
+        click.option(
+            "--executor-opt",
+            "executor_opts",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="A submitit executor option (cluster=slurm|local, timeout_min=60, slurm_partition=dev, ...); repeatable.",
+        ),
+        click.option(
+            "--nproc-per-node",
+            "nproc",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Processes per cell: above 1, each cell is one data-parallel run under torchrun (rank 0 writes).",
+        ),
         click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print."),
-        click.option("--plugins-dir", "plugins_dirs", multiple=True, type=click.Path(file_okay=False), help="Plugin folders (also passed to every run)."),
+        click.option(
+            "--plugins-dir",
+            "plugins_dirs",
+            multiple=True,
+            type=click.Path(file_okay=False),
+            help="Plugin folders (also passed to every run).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -68,8 +119,13 @@ def grid_options(f):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("grid_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--pattern", "patterns", multiple=True, metavar="SPEC",
-              help="One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].")
+@click.option(
+    "--pattern",
+    "patterns",
+    multiple=True,
+    metavar="SPEC",
+    help="One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].",
+)
 @grid_options
 def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, **options):
     """Run the cross product of the given lists, one `gtx run` per cell; resumable.
@@ -88,13 +144,26 @@ def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, *
     try:
         grid, results_dir, jobs = read_grid(grid_file, patterns, **options)
         cells = sw.plan(grid, results_dir)
-        if run_cells(cells, sw.sweep_name(grid_file, cells), results_dir, jobs, dry_run, quiet, options["plugins_dirs"], launcher, executor_opts, nproc):
+        if run_cells(
+            cells,
+            sw.sweep_name(grid_file, cells),
+            results_dir,
+            jobs,
+            dry_run,
+            quiet,
+            options["plugins_dirs"],
+            launcher,
+            executor_opts,
+            nproc,
+        ):
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
         raise CliError(str(e)) from None
 
 
-def read_grid(grid_file, patterns, task, model, backend, seeds, settings, device, results_dir, jobs, plugins_dirs, **shortcuts):
+def read_grid(
+    grid_file, patterns, task, model, backend, seeds, settings, device, results_dir, jobs, plugins_dirs, **shortcuts
+):
     """The grid of the options (over the grid file's keys), its results folder and jobs; loads the plugins."""
     from gtx.plugins.registry import PATTERNS, load_plugins
 
@@ -108,12 +177,24 @@ def read_grid(grid_file, patterns, task, model, backend, seeds, settings, device
     lists = {k: sw.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
     given["settings"] = {**given.get("settings", {}), **lists, **settings}
     file_results, file_jobs = given.pop("results", None), given.pop("jobs", None)
-    grid = sw.make_grid(**{**given, **({"seeds": seeds} if seeds is not None else {}), **({"device": device} if device else {})})
+    grid = sw.make_grid(
+        **{**given, **({"seeds": seeds} if seeds is not None else {}), **({"device": device} if device else {})}
+    )
     return grid, results_dir or file_results or "results", jobs or file_jobs or 1
 
 
-def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: bool, quiet: bool, plugins_dirs,
-              launcher: str = "local", executor_opts: tuple[str, ...] = (), nproc: int = 1) -> int:
+def run_cells(
+    cells: list[sw.Cell],
+    name: str,
+    results_dir,
+    jobs: int,
+    dry_run: bool,
+    quiet: bool,
+    plugins_dirs,
+    launcher: str = "local",
+    executor_opts: tuple[str, ...] = (),
+    nproc: int = 1,
+) -> int:
     """Run (or with ``dry_run`` print) the cells not yet complete, with a progress line; the number that failed.
     ``launcher`` ``submitit``: one job per cell (``gtx.experiments.cluster``), ``executor_opts`` its options."""
     if executor_opts and launcher != "submitit":
@@ -121,13 +202,19 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
     counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
     rekeyed = sum(c.rekeyed for c in cells)
     if rekeyed and not quiet:
-        click.echo(f"sweep {name}: {rekeyed} of the complete cells are runs written before results schema 4, matched by keys recomputed "
-                   "from their stored settings (schema 3's keys could mix tasks)", err=True)
+        click.echo(
+            f"sweep {name}: {rekeyed} of the complete cells are runs written before results schema 4, matched by keys recomputed "
+            "from their stored settings (schema 3's keys could mix tasks)",
+            err=True,
+        )
     if dry_run:
         for line in sw.dry_run_lines(cells, results_dir, plugins_dirs, nproc):
             click.echo(line)
         if not quiet:
-            click.echo(f"sweep {name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run", err=True)
+            click.echo(
+                f"sweep {name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run",
+                err=True,
+            )
         return 0
 
     tty = sys.stderr.isatty()
@@ -144,24 +231,37 @@ def run_cells(cells: list[sw.Cell], name: str, results_dir, jobs: int, dry_run: 
             click.echo(c.line(), err=True)
 
     def on_failure(f: sw.Failure) -> None:
-        click.echo(f"{clear}cell {f.cell.index} ({f.cell.label}) failed with exit status "
-                   f"{f.returncode}: {f.message}; log: {f.log}", err=True)
+        click.echo(
+            f"{clear}cell {f.cell.index} ({f.cell.label}) failed with exit status "
+            f"{f.returncode}: {f.message}; log: {f.log}",
+            err=True,
+        )
 
     started = time.monotonic()
     if launcher == "submitit":
         from gtx.experiments import cluster
 
         log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "submitit", "submitit folder")
-        executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))  # refused options: before any job
+        executor = cluster.make_executor(
+            log_dir, cluster.executor_options(executor_opts)
+        )  # refused options: before any job
         on_change(counts)
-        failures = cluster.submit(cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc)
+        failures = cluster.submit(
+            cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc
+        )
     else:
-        log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")  # checked before any cell starts
+        log_dir = writable_dir(
+            writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder"
+        )  # checked before any cell starts
         on_change(counts)
-        failures = sw.execute(cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc)
+        failures = sw.execute(
+            cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc
+        )
     if clear:
         click.echo(err=True)
     other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""
-    click.echo(f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
-               f"in {time.monotonic() - started:.1f} s; logs in {log_dir}")
+    click.echo(
+        f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
+        f"in {time.monotonic() - started:.1f} s; logs in {log_dir}"
+    )
     return len(failures)

@@ -69,13 +69,17 @@ def make_batch(task: Task, split: str, index: list[int], pattern: Pattern) -> Ba
             group_ids[group_ids == -2] = -1
         graph = build_graph(pattern, None, lens)
         return Batch(None, None, tgt_in, tgt_pos, targets, graph, split, index, group_ids, names)
-    src, src_pos, src_lens = _flat([task.src_vocab.encode(s) + ([] if task.form == "classify" else [Vocab.eos]) for s, _ in examples])
+    src, src_pos, src_lens = _flat(
+        [task.src_vocab.encode(s) + ([] if task.form == "classify" else [Vocab.eos]) for s, _ in examples]
+    )
     if task.form == "classify":
         targets = torch.tensor([task.tgt_vocab.encode(y)[0] for _, y in examples], dtype=torch.long)
         return Batch(src, src_pos, None, None, targets, build_graph(pattern, src_lens), split, index)
     eos = [Vocab.eos] if task.eos else []
     tgt_out = [task.tgt_vocab.encode(t) + eos for _, t in examples]
-    tgt_in, tgt_pos, tgt_lens = _flat([([Vocab.sos] + t)[:-1] for t in tgt_out])  # teacher forcing: the output shifted right
+    tgt_in, tgt_pos, tgt_lens = _flat(
+        [([Vocab.sos] + t)[:-1] for t in tgt_out]
+    )  # teacher forcing: the output shifted right
     targets = torch.tensor([i for t in tgt_out for i in t], dtype=torch.long)
     return Batch(src, src_pos, tgt_in, tgt_pos, targets, build_graph(pattern, src_lens, tgt_lens), split, index)
 
@@ -94,8 +98,14 @@ def _groups(groups: list[Sequence[str]], lens: list[int]) -> tuple[torch.Tensor 
     return torch.tensor(ids, dtype=torch.long), names
 
 
-def batches(task: Task, split: str, pattern: Pattern, batch_size: int, shuffle_seed: int | None = None,
-            part: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
+def batches(
+    task: Task,
+    split: str,
+    pattern: Pattern,
+    batch_size: int,
+    shuffle_seed: int | None = None,
+    part: tuple[int, int] = (0, 1),
+) -> Iterator[Batch]:
     """Batches of ``batch_size`` examples; shuffled by ``shuffle_seed`` (None keeps the order).
     ``part=(r, n)``: examples r, r + n, ... of each batch (data-parallel rank r of n); a last batch
     with fewer than n examples is left out then, since every rank must take a step."""

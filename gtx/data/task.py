@@ -28,7 +28,16 @@ from gtx.files import atomic_write, cache_dir
 from gtx.plugins import checks
 
 # Vocab: task plugins import it here
-__all__ = ["SPLITS", "Example", "Task", "Vocab", "disjoint_splits", "edit_distance", "grouped_accuracy", "stable_fraction"]
+__all__ = [
+    "SPLITS",
+    "Example",
+    "Task",
+    "Vocab",
+    "disjoint_splits",
+    "edit_distance",
+    "grouped_accuracy",
+    "stable_fraction",
+]
 
 SPLITS = ("train", "valid", "test")
 Example = tuple[Sequence[str], Sequence[str]]  # per form: (source, target), (tokens, groups) or (tokens, [label])
@@ -73,16 +82,19 @@ class Task:
     def splits(self) -> dict[str, list[Example]]:
         if self._splits is None:
             if self.tokenizer is not None and not self.text:
-                raise GtxError(f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
-                               "give it a task written in text (gtx tasks lists them: text, needle)")
+                raise GtxError(
+                    f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
+                    "give it a task written in text (gtx tasks lists them: text, needle)"
+                )
             with plugin_code(f"task {self.name!r}", "while making its data", settings=f"task {self.name!r}"):
                 self._splits = self._load_or_generate()
             checks.examples(f"task {self.name!r}", self._splits)
             for split in SPLITS:
                 if not self._splits.get(split):
                     raise GtxError(f"task {self.name!r} produced no {split} examples; check its settings")
-            self.src_vocab, self.tgt_vocab = ((self.tokenizer.vocab,) * 2 if self.tokenizer is not None
-                                              else self.vocabularies(self._splits["train"]))
+            self.src_vocab, self.tgt_vocab = (
+                (self.tokenizer.vocab,) * 2 if self.tokenizer is not None else self.vocabularies(self._splits["train"])
+            )
         return self._splits
 
     def _load_or_generate(self) -> dict[str, list[Example]]:
@@ -132,8 +144,11 @@ def grouped_accuracy(groups: dict[str, tuple[int, int]], metric: str, by: str, c
     accuracy} and ``<counted>_by_<by>`` {group: predictions scored}."""
     correct = sum(c for c, _ in groups.values())
     scored = sum(n for _, n in groups.values())
-    return {metric: correct / scored if scored else float("nan"), f"{metric}_by_{by}": {g: c / n for g, (c, n) in sorted(groups.items()) if n},
-            f"{counted}_by_{by}": {g: n for g, (_, n) in sorted(groups.items())}}
+    return {
+        metric: correct / scored if scored else float("nan"),
+        f"{metric}_by_{by}": {g: c / n for g, (c, n) in sorted(groups.items()) if n},
+        f"{counted}_by_{by}": {g: n for g, (_, n) in sorted(groups.items())},
+    }
 
 
 def disjoint_splits(draw, sizes: dict[str, int], max_tries: int = 100) -> dict[str, list[Example]]:
@@ -151,7 +166,9 @@ def disjoint_splits(draw, sizes: dict[str, int], max_tries: int = 100) -> dict[s
                 seen.add(tuple(src))
                 examples.append((src, tgt))
         if len(examples) < n:
-            raise GtxError(f"only {len(examples)} distinct {split} examples of {n} could be drawn; ask for fewer or longer ones")
+            raise GtxError(
+                f"only {len(examples)} distinct {split} examples of {n} could be drawn; ask for fewer or longer ones"
+            )
         out[split] = examples
     return out
 

@@ -42,15 +42,21 @@ def load(path: str | Path, mmap: bool = False) -> dict:
     ``mmap``: map the tensors instead of reading them, for a cheap look at the rest (its epoch, rows)."""
     path = Path(path)
     if not path.is_file():
-        raise GtxError(f"checkpoint {path} does not exist; runs keep theirs under <results>/checkpoints/<run_id>/ ({LAST}, {BEST})")
+        raise GtxError(
+            f"checkpoint {path} does not exist; runs keep theirs under <results>/checkpoints/<run_id>/ ({LAST}, {BEST})"
+        )
     try:
         with warnings.catch_warnings():  # torch warns before some of the errors below; the one line says it all
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise GtxError(f"checkpoint {path} is truncated or not a gtx checkpoint ({type(e).__name__}); use a file written by gtx run") from None
+        raise GtxError(
+            f"checkpoint {path} is truncated or not a gtx checkpoint ({type(e).__name__}); use a file written by gtx run"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise GtxError(f"checkpoint {path} is not a gtx checkpoint (no {FORMAT!r} marker); use a file written by gtx run")
+        raise GtxError(
+            f"checkpoint {path} is not a gtx checkpoint (no {FORMAT!r} marker); use a file written by gtx run"
+        )
     return state
 
 
@@ -63,5 +69,7 @@ def check_vocab(state: dict, task, path: Path) -> None:
     for side in ("src", "tgt"):
         mine, theirs = getattr(task, f"{side}_vocab").itos, state["vocab"][side]
         if mine != theirs:
-            raise GtxError(f"checkpoint {path} was trained with a {side} vocabulary of {len(theirs)} tokens; task {task.name!r} here has "
-                           f"{len(mine)}{' (other tokens)' if len(mine) == len(theirs) else ''}: evaluate it on the task and settings it was trained on")
+            raise GtxError(
+                f"checkpoint {path} was trained with a {side} vocabulary of {len(theirs)} tokens; task {task.name!r} here has "
+                f"{len(mine)}{' (other tokens)' if len(mine) == len(theirs) else ''}: evaluate it on the task and settings it was trained on"
+            )

@@ -20,7 +20,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments.sweep import Cell, Counts, Failure, as_results_stand, cell_states, child_env, last_line, launcher_argv, run_args
+from gtx.experiments.sweep import (
+    Cell,
+    Counts,
+    Failure,
+    as_results_stand,
+    cell_states,
+    child_env,
+    last_line,
+    launcher_argv,
+    run_args,
+)
 
 INSTALL = "pip install 'gtx[cluster]' (or pip install submitit)"
 
@@ -39,7 +49,9 @@ def executor_options(items: Iterable[str]) -> dict[str, object]:
     for item in items:
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
-            raise GtxError(f"--executor-opt {item!r}: write key=value, e.g. --executor-opt slurm_partition=dev or timeout_min=60")
+            raise GtxError(
+                f"--executor-opt {item!r}: write key=value, e.g. --executor-opt slurm_partition=dev or timeout_min=60"
+            )
         raw = raw.strip()
         value: object = raw
         for typ in (int, float):
@@ -63,7 +75,9 @@ def make_executor(folder: Path, options: dict[str, object]):
         executor.update_parameters(**options)
     except (NameError, ValueError, TypeError, AssertionError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GtxError(f"--executor-opt: submitit refused the options {options or {'cluster': cluster}}: {first}") from None
+        raise GtxError(
+            f"--executor-opt: submitit refused the options {options or {'cluster': cluster}}: {first}"
+        ) from None
     return executor
 
 
@@ -73,20 +87,31 @@ class CellJob:
     submitit on preemption or time-out) stops the child and resubmits the job, which resumes."""
 
     def __init__(self, cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (), nproc: int = 1):
-        self.cell, self.results_dir, self.plugins_dirs, self.nproc = cell, str(results_dir), [str(d) for d in plugins_dirs], nproc
+        self.cell, self.results_dir, self.plugins_dirs, self.nproc = (
+            cell,
+            str(results_dir),
+            [str(d) for d in plugins_dirs],
+            nproc,
+        )
         self._child: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_child": None}  # a process does not travel with the job
 
     def __call__(self) -> int:
-        cell = as_results_stand(self.cell, cell_states(self.results_dir), self.results_dir)  # as they stand now, requeued or not
+        cell = as_results_stand(
+            self.cell, cell_states(self.results_dir), self.results_dir
+        )  # as they stand now, requeued or not
         if cell.action == "skip":
             return 0
         argv = [*launcher_argv(self.nproc), *run_args(cell, self.results_dir, self.plugins_dirs)]
         print(f"==> {' '.join(argv)}", flush=True)
-        self._child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=child_env(self.nproc))  # one log: the job's stdout
-        while (code := self._child.poll()) is None:  # not wait(): it holds a lock that checkpoint()'s poll, in a signal handler, would need
+        self._child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=child_env(self.nproc)
+        )  # one log: the job's stdout
+        while (
+            code := self._child.poll()
+        ) is None:  # not wait(): it holds a lock that checkpoint()'s poll, in a signal handler, would need
             time.sleep(0.2)
         if code:
             raise RuntimeError(f"gtx run exited with status {code}")
@@ -94,7 +119,9 @@ class CellJob:
 
     def checkpoint(self):
         if self._child is not None and self._child.poll() is None:
-            self._child.send_signal(signal.SIGTERM)  # its last epoch's checkpoint is on disk: the requeued job resumes from it
+            self._child.send_signal(
+                signal.SIGTERM
+            )  # its last epoch's checkpoint is on disk: the requeued job resumes from it
             deadline = time.monotonic() + 30
             while self._child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -103,9 +130,17 @@ class CellJob:
         return _submitit().helpers.DelayedSubmission(self)
 
 
-def submit(cells: list[Cell], counts: Counts, executor, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (),
-           on_change: Callable[[Counts], None] = lambda c: None, on_failure: Callable[[Failure], None] = lambda f: None,
-           poll_s: float = 0.5, nproc: int = 1) -> list[Failure]:
+def submit(
+    cells: list[Cell],
+    counts: Counts,
+    executor,
+    results_dir: str | Path,
+    plugins_dirs: Iterable[str | Path] = (),
+    on_change: Callable[[Counts], None] = lambda c: None,
+    on_failure: Callable[[Failure], None] = lambda f: None,
+    poll_s: float = 0.5,
+    nproc: int = 1,
+) -> list[Failure]:
     """Submit every cell not marked skip as one job (``nproc`` > 1: a torchrun of that many processes
     inside it), then wait for them all (as ``sweep.execute``)."""
     queue = [c for c in cells if c.action != "skip"]

@@ -83,8 +83,11 @@ def _metric_names(runs: pd.DataFrame, metric: str | None, task_metrics: dict[str
     if metric is not None:
         name = metric if metric in metrics else f"best_valid_{metric}"
         if name not in metrics:
-            raise GtxError(f"unknown metric {metric!r}; metrics of these runs: {', '.join(m.removeprefix('best_valid_') for m in metrics)}")
+            raise GtxError(
+                f"unknown metric {metric!r}; metrics of these runs: {', '.join(m.removeprefix('best_valid_') for m in metrics)}"
+            )
         return pd.Series(name, index=runs.index)
+
     def has(task: str, name: str) -> bool:
         return f"best_valid_{name}" in runs.columns and runs.loc[runs.task == task, f"best_valid_{name}"].notna().any()
 
@@ -104,8 +107,12 @@ def _clipped(values: pd.Series, metric: str):
     return s.mean, s.std, max(s.ci_low, lo), min(s.ci_high, hi)  # NaN stays NaN: max(nan, x) is nan
 
 
-def run_table(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None = None,
-              task_metrics: dict[str, str] | None = None) -> pd.DataFrame:
+def run_table(
+    df: pd.DataFrame,
+    by: Iterable[str] = DEFAULT_BY,
+    metric: str | None = None,
+    task_metrics: dict[str, str] | None = None,
+) -> pd.DataFrame:
     """One row per training run that a comparison counts (``training_runs``, finished ones only:
     ``results.finished``): the ``by`` columns, ``task``, ``run_id``, ``experiment`` and ``cell``, the
     per-run values ``compare`` summarises (see there), the cost (``train_flops``, ``train_attn_flops``:
@@ -119,8 +126,17 @@ def run_table(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | No
     per = []
     for run_id, rows in df.groupby("run_id", sort=False):
         settings = settings_of(rows)
-        per.append({**{c: rows[c].iloc[0] for c in by}, **{c: rows[c].iloc[0] for c in ("task", "experiment", "cell")}, "run_id": run_id,
-                    "_settings": settings, "_experiment": _signature(settings), "_baseline": _signature(settings, ["pattern"]), **_per_run(rows)})
+        per.append(
+            {
+                **{c: rows[c].iloc[0] for c in by},
+                **{c: rows[c].iloc[0] for c in ("task", "experiment", "cell")},
+                "run_id": run_id,
+                "_settings": settings,
+                "_experiment": _signature(settings),
+                "_baseline": _signature(settings, ["pattern"]),
+                **_per_run(rows),
+            }
+        )
     runs = pd.DataFrame(per)
     if not runs.empty:
         runs["metric"] = _metric_names(runs, metric, task_metrics)
@@ -128,8 +144,12 @@ def run_table(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | No
     return runs
 
 
-def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None = None,
-            task_metrics: dict[str, str] | None = None) -> pd.DataFrame:
+def compare(
+    df: pd.DataFrame,
+    by: Iterable[str] = DEFAULT_BY,
+    metric: str | None = None,
+    task_metrics: dict[str, str] | None = None,
+) -> pd.DataFrame:
     """One row per experiment within each group of ``by`` (seeds pooled), as numbers (``format_compare`` renders them).
 
     Per run: best valid token/sequence accuracy and loss over epochs, its test sequence accuracy, the
@@ -161,7 +181,13 @@ def compare(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None
     rows, samples = [], []
     for keys, group in runs.groupby([*by, "_experiment"], sort=True, dropna=False):
         name = group.metric.iloc[0]
-        row = {**dict(zip(by, keys)), "runs": len(group), "metric": name, "_settings": group._settings.iloc[0], "_baseline": group._baseline.iloc[0]}
+        row = {
+            **dict(zip(by, keys)),
+            "runs": len(group),
+            "metric": name,
+            "_settings": group._settings.iloc[0],
+            "_baseline": group._baseline.iloc[0],
+        }
         for m in [*metrics, SPEED]:
             row.update(dict(zip((f"{m}_mean", f"{m}_std", f"{m}_ci_low", f"{m}_ci_high"), _clipped(group[m], m))))
         rows.append({**row, "density": group.density.mean()})
@@ -193,12 +219,19 @@ def _against_full(table: pd.DataFrame, samples: list[np.ndarray]) -> pd.DataFram
         table.loc[idx, "speed_vs_full"] = group[f"{SPEED}_mean"] / group.at[f, f"{SPEED}_mean"]
         for i in idx.drop(f):
             p = welch_p(samples[i], samples[f])
-            table.loc[i, ["p_vs_full", "vs_full"]] = p, verdict(p, sign * (group.at[i, f"{metric}_mean"] - group.at[f, f"{metric}_mean"]))
+            table.loc[i, ["p_vs_full", "vs_full"]] = (
+                p,
+                verdict(p, sign * (group.at[i, f"{metric}_mean"] - group.at[f, f"{metric}_mean"])),
+            )
     return table
 
 
-def compare_evals(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str | None = None,
-                  task_metrics: dict[str, str] | None = None) -> pd.DataFrame:
+def compare_evals(
+    df: pd.DataFrame,
+    by: Iterable[str] = DEFAULT_BY,
+    metric: str | None = None,
+    task_metrics: dict[str, str] | None = None,
+) -> pd.DataFrame:
     """``gtx eval`` runs, each beside the same checkpoint under its training pattern.
 
     An eval run scores a checkpoint (epoch ``e`` of run ``eval_of``) on one split under ``pattern``.
@@ -213,19 +246,31 @@ def compare_evals(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str 
     evals = df[df.eval_of.notna()]
     task_metrics = registered_task_metrics() if task_metrics is None else task_metrics
     if evals.empty:
-        raise GtxError("no gtx eval runs among these results; evaluate a trained run first: gtx eval RUN_ID --pattern SPEC")
+        raise GtxError(
+            "no gtx eval runs among these results; evaluate a trained run first: gtx eval RUN_ID --pattern SPEC"
+        )
     per = []
     for _, rows in evals.groupby("run_id", sort=False):
         row = rows.iloc[-1]
         config = json.loads(row.config)
         name = (metric or task_metrics.get(row.task, FALLBACK_METRIC)).removeprefix("best_valid_").removeprefix("test_")
         settings = settings_of(rows)
-        per.append({**{c: row[c] for c in by}, "trained_pattern": config.get("trained_pattern", "?"), "split": row.split,
-                    "_experiment": _signature(settings, ["pattern"]), "metric": name, "value": float(metric_values(rows.iloc[-1:], name).iloc[0]),
-                    "trained": _trained_value(df, row, config.get("trained_pattern"), name)})
+        per.append(
+            {
+                **{c: row[c] for c in by},
+                "trained_pattern": config.get("trained_pattern", "?"),
+                "split": row.split,
+                "_experiment": _signature(settings, ["pattern"]),
+                "metric": name,
+                "value": float(metric_values(rows.iloc[-1:], name).iloc[0]),
+                "trained": _trained_value(df, row, config.get("trained_pattern"), name),
+            }
+        )
     runs = pd.DataFrame(per)
     if runs.value.isna().all():
-        raise GtxError(f"metric {runs.metric.iloc[0]!r} has no values in these eval runs; try token_acc, seq_acc, loss or the task's own metric")
+        raise GtxError(
+            f"metric {runs.metric.iloc[0]!r} has no values in these eval runs; try token_acc, seq_acc, loss or the task's own metric"
+        )
     out = []
     keys = list(dict.fromkeys([*by, "trained_pattern", "split", "_experiment"]))
     for values, group in runs.groupby(keys, sort=True, dropna=False):
@@ -234,15 +279,33 @@ def compare_evals(df: pd.DataFrame, by: Iterable[str] = DEFAULT_BY, metric: str 
         mean, std, lo, hi = _clipped(group.value, name)
         delta = group.value - group.trained
         p = paired_p(group.value, group.trained)
-        out.append({**dict(zip(keys, values)), "runs": len(group), "metric": name, "value_mean": mean, "value_std": std, "value_ci_low": lo,
-                    "value_ci_high": hi, "trained_mean": group.trained.mean(), "delta_mean": delta.mean(), "delta_std": delta.std(),
-                    "p_vs_trained": p, "vs_trained": verdict(p, -delta.mean() if lower else delta.mean())})
+        out.append(
+            {
+                **dict(zip(keys, values)),
+                "runs": len(group),
+                "metric": name,
+                "value_mean": mean,
+                "value_std": std,
+                "value_ci_low": lo,
+                "value_ci_high": hi,
+                "trained_mean": group.trained.mean(),
+                "delta_mean": delta.mean(),
+                "delta_std": delta.std(),
+                "p_vs_trained": p,
+                "vs_trained": verdict(p, -delta.mean() if lower else delta.mean()),
+            }
+        )
     return pd.DataFrame(out).drop(columns="_experiment")
 
 
 def _trained_value(df: pd.DataFrame, row: pd.Series, trained_pattern: str | None, name: str) -> float:
     """The checkpoint of eval row ``row`` on its split under its training pattern (see ``compare_evals``)."""
-    same = df[(df.eval_of == row.eval_of) & (df.split == row.split) & (df.epoch == row.epoch) & (df.pattern == trained_pattern)]
+    same = df[
+        (df.eval_of == row.eval_of)
+        & (df.split == row.split)
+        & (df.epoch == row.epoch)
+        & (df.pattern == trained_pattern)
+    ]
     if same.empty:
         same = df[(df.run_id == row.eval_of) & (df.split == row.split) & (df.epoch == row.epoch)]
     return float(metric_values(same.iloc[-1:], name).iloc[0]) if len(same) else np.nan
@@ -262,7 +325,9 @@ def format_compare(table: pd.DataFrame, fmt: str = "table") -> str:
     view = table.loc[:, :"runs"].copy()
     if not view.settings.astype(bool).any():
         view = view.drop(columns="settings")
-    judged = [table.at[i, f"{table.at[i, 'metric']}_{s}"] for i in table.index for s in ("mean", "std", "ci_low", "ci_high")]
+    judged = [
+        table.at[i, f"{table.at[i, 'metric']}_{s}"] for i in table.index for s in ("mean", "std", "ci_low", "ci_high")
+    ]
     mean, std, lo, hi = (judged[k::4] for k in range(4))
     if not one:
         view["metric"] = table.metric.str.removeprefix("best_valid_")
@@ -283,7 +348,10 @@ def format_compare(table: pd.DataFrame, fmt: str = "table") -> str:
 def _format_evals(table: pd.DataFrame, fmt: str) -> str:
     view = table.loc[:, :"metric"].copy()
     view["value"] = [pm_text(m, s) for m, s in zip(table.value_mean, table.value_std)]
-    view["ci95"] = ["-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(table.value_ci_low, table.value_ci_high)]
+    view["ci95"] = [
+        "-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]"
+        for a, b in zip(table.value_ci_low, table.value_ci_high)
+    ]
     view["trained"] = table.trained_mean
     view["delta"] = [pm_text(m, s) for m, s in zip(table.delta_mean, table.delta_std)]
     view["p"] = [p_text(p) for p in table.p_vs_trained]

@@ -140,7 +140,11 @@ class Configs:
         every resolved setting: ``--epochs 4`` and ``--set train.epochs=4`` give one key; not the
         device or folder) and its experiment (the same without the seed)."""
         c = self.config
-        configs = {"model_config": dataclasses.asdict(self.model), "task_config": dataclasses.asdict(self.task), "train": dataclasses.asdict(self.train)}
+        configs = {
+            "model_config": dataclasses.asdict(self.model),
+            "task_config": dataclasses.asdict(self.task),
+            "train": dataclasses.asdict(self.train),
+        }
         return identity_keys(c.task, c.model, self.chosen.spec, c.backend, configs, c.seed)
 
 
@@ -155,11 +159,19 @@ def resolve_configs(config: RunConfig) -> Configs:
     given = {key.rpartition(".")[2] for key in config.settings}
     cfg = build_configs(
         {**{k: v for k, v in defaults.items() if k.rpartition(".")[2] not in given}, **config.settings},
-        {"model": (config.model, model_entry.config), "task": (config.task, task_entry.config), "train": ("train", TrainConfig)},
+        {
+            "model": (config.model, model_entry.config),
+            "task": (config.task, task_entry.config),
+            "train": ("train", TrainConfig),
+        },
     )
     chosen = parse_pattern(config.pattern)
     model_cls = model_entry.obj
-    wrap = model_cls.modifier(cfg["model"]) if hasattr(model_cls, "modifier") else getattr(model_cls, "dynamic_pattern", None)
+    wrap = (
+        model_cls.modifier(cfg["model"])
+        if hasattr(model_cls, "modifier")
+        else getattr(model_cls, "dynamic_pattern", None)
+    )
     pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
     return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
 
@@ -180,22 +192,38 @@ def resolve(config: RunConfig) -> Resolved:
     task.tokenizer = tokenizer(c.model) if tokenizer else None
     if task.form not in model_forms(c.model_entry.obj):
         fit = sorted(name for name, e in MODELS.entries().items() if task.form in model_forms(e.obj))
-        raise GtxError(f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}")
+        raise GtxError(
+            f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}"
+        )
     task.splits()  # generates or loads the data: a missing data_dir fails here
     max_len = getattr(c.model, "max_len", None)
     if max_len is not None and task.context_len() > max_len:
-        raise GtxError(f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
-                       f"for {max_len}; " + (f"they are the pretrained model's (path={c.model.path}): shorten the task's sequences"
-                                             if getattr(c.model, "path", "") else f"raise --set max_len={task.context_len()} or shorten the task's sequences"))
+        raise GtxError(
+            f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
+            f"for {max_len}; "
+            + (
+                f"they are the pretrained model's (path={c.model.path}): shorten the task's sequences"
+                if getattr(c.model, "path", "")
+                else f"raise --set max_len={task.context_len()} or shorten the task's sequences"
+            )
+        )
     probe = PhaseStats()
-    probe.graph_only(make_batch(task, "train", [0], c.chosen))  # builds and checks the pattern's edges: a leak fails here
+    probe.graph_only(
+        make_batch(task, "train", [0], c.chosen)
+    )  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
     check_budget(c.chosen, list(probe.edges), task.context_len())
-    check_trainable(c.chosen, list(probe.edges), getattr(c.model, "heads", None), getattr(c.model, "dim", None), config.model)
-    return Resolved(config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys())
+    check_trainable(
+        c.chosen, list(probe.edges), getattr(c.model, "heads", None), getattr(c.model, "dim", None), config.model
+    )
+    return Resolved(
+        config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys()
+    )
 
 
-def complete_note(r: Resolved, read: dict[str, float] | None = None, when: str = "", stage: str | None = None) -> str | None:
+def complete_note(
+    r: Resolved, read: dict[str, float] | None = None, when: str = "", stage: str | None = None
+) -> str | None:
     """A warning when a pattern other than full or causal is (nearly) full attention at the task's
     lengths: its results would be full attention's under another name. A fixed pattern is judged
     before the run by its edges (what it attends to); a pattern that chooses or learns its keys at
@@ -210,9 +238,13 @@ def complete_note(r: Resolved, read: dict[str, float] | None = None, when: str =
         return None
     stages = ", ".join(f"{s} {d:.3f}" for s, d in density.items())
     if fixed:
-        return (f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "
-                "it measures full attention here: use longer sequences or a sparser setting")
+        return (
+            f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "
+            "it measures full attention here: use longer sequences or a sparser setting"
+        )
     if stage:
         return f"note: pattern {r.chosen.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
-    return (f"note: pattern {r.chosen.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
-            f"at task {r.config.task!r}'s lengths; use longer sequences or a sparser setting")
+    return (
+        f"note: pattern {r.chosen.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
+        f"at task {r.config.task!r}'s lengths; use longer sequences or a sparser setting"
+    )

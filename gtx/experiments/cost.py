@@ -32,7 +32,9 @@ class FlopCount:
     def __enter__(self) -> FlopCount:
         self._attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self._start = sum(m.flops for m in self._attn)
-        self._hooks = [m.register_forward_hook(self._linear) for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        self._hooks = [
+            m.register_forward_hook(self._linear) for m in self.model.modules() if isinstance(m, torch.nn.Linear)
+        ]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -83,7 +83,9 @@ def parse_family(text: str) -> Family:
         if m:
             last = m[1]
             if last in values:
-                raise GtxError(f"family {text!r}: parameter {last!r} is given twice; list its budgets once, {last}=a,b,c")
+                raise GtxError(
+                    f"family {text!r}: parameter {last!r} is given twice; list its budgets once, {last}=a,b,c"
+                )
             values[last] = [m[2].strip()]
         elif last is None:
             raise GtxError(f"family {text!r}: {item!r} follows no parameter; write name:param=v1,v2,v3")
@@ -91,21 +93,31 @@ def parse_family(text: str) -> Family:
             values[last].append(item)
     swept = [k for k, v in values.items() if len(v) > 1]
     if len(swept) > 1:
-        raise GtxError(f"family {text!r}: {', '.join(swept)} all have several values; a family sweeps one budget parameter (write one family per combination)")
+        raise GtxError(
+            f"family {text!r}: {', '.join(swept)} all have several values; a family sweeps one budget parameter (write one family per combination)"
+        )
     param = swept[0] if swept else None
     budgets = values[param] if param else [",".join(f"{k}={v[0]}" for k, v in values.items()) or "-"]
     specs = []
-    for budget in (budgets if param else [None]):
-        spec = f"{name}:{','.join(f'{k}={budget if k == param else v[0]}' for k, v in values.items())}" if values else name
+    for budget in budgets if param else [None]:
+        spec = (
+            f"{name}:{','.join(f'{k}={budget if k == param else v[0]}' for k, v in values.items())}" if values else name
+        )
         try:
             pattern = parse_pattern(spec + rest)
         except GtxError as e:
-            if rest and re.search(r",\s*[^\s=,()|&+]+\s*(?:[|&+)]|\Z)", rest):  # a bare value after a comma: a budget list in the rest
-                raise GtxError(f"family {text!r}: only the first pattern's parameter may list budgets; write the pattern whose budgets vary "
-                               "first, the rest after it (local:w=8,16|strided:l=8: the union with strided at each window)") from None
+            if rest and re.search(
+                r",\s*[^\s=,()|&+]+\s*(?:[|&+)]|\Z)", rest
+            ):  # a bare value after a comma: a budget list in the rest
+                raise GtxError(
+                    f"family {text!r}: only the first pattern's parameter may list budgets; write the pattern whose budgets vary "
+                    "first, the rest after it (local:w=8,16|strided:l=8: the union with strided at each window)"
+                ) from None
             raise GtxError(f"family {text!r}: {e}") from None
         if pattern.spec == FULL:
-            raise GtxError(f"family {text!r}: full attention is every frontier's baseline already; give sparse patterns")
+            raise GtxError(
+                f"family {text!r}: full attention is every frontier's baseline already; give sparse patterns"
+            )
         specs.append(pattern.spec)
     if len(set(specs)) < len(specs):
         raise GtxError(f"family {text!r}: two budgets give the same pattern; list each budget once")
@@ -121,8 +133,10 @@ def length_key(task: str) -> str:
     for key in ("seq_len", "context"):
         if key in names:
             return key
-    raise GtxError(f"task {task!r} has no seq_len or context setting; name the setting that sets its length with --length-key "
-                   f"(its settings: {', '.join(sorted(names))})")
+    raise GtxError(
+        f"task {task!r} has no seq_len or context setting; name the setting that sets its length with --length-key "
+        f"(its settings: {', '.join(sorted(names))})"
+    )
 
 
 @dataclass
@@ -162,19 +176,26 @@ def plan_study(study: Study, results_dir) -> tuple[list[Cell], dict[str, Point]]
     for task in study.grid.task:
         key = f"task.{study.key(task)}"
         for length in study.lengths:
-            grid = dataclasses.replace(study.grid, task=[task], pattern=list(specs), settings={**study.grid.settings, key: [length]})
+            grid = dataclasses.replace(
+                study.grid, task=[task], pattern=list(specs), settings={**study.grid.settings, key: [length]}
+            )
             full_at = _full_budgets(grid, list(specs)[1:], length)
             for f in study.families:
                 if set(f.specs) <= set(full_at):
-                    raise GtxError(f"family {f.specs[0] if len(f.specs) == 1 else f.name}: every budget attends to every "
-                                   f"candidate at {task}'s {key.partition('.')[2]}={length} ({full_at[f.specs[0]]}); give smaller budgets or longer lengths")
+                    raise GtxError(
+                        f"family {f.specs[0] if len(f.specs) == 1 else f.name}: every budget attends to every "
+                        f"candidate at {task}'s {key.partition('.')[2]}={length} ({full_at[f.specs[0]]}); give smaller budgets or longer lengths"
+                    )
             for cell in plan(grid, results_dir):
                 spec = cell.config.pattern
                 if spec in full_at:
                     continue
                 cells.append(dataclasses.replace(cell, index=len(cells)))
                 points[cell.key] = Point(*specs[spec], length, key, list(specs).index(spec))
-            study.notes += [f"{task} at {key.partition('.')[2]}={length}: {why}; left out" for why in dict.fromkeys(full_at.values())]
+            study.notes += [
+                f"{task} at {key.partition('.')[2]}={length}: {why}; left out"
+                for why in dict.fromkeys(full_at.values())
+            ]
     return cells, points
 
 
@@ -190,8 +211,15 @@ def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
     out = {}
     for model in grid.model:
         for values in _settings_product(grid.settings):
-            config = RunConfig(task=grid.task[0], model=model, pattern=FULL, backend=grid.backend[0], device=grid.device, seed=grid.seeds[0],
-                               settings=values)
+            config = RunConfig(
+                task=grid.task[0],
+                model=model,
+                pattern=FULL,
+                backend=grid.backend[0],
+                device=grid.device,
+                seed=grid.seeds[0],
+                settings=values,
+            )
             where = f"task {config.task!r} model {model!r} at length {length}"
             try:
                 r = resolve(config)
@@ -207,7 +235,9 @@ def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
                 stages, n = list(probe.edges), r.task.context_len()
                 why = full_budget(pattern, stages, n)
                 fixed = pattern.select is None and not pattern.heads and pattern.trainable is None
-                if fixed and all(_density(pattern, stage, n) >= NEARLY_FULL for stage in stages):  # at the longest sequence, not a short one
+                if fixed and all(
+                    _density(pattern, stage, n) >= NEARLY_FULL for stage in stages
+                ):  # at the longest sequence, not a short one
                     why = f"pattern {spec!r} attends to every candidate at {n} tokens (density 1.0)"
                 if why:
                     out.setdefault(spec, why)
@@ -231,12 +261,16 @@ def check_margin(margin: float, metrics: Iterable[str] = ()) -> None:
     """A margin is finite, > 0 and narrower than each metric's range (``metric_range``): a margin as
     wide as the range calls every budget equivalent. GtxError naming the fix otherwise."""
     if not (math.isfinite(margin) and margin > 0):
-        raise GtxError(f"--margin {margin}: an equivalence margin must be a finite number > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)")
+        raise GtxError(
+            f"--margin {margin}: an equivalence margin must be a finite number > 0 (in the metric's units, e.g. 0.01 for one point of accuracy)"
+        )
     for metric in dict.fromkeys(metrics):
         lo, hi = metric_range(metric)
         if margin >= hi - lo:
-            raise GtxError(f"--margin {margin:g}: {metric.removeprefix('best_valid_')} lies in [{lo:g}, {hi:g}], so a margin of {hi - lo:g} or more "
-                           "calls every budget equivalent; give a margin well inside that range (e.g. 0.01)")
+            raise GtxError(
+                f"--margin {margin:g}: {metric.removeprefix('best_valid_')} lies in [{lo:g}, {hi:g}], so a margin of {hi - lo:g} or more "
+                "calls every budget equivalent; give a margin well inside that range (e.g. 0.01)"
+            )
 
 
 def study_metrics(tasks: Iterable[str], metric: str | None) -> list[str]:
@@ -267,7 +301,9 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
         settings = " ".join(f"{k}={c.settings[k]}" for k in swept)
         where = " ".join(f"{c.task} {c.model} {point.length_key.partition('.')[2]}={point.length} {settings}".split())
         who = holder(claim_dir(results_dir) / cell.key)
-        groups.setdefault(f"{where}: {point.family or FULL} {point.budget}", []).append(f"{c.seed}" + (f" (running in {who})" if who else ""))
+        groups.setdefault(f"{where}: {point.family or FULL} {point.budget}", []).append(
+            f"{c.seed}" + (f" (running in {who})" if who else "")
+        )
     return [f"{budget}, seed{'s' * (len(seeds) > 1)} {', '.join(seeds)}" for budget, seeds in groups.items()]
 
 
@@ -278,8 +314,9 @@ def reading_name(cells: list[Cell], table: pd.DataFrame, margin: float) -> str:
     return f"{sweep_name(None, cells).replace('grid-', 'frontier-')}-{metrics}-margin{margin:g}"
 
 
-def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame, margin: float,
-                   metric: str | None = None) -> pd.DataFrame:
+def frontier_table(
+    cells: list[Cell], points: dict[str, Point], df: pd.DataFrame, margin: float, metric: str | None = None
+) -> pd.DataFrame:
     """One row per experiment of the study that has runs (seeds pooled), numbers only.
 
     Columns: ``task``, ``model``, ``length``, the study's other swept settings, ``family`` (``full``
@@ -295,8 +332,31 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
     swept = _swept(cells, {p.length_key for p in points.values()})
     keyed = {c.key: c for c in cells}
     runs = run_table(df[df.cell.isin(list(keyed))], ("pattern",), metric)
-    columns = ["task", "model", "length", *swept, "family", "budget", "pattern", "runs", "metric", "mean", "std", "ci_low", "ci_high",
-               "density", "edges_per_query", "tokens_per_s", "speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "margin", "equivalent"]
+    columns = [
+        "task",
+        "model",
+        "length",
+        *swept,
+        "family",
+        "budget",
+        "pattern",
+        "runs",
+        "metric",
+        "mean",
+        "std",
+        "ci_low",
+        "ci_high",
+        "density",
+        "edges_per_query",
+        "tokens_per_s",
+        "speed_vs_full",
+        "train_flops",
+        "train_attn_flops",
+        "train_s",
+        "tost_p",
+        "margin",
+        "equivalent",
+    ]
     if runs.empty:
         return pd.DataFrame(columns=columns)
     check_margin(margin, runs.metric)
@@ -308,12 +368,32 @@ def frontier_table(cells: list[Cell], points: dict[str, Point], df: pd.DataFrame
         name = group.metric.iloc[0]
         s = summarize(group.value)
         lo, hi = metric_range(name)
-        where = {"task": cell.config.task, "model": cell.config.model, "length": point.length, **{k: cell.config.settings[k] for k in swept}}
-        rows.append({**where, "family": point.family or FULL, "budget": point.budget, "_order": point.rank, "pattern": cell.config.pattern, "runs": s.n,
-                     "metric": name.removeprefix("best_valid_"), "mean": s.mean, "std": s.std, "ci_low": max(s.ci_low, lo), "ci_high": min(s.ci_high, hi),
-                     **{c: group[c].mean() for c in ("density", "edges_per_query")}, "tokens_per_s": group[SPEED].mean(),
-                     **{c: group[c].mean() for c in ("train_flops", "train_attn_flops", "train_s")}, "_where": tuple(where.values()),
-                     "_lower": lower_is_better(name)})
+        where = {
+            "task": cell.config.task,
+            "model": cell.config.model,
+            "length": point.length,
+            **{k: cell.config.settings[k] for k in swept},
+        }
+        rows.append(
+            {
+                **where,
+                "family": point.family or FULL,
+                "budget": point.budget,
+                "_order": point.rank,
+                "pattern": cell.config.pattern,
+                "runs": s.n,
+                "metric": name.removeprefix("best_valid_"),
+                "mean": s.mean,
+                "std": s.std,
+                "ci_low": max(s.ci_low, lo),
+                "ci_high": min(s.ci_high, hi),
+                **{c: group[c].mean() for c in ("density", "edges_per_query")},
+                "tokens_per_s": group[SPEED].mean(),
+                **{c: group[c].mean() for c in ("train_flops", "train_attn_flops", "train_s")},
+                "_where": tuple(where.values()),
+                "_lower": lower_is_better(name),
+            }
+        )
         samples[len(rows) - 1] = group.value.to_numpy(dtype=float)
     table = pd.DataFrame(rows)
     table["speed_vs_full"], table["tost_p"], table["margin"], table["equivalent"] = np.nan, np.nan, margin, False
@@ -343,17 +423,28 @@ def equivalent_budgets(table: pd.DataFrame) -> pd.DataFrame:
     """Per task, model, length, settings and family: the smallest budget (fewest edges per query)
     equivalent to ``full`` (``frontier_table``'s ``equivalent``), its density and edges per query;
     ``smallest`` is ``none`` where no budget is (``untested`` where no budget had 2 runs and a full)."""
-    keys = list(table.columns[:table.columns.get_loc("family")])
+    keys = list(table.columns[: table.columns.get_loc("family")])
     out = []
     for values, group in table[table.family != FULL].groupby([*keys, "family"], sort=False):
         ok = group[group.equivalent.astype(bool)].sort_values("edges_per_query")
         row = {**dict(zip([*keys, "family"], values)), "budgets": len(group)}
         if len(ok):
             best = ok.iloc[0]
-            row.update(smallest=best.budget, pattern=best.pattern, density=best.density, edges_per_query=best.edges_per_query, tost_p=best.tost_p)
+            row.update(
+                smallest=best.budget,
+                pattern=best.pattern,
+                density=best.density,
+                edges_per_query=best.edges_per_query,
+                tost_p=best.tost_p,
+            )
         else:
-            row.update(smallest="none" if group.tost_p.notna().any() else "untested", pattern="-", density=math.nan, edges_per_query=math.nan,
-                       tost_p=math.nan)
+            row.update(
+                smallest="none" if group.tost_p.notna().any() else "untested",
+                pattern="-",
+                density=math.nan,
+                edges_per_query=math.nan,
+                tost_p=math.nan,
+            )
         out.append(row)
     return pd.DataFrame(out)
 
@@ -368,7 +459,11 @@ def cost_front(table: pd.DataFrame) -> pd.DataFrame:
         sign = -1.0 if lower_is_better(f"best_valid_{rows.metric.iloc[0]}") else 1.0
         front = pareto_front(-rows.train_flops, sign * rows["mean"])
         out.append(rows[front].sort_values("train_flops"))
-    columns = [c for c in table.columns if c not in ("tokens_per_s", "speed_vs_full", "tost_p", "margin", "equivalent", "train_attn_flops")]
+    columns = [
+        c
+        for c in table.columns
+        if c not in ("tokens_per_s", "speed_vs_full", "tost_p", "margin", "equivalent", "train_attn_flops")
+    ]
     return pd.concat(out)[columns].reset_index(drop=True) if out else table[columns]
 
 
@@ -382,7 +477,9 @@ def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
     if not one:
         view["metric"] = table.metric
     view[table.metric.iloc[0] if one else "score"] = [pm_text(m, s) for m, s in zip(table["mean"], table["std"])]
-    view["ci95"] = ["-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(table.ci_low, table.ci_high)]
+    view["ci95"] = [
+        "-" if np.isnan(a) else f"[{cell_text(a)}, {cell_text(b)}]" for a, b in zip(table.ci_low, table.ci_high)
+    ]
     view["density"] = table.density
     view["edges/query"] = table.edges_per_query
     if "tokens_per_s" in table:
@@ -393,7 +490,9 @@ def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
     if "tost_p" in table:
         view["attn_share"] = table.train_attn_flops / table.train_flops
         view["tost_p"] = [p_text(p) for p in table.tost_p]
-        view["equivalent"] = ["-" if np.isnan(p) else "yes" if e else "no" for p, e in zip(table.tost_p, table.equivalent)]
+        view["equivalent"] = [
+            "-" if np.isnan(p) else "yes" if e else "no" for p, e in zip(table.tost_p, table.equivalent)
+        ]
     return format_table(view, fmt)
 
 
@@ -404,4 +503,7 @@ def frontier_dir(results_dir) -> Path:
 
 def load_frontiers(results_dir) -> dict[str, pd.DataFrame]:
     """Every frontier table saved under ``results_dir`` (``frontier_dir``), by name, as numbers."""
-    return {p.stem: pd.read_csv(p, dtype={"length": str, "budget": str}) for p in sorted(frontier_dir(results_dir).glob("*.csv"))}
+    return {
+        p.stem: pd.read_csv(p, dtype={"length": str, "budget": str})
+        for p in sorted(frontier_dir(results_dir).glob("*.csv"))
+    }

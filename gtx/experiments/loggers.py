@@ -48,7 +48,9 @@ class TensorBoardLogger(Logger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise GtxError("--log tensorboard needs the tensorboard package: pip install tensorboard (or -e '.[tensorboard]')") from None
+            raise GtxError(
+                "--log tensorboard needs the tensorboard package: pip install tensorboard (or -e '.[tensorboard]')"
+            ) from None
         self.writer = SummaryWriter(str(self.results_dir / "tensorboard" / run_id))
 
     def start(self, config: dict) -> None:

@@ -22,7 +22,15 @@ from gtx.files import atomic_write
 SCHEMA_VERSION = 5
 KEYED_SINCE = 4  # cell and experiment keys as today's: older files are rekeyed on load
 #: columns added since version 1, with the value older files get on load
-ADDED = {"context_len": pd.NA, "density": float("nan"), "cell": pd.NA, "experiment": pd.NA, "eval_of": pd.NA, "flops": float("nan"), "attn_flops": float("nan")}
+ADDED = {
+    "context_len": pd.NA,
+    "density": float("nan"),
+    "cell": pd.NA,
+    "experiment": pd.NA,
+    "eval_of": pd.NA,
+    "flops": float("nan"),
+    "attn_flops": float("nan"),
+}
 #: the resolved configs an experiment's identity holds, as stored in the ``config`` column
 CONFIG_PARTS = ("model_config", "task_config", "train")
 
@@ -68,7 +76,20 @@ COLUMNS: dict[str, str] = {
     "torch_version": "string",
     "dgl_version": "string",
 }
-REQUIRED = ["run_id", "started_at", "task", "model", "pattern", "backend", "device", "seed", "epoch", "split", "loss", "token_acc"]
+REQUIRED = [
+    "run_id",
+    "started_at",
+    "task",
+    "model",
+    "pattern",
+    "backend",
+    "device",
+    "seed",
+    "epoch",
+    "split",
+    "loss",
+    "token_acc",
+]
 
 
 def validate(df: pd.DataFrame) -> pd.DataFrame:
@@ -90,12 +111,17 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def identity_keys(task: str, model: str, pattern: str, backend: str, configs: dict[str, dict], seed: int) -> tuple[str, str]:
+def identity_keys(
+    task: str, model: str, pattern: str, backend: str, configs: dict[str, dict], seed: int
+) -> tuple[str, str]:
     """The ``cell`` and ``experiment`` keys of a run: hashes of its task and model names, canonical
     pattern, backend and every resolved setting (``configs``: the ``CONFIG_PARTS`` dicts), with and
     without the seed. Names and settings live under separate keys, so nothing can overwrite anything
     (schema 3 merged the task's settings over its name: two tasks with equal settings shared a key)."""
-    ident = {"names": {"task": task, "model": model, "pattern": pattern, "backend": backend}, **{k: configs[k] for k in CONFIG_PARTS}}
+    ident = {
+        "names": {"task": task, "model": model, "pattern": pattern, "backend": backend},
+        **{k: configs[k] for k in CONFIG_PARTS},
+    }
 
     def digest(d: dict) -> str:
         return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -202,11 +228,21 @@ def differing(settings: list[dict[str, object]], peers: list[dict[str, str]] | N
     for (prefix, scope), members in buckets.items():
         keys = {k for i in members for k in settings[i] if k.startswith(f"{prefix}.")}
         # json compares lists, nested dicts and NaN as written
-        varying |= {(prefix, scope, k) for k in keys if len({json.dumps(settings[i].get(k, "<absent>"), sort_keys=True) for i in members}) > 1}
+        varying |= {
+            (prefix, scope, k)
+            for k in keys
+            if len({json.dumps(settings[i].get(k, "<absent>"), sort_keys=True) for i in members}) > 1
+        }
     leaves = pd.Series([k.partition(".")[2] for k in {k for s in settings for k in s}], dtype=str).value_counts()
     name = {k: k.partition(".")[2] if leaves[k.partition(".")[2]] == 1 else k for _, _, k in varying}
-    return [{name[k]: v for k, v in sorted(s.items()) if (k.partition(".")[0], scope.get(k.partition(".")[0]), k) in varying}
-            for s, scope in zip(settings, peers)]
+    return [
+        {
+            name[k]: v
+            for k, v in sorted(s.items())
+            if (k.partition(".")[0], scope.get(k.partition(".")[0]), k) in varying
+        }
+        for s, scope in zip(settings, peers)
+    ]
 
 
 def value_text(v: object) -> str:
@@ -228,8 +264,11 @@ def training_runs(df: pd.DataFrame) -> pd.DataFrame:
     """The rows of the runs a comparison counts: no ``gtx eval`` rows (they re-score a run), and of
     runs sharing a cell (same configuration and seed: a repeat is no new seed) the latest finished."""
     df = df[df.eval_of.isna()]
-    runs = df.assign(finished=finished(df)).groupby("run_id", sort=False).agg(
-        cell=("cell", "first"), started=("started_at", "first"), finished=("finished", "first"))
+    runs = (
+        df.assign(finished=finished(df))
+        .groupby("run_id", sort=False)
+        .agg(cell=("cell", "first"), started=("started_at", "first"), finished=("finished", "first"))
+    )
     runs = runs.sort_values(["finished", "started"], kind="stable")
     return df[df.run_id.isin(runs.index[runs.cell.isna() | ~runs.duplicated("cell", keep="last")])]
 

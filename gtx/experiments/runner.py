@@ -29,7 +29,16 @@ from gtx.data.batch import batches
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.experiments import checkpoint, distributed
-from gtx.experiments.config import DEFAULT_BACKEND, Resolved, RunConfig, cell_key, complete_note, resolve, resolve_configs, resolve_device
+from gtx.experiments.config import (
+    DEFAULT_BACKEND,
+    Resolved,
+    RunConfig,
+    cell_key,
+    complete_note,
+    resolve,
+    resolve_configs,
+    resolve_device,
+)
 from gtx.experiments.loggers import Loggers
 from gtx.experiments.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
 from gtx.experiments.runref import find_checkpoint, resolve_run
@@ -37,7 +46,17 @@ from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
 
-__all__ = ["DEFAULT_BACKEND", "RunConfig", "RunInterrupted", "cell_key", "evaluate_checkpoint", "resolve", "resolve_configs", "resolve_device", "run"]
+__all__ = [
+    "DEFAULT_BACKEND",
+    "RunConfig",
+    "RunInterrupted",
+    "cell_key",
+    "evaluate_checkpoint",
+    "resolve",
+    "resolve_configs",
+    "resolve_device",
+    "run",
+]
 
 Progress = Callable[[str, int], Callable[[], None]]
 
@@ -91,8 +110,15 @@ def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime
 
 def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
     extra = {**stats.extra, **attention.reset_stats()}  # trainable attention's losses and kept edges per branch
-    return {**common, "epoch": epoch, "split": split, **stats.row(), "seq_acc": extra.pop("seq_acc", float("nan")),
-            "metrics": metrics_json(extra), "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True)}
+    return {
+        **common,
+        "epoch": epoch,
+        "split": split,
+        **stats.row(),
+        "seq_acc": extra.pop("seq_acc", float("nan")),
+        "metrics": metrics_json(extra),
+        "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True),
+    }
 
 
 def _ran_note(r: Resolved, phase: PhaseStats, say, epoch: int, model) -> str | None:
@@ -115,19 +141,29 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
     path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
     if not path.is_file():
         known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
-        raise GtxError(f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'} (killed in its first epoch, "
-                       f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}")
+        raise GtxError(
+            f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'} (killed in its first epoch, "
+            f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}"
+        )
     state = checkpoint.load(path)
     owner = json.loads(state["common"])["run_id"]
     if owner != run_id:
-        raise GtxError(f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder")
+        raise GtxError(
+            f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder"
+        )
     if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
-        raise GtxError(f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}")
+        raise GtxError(
+            f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}"
+        )
     return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
 
 
-def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str], None] = lambda s: None,
-        resume: str | None = None) -> pd.DataFrame:
+def run(
+    config: RunConfig,
+    progress: Progress | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    resume: str | None = None,
+) -> pd.DataFrame:
     """Train and evaluate one run; append its rows under ``config.results_dir``; return them.
 
     ``resume``: a run id under ``config.results_dir`` to continue from its last checkpoint (its
@@ -149,8 +185,17 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
         checkpoint.check_vocab(state, r.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST)
         trainer.load_state_dict(state)
         torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
-        common, rows, start, best = json.loads(state["common"]), checkpoint.rows_of(state), state["epoch"] + 1, state["best_valid_loss"]
-        keys = {"schema_version": SCHEMA_VERSION, "cell": r.cell, "experiment": r.experiment}  # a checkpoint from before schema 4 is rekeyed
+        common, rows, start, best = (
+            json.loads(state["common"]),
+            checkpoint.rows_of(state),
+            state["epoch"] + 1,
+            state["best_valid_loss"],
+        )
+        keys = {
+            "schema_version": SCHEMA_VERSION,
+            "cell": r.cell,
+            "experiment": r.experiment,
+        }  # a checkpoint from before schema 4 is rekeyed
         common, rows = {**common, **keys}, [{**row, **keys} for row in rows]
         run_id = common["run_id"]
     else:
@@ -158,20 +203,32 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
             torch.manual_seed(config.seed * 100_003 + world.rank)
         run_id, started = world.broadcast(_new_run_id(config.task, config.model))
         common = {
-            "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
-            "task": config.task, "model": config.model, "pattern": r.chosen.spec, "cell": r.cell,
-            "experiment": r.experiment, "eval_of": None,
-            "backend": config.backend, "device": str(r.device), "seed": config.seed, "n_params": sum(p.numel() for p in model.parameters()),
-            "config": json.dumps(r.as_dict(), sort_keys=True), **_versions(),
+            "schema_version": SCHEMA_VERSION,
+            "run_id": run_id,
+            "started_at": started.isoformat(timespec="seconds"),
+            "task": config.task,
+            "model": config.model,
+            "pattern": r.chosen.spec,
+            "cell": r.cell,
+            "experiment": r.experiment,
+            "eval_of": None,
+            "backend": config.backend,
+            "device": str(r.device),
+            "seed": config.seed,
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "config": json.dumps(r.as_dict(), sort_keys=True),
+            **_versions(),
         }
         rows, start, best = [], 1, float("inf")
     results_dir = _results_dir(config.results_dir, run_id)  # every place this run writes, checked before it trains
     say = log if world.main else (lambda s: None)
     ckpt_dir = checkpoint.checkpoint_dir(results_dir, run_id)
     loggers = Loggers(config.loggers if world.main else [], run_id, results_dir)
-    say(f"run {run_id}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, model {config.model} "
+    say(
+        f"run {run_id}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, model {config.model} "
         f"({common['n_params']:,} parameters), pattern {r.pattern.spec}, backend {config.backend}, device {r.device}"
-        + (f", {world.size} processes" if world.size > 1 else ""))
+        + (f", {world.size} processes" if world.size > 1 else "")
+    )
     note = complete_note(r)
     if note:
         say(note)
@@ -182,25 +239,42 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
         return progress(label, -(-len(r.task.splits()[split]) // size)) if progress and world.main else (lambda: None)
 
     part = (world.rank, world.size)
-    epoch = last = start - 1  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
+    epoch = last = (
+        start - 1
+    )  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     status = "failed"
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
     attention.reset_choices(), attention.take_reads(), attention.reset_stats()
     try:
-        for epoch in range(start, r.train.epochs + 1) if r.train.epochs else [0]:  # epoch 0: the model untrained, scored
+        for epoch in (
+            range(start, r.train.epochs + 1) if r.train.epochs else [0]
+        ):  # epoch 0: the model untrained, scored
             if trainer.done:
                 break
             new = []
             if epoch:
-                shuffled = batches(r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part)
-                phase = trainer.train_epoch(shuffled, tick(f"epoch {epoch}/{r.train.epochs}", "train", r.train.batch_size))
+                shuffled = batches(
+                    r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part
+                )
+                phase = trainer.train_epoch(
+                    shuffled, tick(f"epoch {epoch}/{r.train.epochs}", "train", r.train.batch_size)
+                )
                 note = note or _ran_note(r, phase, say, epoch, model)
                 new.append(_row(common, epoch, "train", phase, attention))
-                say(f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)")
+                say(
+                    f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)"
+                )
             # every rank evaluates the whole split: no coordination, and every rank's model is the same
-            valid = evaluate(model, r.task, batches(r.task, "valid", r.pattern, r.train.eval_batch_size), r.pattern, r.device,
-                             decode_limit=r.train.decode_valid, precision=r.train.precision,
-                             on_batch=tick(f"epoch {epoch} valid", "valid", r.train.eval_batch_size))
+            valid = evaluate(
+                model,
+                r.task,
+                batches(r.task, "valid", r.pattern, r.train.eval_batch_size),
+                r.pattern,
+                r.device,
+                decode_limit=r.train.decode_valid,
+                precision=r.train.precision,
+                on_batch=tick(f"epoch {epoch} valid", "valid", r.train.eval_batch_size),
+            )
             note = note or _ran_note(r, valid, say, epoch, model)
             new.append(_row(common, epoch, "valid", valid, attention))
             rows += new
@@ -208,20 +282,37 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
             best = min(best, new[-1]["loss"])
             rng = world.gather(torch.get_rng_state())
             if world.main and epoch:
-                snapshot = {**trainer.state_dict(), "run_config": dataclasses.asdict(config), "common": json.dumps(common), "epoch": epoch,
-                            "rows": json.dumps(rows), "best_valid_loss": best, "rng": rng,
-                            "vocab": {"src": r.task.src_vocab.itos, "tgt": r.task.tgt_vocab.itos}}
+                snapshot = {
+                    **trainer.state_dict(),
+                    "run_config": dataclasses.asdict(config),
+                    "common": json.dumps(common),
+                    "epoch": epoch,
+                    "rows": json.dumps(rows),
+                    "best_valid_loss": best,
+                    "rng": rng,
+                    "vocab": {"src": r.task.src_vocab.itos, "tgt": r.task.tgt_vocab.itos},
+                }
                 checkpoint.save(ckpt_dir / checkpoint.LAST, snapshot)
                 if best_now:
                     checkpoint.save(ckpt_dir / checkpoint.BEST, snapshot)
                 write_run(results_dir, run_id, rows)
                 loggers.call("epoch_end", epoch, new)
             last = epoch
-            say(f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
-                + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items()))
+            say(
+                f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
+                + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items())
+            )
         beam = getattr(r.task_config, "beam", 1)
-        test = evaluate(model, r.task, batches(r.task, "test", r.pattern, r.train.eval_batch_size), r.pattern, r.device, beam=beam,
-                    precision=r.train.precision, on_batch=tick("test", "test", r.train.eval_batch_size))
+        test = evaluate(
+            model,
+            r.task,
+            batches(r.task, "test", r.pattern, r.train.eval_batch_size),
+            r.pattern,
+            r.device,
+            beam=beam,
+            precision=r.train.precision,
+            on_batch=tick("test", "test", r.train.eval_batch_size),
+        )
         rows.append(_row(common, last, "test", test, attention))
         if world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
             write_run(results_dir, run_id, rows)
@@ -229,13 +320,21 @@ def run(config: RunConfig, progress: Progress | None = None, log: Callable[[str]
                 checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
         status = "finished"
     except NonFiniteLoss as e:
-        kept = f"epochs up to {epoch - 1} and their checkpoint are kept under {results_dir}" if epoch > start else "nothing new was written"
-        raise GtxError(f"run {run_id} stopped: training loss is {e.value} at epoch {epoch}, step {e.step}; {kept}; "
-                       "lower --set lr_factor, or raise --set warmup") from None
+        kept = (
+            f"epochs up to {epoch - 1} and their checkpoint are kept under {results_dir}"
+            if epoch > start
+            else "nothing new was written"
+        )
+        raise GtxError(
+            f"run {run_id} stopped: training loss is {e.value} at epoch {epoch}, step {e.step}; {kept}; "
+            "lower --set lr_factor, or raise --set warmup"
+        ) from None
     except KeyboardInterrupt:
         status = "interrupted"
-        raise RunInterrupted(f"run {run_id} interrupted in epoch {epoch}: epochs up to {epoch - 1} are written; "
-                             f"continue with: gtx run --resume {run_id} --results {results_dir}") from None
+        raise RunInterrupted(
+            f"run {run_id} interrupted in epoch {epoch}: epochs up to {epoch - 1} are written; "
+            f"continue with: gtx run --resume {run_id} --results {results_dir}"
+        ) from None
     finally:
         loggers.call("end", rows, status)
     return pd.DataFrame(rows)
@@ -253,17 +352,23 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     try:
         loaded = model.load_state_dict(state["model"], strict=False)
     except RuntimeError as e:
-        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}") from None
+        raise GtxError(
+            f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}"
+        ) from None
     learned = [key for key in loaded.missing_keys if _trainable_key(key)]
     if learned:
         trained = json.loads(state["common"])["pattern"]
-        raise GtxError(f"pattern {r.chosen.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
-                       f"({learned[0]}); evaluate it under a pattern without them, or train under {r.chosen.spec!r}")
+        raise GtxError(
+            f"pattern {r.chosen.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
+            f"({learned[0]}); evaluate it under a pattern without them, or train under {r.chosen.spec!r}"
+        )
     # a trainable pattern's parameters are unused under another pattern: evaluating its model so is allowed
     other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not _trainable_key(key))]
     if other:
-        raise GtxError(f"checkpoint {path} does not fit model {config.model!r} as configured here: parameter {other[0]!r} "
-                       f"{'missing from the checkpoint' if other[0] in loaded.missing_keys else 'not in the model'}")
+        raise GtxError(
+            f"checkpoint {path} does not fit model {config.model!r} as configured here: parameter {other[0]!r} "
+            f"{'missing from the checkpoint' if other[0] in loaded.missing_keys else 'not in the model'}"
+        )
     return model, r, attention
 
 
@@ -271,8 +376,15 @@ def _trainable_key(key: str) -> bool:
     return key.startswith("trainable.") or ".trainable." in key
 
 
-def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "test", beam: int | None = None, pattern: str | None = None,
-                        backend: str | None = None, device: str = "auto") -> pd.DataFrame:
+def evaluate_checkpoint(
+    ref: str,
+    results_dir: str | None = None,
+    split: str = "test",
+    beam: int | None = None,
+    pattern: str | None = None,
+    backend: str | None = None,
+    device: str = "auto",
+) -> pd.DataFrame:
     """Evaluate a trained model (a checkpoint path, or a run id under ``results_dir``) on one split,
     under its own pattern or another; append the rows as a new run whose ``eval_of`` names the source."""
     if split not in SPLITS:
@@ -281,17 +393,46 @@ def evaluate_checkpoint(ref: str, results_dir: str | None = None, split: str = "
     state = checkpoint.load(path)
     trained = RunConfig(**state["run_config"])
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
-    config = dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend or trained.backend, device=device,
-                                 results_dir=results_dir, loggers=[])
+    config = dataclasses.replace(
+        trained,
+        pattern=pattern or trained.pattern,
+        backend=backend or trained.backend,
+        device=device,
+        results_dir=results_dir,
+        loggers=[],
+    )
     model, r, attention = trained_model(path, state, config)
     source = json.loads(state["common"])
-    stats = evaluate(model, r.task, batches(r.task, split, r.pattern, r.train.eval_batch_size), r.pattern, r.device,
-                     beam=beam or getattr(r.task_config, "beam", 1), precision=r.train.precision)
+    stats = evaluate(
+        model,
+        r.task,
+        batches(r.task, split, r.pattern, r.train.eval_batch_size),
+        r.pattern,
+        r.device,
+        beam=beam or getattr(r.task_config, "beam", 1),
+        precision=r.train.precision,
+    )
     run_id, started = _new_run_id(config.task, config.model, "-eval")
-    setup = {**r.as_dict(), "checkpoint": str(path), "trained_pattern": source["pattern"], "attention_stage": stages_of(model)}
-    common = {**source, "schema_version": SCHEMA_VERSION, "run_id": run_id, "started_at": started.isoformat(timespec="seconds"),
-              "pattern": r.chosen.spec, "cell": None, "experiment": r.experiment, "eval_of": source["run_id"], "backend": config.backend,
-              "device": str(r.device), "config": json.dumps(setup, sort_keys=True), **_versions()}
+    setup = {
+        **r.as_dict(),
+        "checkpoint": str(path),
+        "trained_pattern": source["pattern"],
+        "attention_stage": stages_of(model),
+    }
+    common = {
+        **source,
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "started_at": started.isoformat(timespec="seconds"),
+        "pattern": r.chosen.spec,
+        "cell": None,
+        "experiment": r.experiment,
+        "eval_of": source["run_id"],
+        "backend": config.backend,
+        "device": str(r.device),
+        "config": json.dumps(setup, sort_keys=True),
+        **_versions(),
+    }
     rows = [_row(common, state["epoch"], split, stats, attention)]
     write_run(_results_dir(results_dir), run_id, rows)
     return pd.DataFrame(rows)

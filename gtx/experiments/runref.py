@@ -43,13 +43,23 @@ def match_run(ids: Iterable[str], ref: str, where: str = "") -> str:
     if len(matches) == 1:
         return matches[0]
     if matches:
-        raise GtxError(f"run {ref!r} is ambiguous: it matches {len(matches)} runs ({', '.join(matches[:5])}{', ...' if len(matches) > 5 else ''}); "
-                       "give more of the id")
+        raise GtxError(
+            f"run {ref!r} is ambiguous: it matches {len(matches)} runs ({', '.join(matches[:5])}{', ...' if len(matches) > 5 else ''}); "
+            "give more of the id"
+        )
     # the tails are compared too: a mistyped 6-hex id is far from any whole id
     by_tail = {short_id(i): i for i in ids}
     close = [by_tail.get(c, c) for c in difflib.get_close_matches(ref, [*ids, *by_tail], n=3, cutoff=0.5)]
-    hint = f"closest: {', '.join(dict.fromkeys(close))}" if close else f"newest: {', '.join(ids[-3:])}" if ids else "there are none"
-    raise GtxError(f"no run {ref!r} among {len(ids)} run{'s' * (len(ids) != 1)}{where}; {hint}; `gtx runs{where}` lists them all")
+    hint = (
+        f"closest: {', '.join(dict.fromkeys(close))}"
+        if close
+        else f"newest: {', '.join(ids[-3:])}"
+        if ids
+        else "there are none"
+    )
+    raise GtxError(
+        f"no run {ref!r} among {len(ids)} run{'s' * (len(ids) != 1)}{where}; {hint}; `gtx runs{where}` lists them all"
+    )
 
 
 def resolve_run(ref: str, results_dir: str | Path) -> str:
@@ -57,7 +67,9 @@ def resolve_run(ref: str, results_dir: str | Path) -> str:
     return match_run(run_ids(results_dir), ref, f" --results {results_dir}" if str(results_dir) != "results" else "")
 
 
-def find_checkpoint(ref: str | Path, results_dir: str | Path, names: tuple[str, ...] = (checkpoint.BEST, checkpoint.LAST)) -> Path:
+def find_checkpoint(
+    ref: str | Path, results_dir: str | Path, names: tuple[str, ...] = (checkpoint.BEST, checkpoint.LAST)
+) -> Path:
     """A checkpoint file: ``ref`` itself where it is a file or ends in ``.pt``, else the first of
     ``names`` in the folder of the run ``ref`` names under ``results_dir`` (``resolve_run``)."""
     path = Path(ref)
@@ -68,5 +80,7 @@ def find_checkpoint(ref: str | Path, results_dir: str | Path, names: tuple[str, 
     for name in names:
         if (folder / name).is_file():
             return folder / name
-    raise GtxError(f"run {run_id} has no checkpoint ({' or '.join(names)}) under {folder.parent}; "
-                   "it may still be in its first epoch, or its checkpoints were removed")
+    raise GtxError(
+        f"run {run_id} has no checkpoint ({' or '.join(names)}) under {folder.parent}; "
+        "it may still be in its first epoch, or its checkpoints were removed"
+    )

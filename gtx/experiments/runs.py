@@ -34,7 +34,19 @@ from gtx.experiments.results import (
 )
 from gtx.experiments.runref import match_run, short_id
 
-SUMMARY_COLUMNS = ["run_id", "task", "model", "pattern", "backend", "seed", "status", "epochs", "metric", "best", "settings"]
+SUMMARY_COLUMNS = [
+    "run_id",
+    "task",
+    "model",
+    "pattern",
+    "backend",
+    "seed",
+    "status",
+    "epochs",
+    "metric",
+    "best",
+    "settings",
+]
 
 
 def config_of(rows: pd.DataFrame) -> dict:
@@ -61,7 +73,9 @@ def status(rows: pd.DataFrame, results_dir: str | Path) -> str:
 
 def phase_metrics(rows: pd.DataFrame) -> pd.DataFrame:
     """The task's scalar metrics of each row (bpc, query_acc, ...), from its ``metrics`` JSON, on the rows' index."""
-    return pd.DataFrame([scalar_metrics(json.loads(m)) if isinstance(m, str) else {} for m in rows.metrics], index=rows.index)
+    return pd.DataFrame(
+        [scalar_metrics(json.loads(m)) if isinstance(m, str) else {} for m in rows.metrics], index=rows.index
+    )
 
 
 def best(rows: pd.DataFrame, metric: str) -> float:
@@ -92,14 +106,29 @@ def summary(df: pd.DataFrame, results_dir: str | Path, metrics: dict[str, str]) 
     # started_at has whole seconds: an evaluation started in its run's second still comes after it
     runs.sort(key=lambda rows: (rows.started_at.iloc[0], isinstance(rows.eval_of.iloc[0], str), rows.run_id.iloc[0]))
     configs = [config_of(rows) for rows in runs]
-    settings = differing([flat_settings(r) for r in runs], [{"model": r.model.iloc[0], "task": r.task.iloc[0], "train": r.task.iloc[0]} for r in runs])
+    settings = differing(
+        [flat_settings(r) for r in runs],
+        [{"model": r.model.iloc[0], "task": r.task.iloc[0], "train": r.task.iloc[0]} for r in runs],
+    )
     out = []
     for rows, config, differ in zip(runs, configs, settings):
         first = rows.iloc[0]
         metric = metrics.get(first.task, "token_acc")
-        out.append({"run_id": first.run_id, "task": first.task, "model": first.model, "pattern": first.pattern, "backend": first.backend,
-                    "seed": int(first.seed), "status": status(rows, results_dir), "epochs": _epochs(rows, config), "metric": metric,
-                    "best": best(rows, metric), "settings": settings_text(differ)})
+        out.append(
+            {
+                "run_id": first.run_id,
+                "task": first.task,
+                "model": first.model,
+                "pattern": first.pattern,
+                "backend": first.backend,
+                "seed": int(first.seed),
+                "status": status(rows, results_dir),
+                "epochs": _epochs(rows, config),
+                "metric": metric,
+                "best": best(rows, metric),
+                "settings": settings_text(differ),
+            }
+        )
     return pd.DataFrame(out, columns=SUMMARY_COLUMNS)
 
 
@@ -118,8 +147,14 @@ def checkpoints(results_dir: str | Path, run_id: str) -> pd.DataFrame:
             epoch = str(checkpoint.load(path, mmap=True)["epoch"])
         except (GtxError, KeyError):
             epoch = "-"
-        out.append({"path": str(path), "size": f"{stat.st_size / 2**20:.2f} MiB",
-                    "modified": dt.datetime.fromtimestamp(stat.st_mtime, dt.timezone.utc).isoformat(timespec="seconds"), "epoch": epoch})
+        out.append(
+            {
+                "path": str(path),
+                "size": f"{stat.st_size / 2**20:.2f} MiB",
+                "modified": dt.datetime.fromtimestamp(stat.st_mtime, dt.timezone.utc).isoformat(timespec="seconds"),
+                "epoch": epoch,
+            }
+        )
     return pd.DataFrame(out, columns=["path", "size", "modified", "epoch"])
 
 
@@ -135,8 +170,12 @@ def rows_table(rows: pd.DataFrame) -> pd.DataFrame:
 def _lines(pairs: list[tuple[str, object]], wrap: int = 110) -> list[str]:
     """``key  value`` lines, values aligned and long ones wrapped under themselves."""
     width = max(len(k) for k, _ in pairs)
-    return [textwrap.fill(str(v), wrap, initial_indent=f"{k:<{width}}  ", subsequent_indent=" " * (width + 2), break_on_hyphens=False)
-            for k, v in pairs]
+    return [
+        textwrap.fill(
+            str(v), wrap, initial_indent=f"{k:<{width}}  ", subsequent_indent=" " * (width + 2), break_on_hyphens=False
+        )
+        for k, v in pairs
+    ]
 
 
 def describe(df: pd.DataFrame, run_id: str, results_dir: str | Path) -> str:
@@ -146,14 +185,29 @@ def describe(df: pd.DataFrame, run_id: str, results_dir: str | Path) -> str:
     head = [("run", run_id), ("status", status(rows, results_dir)), ("started_at", first.started_at)]
     head += [(c, first[c]) for c in ("task", "model", "pattern", "backend", "seed", "device")]
     head += [(c, first[c]) for c in ("cell", "experiment", "eval_of") if c in rows.columns and pd.notna(first[c])]
-    head += [("parameters", f"{first.n_params:,}"), ("versions", f"gtx {first.gtx_version}, torch {first.torch_version}, dgl {first.dgl_version}")]
+    head += [
+        ("parameters", f"{first.n_params:,}"),
+        ("versions", f"gtx {first.gtx_version}, torch {first.torch_version}, dgl {first.dgl_version}"),
+    ]
     names = {"model_config": f"model {first.model}", "task_config": f"task {first.task}", "train": "train"}
     given = config.get("settings") or {}
     body = [("--set", settings_text(given) or "(none: all defaults)")] if "settings" in config else []
     body += [(names[part], settings_text(config.get(part) or {}) or "-") for part in CONFIG_PARTS if part in config]
-    shown = {*CONFIG_PARTS, "settings", "task", "model", "backend", "seed", "device"} | ({"pattern"} if config.get("pattern") == first.pattern else set())
-    body += [(k, value_text(v)) for k, v in sorted(config.items()) if k not in shown]  # the pattern as the model ran it (ut: act(...)), eval's checkpoint
-    out = _lines(head) + [""] + (_lines(body) if body else ["(no configuration stored)"]) + ["", format_table(rows_table(rows))]
+    shown = {*CONFIG_PARTS, "settings", "task", "model", "backend", "seed", "device"} | (
+        {"pattern"} if config.get("pattern") == first.pattern else set()
+    )
+    body += [
+        (k, value_text(v)) for k, v in sorted(config.items()) if k not in shown
+    ]  # the pattern as the model ran it (ut: act(...)), eval's checkpoint
+    out = (
+        _lines(head)
+        + [""]
+        + (_lines(body) if body else ["(no configuration stored)"])
+        + ["", format_table(rows_table(rows))]
+    )
     ckpts = checkpoints(results_dir, run_id)
-    out += ["", format_table(ckpts) if len(ckpts) else f"no checkpoints under {checkpoint.checkpoint_dir(results_dir, run_id)}"]
+    out += [
+        "",
+        format_table(ckpts) if len(ckpts) else f"no checkpoints under {checkpoint.checkpoint_dir(results_dir, run_id)}",
+    ]
     return "\n".join(out)

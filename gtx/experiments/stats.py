@@ -53,7 +53,13 @@ def summarize(values, level: float = 0.95) -> Summary:
     std = float(a.std(ddof=1))
     half = float(sps.t.ppf((1 + level) / 2, n - 1)) * std / math.sqrt(n)
     with np.errstate(over="ignore"):  # an interval past the float range is infinite, as it should be
-        return Summary(n, scale * mean, scale * std, float(np.float64(scale) * (mean - half)), float(np.float64(scale) * (mean + half)))
+        return Summary(
+            n,
+            scale * mean,
+            scale * std,
+            float(np.float64(scale) * (mean - half)),
+            float(np.float64(scale) * (mean + half)),
+        )
 
 
 def welch_p(a, b) -> float:
@@ -129,7 +135,7 @@ def tost_p(a, b, margin: float) -> float:
     if va + vb == 0:
         return 0.0 if abs(d) < margin else 1.0
     se = math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))  # Welch-Satterthwaite
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))  # Welch-Satterthwaite
     p_low = float(sps.t.sf((d + margin) / se, df))  # H0: d <= -margin
     p_high = float(sps.t.cdf((d - margin) / se, df))  # H0: d >= margin
     return max(p_low, p_high)

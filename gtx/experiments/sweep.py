@@ -72,7 +72,7 @@ def split_patterns(text: str, names: Iterable[str]) -> list[str]:
     for i, ch in enumerate(text):
         depth += (ch == "(") - (ch == ")")
         if ch == "," and depth == 0:
-            m = re.match(r"\s*([A-Za-z_][\w-]*)\s*(=?)", text[i + 1:])
+            m = re.match(r"\s*([A-Za-z_][\w-]*)\s*(=?)", text[i + 1 :])
             if m and m[1] in names and not m[2]:
                 specs.append(text[start:i].strip())
                 start = i + 1
@@ -92,10 +92,17 @@ class Grid:
     device: str = "auto"
 
 
-def make_grid(seeds: str | None = None, settings: dict[str, list[str]] | None = None, device: str | None = None, **axes) -> Grid:
+def make_grid(
+    seeds: str | None = None, settings: dict[str, list[str]] | None = None, device: str | None = None, **axes
+) -> Grid:
     """A grid from lists (``task=[...]``, ...); a missing axis takes ``gtx run``'s default. Raises GtxError when empty."""
     lists = {a: list(axes[a]) if axes.get(a) is not None else [DEFAULTS[a]] for a in AXES}
-    grid = Grid(**lists, seeds=parse_seeds(DEFAULTS["seeds"] if seeds is None else seeds), settings=dict(settings or {}), device=device or "auto")
+    grid = Grid(
+        **lists,
+        seeds=parse_seeds(DEFAULTS["seeds"] if seeds is None else seeds),
+        settings=dict(settings or {}),
+        device=device or "auto",
+    )
     for key, values in [*lists.items(), *grid.settings.items()]:
         if not values:
             raise GtxError(f"empty grid: {key} has no values")
@@ -140,8 +147,11 @@ def read_grid_file(path: str | Path) -> dict:
     if not isinstance(data.get("set", {}), dict):
         raise GtxError(f"{path}: set must be a table, [set] with key = value lines")
     out["settings"] = {k: _as_list(path, f"set.{k}", v) for k, v in _flat(data.get("set", {}))}
-    checks = {"device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda"), "results": (lambda v: isinstance(v, str), "a string"),
-              "jobs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer")}
+    checks = {
+        "device": (lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
+        "results": (lambda v: isinstance(v, str), "a string"),
+        "jobs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+    }
     for key, (ok, what) in checks.items():
         if key in data:
             if not ok(data[key]):
@@ -180,7 +190,11 @@ def cell_states(results_dir: str | Path) -> dict[str, tuple[bool, str, bool]]:
     for cell, rows in df.groupby("cell", sort=False):
         latest = rows.sort_values(["started_at", "run_id"]).run_id.iloc[-1]
         complete = rows[rows.run_id.isin(rows.run_id[rows.split == "test"])]
-        states[cell] = (len(complete) > 0, latest, len(complete) > 0 and bool((complete.schema_version < KEYED_SINCE).all()))
+        states[cell] = (
+            len(complete) > 0,
+            latest,
+            len(complete) > 0 and bool((complete.schema_version < KEYED_SINCE).all()),
+        )
     return states
 
 
@@ -196,16 +210,27 @@ def plan(grid: Grid, results_dir: str | Path) -> list[Cell]:
 
     for name in grid.backend:
         BACKENDS.get(name)  # cell_key does not look at the backend; availability is the run's business
-    size = math.prod(len(v) for v in (grid.seeds, grid.task, grid.model, grid.pattern, grid.backend, *grid.settings.values()))
+    size = math.prod(
+        len(v) for v in (grid.seeds, grid.task, grid.model, grid.pattern, grid.backend, *grid.settings.values())
+    )
     if size > MAX_CELLS:
         raise GtxError(f"the grid has {size:,} cells, more than {MAX_CELLS:,}; split the sweep into several")
     swept = [k for k, v in grid.settings.items() if len(v) > 1]
     cells: list[Cell] = []
     seen: set[str] = set()
     for seed, task, model, pattern, backend, *values in itertools.product(
-            grid.seeds, grid.task, grid.model, grid.pattern, grid.backend, *grid.settings.values()):
-        config = RunConfig(task=task, model=model, pattern=pattern, backend=backend, device=grid.device, seed=seed,
-                           results_dir=str(results_dir), settings=dict(zip(grid.settings, values)))
+        grid.seeds, grid.task, grid.model, grid.pattern, grid.backend, *grid.settings.values()
+    ):
+        config = RunConfig(
+            task=task,
+            model=model,
+            pattern=pattern,
+            backend=backend,
+            device=grid.device,
+            seed=seed,
+            results_dir=str(results_dir),
+            settings=dict(zip(grid.settings, values)),
+        )
         label = _label(config, swept)
         try:
             key = cell_key(config)
@@ -223,8 +248,12 @@ def as_results_stand(cell: Cell, states: dict[str, tuple[bool, str, bool]], resu
     cell, ``resume`` its latest run where that run left a checkpoint, else ``run``."""
     complete, latest, rekeyed = states.get(cell.key, (False, None, False))
     resume = not complete and latest is not None and last_checkpoint(results_dir, latest).is_file()
-    return replace(cell, action="skip" if complete else "resume" if resume else "run", run_id=latest if resume else None,
-                               rekeyed=rekeyed)
+    return replace(
+        cell,
+        action="skip" if complete else "resume" if resume else "run",
+        run_id=latest if resume else None,
+        rekeyed=rekeyed,
+    )
 
 
 def run_args(cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | Path] = ()) -> list[str]:
@@ -233,7 +262,19 @@ def run_args(cell: Cell, results_dir: str | Path, plugins_dirs: Iterable[str | P
     if cell.action == "resume":
         args = ["run", "--resume", cell.run_id, "--results", str(results_dir)]
     else:
-        args = ["run", "--task", c.task, "--model", c.model, "--pattern", c.pattern, "--backend", c.backend, "--seed", str(c.seed)]
+        args = [
+            "run",
+            "--task",
+            c.task,
+            "--model",
+            c.model,
+            "--pattern",
+            c.pattern,
+            "--backend",
+            c.backend,
+            "--seed",
+            str(c.seed),
+        ]
         args += ["--device", c.device] if c.device != "auto" else []
         args += ["--results", str(results_dir), *(a for k, v in c.settings.items() for a in ("--set", f"{k}={v}"))]
     return [*args, *(a for d in plugins_dirs for a in ("--plugins-dir", str(d))), "--quiet"]
@@ -248,9 +289,15 @@ def launcher_argv(nproc: int = 1, program: str | None = None) -> list[str]:
     return [*torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "gtx.cli"]
 
 
-def dry_run_lines(cells: list[Cell], results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (), nproc: int = 1) -> list[str]:
+def dry_run_lines(
+    cells: list[Cell], results_dir: str | Path, plugins_dirs: Iterable[str | Path] = (), nproc: int = 1
+) -> list[str]:
     """One shell command per cell still to run, for any scheduler sharing the results folder."""
-    return [shlex.join([*launcher_argv(nproc, "gtx"), *run_args(c, results_dir, plugins_dirs)]) for c in cells if c.action != "skip"]
+    return [
+        shlex.join([*launcher_argv(nproc, "gtx"), *run_args(c, results_dir, plugins_dirs)])
+        for c in cells
+        if c.action != "skip"
+    ]
 
 
 def sweep_name(grid_file: str | Path | None, cells: list[Cell]) -> str:
@@ -282,8 +329,10 @@ class Counts:
 
     def line(self) -> str:
         other = f", {self.elsewhere} run by another sweep" if self.elsewhere else ""
-        return (f"sweep {self.name}: {self.done}/{self.total - self.skipped} done, {self.running} running, "
-                f"{self.failed} failed, {self.skipped} skipped{other}")
+        return (
+            f"sweep {self.name}: {self.done}/{self.total - self.skipped} done, {self.running} running, "
+            f"{self.failed} failed, {self.skipped} skipped{other}"
+        )
 
 
 @dataclass
@@ -301,9 +350,18 @@ def last_line(log: Path, offset: int) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
-def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str | Path, jobs: int = 1,
-            plugins_dirs: Iterable[str | Path] = (), on_change: Callable[[Counts], None] = lambda c: None,
-            on_failure: Callable[[Failure], None] = lambda f: None, poll_s: float = 0.1, nproc: int = 1) -> list[Failure]:
+def execute(
+    cells: list[Cell],
+    counts: Counts,
+    log_dir: Path,
+    results_dir: str | Path,
+    jobs: int = 1,
+    plugins_dirs: Iterable[str | Path] = (),
+    on_change: Callable[[Counts], None] = lambda c: None,
+    on_failure: Callable[[Failure], None] = lambda f: None,
+    poll_s: float = 0.1,
+    nproc: int = 1,
+) -> list[Failure]:
     """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` (under
     torchrun with ``nproc`` processes when ``nproc`` > 1) with its
     output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on. A
@@ -317,7 +375,9 @@ def execute(cells: list[Cell], counts: Counts, log_dir: Path, results_dir: str |
         while queue or running:
             while queue and len(running) < jobs:
                 cell = queue.pop(0)
-                if claims.claim(results_dir, cell.key) is not None:  # another sweep runs it: its run lands in the same folder
+                if (
+                    claims.claim(results_dir, cell.key) is not None
+                ):  # another sweep runs it: its run lands in the same folder
                     counts.elsewhere += 1
                     on_change(counts)
                     continue

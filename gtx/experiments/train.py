@@ -28,7 +28,11 @@ from gtx.values import setting
 
 @dataclass
 class TrainConfig:
-    epochs: int = setting(4, "passes over the training split; 0: score the model as built or loaded (a pretrained one) on valid and test", "[0, inf)")
+    epochs: int = setting(
+        4,
+        "passes over the training split; 0: score the model as built or loaded (a pretrained one) on valid and test",
+        "[0, inf)",
+    )
     max_steps: int = setting(0, "stop after this many optimizer steps (0: no limit)", "[0, inf)")
     batch_size: int = setting(128, "examples per batch", "[1, inf)")
     eval_batch_size: int = setting(256, range="[1, inf)")
@@ -37,8 +41,11 @@ class TrainConfig:
     label_smoothing: float = setting(0.1, range="[0, 1)")
     clip_norm: float = setting(1.0, "gradient norm clip (0: off)", "[0, inf)")
     decode_valid: int = setting(-1, "valid examples decoded per epoch for seq_acc (-1: all, 0: none)", "[-1, inf)")
-    precision: str = setting("float32", "float32, or bfloat16: autocast, matrix products and attention in bfloat16, weights, "
-                                        "optimizer and losses in float32")
+    precision: str = setting(
+        "float32",
+        "float32, or bfloat16: autocast, matrix products and attention in bfloat16, weights, "
+        "optimizer and losses in float32",
+    )
 
 
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16}
@@ -164,7 +171,10 @@ class PhaseStats:
 
     def task_metrics(self, task: Task) -> dict:
         groups = {g: tuple(v) for g, v in self.groups.items()}
-        return checks.metrics(f"task {task.name!r} phase_metrics", task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups, self.split))
+        return checks.metrics(
+            f"task {task.name!r} phase_metrics",
+            task.phase_metrics(self.loss_sum / max(self.tokens, 1), groups, self.split),
+        )
 
     def edges_per_query(self, stage: str) -> float:
         edges, queries, _ = self.edges.get(stage, (0, 0, 0))
@@ -200,10 +210,27 @@ class NonFiniteLoss(GtxError):
 class Trainer:
     """Owns the optimiser and step counter of one run (of this rank, under data parallelism)."""
 
-    def __init__(self, model: GraphModel, config: TrainConfig, dim: int, device: torch.device, task: Task | None = None, world: World | None = None):
-        self.model, self.config, self.dim, self.device, self.task, self.world = model, config, dim, device, task, world or World()
+    def __init__(
+        self,
+        model: GraphModel,
+        config: TrainConfig,
+        dim: int,
+        device: torch.device,
+        task: Task | None = None,
+        world: World | None = None,
+    ):
+        self.model, self.config, self.dim, self.device, self.task, self.world = (
+            model,
+            config,
+            dim,
+            device,
+            task,
+            world or World(),
+        )
         self.forward = self.world.wrap(model)
-        self.opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)  # one kernel for all parameters (CPU and CUDA)
+        self.opt = torch.optim.Adam(
+            model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True
+        )  # one kernel for all parameters (CPU and CUDA)
         self.step = 0
 
     @property
@@ -227,7 +254,9 @@ class Trainer:
                 if self.task:  # plain-torch references in benchmarks train without a task
                     checks.model_output(self.model, out, len(batch.targets), len(self.task.tgt_vocab))
                 # sum over this rank's scored targets / the global count (x ranks: DDP averages): the global mean's gradient
-                summed = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing, reduction="sum")
+                summed = F.cross_entropy(
+                    out.logits, batch.targets, ignore_index=IGNORE, label_smoothing=c.label_smoothing, reduction="sum"
+                )
                 scored = (batch.targets != IGNORE).sum()
                 count, bad = self.world.sum(torch.stack([scored, (~summed.isfinite()).long()]).cpu()).tolist()
                 if bad:
@@ -236,7 +265,9 @@ class Trainer:
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 aux, frozen = attention.take_losses() if attention is not None else (None, False)
-                if aux is not None:  # a trainable pattern's own losses (DSA's indexer); alone while it freezes the model
+                if (
+                    aux is not None
+                ):  # a trainable pattern's own losses (DSA's indexer); alone while it freezes the model
                     loss = aux if frozen else loss + aux
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -247,7 +278,11 @@ class Trainer:
                     group["lr"] = noam_lr(self.step, self.dim, c.lr_factor, c.warmup)
                 self.opt.step()
                 with torch.no_grad():  # the statistics' loss is this rank's mean cross-entropy, without smoothing
-                    nll = F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE) if c.label_smoothing else summed / scored.clamp_min(1)
+                    nll = (
+                        F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE)
+                        if c.label_smoothing
+                        else summed / scored.clamp_min(1)
+                    )
                     stats.add(out, batch, nll, read)
                 on_batch()
                 if self.done:
@@ -268,8 +303,17 @@ class Trainer:
 
 
 @torch.no_grad()
-def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: Pattern, device: torch.device,
-             decode_limit: int = -1, beam: int = 1, precision: str = "float32", on_batch: Callable[[], None] = lambda: None) -> PhaseStats:
+def evaluate(
+    model: GraphModel,
+    task: Task,
+    batches: Iterable[Batch],
+    pattern: Pattern,
+    device: torch.device,
+    decode_limit: int = -1,
+    beam: int = 1,
+    precision: str = "float32",
+    on_batch: Callable[[], None] = lambda: None,
+) -> PhaseStats:
     """Teacher-forced loss and token accuracy over the batches, and the task's phase metrics; for
     seq2seq tasks then decode up to ``decode_limit`` examples (-1: all) for sequence accuracy and
     the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
@@ -287,7 +331,9 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
                 out = forward_pass(model, batch, device, precision)
             stats.flops += flops.total
             stats.attn_flops += flops.attention
-            read = attention.take_reads() if attention is not None else None  # the teacher-forced pass's, not decoding's
+            read = (
+                attention.take_reads() if attention is not None else None
+            )  # the teacher-forced pass's, not decoding's
             checks.model_output(model, out, len(batch.targets), len(task.tgt_vocab))
             stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE), read)
             if decode_limit < 0 or len(hyps) < decode_limit:
@@ -305,6 +351,8 @@ def evaluate(model: GraphModel, task: Task, batches: Iterable[Batch], pattern: P
     if decode_limit:
         if decode_limit > 0:
             hyps, refs = hyps[:decode_limit], refs[:decode_limit]
-        decoded = checks.metrics(f"task {task.name!r} metrics", {"seq_acc": task.seq_acc(hyps, refs), **task.metrics(hyps, refs)})
+        decoded = checks.metrics(
+            f"task {task.name!r} metrics", {"seq_acc": task.seq_acc(hyps, refs), **task.metrics(hyps, refs)}
+        )
         stats.extra.update(**decoded, decoded=len(hyps), decode_s=decode_s, beam=beam)
     return stats

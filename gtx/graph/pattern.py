@@ -68,8 +68,12 @@ class Pattern:
     edge_fns: Mapping[str, EdgeFn] = field(default_factory=dict)
     filter: Callable | None = None
     # What a pattern does at run time, beyond fixed edges (gtx.attention executes it):
-    heads: tuple[Pattern, ...] = ()  # head groups, ``heads(a,b)``: the heads split evenly, in order; the rules above are their union
-    bias: tuple[str, tuple] | None = None  # a registered score bias and its parameters, ``P+alibi``: (name, ((key, value), ...))
+    heads: tuple[
+        Pattern, ...
+    ] = ()  # head groups, ``heads(a,b)``: the heads split evenly, in order; the rules above are their union
+    bias: tuple[str, tuple] | None = (
+        None  # a registered score bias and its parameters, ``P+alibi``: (name, ((key, value), ...))
+    )
     select: Callable | None = None  # ``select(q, k, edges) -> Selection``: per head, a subset of this pattern's edges
     budget: int | None = None  # most keys a selection keeps per query: a run checks it is below the candidates
     # ``trainable(heads, head_dim) -> gtx.attention.trainable.Trainable``: attention with parameters of its own (nsa, dsa),
@@ -129,8 +133,13 @@ class Pattern:
                 return src, dst
             rows = int(torch.searchsorted(dst, n_q))
             return src[:rows], dst[:rows]
-        return self.memo("edges", (stage, n_q, n_k), lambda: self._checked(stage, n_q, n_k), EDGE_CACHE_BYTES,
-                         weigh=lambda edges: 16 * edges[0].numel())
+        return self.memo(
+            "edges",
+            (stage, n_q, n_k),
+            lambda: self._checked(stage, n_q, n_k),
+            EDGE_CACHE_BYTES,
+            weigh=lambda edges: 16 * edges[0].numel(),
+        )
 
     def _checked(self, stage: str, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = self._raw_edges(stage, n_q, n_k)
@@ -140,7 +149,9 @@ class Pattern:
             check_prefix(self.spec, stage, n_q, n_k, src, dst, shorter)
         return src, dst
 
-    def memo(self, group: str, key, build: Callable[[], object], size: int, weigh: Callable[[object], int] = lambda _: 1):
+    def memo(
+        self, group: str, key, build: Callable[[], object], size: int, weigh: Callable[[object], int] = lambda _: 1
+    ):
         """``build()``, kept with this pattern among the most recently used values of its ``group``
         whose weights (``weigh``, default 1 each) sum to at most ``size`` (the newest always kept):
         what a pattern's run derives per batch (e.g. per lengths) and reuses across layers and
@@ -159,7 +170,9 @@ class Pattern:
     def structure(self, stage: str, n_q: int, n_k: int) -> str | None:
         """``"complete"`` (every key), ``"causal"`` (n_q == n_k, keys at or before the query) or
         None, for one sample's validated edges; cached."""
-        if stage in self.structures and (n_q, n_k) != (1, 1) and (self.structures[stage] == "complete" or n_q == n_k):  # 1x1: "complete", as counted
+        if (
+            stage in self.structures and (n_q, n_k) != (1, 1) and (self.structures[stage] == "complete" or n_q == n_k)
+        ):  # 1x1: "complete", as counted
             return self.structures[stage]
         key = ("structure", stage, n_q, n_k)
         if key not in self._cache:
@@ -197,8 +210,10 @@ def within_window(pattern: Pattern, keys: int) -> Pattern:
 def _windowed(pattern: Pattern, keys: int) -> Pattern:
     name = f"window of {keys} keys"
     if pattern.trainable is not None:
-        raise PatternError(f"pattern {pattern.spec!r} attends with its own parameters over every earlier key: it cannot run within a {name}; "
-                           "use a fixed pattern, topk or lsh there")
+        raise PatternError(
+            f"pattern {pattern.spec!r} attends with its own parameters over every earlier key: it cannot run within a {name}; "
+            "use a fixed pattern, topk or lsh there"
+        )
     window = Pattern.from_rule(lambda q, k, n_q, n_k: (q - k < keys) & (k - q < keys), spec=f"window:{keys}")
     core = replace(pattern, heads=(), bias=None, select=None, budget=None, _cache={}) & window
     select = pattern.select
@@ -207,12 +222,21 @@ def _windowed(pattern: Pattern, keys: int) -> Pattern:
         chosen = select(q, k, edges)
         if chosen is None or isinstance(chosen, torch.Tensor) or edges.root.structure is not None:
             return chosen  # a keep mask over the windowed candidates, or every candidate (causal): inside the window
-        raise PatternError(f"pattern {pattern.spec!r} chooses among all earlier keys, not among its candidates: it cannot run within a {name}; "
-                           "use a fixed pattern, topk or lsh there")
+        raise PatternError(
+            f"pattern {pattern.spec!r} chooses among all earlier keys, not among its candidates: it cannot run within a {name}; "
+            "use a fixed pattern, topk or lsh there"
+        )
 
     spec = f"({pattern.spec})" if set("|+") & set(_top_level(pattern.spec)) else pattern.spec
-    return replace(core, heads=tuple(within_window(g, keys) for g in pattern.heads), bias=pattern.bias, select=select and chosen_within,
-                   budget=pattern.budget, spec=f"{spec}&{window.spec}", _cache={})
+    return replace(
+        core,
+        heads=tuple(within_window(g, keys) for g in pattern.heads),
+        bias=pattern.bias,
+        select=select and chosen_within,
+        budget=pattern.budget,
+        spec=f"{spec}&{window.spec}",
+        _cache={},
+    )
 
 
 def grid_edges(rule: Rule, n_q: int, n_k: int, who: str = "rule") -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,8 +278,11 @@ def _intersect_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _combine(a: Pattern, b: Pattern, op: str, logical, merge) -> Pattern:
     for p in (a, b):
         if not p.plain:
-            raise PatternError(f"pattern {p.spec!r} splits heads, biases scores or selects edges at run time: it cannot be combined with "
-                               f"'{op}'; combine fixed patterns inside it instead, e.g. topk(local:w=8|strided:l=8) or (a|b)+alibi")
+            raise PatternError(
+                f"pattern {p.spec!r} splits heads, biases scores or selects edges at run time: it cannot be combined with "
+                f"'{op}'; combine fixed patterns inside it instead, e.g. topk(local:w=8|strided:l=8) or (a|b)+alibi"
+            )
+
     def stage_rule(stage):
         ra, rb = a.rule(stage), b.rule(stage)
         return lambda q, k, n_q, n_k: logical(ra(q, k, n_q, n_k), rb(q, k, n_q, n_k))
@@ -296,7 +323,9 @@ def check_edges(spec: str, stage: str, n_q: int, n_k: int, src: torch.Tensor, ds
     bad = (src < 0) | (src >= n_k) | (dst < 0) | (dst >= n_q)
     if bad.any():
         i = int(bad.nonzero()[0])
-        raise PatternError(f"{where}: edge {int(src[i])}->{int(dst[i])} is out of range (keys 0..{n_k - 1}, queries 0..{n_q - 1})")
+        raise PatternError(
+            f"{where}: edge {int(src[i])}->{int(dst[i])} is out of range (keys 0..{n_k - 1}, queries 0..{n_q - 1})"
+        )
     key = dst * n_k + src
     dup = key[1:] == key[:-1]
     if dup.any():

@@ -49,18 +49,24 @@ def _short(spec: str) -> str:
 def _check_shape(spec: str) -> None:
     """One line for a spec the parser should not walk: too long, too deep, or with characters no spec has."""
     if len(spec) > MAX_SPEC:
-        raise PatternError(f"pattern spec of {len(spec):,} characters ({_short(spec)!r}): gtx takes at most {MAX_SPEC:,}; "
-                           "write a composition this large as a pattern plugin (docs/writing-patterns.md)")
+        raise PatternError(
+            f"pattern spec of {len(spec):,} characters ({_short(spec)!r}): gtx takes at most {MAX_SPEC:,}; "
+            "write a composition this large as a pattern plugin (docs/writing-patterns.md)"
+        )
     odd = next(((i, c) for i, c in enumerate(spec) if not (c.isascii() and c.isprintable())), None)
     if odd:
-        raise PatternError(f"pattern spec {_short(spec)!r}: {odd[1]!r} at position {odd[0]} is not part of a spec; names, keys and values "
-                           "are ASCII (see `gtx patterns`)")
+        raise PatternError(
+            f"pattern spec {_short(spec)!r}: {odd[1]!r} at position {odd[0]} is not part of a spec; names, keys and values "
+            "are ASCII (see `gtx patterns`)"
+        )
     depth = deepest = 0
     for c in spec:
         depth += (c == "(") - (c == ")")
         deepest = max(deepest, depth)
     if deepest > MAX_DEPTH:
-        raise PatternError(f"pattern spec {_short(spec)!r} nests {deepest} levels of parentheses; gtx takes at most {MAX_DEPTH}")
+        raise PatternError(
+            f"pattern spec {_short(spec)!r} nests {deepest} levels of parentheses; gtx takes at most {MAX_DEPTH}"
+        )
 
 
 @lru_cache(maxsize=256)
@@ -71,7 +77,9 @@ def _parse_cached(spec: str, generation: int) -> Pattern:
     parser = _Parser(spec)
     pattern = parser.biased()
     if parser.pos != len(spec):
-        raise PatternError(f"cannot parse pattern {_short(spec)!r} at {_short(spec[parser.pos:])!r}; expected '|', '&', '+' or the end")
+        raise PatternError(
+            f"cannot parse pattern {_short(spec)!r} at {_short(spec[parser.pos :])!r}; expected '|', '&', '+' or the end"
+        )
     return pattern
 
 
@@ -90,7 +98,7 @@ class _Parser:
         m = _TOKEN.match(self.spec, self.pos)
         got = (m.group("op") or "name") if m else None
         if got != what:
-            rest = self.spec[self.pos:].strip() or "the end"
+            rest = self.spec[self.pos :].strip() or "the end"
             raise PatternError(f"cannot parse pattern {_short(self.spec)!r}: expected {what!r} at {_short(rest)!r}")
         self.pos = m.end()
         return m.group("name") or m.group("op")
@@ -147,13 +155,17 @@ class _Parser:
 def _split_params(name: str, text: str) -> dict[str, str]:
     params: dict[str, str] = {}
     if not text.strip():
-        raise PatternError(f"pattern {name!r}: ':' with no parameters after it; write {name} for its defaults, or key=value after the ':'")
+        raise PatternError(
+            f"pattern {name!r}: ':' with no parameters after it; write {name} for its defaults, or key=value after the ':'"
+        )
     for item in (s.strip() for s in text.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise PatternError(f"bad parameter {item!r} for pattern {name!r}; write key=value, e.g. {name}:w=4")
         if key.strip() in params:
-            raise PatternError(f"pattern {name!r}: parameter {key.strip()!r} is given twice ({params[key.strip()]} and {value.strip()}); give it once")
+            raise PatternError(
+                f"pattern {name!r}: parameter {key.strip()!r} is given twice ({params[key.strip()]} and {value.strip()}); give it once"
+            )
         params[key.strip()] = value.strip()
     return params
 
@@ -181,9 +193,13 @@ def _convert(name: str, key: str, value: str, annotation) -> object:
     try:
         parsed = parse_scalar(value, typ)
     except ValueError:
-        raise PatternError(f"parameter {key} of pattern {name!r} must be {typ.__name__}, got {_short(value)!r}") from None
+        raise PatternError(
+            f"parameter {key} of pattern {name!r} must be {typ.__name__}, got {_short(value)!r}"
+        ) from None
     if typ is int and abs(parsed) > MAX_INT:
-        raise PatternError(f"parameter {key} of pattern {name!r} is {_short(value)}: beyond {MAX_INT:,}, no position, count or size gtx can use")
+        raise PatternError(
+            f"parameter {key} of pattern {name!r} is {_short(value)}: beyond {MAX_INT:,}, no position, count or size gtx can use"
+        )
     return parsed
 
 
@@ -201,12 +217,19 @@ def add_bias(pattern: Pattern, name: str, raw: Mapping[str, str]) -> Pattern:
     from gtx.plugins.registry import BIASES
 
     if pattern.bias is not None:
-        raise PatternError(f"pattern {pattern.spec!r} already has the bias {pattern.bias[0]!r}; give one bias per pattern")
+        raise PatternError(
+            f"pattern {pattern.spec!r} already has the bias {pattern.bias[0]!r}; give one bias per pattern"
+        )
     factory = BIASES.get(name).obj
     kwargs = _kwargs("bias", name, factory, raw, skip="heads")
     resolved = {n: kwargs.get(n, p.default) for n, p in pattern_params(factory, "heads").items()}
     args = ",".join(f"{k}={_fmt(v)}" for k, v in resolved.items())
-    return replace(pattern, bias=(name, tuple(kwargs.items())), spec=f"{pattern.spec}+{name}{':' + args if args else ''}", _cache={})
+    return replace(
+        pattern,
+        bias=(name, tuple(kwargs.items())),
+        spec=f"{pattern.spec}+{name}{':' + args if args else ''}",
+        _cache={},
+    )
 
 
 def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | tuple[Pattern, ...] | None = None) -> Pattern:
@@ -245,5 +268,3 @@ def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | tuple[Patt
 
 def _fmt(v: object) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
-
-

@@ -31,11 +31,25 @@ class EdgeSet:
     ``pattern``: the pattern that made the set; ``groups``: a head-grouped pattern's set per group.
     A set is built whole: nothing of it changes after construction but the caches."""
 
-    def __init__(self, src: torch.Tensor | None, dst: torch.Tensor | None, n_src: int, n_dst: int, stage: str = "",
-                 q_lens: tuple[int, ...] | None = None, k_lens: tuple[int, ...] | None = None, parent: EdgeSet | None = None,
-                 keep: torch.Tensor | None = None, *, structure: str | None = None,
-                 build: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None, num_edges: int | None = None,
-                 device: torch.device | str = "cpu", pattern: Pattern | None = None, groups: Sequence[EdgeSet] = ()):
+    def __init__(
+        self,
+        src: torch.Tensor | None,
+        dst: torch.Tensor | None,
+        n_src: int,
+        n_dst: int,
+        stage: str = "",
+        q_lens: tuple[int, ...] | None = None,
+        k_lens: tuple[int, ...] | None = None,
+        parent: EdgeSet | None = None,
+        keep: torch.Tensor | None = None,
+        *,
+        structure: str | None = None,
+        build: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        num_edges: int | None = None,
+        device: torch.device | str = "cpu",
+        pattern: Pattern | None = None,
+        groups: Sequence[EdgeSet] = (),
+    ):
         self._edges = None if src is None else (src, dst)
         self._build, self._num_edges = build, num_edges
         self._device = torch.device(device) if src is None else src.device
@@ -96,8 +110,14 @@ class EdgeSet:
         device = torch.device(device)
         if device == self.device:
             return self
-        same = {"q_lens": self.q_lens, "k_lens": self.k_lens, "structure": self.structure, "num_edges": self._num_edges,
-                "pattern": self.pattern, "groups": [g.to(device) for g in self.groups]}
+        same = {
+            "q_lens": self.q_lens,
+            "k_lens": self.k_lens,
+            "structure": self.structure,
+            "num_edges": self._num_edges,
+            "pattern": self.pattern,
+            "groups": [g.to(device) for g in self.groups],
+        }
         if self._edges is None:
             return EdgeSet(None, None, self.n_src, self.n_dst, self.stage, build=self._build, device=device, **same)
         return EdgeSet(self.src.to(device), self.dst.to(device), self.n_src, self.n_dst, self.stage, **same)
@@ -109,8 +129,18 @@ class EdgeSet:
         kept = keep if self.keep is None else keep & self.keep
         groups = [g.filter_dst(keep) for g in self.groups]
         count = sum(g.num_edges for g in groups) // len(groups) if groups else None
-        return EdgeSet(self.src[mask], self.dst[mask], self.n_src, self.n_dst, self.stage, parent=root, keep=kept, num_edges=count,
-                       pattern=self.pattern, groups=groups)
+        return EdgeSet(
+            self.src[mask],
+            self.dst[mask],
+            self.n_src,
+            self.n_dst,
+            self.stage,
+            parent=root,
+            keep=kept,
+            num_edges=count,
+            pattern=self.pattern,
+            groups=groups,
+        )
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each edge's query and key position within its sample, (E,) int64 each (score biases read them)."""
@@ -119,7 +149,9 @@ class EdgeSet:
         def within(ids, lens, n):
             return ids if lens is None else positions(torch.as_tensor(lens, device=ids.device))[ids]
 
-        return self.plan("positions", lambda: (within(self.dst, root.q_lens, root.n_dst), within(self.src, root.k_lens, root.n_src)))
+        return self.plan(
+            "positions", lambda: (within(self.dst, root.q_lens, root.n_dst), within(self.src, root.k_lens, root.n_src))
+        )
 
     def dense(self) -> torch.Tensor:
         """(n_dst, n_src) bool adjacency: row = query, column = key."""
@@ -219,7 +251,9 @@ def build_graph(pattern: Pattern, src_lens: Sequence[int] | None, tgt_lens: Sequ
         edges["dd"] = batch_edges(pattern, "dd", tgt, tgt)
         if src is not None:
             edges["ed"] = batch_edges(pattern, "ed", tgt, src)
-    return TokenGraph(None if src is None else torch.tensor(src), None if tgt is None else torch.tensor(tgt), edges, pattern)
+    return TokenGraph(
+        None if src is None else torch.tensor(src), None if tgt is None else torch.tensor(tgt), edges, pattern
+    )
 
 
 __all__ = ["EdgeSet", "TokenGraph", "build_graph", "batch_edges", "positions", "window_edges", "STAGES", "STAGE_TYPES"]

@@ -27,9 +27,38 @@ from gtx.backends import Backend
 from gtx.errors import GtxError
 from gtx.memory import peak_mb, reset_peak
 
-ATTENTION_COLUMNS = ["pattern", "n", "backend", "edges", "keys_per_query", "density", "ms", "first_ms", "peak_mem_mb", "choice", "device", "heads", "head_dim"]
-TRAIN_COLUMNS = ["task", "model", "pattern", "backend", "tokens_per_s", "vs_reference", "ceiling_share", "step_ms", "attention_ms",
-                 "data_ms", "peak_mem_mb", "steps", "rounds", "device", "choice"]
+ATTENTION_COLUMNS = [
+    "pattern",
+    "n",
+    "backend",
+    "edges",
+    "keys_per_query",
+    "density",
+    "ms",
+    "first_ms",
+    "peak_mem_mb",
+    "choice",
+    "device",
+    "heads",
+    "head_dim",
+]
+TRAIN_COLUMNS = [
+    "task",
+    "model",
+    "pattern",
+    "backend",
+    "tokens_per_s",
+    "vs_reference",
+    "ceiling_share",
+    "step_ms",
+    "attention_ms",
+    "data_ms",
+    "peak_mem_mb",
+    "steps",
+    "rounds",
+    "device",
+    "choice",
+]
 
 
 @dataclass
@@ -73,7 +102,9 @@ def _gtx_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Gener
     from gtx.graph.tokens import EdgeSet
 
     backend = get_backend(cell.backend, device)
-    q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
+    q, k, v = (
+        torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3)
+    )
     grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
     # one tiny call first: libraries the backend imports lazily must not count as its memory
     tiny = EdgeSet(torch.arange(4, device=device), torch.arange(4, device=device), 4, 4, "ee")
@@ -109,7 +140,9 @@ def _sdpa_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Gene
         if mode == "bool mask" and not mask:
             mask.append(edges.dense())
         q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, is_causal=mode == "is_causal").backward(grad)
+        F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[0] if mask else None, is_causal=mode == "is_causal"
+        ).backward(grad)
 
     return step, lambda: mode
 
@@ -177,34 +210,68 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     times = [timed() for _ in range(cell.repeats)]
     keys, queries, allowed = read()
     return {
-        "pattern": pattern.spec, "n": cell.n, "backend": cell.backend, "edges": round(keys), "keys_per_query": keys / queries,
-        "density": keys / allowed, "ms": 1000 * statistics.median(times), "first_ms": 1000 * first,
-        "peak_mem_mb": peak_mb(device) - base, "choice": choice(), "device": str(device), "heads": cell.heads, "head_dim": cell.head_dim,
+        "pattern": pattern.spec,
+        "n": cell.n,
+        "backend": cell.backend,
+        "edges": round(keys),
+        "keys_per_query": keys / queries,
+        "density": keys / allowed,
+        "ms": 1000 * statistics.median(times),
+        "first_ms": 1000 * first,
+        "peak_mem_mb": peak_mb(device) - base,
+        "choice": choice(),
+        "device": str(device),
+        "heads": cell.heads,
+        "head_dim": cell.head_dim,
     }
 
 
-def bench_attention(patterns, lengths, backends, heads=4, head_dim=32, repeats=5, warmup=1, device="cpu",
-                    plugins_dirs=(), timeout_s=900, log=lambda s: None) -> pd.DataFrame:
+def bench_attention(
+    patterns,
+    lengths,
+    backends,
+    heads=4,
+    head_dim=32,
+    repeats=5,
+    warmup=1,
+    device="cpu",
+    plugins_dirs=(),
+    timeout_s=900,
+    log=lambda s: None,
+) -> pd.DataFrame:
     """Every (pattern, length, backend) cell in its own subprocess; a cell that fails or times out
     is reported with ms = NaN and the reason in ``choice``."""
     rows = []
     for pattern in patterns:
         for n in lengths:
             for backend in backends:
-                cell = AttentionCell(pattern, n, backend, heads, head_dim, repeats, warmup, device, tuple(map(str, plugins_dirs)))
+                cell = AttentionCell(
+                    pattern, n, backend, heads, head_dim, repeats, warmup, device, tuple(map(str, plugins_dirs))
+                )
                 try:
                     proc = subprocess.run(
                         [sys.executable, "-m", "gtx.measure.bench", json.dumps(asdict(cell))],
-                        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout_s,
+                        env={**os.environ, "PYTHONWARNINGS": "ignore"},
                     )
                     if proc.returncode:
                         raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
                     row = json.loads(proc.stdout.strip().splitlines()[-1])
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     reason = f"timed out after {timeout_s}s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
-                    row = {"pattern": pattern, "n": n, "backend": backend, "ms": float("nan"), "choice": f"error: {reason}"}
+                    row = {
+                        "pattern": pattern,
+                        "n": n,
+                        "backend": backend,
+                        "ms": float("nan"),
+                        "choice": f"error: {reason}",
+                    }
                 mem = row.get("peak_mem_mb", float("nan"))
-                log(f"{row['pattern']:<16} n={n:<6} {backend:<12} {row['ms']:10.1f} ms  {mem:9.1f} MB  {row.get('choice', '')}")
+                log(
+                    f"{row['pattern']:<16} n={n:<6} {backend:<12} {row['ms']:10.1f} ms  {mem:9.1f} MB  {row.get('choice', '')}"
+                )
                 rows.append(row)
     return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
 
@@ -222,9 +289,24 @@ class _Variant:
     run: object  # its ``Resolved``: task, device and the pattern its batches are built under
 
 
-def bench_train(task="copy", model="transformer", patterns=("full",), backends=("auto",), steps=30, warmup_steps=3,
-                settings=None, device="cpu", baseline=True, bound=True, rounds=3, memory=False, memory_steps=3,
-                plugins_dirs=(), timeout_s=900, log=lambda s: None) -> pd.DataFrame:
+def bench_train(
+    task="copy",
+    model="transformer",
+    patterns=("full",),
+    backends=("auto",),
+    steps=30,
+    warmup_steps=3,
+    settings=None,
+    device="cpu",
+    baseline=True,
+    bound=True,
+    rounds=3,
+    memory=False,
+    memory_steps=3,
+    plugins_dirs=(),
+    timeout_s=900,
+    log=lambda s: None,
+) -> pd.DataFrame:
     """Training tokens/s (target tokens per second of wall time, graph building included) per
     pattern (a spec or several) and backend, on the same batches, beside plain-torch references.
 
@@ -246,7 +328,15 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
 
     from gtx.experiments.runner import resolve_device
     from gtx.graph.spec import parse_pattern
-    from gtx.measure.reference import NO_EDGES, TORCH_TRANSFORMER, SkipAttention, TrainCell, first_batches, memory_in_subprocess, references
+    from gtx.measure.reference import (
+        NO_EDGES,
+        TORCH_TRANSFORMER,
+        SkipAttention,
+        TrainCell,
+        first_batches,
+        memory_in_subprocess,
+        references,
+    )
     from gtx.plugins.registry import MODELS
 
     specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
@@ -264,10 +354,17 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
             for b in backends:
                 add(TrainCell(task, model, spec, b, sets, dev, dirs), {"model": group, "pattern": spec}, group, "gtx")
         if bound:
-            add(TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev, dirs), {"model": group, "pattern": "-"}, group, "bound")
+            add(
+                TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev, dirs),
+                {"model": group, "pattern": "-"},
+                group,
+                "bound",
+            )
         if baseline:
             mine = [v.run for v in variants if v.group == group]
-            config = (mine[0] if mine else TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev).resolve()).model_config
+            config = (
+                mine[0] if mine else TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev).resolve()
+            ).model_config
             for kind, spec in references(model_cls, config, specs):
                 fields = {"model": group, "pattern": spec}
                 if kind == TORCH_TRANSFORMER:  # another implementation, not the bound's model: no attention_ms
@@ -284,28 +381,50 @@ def bench_train(task="copy", model="transformer", patterns=("full",), backends=(
             if v.backend is not None:
                 v.backend.reset_choices()  # one backend object serves every variant that names it
             step = lambda b, trainer=v.trainer: trainer.train_epoch([b])  # noqa: E731
-            times.append(_time_steps(step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, v.run))
+            times.append(
+                _time_steps(
+                    step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, v.run
+                )
+            )
             for stage, counts in (v.backend.reset_choices() if v.backend is not None else {}).items():
                 chosen.setdefault(stage, Counter()).update(counts)
             tokens, wall, _ = times[-1]
-            log(f"round {round_ + 1}/{rounds}  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {tokens / wall:10,.0f} tokens/s")
+            log(
+                f"round {round_ + 1}/{rounds}  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {tokens / wall:10,.0f} tokens/s"
+            )
     rows = []
     for v, times, chosen in zip(variants, timings, choices):
         tokens, wall, data_s = sorted(times, key=lambda t: t[1])[len(times) // 2]
         n = len(data) - warmup_steps
-        rows.append({"task": task, **v.fields, "tokens_per_s": tokens / wall, "step_ms": 1000 * wall / n, "data_ms": 1000 * data_s / n,
-                     "peak_mem_mb": float("nan"), "steps": n, "rounds": rounds, "device": str(v.run.device),
-                     "choice": json.dumps(chosen) if v.backend is not None else ""})
+        rows.append(
+            {
+                "task": task,
+                **v.fields,
+                "tokens_per_s": tokens / wall,
+                "step_ms": 1000 * wall / n,
+                "data_ms": 1000 * data_s / n,
+                "peak_mem_mb": float("nan"),
+                "steps": n,
+                "rounds": rounds,
+                "device": str(v.run.device),
+                "choice": json.dumps(chosen) if v.backend is not None else "",
+            }
+        )
     for group in dict.fromkeys(v.group for v in variants):
         members = [(v, row) for v, row in zip(variants, rows) if v.group == group]
-        ref, top = (next((row["tokens_per_s"] for v, row in members if v.role == role), float("nan")) for role in ("reference", "bound"))
+        ref, top = (
+            next((row["tokens_per_s"] for v, row in members if v.role == role), float("nan"))
+            for role in ("reference", "bound")
+        )
         for _, row in members:
             row["vs_reference"] = row["tokens_per_s"] / ref
             row["ceiling_share"] = (row["tokens_per_s"] - ref) / (top - ref) if top > ref else float("nan")
     if memory:
         for v, row in zip(variants, rows):
             row["peak_mem_mb"], why = memory_in_subprocess(v.cell, memory_steps, timeout_s)
-            log(f"memory  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {row['peak_mem_mb']:9.1f} MB  {why}")
+            log(
+                f"memory  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {row['peak_mem_mb']:9.1f} MB  {why}"
+            )
     df = pd.DataFrame(rows)
     floor = df[df.backend == SkipAttention.name].set_index("model").step_ms
     df["attention_ms"] = df.step_ms - df.model.map(floor)
@@ -332,9 +451,19 @@ def _time_steps(step, data, warmup_steps, r):
     return tokens, time.perf_counter() - t0, data_s
 
 
-CALIBRATION_SUITE = [("full", [256]), ("full", [1024]), ("causal", [2048]), ("local:w=8", [2048]), ("local:w=32", [4096]),
-                     ("local:w=32", [8192]), ("local:w=64", [2048]), ("strided:l=64", [4096]), ("strided:l=32", [2048]),
-                     ("full", [16] * 128), ("local:w=2", [16] * 128)]
+CALIBRATION_SUITE = [
+    ("full", [256]),
+    ("full", [1024]),
+    ("causal", [2048]),
+    ("local:w=8", [2048]),
+    ("local:w=32", [4096]),
+    ("local:w=32", [8192]),
+    ("local:w=64", [2048]),
+    ("strided:l=64", [4096]),
+    ("strided:l=32", [2048]),
+    ("full", [16] * 128),
+    ("local:w=2", [16] * 128),
+]
 
 
 def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None) -> dict[str, tuple[float, float]]:

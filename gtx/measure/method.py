@@ -33,16 +33,23 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
     from gtx.backends import get_backend
 
     stage = method_stage(pattern)
-    attention = Attention.for_width(get_backend(cell.backend, device), pattern, cell.heads, cell.heads * cell.head_dim).to(device)
+    attention = Attention.for_width(
+        get_backend(cell.backend, device), pattern, cell.heads, cell.heads * cell.head_dim
+    ).to(device)
     layer = attention.for_layer().to(device) if pattern.trainable is not None else attention
     edges = method_edges(pattern, stage, cell.n, device)
-    q, k, v = (torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3))
+    q, k, v = (
+        torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3)
+    )
     grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
     width = cell.heads * cell.head_dim
     inputs = torch.randn(cell.n, width, generator=gen).to(device)  # the layer's input, which DSA's indexer reads
     with torch.no_grad():  # one tiny call first: what the method and backend import lazily must not count as its memory
-        layer(*(torch.randn(8, cell.heads, cell.head_dim, device=device) for _ in range(3)), method_edges(pattern, stage, 8, device),
-              inputs=torch.randn(8, width, device=device))
+        layer(
+            *(torch.randn(8, cell.heads, cell.head_dim, device=device) for _ in range(3)),
+            method_edges(pattern, stage, 8, device),
+            inputs=torch.randn(8, width, device=device),
+        )
     attention.take_reads(), attention.take_losses(), attention.reset_choices(), attention.reset_stats()
     reads = []
 

@@ -35,7 +35,9 @@ def _config(family: str, settings: dict[str, str], length: int):
     from gtx.experiments.config import build_configs
     from gtx.plugins.registry import MODELS
 
-    return build_configs({"family": family, "max_len": str(length), **settings}, {"model": ("hf", MODELS.get("hf").config)})["model"]
+    return build_configs(
+        {"family": family, "max_len": str(length), **settings}, {"model": ("hf", MODELS.get("hf").config)}
+    )["model"]
 
 
 def _gtx_model(config, pattern):
@@ -59,7 +61,9 @@ def _same_weights(model, implementation: str):
     import transformers
 
     transformers.AttentionInterface.register(CEILING, _no_attention)
-    other = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.hf.config), attn_implementation=implementation).eval()
+    other = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(model.hf.config), attn_implementation=implementation
+    ).eval()
     other.load_state_dict(model.hf.state_dict())
     return other
 
@@ -77,8 +81,14 @@ def _time(repeats: int, forward: Callable, *args, **kwargs) -> tuple[float, floa
         return 1000 * statistics.median(times), peak_mb() - base
 
 
-def bench_prefill(family: str = "llama", patterns: Sequence[str] = ("full",), lengths: Sequence[int] = (4096,), settings: dict[str, str] | None = None,
-                  repeats: int = 3, log: Callable[[str], None] = lambda s: None) -> pd.DataFrame:
+def bench_prefill(
+    family: str = "llama",
+    patterns: Sequence[str] = ("full",),
+    lengths: Sequence[int] = (4096,),
+    settings: dict[str, str] | None = None,
+    repeats: int = 3,
+    log: Callable[[str], None] = lambda s: None,
+) -> pd.DataFrame:
     """Rows per length: transformers' SDPA (``is_causal``: the best kernel plain torch has for a causal
     prefill), the same model without attention (the ceiling), then gtx under each pattern. Columns: family, length, attention, pattern, ms,
     tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes)."""
@@ -94,14 +104,27 @@ def bench_prefill(family: str = "llama", patterns: Sequence[str] = ("full",), le
         for implementation, pattern in (("sdpa", "causal"), (CEILING, "-")):
             ms, mem = _time(repeats, _same_weights(reference, implementation), input_ids=ids[None], use_cache=False)
             name = SDPA if implementation == "sdpa" else CEILING
-            rows.append({"family": family, "length": n, "attention": name, "pattern": pattern, "ms": ms, "peak_mem_mb": mem})
+            rows.append(
+                {"family": family, "length": n, "attention": name, "pattern": pattern, "ms": ms, "peak_mem_mb": mem}
+            )
             log(f"{family} {n:>6} {name:<24} {ms:10.1f} ms {mem:8.1f} MB")
         for spec in patterns:
             pattern = parse_pattern(spec)
             model = _gtx_model(config, pattern)
-            batch = Batch(None, None, ids, positions(torch.tensor([n])), ids, build_graph(pattern, None, [n]), "test", [0])
+            batch = Batch(
+                None, None, ids, positions(torch.tensor([n])), ids, build_graph(pattern, None, [n]), "test", [0]
+            )
             ms, mem = _time(repeats, model, batch)
-            rows.append({"family": family, "length": n, "attention": "gtx", "pattern": pattern.spec, "ms": ms, "peak_mem_mb": mem})
+            rows.append(
+                {
+                    "family": family,
+                    "length": n,
+                    "attention": "gtx",
+                    "pattern": pattern.spec,
+                    "ms": ms,
+                    "peak_mem_mb": mem,
+                }
+            )
             log(f"{family} {n:>6} gtx {pattern.spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
     df = pd.DataFrame(rows)
     df["tokens_per_s"] = df.length / (df.ms / 1000)

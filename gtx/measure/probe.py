@@ -34,7 +34,13 @@ from gtx.graph.tokens import EdgeSet
 FALLBACK_BACKEND = "torch"  # any device, takes score biases: for a checkpoint whose backend is unusable here
 
 
-def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", backend: str | None = None, pattern: str | None = None):
+def load_model(
+    ref: str,
+    results_dir: str | None = None,
+    device: str = "cpu",
+    backend: str | None = None,
+    pattern: str | None = None,
+):
     """(model, r, state): the trained model of a checkpoint (a .pt path, or a run under
     ``results_dir``: ``runref.find_checkpoint``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
@@ -48,8 +54,11 @@ def load_model(ref: str, results_dir: str | None = None, device: str = "cpu", ba
     if backend is None:
         usable = BACKENDS.get(trained.backend).obj.available(resolve_device(device)) is None
         backend = trained.backend if usable else FALLBACK_BACKEND
-    model, r, _ = trained_model(path, state, dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend, device=device,
-                                                                 loggers=[]))
+    model, r, _ = trained_model(
+        path,
+        state,
+        dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend, device=device, loggers=[]),
+    )
     return model.eval(), r, state
 
 
@@ -65,9 +74,13 @@ def edge_softmax(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, bias: torch.T
     """(E, H) weights: for edge e (key src[e] -> query dst[e]) the softmax of q[dst]·k[src] (+ bias)
     over the query's incoming edges, as every backend computes it (q already scaled)."""
     src, dst = edges.src, edges.dst
-    chunk = max(1, 2**24 // (q.shape[1] * q.shape[2]))  # edges per gather: q[dst] is E x H x D, far more than the (E, H) scores
-    score = torch.cat([(q[dst[i:i + chunk]].float() * k[src[i:i + chunk]].float()).sum(-1) for i in range(0, len(src), chunk)]
-                      or [q.new_zeros(0, q.shape[1], dtype=torch.float32)])
+    chunk = max(
+        1, 2**24 // (q.shape[1] * q.shape[2])
+    )  # edges per gather: q[dst] is E x H x D, far more than the (E, H) scores
+    score = torch.cat(
+        [(q[dst[i : i + chunk]].float() * k[src[i : i + chunk]].float()).sum(-1) for i in range(0, len(src), chunk)]
+        or [q.new_zeros(0, q.shape[1], dtype=torch.float32)]
+    )
     if bias is not None:
         score = score + bias.float()
     top = torch.full((edges.n_dst, q.shape[1]), float("-inf"), device=score.device)
@@ -155,10 +168,14 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
     groups and per-head selections are backend calls within it)."""
     attention = getattr(model, "attention", None)
     if not isinstance(attention, Attention):
-        raise GtxError(f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.experiments.runner")
+        raise GtxError(
+            f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.experiments.runner"
+        )
     if attention.pattern is not None and attention.pattern.trainable is not None:
-        raise GtxError(f"pattern {attention.pattern.spec!r} mixes attentions of its own (trainable: branches, gates, compressed keys): "
-                       "its weights are not one edge set and cannot be recorded; plot a model trained under another pattern")
+        raise GtxError(
+            f"pattern {attention.pattern.spec!r} mixes attentions of its own (trainable: branches, gates, compressed keys): "
+            "its weights are not one edge set and cannot be recorded; plot a model trained under another pattern"
+        )
     recorder, calls = Recorder(attention.backend), []
     counts = dict.fromkeys(STAGES, 0)
 
@@ -184,8 +201,10 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
         hook.remove()
     for call in calls:
         if call.covered() != call.heads:  # block selections (moba) attend without the backend
-            raise GtxError(f"the {call.stage} attention sends {call.covered()} of its {call.heads} heads through the backend (a block "
-                           "selection such as moba runs its own kernel): its weights cannot be recorded")
+            raise GtxError(
+                f"the {call.stage} attention sends {call.covered()} of its {call.heads} heads through the backend (a block "
+                "selection such as moba runs its own kernel): its weights cannot be recorded"
+            )
 
 
 @dataclass
@@ -244,4 +263,15 @@ def split_steps(model, r, split: str = "test") -> dict[str, torch.Tensor]:
     return {side: torch.cat(s) for side, s in out.items()}
 
 
-__all__ = ["AttentionCall", "Part", "Probe", "Recorder", "check_example", "edge_softmax", "load_model", "recording", "run_example", "split_steps"]
+__all__ = [
+    "AttentionCall",
+    "Part",
+    "Probe",
+    "Recorder",
+    "check_example",
+    "edge_softmax",
+    "load_model",
+    "recording",
+    "run_example",
+    "split_steps",
+]

@@ -53,7 +53,9 @@ def references(model_cls, model_config, specs: list[str]) -> list[tuple[str, str
         elif kind == SDPA_MASK:  # a mask stands for fixed patterns only: a selecting or biased one has no single mask
             rows += [(kind, s) for s in specs if s not in COMPLETE and parse_pattern(s).plain]
         else:
-            raise ValueError(f"unknown reference {kind!r}; references are {SDPA_CAUSAL!r}, {SDPA_MASK!r}, {TORCH_TRANSFORMER!r}")
+            raise ValueError(
+                f"unknown reference {kind!r}; references are {SDPA_CAUSAL!r}, {SDPA_MASK!r}, {TORCH_TRANSFORMER!r}"
+            )
     return rows
 
 
@@ -64,9 +66,20 @@ def reference_model(kind: str, model_config, task, pattern: str) -> nn.Module:
     if kind == TORCH_TRANSFORMER:
         return TorchTransformer(len(task.src_vocab), len(task.tgt_vocab), c.layers, c.heads, c.dim, c.dim_ff, c.dropout)
     if kind in (SDPA_CAUSAL, SDPA_MASK):
-        return TorchLM(len(task.src_vocab), c.layers, c.heads, c.dim, c.dim_ff, c.dropout, c.max_len, c.embed_scale,
-                       parse_pattern(pattern) if kind == SDPA_MASK else None)
-    raise ValueError(f"unknown reference {kind!r}; references are {SDPA_CAUSAL!r}, {SDPA_MASK!r}, {TORCH_TRANSFORMER!r}")
+        return TorchLM(
+            len(task.src_vocab),
+            c.layers,
+            c.heads,
+            c.dim,
+            c.dim_ff,
+            c.dropout,
+            c.max_len,
+            c.embed_scale,
+            parse_pattern(pattern) if kind == SDPA_MASK else None,
+        )
+    raise ValueError(
+        f"unknown reference {kind!r}; references are {SDPA_CAUSAL!r}, {SDPA_MASK!r}, {TORCH_TRANSFORMER!r}"
+    )
 
 
 def _padded_ids(flat: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -111,7 +124,10 @@ class _Layer(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, n, dim = x.shape
         h = self.norm_attn(x)
-        q, k, v = (f(h).view(b, n, self.heads, dim // self.heads).transpose(1, 2) for f in (self.attn.q, self.attn.k, self.attn.v))
+        q, k, v = (
+            f(h).view(b, n, self.heads, dim // self.heads).transpose(1, 2)
+            for f in (self.attn.q, self.attn.k, self.attn.v)
+        )
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # scale 1/sqrt(D), as gtx
         x = x + self.dropout(self.attn.o(a.transpose(1, 2).reshape(b, n, dim)))
         return x + self.dropout(self.ff(self.norm_ff(x)))
@@ -127,8 +143,18 @@ class TorchLM(nn.Module):
     this model and gtx's differ in attention alone. Parameter names are gtx's: a ``lm`` state dict
     without ``embed.src.weight`` (the same tensor as ``embed.tgt.weight``) loads into it."""
 
-    def __init__(self, vocab: int, layers: int, heads: int, dim: int, dim_ff: int, dropout: float, max_len: int,
-                 embed_scale: float, mask_pattern: Pattern | None = None):
+    def __init__(
+        self,
+        vocab: int,
+        layers: int,
+        heads: int,
+        dim: int,
+        dim_ff: int,
+        dropout: float,
+        max_len: int,
+        embed_scale: float,
+        mask_pattern: Pattern | None = None,
+    ):
         super().__init__()
         self.scale, self.mask_pattern = embed_scale, mask_pattern
         self.embed = _Embed(vocab, dim, max_len)
@@ -157,7 +183,9 @@ class TorchLM(nn.Module):
     def forward(self, batch) -> Output:
         lens = batch.graph.tgt_lens.tolist()
         ids = _padded_ids(batch.tgt_in, lens)
-        x = self.dropout(self.embed.tgt(ids) * self.scale + self.embed.pos(torch.arange(ids.shape[1], device=ids.device)))
+        x = self.dropout(
+            self.embed.tgt(ids) * self.scale + self.embed.pos(torch.arange(ids.shape[1], device=ids.device))
+        )
         mask = None if self.mask_pattern is None else self.mask(lens, ids.device)
         for layer in self.layers:
             x = layer(x, mask)
@@ -181,13 +209,21 @@ class TorchTransformer(nn.Module):
     def forward(self, batch) -> Output:
         src_lens, tgt_lens = batch.graph.src_lens.tolist(), batch.graph.tgt_lens.tolist()
         src, tgt = _padded_ids(batch.src, src_lens), _padded_ids(batch.tgt_in, tgt_lens)
-        src_pad, tgt_pad = (torch.arange(t.shape[1], device=t.device)[None] >= torch.tensor(lens, device=t.device)[:, None]
-                            for t, lens in ((src, src_lens), (tgt, tgt_lens)))
+        src_pad, tgt_pad = (
+            torch.arange(t.shape[1], device=t.device)[None] >= torch.tensor(lens, device=t.device)[:, None]
+            for t, lens in ((src, src_lens), (tgt, tgt_lens))
+        )
         n = tgt.shape[1]
         causal = nn.Transformer.generate_square_subsequent_mask(n, device=tgt.device, dtype=torch.bool)
         pos_s, pos_t = torch.arange(src.shape[1], device=src.device), torch.arange(n, device=tgt.device)
-        h = self.net(self.src(src) + self.pos(pos_s), self.tgt(tgt) + self.pos(pos_t), tgt_mask=causal,
-                     src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        h = self.net(
+            self.src(src) + self.pos(pos_s),
+            self.tgt(tgt) + self.pos(pos_t),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+        )
         return Output(self.out(_unpadded(h, tgt_lens)))
 
 
@@ -200,7 +236,6 @@ class SkipAttention(Backend):
 
     def __call__(self, q, k, v, edges):
         return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
-
 
 
 # The rows of ``gtx bench train`` (``gtx.measure.bench.bench_train``) as cells a fresh process builds again.
@@ -233,12 +268,15 @@ class TrainCell:
         from gtx.experiments.runner import RunConfig, resolve
 
         pattern = self.pattern if self.gtx else NO_EDGES
-        return resolve(RunConfig(task=self.task, model=self.model, pattern=pattern, device=self.device, settings=self.settings))
+        return resolve(
+            RunConfig(task=self.task, model=self.model, pattern=pattern, device=self.device, settings=self.settings)
+        )
 
     def build(self, r):
         """(``Trainer`` of the cell's model for the resolved run ``r``, its attention backend or None), seeded alike."""
         from gtx.experiments.runner import build_attention
         from gtx.experiments.train import Trainer
+
         torch.manual_seed(0)
         be = None
         if self.gtx or self.backend == SkipAttention.name:
@@ -285,8 +323,13 @@ def memory_in_subprocess(cell: TrainCell, steps: int = 3, timeout_s: float = 900
     """(``train_cell_memory`` in MB, "") of the cell in a fresh process (``python -m gtx.measure.reference``), or (NaN, why not)."""
     payload = json.dumps({"cell": dataclasses.asdict(cell), "steps": steps})
     try:
-        proc = subprocess.run([sys.executable, "-m", "gtx.measure.reference", payload], capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "gtx.measure.reference", payload],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
     except subprocess.TimeoutExpired:
         return float("nan"), f"timed out after {timeout_s}s"
     if proc.returncode:
@@ -296,4 +339,12 @@ def memory_in_subprocess(cell: TrainCell, steps: int = 3, timeout_s: float = 900
 
 if __name__ == "__main__":  # python -m gtx.measure.reference '{"cell": {...}, "steps": n}': one cell's memory, as JSON
     args = json.loads(sys.argv[1])
-    print(json.dumps({"peak_mem_mb": train_cell_memory(TrainCell(**{**args["cell"], "plugins_dirs": tuple(args["cell"]["plugins_dirs"])}), args["steps"])}))
+    print(
+        json.dumps(
+            {
+                "peak_mem_mb": train_cell_memory(
+                    TrainCell(**{**args["cell"], "plugins_dirs": tuple(args["cell"]["plugins_dirs"])}), args["steps"]
+                )
+            }
+        )
+    )

@@ -40,7 +40,9 @@ def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
         raise GtxError(f"unknown format {fmt!r}; use png, svg or pdf")
     fmt = fmt.lower() if fmt else path.suffix[1:].lower()
     if fmt not in FORMATS:
-        raise GtxError(f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (--format png, svg or pdf)")
+        raise GtxError(
+            f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (--format png, svg or pdf)"
+        )
     ensure_parent(path)
     try:
         fig.savefig(path, format=fmt, dpi=100)
@@ -54,7 +56,9 @@ def ensure_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise GtxError(f"cannot write {path}: {e.strerror or e} (creating {path.parent}); choose another path") from None
+        raise GtxError(
+            f"cannot write {path}: {e.strerror or e} (creating {path.parent}); choose another path"
+        ) from None
 
 
 def png_bytes(fig: Figure, dpi: int = 100) -> bytes:

@@ -29,7 +29,7 @@ from gtx.experiments.stats import pareto_front
 from gtx.graph.pattern import STAGE_NAMES, STAGES, Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, possible_edges
-from gtx.pictures.figure import MAX_CELLS, new_figure, save  # noqa: F401  (save: plot.save is the public way to write a figure)
+from gtx.pictures.figure import MAX_CELLS, new_figure, save
 
 MAX_COLUMNS = 3  # groups side by side in the results figure: 7 in one row made it 3920 px wide
 MAX_POSITIONS = 100_000  # per side: beyond this the edge lists alone outgrow a workstation
@@ -60,7 +60,9 @@ def _check_lengths(*lengths: int) -> None:
         raise GtxError(f"cannot plot {max(lengths):,} positions; the limit is {MAX_POSITIONS:,} per side")
 
 
-def bin_edges(src: torch.Tensor, dst: torch.Tensor, n_q: int, n_k: int, max_cells: int = MAX_CELLS) -> tuple[np.ndarray, int, int]:
+def bin_edges(
+    src: torch.Tensor, dst: torch.Tensor, n_q: int, n_k: int, max_cells: int = MAX_CELLS
+) -> tuple[np.ndarray, int, int]:
     """(grid, bq, bk): queries in blocks of bq and keys in blocks of bk, the fewest that give at most
     ``max_cells`` blocks per side; grid[i, j] = the fraction of block (i, j)'s query-key pairs that are
     edges (the last block of a side may be shorter). With blocks of 1 it is the exact 0/1 adjacency.
@@ -80,8 +82,13 @@ def pattern_grid(spec: str | Pattern, stage: str, n_q: int, n_k: int, max_cells:
     return bin_edges(src, dst, n_q, n_k, max_cells)[0]
 
 
-def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, stages: Sequence[str] = STAGES,
-            max_cells: int = MAX_CELLS) -> Figure:
+def pattern(
+    spec: str | Pattern,
+    src_len: int = 64,
+    tgt_len: int | None = None,
+    stages: Sequence[str] = STAGES,
+    max_cells: int = MAX_CELLS,
+) -> Figure:
     """One panel per stage: the adjacency (rows = queries, columns = keys, dark = edge; beyond
     ``max_cells`` positions per side, binned into blocks shaded by their fraction of edges, on a sqrt
     scale with a colour bar), titled with
@@ -109,8 +116,14 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
         # integer positions at cell centres; block j covers keys j*bk .. (j+1)*bk - 1 and the limits clip a
         # short last block to the true length. Binned: a sqrt scale, so that sparse blocks (a stride crossing
         # the block) stay visible.
-        image = ax.imshow(grid, cmap="Greys", norm=PowerNorm(0.5 if binned else 1.0, vmin=0, vmax=1), interpolation="antialiased",
-                          aspect="auto", extent=(-0.5, grid.shape[1] * bk - 0.5, grid.shape[0] * bq - 0.5, -0.5))
+        image = ax.imshow(
+            grid,
+            cmap="Greys",
+            norm=PowerNorm(0.5 if binned else 1.0, vmin=0, vmax=1),
+            interpolation="antialiased",
+            aspect="auto",
+            extent=(-0.5, grid.shape[1] * bk - 0.5, grid.shape[0] * bq - 0.5, -0.5),
+        )
         ax.set_xlim(-0.5, n_k - 0.5)
         ax.set_ylim(n_q - 0.5, -0.5)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -123,19 +136,34 @@ def pattern(spec: str | Pattern, src_len: int = 64, tgt_len: int | None = None, 
         causal = " of the causal triangle" if stage == "dd" else ""
         head = f"heads {groups.index(group) + 1}/{len(groups)}: {group.spec}\n" if len(groups) > 1 else ""
         if stage in chosen_stages(group):  # not what a query reads: what it chooses among
-            ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ncandidates (keys chosen at run time): {per_query:.1f}/query", fontsize=9)
+            ax.set_title(
+                f"{head}{stage}: {STAGE_NAMES[stage]}\ncandidates (keys chosen at run time): {per_query:.1f}/query",
+                fontsize=9,
+            )
         else:
-            ax.set_title(f"{head}{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query", fontsize=9)
+            ax.set_title(
+                f"{head}{stage}: {STAGE_NAMES[stage]}\ndensity {density:.3f}{causal}, {per_query:.1f} edges/query",
+                fontsize=9,
+            )
         ax.set(xlabel="key position", ylabel="query position")
         blocks.add((bq, bk))
     note = ""
     if binned:
         fig.colorbar(image, ax=axes, shrink=0.8, label="fraction of edges in the block (sqrt scale)")
-        note = "\nblocks of " + ", ".join(f"{bq}x{bk}" for bq, bk in sorted(blocks)) + " positions, shaded by the fraction of edges"
-    shown = [f"src_len={src_len}"] * bool({"ee", "ed"} & set(stages)) + [f"tgt_len={tgt_len}"] * bool({"dd", "ed"} & set(stages))
-    chosen = "".join(f"\n{g.spec + ': ' if len(groups) > 1 else ''}candidate edges drawn; keys are chosen among them at run time "
-                     f"per query and head ({', '.join(chosen_stages(g))}): {run_time_budget(g, max(lengths))}"
-                     for g in groups if chosen_stages(g))
+        note = (
+            "\nblocks of "
+            + ", ".join(f"{bq}x{bk}" for bq, bk in sorted(blocks))
+            + " positions, shaded by the fraction of edges"
+        )
+    shown = [f"src_len={src_len}"] * bool({"ee", "ed"} & set(stages)) + [f"tgt_len={tgt_len}"] * bool(
+        {"dd", "ed"} & set(stages)
+    )
+    chosen = "".join(
+        f"\n{g.spec + ': ' if len(groups) > 1 else ''}candidate edges drawn; keys are chosen among them at run time "
+        f"per query and head ({', '.join(chosen_stages(g))}): {run_time_budget(g, max(lengths))}"
+        for g in groups
+        if chosen_stages(g)
+    )
     fig.suptitle(f"{p.spec}   {' '.join(shown)}{note}{chosen}", fontsize=10)
     return fig
 
@@ -194,7 +222,7 @@ def parse_metric(metric: str) -> tuple[str, str, bool]:
     kind, base = "best_valid", metric
     for prefix in ("best_valid_", "test_"):
         if metric.startswith(prefix):
-            kind, base = prefix[:-1], metric[len(prefix):]
+            kind, base = prefix[:-1], metric[len(prefix) :]
     return kind, base, not lower_is_better(base)
 
 
@@ -223,8 +251,10 @@ def run_table(df: pd.DataFrame, by: Sequence[str], metric: str) -> pd.DataFrame:
         out.append({**{c: rows[c].iloc[0] for c in keep}, "run_id": run_id, "value": value, "tokens_per_s": tps})
     table = pd.DataFrame(out, columns=[*keep, "run_id", "value", "tokens_per_s"])
     if table.value.isna().all():
-        raise GtxError(f"metric {metric!r} has no values in these runs; try best_valid_token_acc, best_valid_seq_acc, "
-                       "best_valid_loss, test_seq_acc, or a task metric such as best_valid_bpc")
+        raise GtxError(
+            f"metric {metric!r} has no values in these runs; try best_valid_token_acc, best_valid_seq_acc, "
+            "best_valid_loss, test_seq_acc, or a task metric such as best_valid_bpc"
+        )
     return table
 
 
@@ -287,8 +317,10 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
         key = key if isinstance(key, tuple) else (key,)
         title = ", ".join(f"{c}={v}" for c, v in zip(by, key)) or "all runs"
         if group.metric.nunique() > 1:
-            raise GtxError(f"the panel {title} holds tasks judged by different metrics ({', '.join(sorted(group.metric.unique()))}); "
-                           "split the panels by task (--by task,...) or give one --metric")
+            raise GtxError(
+                f"the panel {title} holds tasks judged by different metrics ({', '.join(sorted(group.metric.unique()))}); "
+                "split the panels by task (--by task,...) or give one --metric"
+            )
         _, base, higher = parse_metric(group.metric.iloc[0])
         _tradeoff(top, group, points, colors, group.metric.iloc[0], higher)
         _curves(bottom, curves[curves.run_id.isin(group.run_id)], points, colors, base)
@@ -300,13 +332,26 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
 
 
 def _tradeoff(ax, runs: pd.DataFrame, points: list[str], colors: dict, metric: str, higher: bool) -> None:
-    stats = runs.groupby(points).agg(x=("tokens_per_s", "mean"), sx=("tokens_per_s", "std"), y=("value", "mean"),
-                                     sy=("value", "std"), n=("run_id", "count"))
+    stats = runs.groupby(points).agg(
+        x=("tokens_per_s", "mean"),
+        sx=("tokens_per_s", "std"),
+        y=("value", "mean"),
+        sy=("value", "std"),
+        n=("run_id", "count"),
+    )
     for key, s in stats.iterrows():
         label = _label(key)
         # std of a single run is NaN: no bar rather than no point
-        ax.errorbar(s.x, s.y, xerr=np.nan_to_num(s.sx), yerr=np.nan_to_num(s.sy), fmt="o", capsize=3, color=colors[label],
-                    label=f"{label} (n={int(s.n)})")
+        ax.errorbar(
+            s.x,
+            s.y,
+            xerr=np.nan_to_num(s.sx),
+            yerr=np.nan_to_num(s.sy),
+            fmt="o",
+            capsize=3,
+            color=colors[label],
+            label=f"{label} (n={int(s.n)})",
+        )
     front = stats[pareto_front(stats.x, stats.y if higher else -stats.y)].sort_values("x")
     fx, fy = front.x.to_numpy(float), front.y.to_numpy(float)
     # the front as a staircase: every point behind it is beaten on both speed and metric; rings mark its points
@@ -325,7 +370,9 @@ def _curves(ax, curves: pd.DataFrame, points: list[str], colors: dict, base: str
         label = _label(key)
         s = rows.groupby("epoch").value.agg(["mean", "std"]).fillna({"std": 0.0})  # one run: no band
         ax.plot(s.index, s["mean"], marker=".", color=colors[label], label=label)
-        ax.fill_between(s.index, s["mean"] - s["std"], s["mean"] + s["std"], color=colors[label], alpha=0.2, linewidth=0)
+        ax.fill_between(
+            s.index, s["mean"] - s["std"], s["mean"] + s["std"], color=colors[label], alpha=0.2, linewidth=0
+        )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="epoch", ylabel=f"valid {base} (mean +- std over runs)")
     ax.grid(alpha=0.3)
@@ -363,7 +410,9 @@ def frontier(table: pd.DataFrame) -> Figure:
 # ---------------------------------------------------------------------------------------------
 
 
-def attention(ref: str, example: int = 0, split: str = "test", layer: int | None = None, head: int | None = None, **kwargs) -> Figure:
+def attention(
+    ref: str, example: int = 0, split: str = "test", layer: int | None = None, head: int | None = None, **kwargs
+) -> Figure:
     """A checkpoint's attention weights on one example, per stage: ``gtx.pictures.plot_model.attention``."""
     from gtx.pictures.plot_model import attention
 
@@ -377,4 +426,15 @@ def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", **k
     return act(ref, examples, split, **kwargs)
 
 
-__all__ = ["act", "attention", "frontier", "pattern", "pattern_grid", "results", "run_table", "curve_table", "save", "attention_bench"]
+__all__ = [
+    "act",
+    "attention",
+    "frontier",
+    "pattern",
+    "pattern_grid",
+    "results",
+    "run_table",
+    "curve_table",
+    "save",
+    "attention_bench",
+]

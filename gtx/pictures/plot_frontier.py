@@ -25,9 +25,11 @@ def frontier(table: pd.DataFrame) -> Figure:
     GFLOP (log scale), ``full`` as a point with its interval. GtxError if the table lacks the columns."""
     missing = [c for c in NEEDED if c not in table.columns]
     if table.empty or missing:
-        raise GtxError(f"not a frontier table: {'no rows' if table.empty else 'missing ' + ', '.join(missing)}; "
-                       "give gtx.experiments.frontier.frontier_table's or a <results>/frontiers/*.csv")
-    where = list(table.columns[:table.columns.get_loc("family")])  # task, model, length, swept settings
+        raise GtxError(
+            f"not a frontier table: {'no rows' if table.empty else 'missing ' + ', '.join(missing)}; "
+            "give gtx.experiments.frontier.frontier_table's or a <results>/frontiers/*.csv"
+        )
+    where = list(table.columns[: table.columns.get_loc("family")])  # task, model, length, swept settings
     panels = list(table.groupby(where, sort=False))
     families = [f for f in dict.fromkeys(table.family) if f != FULL]
     colors = {f: f"C{i % 10}" for i, f in enumerate(families)}
@@ -43,19 +45,44 @@ def frontier(table: pd.DataFrame) -> Figure:
                 continue
             for ax, x in ((budget_ax, line.edges_per_query), (cost_ax, line.train_flops / 1e9)):
                 ax.plot(x, line["mean"], marker="o", color=colors[family], label=family)
-                ax.fill_between(x, line.ci_low.fillna(line["mean"]), line.ci_high.fillna(line["mean"]), color=colors[family], alpha=0.15, linewidth=0)
+                ax.fill_between(
+                    x,
+                    line.ci_low.fillna(line["mean"]),
+                    line.ci_high.fillna(line["mean"]),
+                    color=colors[family],
+                    alpha=0.15,
+                    linewidth=0,
+                )
         if len(full):
             f = full.iloc[0]
             lo, hi = (f.ci_low, f.ci_high) if np.isfinite(f.ci_low) else (f["mean"], f["mean"])
             budget_ax.axhspan(lo, hi, color="0.5", alpha=0.25, linewidth=0)
-            budget_ax.axhline(f["mean"], color="0.3", linestyle="--", linewidth=1, label=f"full ({f.edges_per_query:.0f} edges/query)")
-            cost_ax.errorbar([f.train_flops / 1e9], [f["mean"]], yerr=[[f["mean"] - lo], [hi - f["mean"]]], fmt="s", color="0.3", capsize=3, label=FULL)
-        title = ", ".join(f"{c}={v}" for c, v in zip(where, key if isinstance(key, tuple) else (key,)) if c not in ("task", "model") or len(panels) > 1)
+            budget_ax.axhline(
+                f["mean"], color="0.3", linestyle="--", linewidth=1, label=f"full ({f.edges_per_query:.0f} edges/query)"
+            )
+            cost_ax.errorbar(
+                [f.train_flops / 1e9],
+                [f["mean"]],
+                yerr=[[f["mean"] - lo], [hi - f["mean"]]],
+                fmt="s",
+                color="0.3",
+                capsize=3,
+                label=FULL,
+            )
+        title = ", ".join(
+            f"{c}={v}"
+            for c, v in zip(where, key if isinstance(key, tuple) else (key,))
+            if c not in ("task", "model") or len(panels) > 1
+        )
         budget_ax.set_title(title, fontsize=10)
-        budget_ax.set(xscale="log", xlabel="edges per query (measured; log)", ylabel=f"{metric}, mean and 95% CI over seeds")
+        budget_ax.set(
+            xscale="log", xlabel="edges per query (measured; log)", ylabel=f"{metric}, mean and 95% CI over seeds"
+        )
         cost_ax.set(xscale="log", xlabel="training GFLOP (counted; log)", ylabel=metric)
         for ax in (budget_ax, cost_ax):
-            ax.xaxis.set_major_locator(MaxNLocator(5))  # a study's budgets and costs often span less than a decade: few decade ticks
+            ax.xaxis.set_major_locator(
+                MaxNLocator(5)
+            )  # a study's budgets and costs often span less than a decade: few decade ticks
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 16, 32, 64 rather than 1.6 x 10^1
             ax.xaxis.set_minor_locator(NullLocator())
             ax.grid(alpha=0.3, which="both")

@@ -27,7 +27,9 @@ MASKED = (0.85, 0.85, 0.85)  # cells that are not edges: light grey, apart from 
 SIDE_NAMES = {"enc": "encoder", "dec": "decoder"}
 
 
-def attention_grid(call: probe.AttentionCall, head: int | None = None, max_cells: int = MAX_CELLS) -> tuple[np.ndarray, int, int]:
+def attention_grid(
+    call: probe.AttentionCall, head: int | None = None, max_cells: int = MAX_CELLS
+) -> tuple[np.ndarray, int, int]:
     """(grid, bq, bk): rows = queries, columns = keys; grid[q, k] the weight of edge k -> q (head
     ``head``, or the mean over heads), NaN where there is no edge. Beyond ``max_cells`` positions per
     side, queries in blocks of bq and keys in blocks of bk: a cell is the weight the block's queries
@@ -76,8 +78,9 @@ def active_queries(call: probe.AttentionCall) -> int:
     return int(call.weights(None)[1].unique().numel())
 
 
-def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | None = None, title: str = "",
-                     max_cells: int = MAX_CELLS) -> Figure:
+def attention_figure(
+    seen: probe.Probe, layer: int | None = None, head: int | None = None, title: str = "", max_cells: int = MAX_CELLS
+) -> Figure:
     """One panel per stage the model ran: the weights of layer ``layer`` (0-based; None: each stage's
     last; ACT models: step, None: the step with the most queries still active) and head ``head`` (None: the mean over heads), queries on rows, keys on
     columns, token labels up to MAX_LABELS tokens. Non-edges are light grey, so a window or a stride
@@ -96,29 +99,52 @@ def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | No
         calls = seen.stage(stage)
         name = f"{stage}: {STAGE_NAMES[stage]}"
         if layer is not None and layer >= len(calls):  # ACT: every query of this stage halted earlier
-            ax.text(0.5, 0.5, f"no step {layer}: every query\nhalted after {len(calls)} steps", ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                f"no step {layer}: every query\nhalted after {len(calls)} steps",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
             ax.set_title(name, fontsize=9)
             ax.set_axis_off()
             continue
-        if layer is None and act:  # the step where most queries still attend (the earliest of equals): the last may hold one query
+        if (
+            layer is None and act
+        ):  # the step where most queries still attend (the earliest of equals): the last may hold one query
             call = max(calls, key=active_queries)
         else:
             call = calls[-1 if layer is None else layer]
         grid, bq, bk = attention_grid(call, head, max_cells)
         top = np.nanmax(grid) if np.isfinite(grid).any() else 1.0
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=top, interpolation="nearest", aspect="auto",
-                          extent=(-0.5, grid.shape[1] * bk - 0.5, grid.shape[0] * bq - 0.5, -0.5))
+        image = ax.imshow(
+            np.ma.masked_invalid(grid),
+            cmap=cmap,
+            vmin=0,
+            vmax=top,
+            interpolation="nearest",
+            aspect="auto",
+            extent=(-0.5, grid.shape[1] * bk - 0.5, grid.shape[0] * bq - 0.5, -0.5),
+        )
         ax.set_xlim(-0.5, call.n_k - 0.5)
         ax.set_ylim(call.n_q - 0.5, -0.5)
         q_tokens, k_tokens = seen.tokens(stage)
         binned = max(bq, bk) > 1
         _token_ticks(ax, "x", None if binned else k_tokens, call.n_k)
         _token_ticks(ax, "y", None if binned else q_tokens, call.n_q)
-        which = f"{unit} {call.index} ({_of(len(calls), unit)})" + (f", {active_queries(call)} of {call.n_q} queries active" if act else "")
+        which = f"{unit} {call.index} ({_of(len(calls), unit)})" + (
+            f", {active_queries(call)} of {call.n_q} queries active" if act else ""
+        )
         heads = "mean over heads" if head is None else f"head {head} ({_of(call.heads, 'head')})"
         ax.set_title(f"{name}\n{which}, {heads}" + (f"\nblocks of {bq}x{bk} positions" if binned else ""), fontsize=9)
         ax.set(xlabel="key", ylabel="query")
-        fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight" + (" (per query, summed over the block)" if binned else ""))
+        fig.colorbar(
+            image,
+            ax=ax,
+            shrink=0.8,
+            label="attention weight" + (" (per query, summed over the block)" if binned else ""),
+        )
     note = "grey: no edge"
     if act:
         note += "; ACT: one attention call per step, queries halted before a step have no edges in it"
@@ -126,8 +152,16 @@ def attention_figure(seen: probe.Probe, layer: int | None = None, head: int | No
     return fig
 
 
-def attention(ref: str, example: int = 0, split: str = "test", layer: int | None = None, head: int | None = None,
-              results_dir: str | None = None, device: str = "cpu", max_cells: int = MAX_CELLS) -> Figure:
+def attention(
+    ref: str,
+    example: int = 0,
+    split: str = "test",
+    layer: int | None = None,
+    head: int | None = None,
+    results_dir: str | None = None,
+    device: str = "cpu",
+    max_cells: int = MAX_CELLS,
+) -> Figure:
     """The attention weights of a checkpoint's model (a .pt path, or a run id under ``results_dir``)
     on example ``example`` of ``split``: see ``attention_figure``. GtxError (one line) for a missing
     or foreign checkpoint, or an example, layer or head out of range."""
@@ -136,7 +170,9 @@ def attention(ref: str, example: int = 0, split: str = "test", layer: int | None
     return attention_figure(seen, layer, head, f"{r.config.model}, pattern {r.chosen.spec}: ", max_cells)
 
 
-def act_figure(seen: Sequence[probe.Probe], totals: dict[str, torch.Tensor], max_depth: int | None = None, title: str = "") -> Figure:
+def act_figure(
+    seen: Sequence[probe.Probe], totals: dict[str, torch.Tensor], max_depth: int | None = None, title: str = ""
+) -> Figure:
     """One row per example: a bar per token of its ACT steps, one column per side (encoder, decoder);
     a last row with the distribution of steps over every node of the split (``totals``)."""
     sides = list(totals)
@@ -159,13 +195,22 @@ def act_figure(seen: Sequence[probe.Probe], totals: dict[str, torch.Tensor], max
         ax.bar(np.arange(1, len(counts) + 1), counts, color="C1")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(xlabel="ACT steps", ylabel="nodes")
-        ax.set_title(f"{SIDE_NAMES[side]} steps over the {seen[0].split} split: {len(steps):,} nodes, mean {steps.mean():.2f}", fontsize=9)
+        ax.set_title(
+            f"{SIDE_NAMES[side]} steps over the {seen[0].split} split: {len(steps):,} nodes, mean {steps.mean():.2f}",
+            fontsize=9,
+        )
     depth = f" (max_depth {max_depth})" if max_depth else ""
     fig.suptitle(f"{title}ACT steps per token{depth}, teacher forced", fontsize=10)
     return fig
 
 
-def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", results_dir: str | None = None, device: str = "cpu") -> Figure:
+def act(
+    ref: str,
+    examples: int | Sequence[int] = (0,),
+    split: str = "test",
+    results_dir: str | None = None,
+    device: str = "cpu",
+) -> Figure:
     """The ACT steps of a checkpoint's model: per token of each of ``examples`` and over the whole
     ``split`` (see ``act_figure``). GtxError for a model without ACT, or an example out of range."""
     examples = [examples] if isinstance(examples, int) else list(examples)
@@ -174,7 +219,9 @@ def act(ref: str, examples: int | Sequence[int] = (0,), split: str = "test", res
     model, r, _ = probe.load_model(ref, results_dir, device)
     seen = [probe.run_example(model, r, split, i) for i in examples]
     if not seen[0].steps:
-        raise GtxError(f"model {r.config.model!r} does not use adaptive computation time; train ut or --set universal=true")
+        raise GtxError(
+            f"model {r.config.model!r} does not use adaptive computation time; train ut or --set universal=true"
+        )
     title = f"{r.config.model}, pattern {r.chosen.spec}: "
     return act_figure(seen, probe.split_steps(model, r, split), getattr(r.model_config, "max_depth", None), title)
 

@@ -55,7 +55,11 @@ def comparison_html(df: pd.DataFrame) -> str:
     Runs left out for being unfinished are named in a note under it."""
     table = compare(df)
     unfinished = table.attrs.get("unfinished") or []
-    note = _note(f"Left out: {len(unfinished)} unfinished run(s), without test rows yet: {', '.join(unfinished)}") if unfinished else ""
+    note = (
+        _note(f"Left out: {len(unfinished)} unfinished run(s), without test rows yet: {', '.join(unfinished)}")
+        if unfinished
+        else ""
+    )
     return _html_table(format_compare(table, "markdown")) + note
 
 
@@ -63,7 +67,7 @@ def _html_table(markdown: str) -> str:
     """A table rendered as gtx's fixed-width markdown, as an HTML table."""
     lines = markdown.splitlines()
     edges = [i for i, ch in enumerate(lines[1]) if ch == "|"]
-    cells = [[html.escape(line[a + 1:b].strip()) for a, b in zip(edges, edges[1:])] for line in lines]
+    cells = [[html.escape(line[a + 1 : b].strip()) for a, b in zip(edges, edges[1:])] for line in lines]
     head = "".join(f"<th>{c}</th>" for c in cells[0])
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>\n" for row in cells[2:])
     return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
@@ -98,8 +102,10 @@ def configs_html(df: pd.DataFrame) -> str:
             text = json.dumps(json.loads(first["config"]), indent=2, sort_keys=True)
         except (TypeError, ValueError):
             text = str(first["config"])
-        summary = (f"{run_id}: {first['task']} / {first['model']} / {first['pattern']} / {first['backend']}, "
-                   f"seed {first['seed']}, {rows['epoch'].max()} epochs")
+        summary = (
+            f"{run_id}: {first['task']} / {first['model']} / {first['pattern']} / {first['backend']}, "
+            f"seed {first['seed']}, {rows['epoch'].max()} epochs"
+        )
         parts.append(f"<details><summary>{html.escape(summary)}</summary><pre>{html.escape(text)}</pre></details>")
     return "\n".join(parts)
 
@@ -109,16 +115,23 @@ def frontiers_html(frontiers: dict[str, pd.DataFrame]) -> str:
     parts = []
     for name, table in frontiers.items():
         margin = f" at margin {table['margin'].iloc[0]:g}" if "margin" in table and len(table) else ""
-        parts.append(f"<h3>{html.escape(name)}</h3>\n{_html_table(format_frontier(table, 'markdown'))}\n"
-                     f"{_img(plot.frontier(table), f'frontier {name}: metric against budget and cost')}{_note('equivalent: TOST against full' + margin)}")
+        parts.append(
+            f"<h3>{html.escape(name)}</h3>\n{_html_table(format_frontier(table, 'markdown'))}\n"
+            f"{_img(plot.frontier(table), f'frontier {name}: metric against budget and cost')}{_note('equivalent: TOST against full' + margin)}"
+        )
     return "\n".join(parts)
 
 
 OWN_METRIC = "each task's own metric (bpc for text, query_acc for recall, ...)"
 
 
-def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str | None = None,
-           frontiers: dict[str, pd.DataFrame] | None = None) -> str:
+def report(
+    df: pd.DataFrame,
+    source: str = "",
+    by=("task", "model"),
+    metric: str | None = None,
+    frontiers: dict[str, pd.DataFrame] | None = None,
+) -> str:
     """The report page of a results frame (``gtx.experiments.results.load``) as an HTML string; ``source`` names
     where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``; ``frontiers``
     (``gtx.experiments.frontier.load_frontiers``) add a section. GtxError if there are no runs, or
@@ -130,9 +143,14 @@ def report(df: pd.DataFrame, source: str = "", by=("task", "model"), metric: str
         figure = _note("no results plot: these results hold only evaluations (gtx eval), no training runs")
     else:
         figure = _img(plot.results(df, by=by, metric=metric), "accuracy against speed, and learning curves")
-    frontier_section = "" if not frontiers else (
-        "<h2>Frontiers</h2>\n<p class=\"note\">As <code>gtx frontier</code> printed them: per length, each family's budgets against full, mean "
-        f"and 95% CI over seeds; top panels against edges per query, bottom against training FLOPs.</p>\n{frontiers_html(frontiers)}\n")
+    frontier_section = (
+        ""
+        if not frontiers
+        else (
+            '<h2>Frontiers</h2>\n<p class="note">As <code>gtx frontier</code> printed them: per length, each family\'s budgets against full, mean '
+            f"and 95% CI over seeds; top panels against edges per query, bottom against training FLOPs.</p>\n{frontiers_html(frontiers)}\n"
+        )
+    )
     n_runs = df["run_id"].nunique()
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = f"gtx report: {source}" if source else "gtx report"

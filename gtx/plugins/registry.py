@@ -188,13 +188,17 @@ class Registry:
 
             def register(name: str, obj: Any, *, config: type | None = None, _label: str = label) -> None:
                 if not isinstance(name, str) or not NAME_RE.match(name):
-                    raise PluginError(f"plugin {_label} registered the {self.kind} name {name!r}; use letters, digits, '_' or '-'")
+                    raise PluginError(
+                        f"plugin {_label} registered the {self.kind} name {name!r}; use letters, digits, '_' or '-'"
+                    )
                 if name in entries:
                     raise PluginError(
                         f"{self.kind} {name!r} is registered twice: by {entries[name].plugin} and by {_label}; rename one"
                     )
                 if config is not None and not (isinstance(config, type) and dataclasses.is_dataclass(config)):
-                    raise PluginError(f"plugin {_label} registered {self.kind} {name!r} with config={config!r}; pass a dataclass (or no config)")
+                    raise PluginError(
+                        f"plugin {_label} registered {self.kind} {name!r} with config={config!r}; pass a dataclass (or no config)"
+                    )
                 entries[name] = Entry(name, obj, _label, config)
 
             call_hook(impl, label, register=register)
