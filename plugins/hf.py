@@ -122,15 +122,31 @@ def pretrained_sizes(folder: Path) -> dict:
         raise ValueError(
             f"{where} has no tokenizer ({', '.join(TOKENIZER)}); save the model's tokenizer there with save_pretrained"
         )
-    raw = json.loads((folder / "config.json").read_text())
-    positions = next((raw[k] for k in POSITIONS if k in raw), None)
-    if not isinstance(positions, int):
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (ValueError, OSError) as e:  # cut short, not UTF-8, not JSON
+        raise ValueError(
+            f"{where}: config.json cannot be read ({str(e).splitlines()[0]}); give the config.json save_pretrained wrote"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{where}: config.json holds a {type(raw).__name__}, not a model's configuration; give the one save_pretrained wrote"
+        )
+    name, positions = next(((k, raw[k]) for k in POSITIONS if k in raw), (None, None))
+    if name is None:
         raise ValueError(
             f"{where}: config.json names no positions ({' or '.join(POSITIONS)}); its model cannot say how long a text it reads"
         )
-    c = transformers().AutoConfig.from_pretrained(
-        folder
-    )  # its attribute maps read every family's names (n_embd: hidden_size)
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise ValueError(
+            f"{where}: {name}={json.dumps(positions)} in config.json is not a positive whole number of positions"
+        )
+    # AutoConfig's attribute maps read every family's names (n_embd: hidden_size); it validates the sizes
+    try:
+        c = transformers().AutoConfig.from_pretrained(folder)
+    except Exception as e:  # transformers' and huggingface_hub's validation: several lines, the reason last
+        why = ([line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
+        raise ValueError(f"{where}: transformers refuses its config.json: {why}") from None
     if c.model_type not in CHECKED:
         raise ValueError(
             f"{where}: model_type {c.model_type!r} in config.json is not a family gtx checks against transformers' own model "
@@ -152,7 +168,13 @@ class HFTokenizer(Tokenizer):
     """A transformers tokenizer saved beside its model, as gtx's tasks write with it."""
 
     def __init__(self, folder: str):
-        self.hf = transformers().AutoTokenizer.from_pretrained(folder)
+        try:
+            self.hf = transformers().AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # transformers and tokenizers raise many kinds for a file cut short or of another format
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise GtxError(
+                f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
+            ) from None
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
         self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
 

@@ -222,3 +222,48 @@ def test_topk_runs_within_a_window(root):
     model = gtx_model(folder(root, "mistral", sliding_window=5), "topk:k=3")
     ids = samples(model)
     assert all(torch.isfinite(x).all() for x in packed_logits(model, "topk:k=3", ids))
+
+
+def _cut(name: str, keep: int):
+    """An edit of a folder: its file ``name`` cut to its first ``keep`` bytes (a crash or a full disk leaves such a file)."""
+
+    def edit(path):
+        (path / name).write_bytes((path / name).read_bytes()[:keep])
+
+    return edit
+
+
+BROKEN = {
+    "a truncated tokenizer.json": ({}, _cut("tokenizer.json", 100), "its tokenizer cannot be loaded"),
+    "a truncated config.json": ({}, _cut("config.json", 50), "config.json cannot be read"),
+    "a config.json that holds a list": (
+        {},
+        lambda p: (p / "config.json").write_text("[1, 2]"),
+        "config.json holds a list",
+    ),
+    "positions written 256.0": (
+        {"max_position_embeddings": 256.0},
+        None,
+        "max_position_embeddings=256.0 in config.json is not",
+    ),
+    "positions written true": (
+        {"max_position_embeddings": True},
+        None,
+        "max_position_embeddings=true in config.json is not",
+    ),
+    "3 heads over a width of 32": ({"num_attention_heads": 3}, None, "transformers refuses its config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_folder_is_one_line_and_nothing_written(root, tmp_path, case):
+    config, edit, match = BROKEN[case]
+    path = edited(root, tmp_path, config=config)
+    if edit:
+        edit(path)
+    result = CliRunner().invoke(cli, ["run", "--model", "hf", "--set", f"path={path}", "--task", "text", "--epochs", "0", "--quiet",
+                                      "--results", str(tmp_path / "r")])  # fmt: skip
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
+    assert not (tmp_path / "r").exists()
