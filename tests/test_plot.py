@@ -395,6 +395,35 @@ def test_report_with_a_bad_metric_or_grouping_is_one_line_and_writes_nothing(tmp
     assert result.exit_code == 2 and message in result.output and not (tmp_path / "report.html").exists()
 
 
+HEADER = "task,model,length,family,budget,pattern,metric,runs,mean\n"
+NOT_FRONTIERS = {
+    "random bytes": (bytes(range(256)) * 2, "cannot be read as a frontier table"),
+    "another program's table": (b"a,b\n1,2\n", "is no gtx frontier table: it lacks task, model"),
+    "an empty file": (b"", "cannot be read as a frontier table (No columns to parse"),
+    "text where numbers belong": (
+        (HEADER + "recall,lm,64,local,8,local:w=8,q,zz,zz\n").encode(),
+        "its runs column holds text",
+    ),
+    "a table cut mid-row": (
+        (HEADER + "recall,lm,64,local,8,loc").encode(),
+        "a row without its family, budget, pattern or metric",
+    ),
+    "a folder named x.csv": (None, "Is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_FRONTIERS))
+def test_report_names_a_file_among_the_frontiers_that_is_no_frontier_table(tmp_path, case):
+    content, message = NOT_FRONTIERS[case]
+    fake_results(tmp_path)
+    where = tmp_path / "frontiers" / "x.csv"
+    where.parent.mkdir()
+    where.mkdir() if content is None else where.write_bytes(content)
+    result = gtx("report", "--results", tmp_path)
+    assert result.exit_code == 2 and message in result.output and "x.csv" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "report.html").exists()
+
+
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium to render the report")
 def test_report_renders_in_a_headless_browser(tmp_path):
     fake_results(tmp_path)

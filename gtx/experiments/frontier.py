@@ -501,9 +501,29 @@ def frontier_dir(results_dir) -> Path:
     return Path(results_dir) / "frontiers"
 
 
+#: what every saved frontier table holds, with the columns read as numbers
+FRONTIER_NEEDS = {"task": False, "model": False, "length": False, "family": False, "budget": False, "pattern": False,
+                  "metric": False, "runs": True, "mean": True}  # fmt: skip
+
+
 def load_frontiers(results_dir) -> dict[str, pd.DataFrame]:
-    """Every frontier table saved under ``results_dir`` (``frontier_dir``), by name, as numbers."""
-    return {
-        p.stem: pd.read_csv(p, dtype={"length": str, "budget": str})
-        for p in sorted(frontier_dir(results_dir).glob("*.csv"))
-    }
+    """Every frontier table saved under ``results_dir`` (``frontier_dir``), by name, as numbers;
+    GtxError naming a file there that is no frontier table (another program's, cut short, not text)."""
+    return {p.stem: _read_frontier(p) for p in sorted(frontier_dir(results_dir).glob("*.csv"))}
+
+
+def _read_frontier(path: Path) -> pd.DataFrame:
+    fix = f"move it out of {path.parent} or run gtx frontier again to write it anew"
+    try:
+        table = pd.read_csv(path, dtype={"length": str, "budget": str})
+    except (OSError, ValueError, pd.errors.ParserError) as e:  # a folder, not UTF-8, empty, ragged
+        raise GtxError(f"{path} cannot be read as a frontier table ({str(e).splitlines()[0]}); {fix}") from None
+    missing = [c for c in FRONTIER_NEEDS if c not in table.columns]
+    if missing:
+        raise GtxError(f"{path} is no gtx frontier table: it lacks {', '.join(missing)}; {fix}")
+    for column in (c for c, numeric in FRONTIER_NEEDS.items() if numeric and len(table)):
+        if not pd.api.types.is_numeric_dtype(table[column]):
+            raise GtxError(f"{path}: its {column} column holds text where a frontier table holds numbers; {fix}")
+    if table[["family", "budget", "pattern", "metric"]].isna().any(axis=None):
+        raise GtxError(f"{path}: a row without its family, budget, pattern or metric (a table cut short?); {fix}")
+    return table
