@@ -193,6 +193,9 @@ class Needle(Task):
         vocab = Vocab(sorted(set(text)))
         return vocab, vocab
 
+    def declared_len(self) -> int:
+        return self.config.context
+
     def context_len(self) -> int:
         return self.config.context
 

@@ -157,6 +157,9 @@ class Recall(Task):
     # docs/long-context.md's runs used 32
     train_defaults = {"batch_size": 32, "eval_batch_size": 32}
 
+    def declared_len(self) -> int:
+        return self.config.seq_len - 1  # valid and test sequences are seq_len tokens; a model reads all but the last
+
     def generate(self):
         c = self.config
         rng = np.random.default_rng(c.seed)

@@ -219,6 +219,9 @@ class Text(Task):
         vocab = Vocab([chr(i) for i in range(256)] if self.level == "byte" else sorted(set(train.split_text())))
         return vocab, vocab
 
+    def declared_len(self) -> int:
+        return self.config.context
+
     def context_len(self) -> int:
         return self.config.context
 

@@ -244,3 +244,21 @@ def test_tiny_run_reports_query_accuracy_by_distance(tmp_path):
     assert 0 <= metrics["query_acc"] <= 1
     assert sum(metrics["queries_by_distance"].values()) == 4 * 4 * 4  # 4 test sequences x 4 pairs x 4 queries each
     assert list(metrics["queries_by_distance"]) == sorted(metrics["queries_by_distance"])
+
+
+def test_a_length_past_the_models_positions_is_refused_before_the_data_is_made(tmp_path, monkeypatch):
+    """seq_len=100,000,000 once generated gigabytes of data before the check: the declared length is checked first."""
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+    from gtx.plugins.registry import TASKS
+
+    made = []
+    monkeypatch.setattr(TASKS.get("recall").obj, "generate", lambda self: made.append(1))
+    result = CliRunner().invoke(
+        cli, ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=100000000", "--results", str(tmp_path)]
+    )
+    assert (
+        result.exit_code == 2 and "has sequences of 99999999 tokens but model 'lm' has positions for" in result.output
+    ), result.output
+    assert not made and not any(tmp_path.iterdir())

@@ -115,6 +115,11 @@ class Task:
         src = Vocab(sorted({t for s, _ in train for t in s}))
         return (src, src) if self.form == "lm" else (src, Vocab(sorted({t for _, y in train for t in y})))
 
+    def declared_len(self) -> int | None:
+        """``context_len`` as the task's settings state it, known before any data is made (None: the
+        data alone tells). gtx checks it against the model's positions before generating the data."""
+        return None
+
     def context_len(self) -> int:
         """The longest sequence a model reads at once (positions it needs), over every split."""
         longest = max(len(x) for split in self.splits().values() for x, _ in split)

@@ -181,6 +181,20 @@ def cell_key(config: RunConfig) -> str:
     return resolve_configs(config).keys()[0]
 
 
+def check_positions(config: RunConfig, model_config, max_len: int | None, length: int | None) -> None:
+    """One line when the task's sequences (``length`` tokens) are longer than the model has positions for."""
+    if max_len is None or length is None or length <= max_len:
+        return
+    fix = (
+        f"they are the pretrained model's (path={model_config.path}): shorten the task's sequences"
+        if getattr(model_config, "path", "")
+        else f"raise --set max_len={length} or shorten the task's sequences"
+    )
+    raise GtxError(
+        f"task {config.task!r} has sequences of {length} tokens but model {config.model!r} has positions for {max_len}; {fix}"
+    )
+
+
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
@@ -195,18 +209,12 @@ def resolve(config: RunConfig) -> Resolved:
         raise GtxError(
             f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}"
         )
-    task.splits()  # generates or loads the data: a missing data_dir fails here
     max_len = getattr(c.model, "max_len", None)
-    if max_len is not None and task.context_len() > max_len:
-        raise GtxError(
-            f"task {config.task!r} has sequences of {task.context_len()} tokens but model {config.model!r} has positions "
-            f"for {max_len}; "
-            + (
-                f"they are the pretrained model's (path={c.model.path}): shorten the task's sequences"
-                if getattr(c.model, "path", "")
-                else f"raise --set max_len={task.context_len()} or shorten the task's sequences"
-            )
-        )
+    check_positions(
+        config, c.model, max_len, task.declared_len()
+    )  # before the data: a length past the model's is made for nothing
+    task.splits()  # generates or loads the data: a missing data_dir fails here
+    check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     probe.graph_only(
         make_batch(task, "train", [0], c.chosen)
