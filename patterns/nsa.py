@@ -130,6 +130,16 @@ class NativeSparse(Trainable):
         self.gate = nn.Linear(heads * head_dim, 3 * heads)  # from the query token (q is a linear map of its state)
         self.window = parse_pattern(f"local:w={config.w - 1}")
 
+    def check_length(self, n: int) -> str | None:
+        """Blocks far longer than the sequence are padding whose cost follows l or s (s=100000 on 64
+        tokens did not finish): refused past twice the sequence, the defaults always allowed."""
+        c = self.config
+        over = [(k, getattr(c, k)) for k, default in (("l", 32), ("s", 64)) if getattr(c, k) > max(2 * n, default)]
+        if not over:
+            return None
+        said = " and ".join(f"{k}={v}" for k, v in over)
+        return f"{said}: blocks of that many positions on sequences of {n} tokens are padding; choose at most {max(2 * n, 64)}"
+
     def budget_text(self, n: int) -> str:
         """The last query's branches at ``n`` tokens (the docstring's budget): compressed keys, selected and window keys."""
         c = self.config

@@ -269,11 +269,29 @@ def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path)
         ("nsa:l=8,d=16", "stride d=16 is larger than the compression block l=8"),
         ("nsa:n=3", "n=3: n counts the selected blocks including the first and the two local ones"),
         ("nsa:phi=max", "phi='max': choose mlp"),
+        (
+            "nsa:s=100000",
+            "s=100000: blocks of that many positions on sequences of 63 tokens are padding; choose at most 126",
+        ),
+        ("nsa:l=5000,d=16", "l=5000: blocks of that many positions"),
     ],
 )
 def test_bad_nsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
     result = CliRunner().invoke(
-        cli, ["run", "--task", "recall", "--model", "lm", "--pattern", spec, "--results", str(tmp_path / "r")]
+        cli,
+        [
+            "run",
+            "--task",
+            "recall",
+            "--model",
+            "lm",
+            "--set",
+            "seq_len=64",
+            "--pattern",
+            spec,
+            "--results",
+            str(tmp_path / "r"),
+        ],
     )
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()

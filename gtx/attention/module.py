@@ -403,9 +403,10 @@ def check_budget(pattern, stages, length: int) -> None:
         raise GtxError(f"{why}; choose a smaller budget (k, or b and k)")
 
 
-def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: str) -> None:
+def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: str, length: int | None = None) -> None:
     """A trainable pattern is built once before the run (its parameters checked against the model's
-    heads) and must serve one of the model's stages: else one line naming the pattern."""
+    heads), must serve one of the model's stages and suit sequences of ``length`` tokens
+    (``Trainable.check_length``): else one line naming the pattern."""
     if pattern.trainable is None:
         return
     module = Attention.for_width(None, pattern, heads, dim).trainable
@@ -414,6 +415,9 @@ def check_trainable(pattern, stages, heads: int | None, dim: int | None, model: 
             f"pattern {pattern.spec!r} attends in {', '.join(module.stages)} only, but model {model!r} attends in "
             f"{', '.join(stages)} here: use it with a model and task that have {module.stages[0]} (lm, transformer, ut)"
         )
+    why = module.check_length(length) if length else None
+    if why:
+        raise GtxError(f"pattern {pattern.spec!r}: {why}")
 
 
 def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:

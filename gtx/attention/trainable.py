@@ -50,6 +50,11 @@ class Trainable(torch.nn.Module):
         fix it (``gtx plot pattern`` states it); None: the pattern's ``budget`` says it, or nothing fixes it."""
         return None
 
+    def check_length(self, n: int) -> str | None:
+        """Why this attention should not run on sequences of ``n`` tokens (its cost would follow a
+        parameter rather than the sequence), in words naming the fix; None when it can."""
+        return None
+
     def describe(self) -> str | None:
         """The stage this module attends in, for a method that has stages (DSA's warm-up), else None."""
         return None

@@ -221,9 +221,8 @@ def resolve(config: RunConfig) -> Resolved:
     )  # builds and checks the pattern's edges: a leak fails here
     density = {stage: probe.density(stage) for stage in probe.edges}
     check_budget(c.chosen, list(probe.edges), task.context_len())
-    check_trainable(
-        c.chosen, list(probe.edges), getattr(c.model, "heads", None), getattr(c.model, "dim", None), config.model
-    )
+    heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)
+    check_trainable(c.chosen, list(probe.edges), heads, dim, config.model, task.context_len())
     return Resolved(
         config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys()
     )
