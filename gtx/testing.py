@@ -44,9 +44,8 @@ def check_edges(pattern: str | Pattern, lengths: Sequence[int] = LENGTHS) -> Non
 
 def _run(attention: Attention, q, k, v, edges, inputs):
     out = attention(q, k, v, edges, inputs=inputs)
-    weights = torch.linspace(-1, 1, out.numel()).view_as(
-        out
-    )  # an uneven loss: every output position matters differently
+    # an uneven loss: every output position matters differently
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
     return out, torch.autograd.grad((out * weights).sum(), [q, k, v, *attention.parameters()], materialize_grads=True)
 
 

@@ -99,9 +99,8 @@ class SparseIndexed(Trainable):
         if run.training:  # the steps trained with this one, and the stage the next one (or an evaluation) runs in
             self.steps.fill_(run.step + 1)
             self.sparse.fill_(run.step + 1 >= c.warmup)
-        iq, w, ik = self.indexer(
-            q.detach().flatten(1), x.detach(), positions_of(lens, q.device)
-        )  # the indexer's input: detached
+        # the indexer's input: detached
+        iq, w, ik = self.indexer(q.detach().flatten(1), x.detach(), positions_of(lens, q.device))
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
         if not sparse:
             if run.training:
@@ -271,9 +270,8 @@ class BlockIndex:
             torch.arange(len(self.lens), device=iq.device), torch.as_tensor(self.lens, device=iq.device)
         )
         pos = torch.cat([torch.arange(n, device=iq.device) for n in self.lens])
-        idx = sample[:, None] * n_blocks + torch.cat(
-            [(pos // self.size)[:, None], sel.blocks[:, 0]], 1
-        )  # (n, 1 + K) rows of keys
+        # (n, 1 + K) rows of keys
+        idx = sample[:, None] * n_blocks + torch.cat([(pos // self.size)[:, None], sel.blocks[:, 0]], 1)
         read = torch.cat([torch.ones_like(sel.valid[:, :1, 0]), sel.valid[:, 0]], 1)
         keys = self.keys.reshape(-1, self.keys.shape[-1])
         total = iq.new_zeros(())

@@ -37,9 +37,8 @@ def lsh(inner: Pattern = None, buckets: int = 8, seed: int = 0) -> Pattern:
         keep = bucket(q)[edges.dst] == bucket(keys)[edges.src]
         q_pos, k_pos = edges.positions()
         nearest = torch.full((edges.n_dst,), -1, dtype=torch.long, device=q.device)
-        nearest = nearest.scatter_reduce(
-            0, edges.dst, torch.where(k_pos <= q_pos, k_pos, -1), "amax"
-        )  # own position, or the last before it
+        # own position, or the last before it
+        nearest = nearest.scatter_reduce(0, edges.dst, torch.where(k_pos <= q_pos, k_pos, -1), "amax")
         first = torch.zeros(edges.n_dst, dtype=torch.long, device=q.device).scatter_reduce(
             0, edges.dst, k_pos, "amin", include_self=False
         )

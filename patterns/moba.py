@@ -43,13 +43,13 @@ def moba(b: int = 64, k: int = 4, gate: str = "token") -> Pattern:
         top = score.topk(min(k - 1, max(n - 1, 0)), dim=-1)
         own = torch.arange(n, device=q.device).expand(*score.shape[:2], n)[..., None]
         key_blocks = torch.cat([own, top.indices], -1)
+        # (B, n)
         real = (
             torch.arange(n, device=q.device)[None, :]
             < torch.tensor([-(-m // b) for m in lens], device=q.device)[:, None]
-        )  # (B, n)
-        chosen = (top.values > float("-inf")) & real[
-            :, None, :, None
-        ]  # a shorter sample's padding blocks choose nothing
+        )
+        # a shorter sample's padding blocks choose nothing
+        chosen = (top.values > float("-inf")) & real[:, None, :, None]
         valid = torch.cat([torch.ones_like(own, dtype=torch.bool), chosen], -1)
         return BlockSelection(b, lens, key_blocks.masked_fill(~valid, 0), valid)
 

@@ -57,9 +57,8 @@ class Compressor(nn.Module):
         flattened block is a convolution (kernel l, stride d) and the position encoding a constant it
         adds per block."""
         first = self.mlp[0]
-        kernel = first.weight.view(-1, self.size, x.shape[-1]).transpose(
-            1, 2
-        )  # (2D, D, l): [o, c, p] = W[o, p * D + c]
+        # (2D, D, l): [o, c, p] = W[o, p * D + c]
+        kernel = first.weight.view(-1, self.size, x.shape[-1]).transpose(1, 2)
         bias = first.bias + first.weight @ self.pos.flatten()
         hidden = _StridedConv.apply(x, lens, kernel, bias, self.stride)  # (B, m, H, 2D)
         return self.mlp[2](self.mlp[1](hidden))
@@ -228,18 +227,18 @@ def choose_blocks(
     heads, length = q.shape[1], max(lens)
     n_sel = -(-length // c.s)
     j = torch.arange(n_sel, device=q.device)
+    # the selection blocks each compressed block overlaps: first..last
     first, last = (
         (ends - c.l + 1) // c.s,
         ends // c.s,
-    )  # the selection blocks each compressed block overlaps: first..last
+    )
     spans = [(first + o, first + o <= last) for o in range(int((last - first).max()) + 1 if len(ends) else 0)]
     width = min(c.n - 1, n_sel)
     blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
     valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
     for r0, r1, take, weights in compressed_weights(q, kc, lens, ends):
-        score = weights.new_zeros(
-            *weights.shape[:-1], n_sel
-        )  # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
+        # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
+        score = weights.new_zeros(*weights.shape[:-1], n_sel)
         seen = weights.shape[-1]  # the compressed blocks that end before r1
         for (
             target,

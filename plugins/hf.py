@@ -46,13 +46,14 @@ REFUSED = {
     "sinks": ("attention sinks", "sinks"),
     "attention_mask": ("an attention mask", "attn_implementation"),
 }
+# handed on, no part of the attention's function
 PASSED = (
     "position_ids",
     "is_causal",
     "output_attentions",
     "use_cache",
     "cache_position",
-)  # handed on, no part of the attention's function
+)
 INSTALL = "pip install -e '.[hf]' (transformers)"
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, byte-level BPE
@@ -242,9 +243,8 @@ def gtx_attention(
     groups = query.shape[1] // key.shape[1]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
-    k, v = (
-        x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value)
-    )  # grouped-query heads as repeat_kv orders them
+    # grouped-query heads as repeat_kv orders them
+    k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))
     return attention(
         q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs
     )[None], None
@@ -258,9 +258,8 @@ class _Edges:
 
     def window(self, keys: int) -> EdgeSet:
         if keys not in self.windowed:
-            short = (
-                self.edges.q_lens is not None and max(self.edges.q_lens) <= keys
-            )  # no sample is longer than the window
+            # no sample is longer than the window
+            short = self.edges.q_lens is not None and max(self.edges.q_lens) <= keys
             self.windowed[keys] = self.edges if short else window_edges(self.edges, keys)
         return self.windowed[keys]
 
@@ -457,9 +456,8 @@ class HFModel(GraphModel):
         n = len(ids) + new - 1  # the positions that run as queries: the last token generated is never read
         edges = batch_edges(pattern, "dd", [n], [n])
         last_reader = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, edges.src, edges.dst, "amax")
-        rows = torch.searchsorted(
-            edges.dst, torch.arange(n + 1)
-        )  # edges are sorted by query: query t's are rows[t]:rows[t + 1]
+        # edges are sorted by query: query t's are rows[t]:rows[t + 1]
+        rows = torch.searchsorted(edges.dst, torch.arange(n + 1))
         kv = transformers().DynamicCache()
         kept = torch.arange(len(ids))
         logits = self._logits(
@@ -482,12 +480,13 @@ class HFModel(GraphModel):
             src = edges.src[rows[t] : rows[t + 1]]
             ids_of = torch.searchsorted(kept, src)
             step = EdgeSet(ids_of, torch.zeros(len(src), dtype=torch.long), len(kept), 1, "dd")
+            # a sliding-window layer's keys among the cached ones
             near = {
                 w: EdgeSet(
                     ids_of[t - src < w], torch.zeros(int((t - src < w).sum()), dtype=torch.long), len(kept), 1, "dd"
                 ).to(device)
                 for w in set(self.windows) - {None}
-            }  # a sliding-window layer's keys among the cached ones
+            }
             logits = self._logits(
                 torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv, near
             )

@@ -153,15 +153,13 @@ class Needle(Task):
         while total < room:
             sentences.append(filler_tokens[rng.integers(len(FILLER))])
             total += len(sentences[-1])
-        ends = [int(e) for e in np.cumsum([0] + [len(s) for s in sentences]) if e < room] + [
-            room
-        ]  # the last sentence is cut at room
+        # the last sentence is cut at room
+        ends = [int(e) for e in np.cumsum([0] + [len(s) for s in sentences]) if e < room] + [room]
         filler = [t for s in sentences for t in s][:room]
         at = min(ends, key=lambda e: abs(e - depth * room))  # the sentence boundary nearest the depth
         tokens = filler[:at] + needle + filler[at:] + question + answer
-        scored = [
-            group(depth) if any(ch in DIGITS for ch in t) else "" for t in answer
-        ]  # not a lone space token before the digits
+        # not a lone space token before the digits
+        scored = [group(depth) if any(ch in DIGITS for ch in t) else "" for t in answer]
         return tokens, [""] * (len(tokens) - 1 - len(answer)) + scored
 
     def generate(self):

@@ -50,10 +50,11 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
         self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
         self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
         self.dec_layer = DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
+        # the shared layers' trainable attention
         self.enc_attention, self.dec_attention = (
             layer_attention(attention),
             layer_attention(attention),
-        )  # the shared layers' trainable attention
+        )
         self.halt_enc, self.halt_dec = Halting(c.dim), Halting(c.dim)
         self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
         self.enc_norm, self.dec_norm = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)

@@ -114,9 +114,8 @@ def test_block_gated_moba_is_causal_attention_over_the_blocks_it_names(lens, b, 
     (gq,) = torch.autograd.grad(out.sum(), q)
     assert torch.isfinite(gq).all()
     listed = sum(len(explicit_edges(sel, h)[0]) for h in range(2)) / 2
-    assert sel.edges_per_head() == pytest.approx(
-        listed
-    )  # the results' edges per query count what was attended, padding left out
+    # the results' edges per query count what was attended, padding left out
+    assert sel.edges_per_head() == pytest.approx(listed)
 
 
 @settings(max_examples=25, deadline=None)
@@ -161,10 +160,11 @@ def test_selections_keep_a_subset_of_candidates_and_every_query(spec, lens, stag
     keep = pattern.select(q.detach(), k.detach(), edges)
     if isinstance(keep, KeySelection):  # complete or causal candidates: chosen without listing edges
         keep = keep.as_mask(edges)
+    # a mask over the candidates: a subset by construction
     assert keep.dtype == torch.bool and keep.shape == (
         edges.num_edges,
         3,
-    )  # a mask over the candidates: a subset by construction
+    )
     per_query = torch.zeros(edges.n_dst, 3, dtype=torch.long).index_add_(0, edges.dst, keep.long())
     assert (per_query >= 1).all()
     if spec.startswith("topk"):

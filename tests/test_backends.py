@@ -289,11 +289,12 @@ def plain_attention_sets():
         ("unequal-complete", unequal["ee"], "complete"),
         ("unequal-causal", unequal["dd"], "causal"),
         ("unequal-cross", unequal["ed"], "complete"),
+        # one sample
         (
             "no-lens-complete",
             EdgeSet(*reversed(torch.ones(11, 7).nonzero(as_tuple=True)), 7, 11),
             "complete",
-        ),  # one sample
+        ),
     ]
 
 
@@ -308,9 +309,8 @@ def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_w
 
     _, edges, structure = case
     monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
-    edges = EdgeSet(
-        edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens
-    )  # no plans yet
+    # no plans yet
+    edges = EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)
     assert flash.flash_structure(edges) == structure
     assert_matches_reference(get_backend(name), edges)
     if name == "auto":
@@ -363,9 +363,8 @@ def test_near_plain_attention_is_not_taken_for_it_and_stays_correct():
         _without(complete, 7, add=(7, 0)),  # the count of a complete batch, one edge across samples
         _without(causal, 4, add=(4, 1)),  # the count of a causal batch, one key after its query
         _without(causal, 4, add=(7, 3)),  # ... and one key of the next sample
-        _without(
-            build_graph(parse_pattern("causal"), [6]).edges["ee"], 4, add=(4, 1)
-        ),  # one sequence, one key after its query
+        # one sequence, one key after its query
+        _without(build_graph(parse_pattern("causal"), [6]).edges["ee"], 4, add=(4, 1)),
     ]
     for edges in near:
         assert flash_structure(edges) is None

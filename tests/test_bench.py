@@ -62,9 +62,8 @@ def test_bench_attention_measures_each_cells_own_peak_memory():
     # dense builds (n, n) scores per head: at 2048 tokens and 4 heads, 64 MB each for scores, weights and their gradients;
     # the window's blocks are a small fraction of that
     df = bench.bench_attention(["local:w=4"], [2048], ["dense", "auto"], repeats=1).set_index("backend")
-    assert (
-        df.peak_mem_mb["auto"] > 0 and df.peak_mem_mb["dense"] > 128 + df.peak_mem_mb["auto"]
-    )  # it read 0.0 for every backend
+    # it read 0.0 for every backend
+    assert df.peak_mem_mb["auto"] > 0 and df.peak_mem_mb["dense"] > 128 + df.peak_mem_mb["auto"]
 
 
 def test_bench_attention_has_a_plain_torch_sdpa_row():
@@ -101,9 +100,8 @@ def test_bench_train_compares_backends_and_torch_transformer():
     assert (df.steps == 2).all() and (df.rounds == 2).all()
     assert json.loads(df.choice.iloc[0])  # auto's choices per stage
     assert df.attention_ms.iloc[2] == 0 and df.attention_ms.iloc[:2].notna().all() and df.attention_ms.isna().iloc[3]
-    assert (
-        df.vs_reference.iloc[3] == 1 and df.peak_mem_mb.isna().all()
-    )  # torch.nn.Transformer is the reference; memory off
+    # torch.nn.Transformer is the reference; memory off
+    assert df.vs_reference.iloc[3] == 1 and df.peak_mem_mb.isna().all()
     ut_settings = {**{k: v for k, v in settings.items() if k != "layers"}, "max_depth": "2"}
     ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
     assert list(ut.model) == ["ut", "ut", "ut[act=false]", "ut[act=false]"]

@@ -202,9 +202,8 @@ def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_sta
     sparse = _run(tmp_path, "--pattern", "dsa:k=8,warmup=0")
     assert "full attention" not in sparse.output and "note:" not in sparse.output, sparse.output
     run_id = load(tmp_path).run_id.iloc[0]
-    again = CliRunner().invoke(
-        cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)]
-    )  # the spec's warm-up is 100 steps
+    # the spec's warm-up is 100 steps
+    again = CliRunner().invoke(cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)])
     assert again.exit_code == 0 and "(sparse stage, indexer trained 2 steps)" in again.output, again.output
     evaluated = load(tmp_path).query("eval_of == @run_id")
     assert (evaluated.edges_per_query_dd <= 8).all() and evaluated.pattern.str.contains("warmup=100").all()

@@ -209,9 +209,8 @@ def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
 def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_path):
     source = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST
     state = checkpoint.load(source)
-    state["rows"] = json.dumps(
-        [r for r in checkpoint.rows_of(state) if r["split"] != "test"]
-    )  # unfinished, so resumable
+    # unfinished, so resumable
+    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])
     checkpoint.save(checkpoint.checkpoint_dir(tmp_path, "other-run") / checkpoint.LAST, state)
     result = gtx("run", "--resume", "other-run", "--results", tmp_path)
     assert (
@@ -262,9 +261,8 @@ def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
     evaluated = gtx("eval", tail, "--results", reference, "--split", "valid")
     assert evaluated.exit_code == 0, evaluated.output
     assert f"run {run_id} (trained with full)" in evaluated.output
-    resumed = gtx(
-        "run", "--resume", tail, "--results", reference
-    )  # resolved: then refused for being finished, not for its name
+    # resolved: then refused for being finished, not for its name
+    resumed = gtx("run", "--resume", tail, "--results", reference)
     assert resumed.exit_code == 2 and f"--resume {run_id}: that run is finished" in resumed.output
     drawn = gtx("plot", "attention", tail, "--results", reference, "-o", tmp_path / "a.png")
     assert drawn.exit_code == 0 and (tmp_path / "a.png").is_file(), drawn.output

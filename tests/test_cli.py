@@ -139,10 +139,11 @@ def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
     for t in (3, 11, 12, 25, 40):  # a batch finishes at each of these seconds
         now[0] = t
         tick()
+    # none for the last: the phase's own line follows
     assert lines == [
         "epoch 1/4: 2/5 batches, 11 s",
         "epoch 1/4: 4/5 batches, 25 s",
-    ]  # none for the last: the phase's own line follows
+    ]
 
 
 @pytest.mark.parametrize(
@@ -159,7 +160,6 @@ def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
 )
 def test_bad_lengths_and_a_prompt_that_is_not_utf8_are_one_line(args, message):
     result = CliRunner().invoke(cli, args)
-    said = [
-        line for line in result.output.strip().splitlines() if not line.startswith("warning: load average")
-    ]  # a busy machine's note
+    # a busy machine's note
+    said = [line for line in result.output.strip().splitlines() if not line.startswith("warning: load average")]
     assert result.exit_code == 2 and len(said) == 1 and message in said[0], result.output

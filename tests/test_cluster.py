@@ -146,9 +146,8 @@ def test_a_preempted_cell_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     while time.monotonic() < deadline and not list((res / "checkpoints").glob("*/last.pt")):
         time.sleep(0.1)
     time.sleep(0.5)  # into a later epoch: the checkpoint is behind the run
-    for task in children(
-        job._process.pid
-    ):  # the job's task (its controller's child) gets Slurm's preemption signal, USR2
+    # the job's task (its controller's child) gets Slurm's preemption signal, USR2
+    for task in children(job._process.pid):
         os.kill(task, signal.SIGUSR2)  # submitit calls CellJob.checkpoint and requeues the job
     assert job.result() == 0
     df = load(res)

@@ -112,12 +112,13 @@ def test_compare_metric_choice_direction_and_errors():
     table = compare(df, metric="bpc").set_index("pattern")
     assert table.attrs["metric"] == "best_valid_bpc" and table.best_valid_bpc_mean["local:w=1"] == pytest.approx(0.51)
     assert table.vs_full.to_dict() == {"full": "-", "local:w=1": "better", "local:w=4": "worse", "strided": "same"}
+    # w=1 now beats both
     assert table.pareto.to_dict() == {
         "full": False,
         "local:w=1": True,
         "local:w=4": True,
         "strided": False,
-    }  # w=1 now beats both
+    }
     assert compare(df, metric="test_seq_acc").attrs["metric"] == "test_seq_acc"
     with pytest.raises(
         GtxError, match=r"unknown metric 'nope'; metrics of these runs: token_acc, seq_acc, loss, test_seq_acc, bpc"
@@ -154,9 +155,8 @@ def test_compare_counts_finished_runs_and_names_those_it_leaves_out(tmp_path):
     result = CliRunner().invoke(cli, ["compare", "--results", str(tmp_path), "--format", "csv"])
     assert result.exit_code == 0, result.output
     assert "left out 1 unfinished run(s), without test rows yet (still training, or stopped): live" in result.stderr
-    assert (
-        pd.read_csv(io.StringIO(result.stdout)).set_index("pattern").runs["full"] == 3
-    )  # the table itself stays plain CSV
+    # the table itself stays plain CSV
+    assert pd.read_csv(io.StringIO(result.stdout)).set_index("pattern").runs["full"] == 3
 
 
 def test_compare_renders_single_runs_without_spread():
@@ -212,9 +212,8 @@ def test_runs_with_other_settings_never_pool_and_the_table_says_what_differs():
         and 0.0 <= pooled.best_valid_token_acc_ci_low <= pooled.best_valid_token_acc_ci_high <= 1.0
     )
     assert "settings" in format_compare(table).splitlines()[0]
-    assert (
-        "settings" not in format_compare(compare(df[df.run_id != "c"])).splitlines()[0]
-    )  # one experiment per group: no column
+    # one experiment per group: no column
+    assert "settings" not in format_compare(compare(df[df.run_id != "c"])).splitlines()[0]
 
 
 def test_full_is_matched_within_the_same_model_never_another():
@@ -232,9 +231,8 @@ def test_full_is_matched_within_the_same_model_never_another():
     local = table[table.pattern == "local:w=4"].set_index("settings")
     assert local.speed_vs_full.to_dict() == {"model=transformer": 2.0, "model=ut": 4.0}
     alone = compare(df[df.run_id != "u-full"], ["task", "pattern"])
-    assert (
-        alone[(alone.pattern == "local:w=4") & (alone.settings == "model=ut")].speed_vs_full.isna().all()
-    )  # no full of its own model
+    # no full of its own model
+    assert alone[(alone.pattern == "local:w=4") & (alone.settings == "model=ut")].speed_vs_full.isna().all()
 
 
 def test_the_default_metric_is_the_tasks_own_and_mixed_tasks_name_theirs():
@@ -243,9 +241,8 @@ def test_the_default_metric_is_the_tasks_own_and_mixed_tasks_name_theirs():
         *run("t2", seed=1, task="text", metrics=results.metrics_json({"bpc": 2.2})),
     ]
     table = compare(validate(pd.DataFrame(bpc)), task_metrics={"text": "bpc"})
-    assert (
-        table.attrs["metric"] == "best_valid_bpc" and table.best_valid_bpc_ci_low.iloc[0] >= 0.0
-    )  # clipped at 0, bpc's floor
+    # clipped at 0, bpc's floor
+    assert table.attrs["metric"] == "best_valid_bpc" and table.best_valid_bpc_ci_low.iloc[0] >= 0.0
     assert format_compare(table).splitlines()[0].split()[4:6] == ["runs", "best_valid_bpc"]
     mixed = compare(validate(pd.DataFrame([*bpc, *run("c", acc=0.5)])), task_metrics={"text": "bpc"})
     assert mixed.attrs["metric"] is None and set(mixed.metric) == {"best_valid_bpc", "best_valid_token_acc"}

@@ -140,9 +140,8 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
 def test_every_backend_equals_dense_on_fixed_patterns(spec, dtype):
     for stage in ("ee", "dd"):
         for backend in backends_on_cuda():
-            if (
-                parse_pattern(spec).bias is None or BACKENDS.get(backend).obj.supports_bias
-            ):  # the others refuse biases in one line
+            # the others refuse biases in one line
+            if parse_pattern(spec).bias is None or BACKENDS.get(backend).obj.supports_bias:
                 compare(spec, stage, backend, dtype)
 
 

@@ -151,9 +151,8 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
         assert result.exit_code == 0, result.output
         train = load(tmp_path / "res").query("split == 'train'").iloc[0]
         kept = json.loads(train.metrics)
-        assert (
-            train.edges_per_query_dd < kept["kept_window"] + kept["kept_strided"]
-        )  # the query's own key, in both, read once
+        # the query's own key, in both, read once
+        assert train.edges_per_query_dd < kept["kept_window"] + kept["kept_strided"]
         state = torch.load(next((tmp_path / "res").glob("checkpoints/*/last.pt")), weights_only=False)["model"]
         gates = [state[f"layer_attention.{i}.trainable.gate.weight"] for i in (0, 1)]
         assert not torch.equal(gates[0], gates[1])  # each layer's own gate, trained

@@ -104,9 +104,8 @@ def dsa_by_definition(attention, q, k, v, x, lens, top):
         score = indexer_by_definition(indexer, q[rows].flatten(1).detach(), x[rows])
         score = score.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         for t in range(n):
-            best = sorted(range(t + 1), key=lambda s: (score[t, s].item(), s), reverse=True)[
-                :top
-            ]  # equal scores: the later key first
+            # equal scores: the later key first
+            best = sorted(range(t + 1), key=lambda s: (score[t, s].item(), s), reverse=True)[:top]
             keys = torch.tensor(sorted(best))
             kept.append(set(keys.tolist()))
             s = torch.einsum("hd,khd->hk", q[start + t], k[start + keys])

@@ -39,9 +39,8 @@ def test_tost_by_hand_equal_variances_three_each():
         p_low = 1 - t_cdf_4((-0.01 + margin) / se)  # H0: d <= -margin
         p_high = t_cdf_4((-0.01 - margin) / se)  # H0: d >= margin
         assert tost_p(a, b, margin) == pytest.approx(max(p_low, p_high), rel=1e-9)
-    assert (
-        tost_p(a, b, 0.05) == pytest.approx(0.03524, abs=1e-5) and tost_p(a, b, 0.05) < 0.05
-    )  # equivalent within 5 points
+    # equivalent within 5 points
+    assert tost_p(a, b, 0.05) == pytest.approx(0.03524, abs=1e-5) and tost_p(a, b, 0.05) < 0.05
     assert tost_p(a, b, 0.02) > 0.05  # not within 2 points: too few seeds to tell
 
 
@@ -226,9 +225,8 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
         and (ref / "frontiers" / f"{name}.png").is_file()
     )
     page = write_report(ref).read_text()
-    assert (
-        plot.frontier(saved).axes and "<h2>Frontiers</h2>" in page and "TOST against full at margin 0.5" in page
-    )  # the saved table keeps its margin
+    # the saved table keeps its margin
+    assert plot.frontier(saved).axes and "<h2>Frontiers</h2>" in page and "TOST against full at margin 0.5" in page
 
     res = tmp_path / "res"
     proc = subprocess.Popen(

@@ -59,9 +59,8 @@ def same_weights(model, implementation):
     """transformers' own model with ``model``'s weights, under one of its attention implementations."""
     import transformers
 
-    config = copy.deepcopy(
-        model.hf.config
-    )  # the implementation is the config's: a shared config would switch model.hf too
+    # the implementation is the config's: a shared config would switch model.hf too
+    config = copy.deepcopy(model.hf.config)
     other = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
     other.load_state_dict(model.hf.state_dict())
     return other.eval()
@@ -107,9 +106,8 @@ def test_local_window_is_eager_attention_with_its_mask(family):
         return (scores.softmax(-1) @ value).transpose(1, 2), None
 
     transformers.AttentionInterface.register("test_window", windowed)
-    assert torch.equal(
-        pattern.dense("dd", 9, 9), window(torch.arange(9)[:, None], torch.arange(9)[None, :])
-    )  # gtx's local:w is this mask
+    # gtx's local:w is this mask
+    assert torch.equal(pattern.dense("dd", 9, 9), window(torch.arange(9)[:, None], torch.arange(9)[None, :]))
     reference = same_weights(model, "test_window")
     batch = make_batch(task, "valid", [0, 3], pattern)
     with torch.no_grad():
@@ -258,7 +256,6 @@ def test_bench_prefill_rows(tmp_path):
     ]
     assert df.vs_sdpa.iloc[0] == 1.0 and (df.ms > 0).all() and (df.tokens_per_s > 0).all()
     bad = CliRunner().invoke(cli, ["bench", "prefill", "--set", "heads=3", "--lengths", "32"])
-    errors = [
-        line for line in bad.output.splitlines() if not line.startswith("warning:")
-    ]  # bench warns on a busy machine
+    # bench warns on a busy machine
+    errors = [line for line in bad.output.splitlines() if not line.startswith("warning:")]
     assert bad.exit_code == 2 and len(errors) == 1 and "heads" in errors[0], bad.output

@@ -68,9 +68,8 @@ def test_no_import_cycles():
     def visit(m, stack):
         state[m] = "open"
         for d in sorted(GRAPH.get(m, ())):
-            if (
-                d in GRAPH and d != m and not (m.startswith(d + ".") or d.startswith(m + "."))
-            ):  # a package and its own modules
+            # a package and its own modules
+            if d in GRAPH and d != m and not (m.startswith(d + ".") or d.startswith(m + ".")):
                 if state.get(d) == "open":
                     cycles.append(" -> ".join([*stack[stack.index(d) :], d]))
                 elif d not in state:

@@ -22,16 +22,13 @@ def moba_by_definition(q, k, v, lens, block, top):
     for n in lens:
         qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
         n_blocks = -(-n // block)
-        means = torch.stack(
-            [ks[j * block : (j + 1) * block].float().mean(0) for j in range(n_blocks)]
-        )  # (blocks, H, D)
-        gate = torch.einsum(
-            "thd,jhd->htj", qs.float(), means
-        )  # in float32 as gtx's gate, also when the attention runs in float64
+        # (blocks, H, D)
+        means = torch.stack([ks[j * block : (j + 1) * block].float().mean(0) for j in range(n_blocks)])
+        # in float32 as gtx's gate, also when the attention runs in float64
+        gate = torch.einsum("thd,jhd->htj", qs.float(), means)
         own = torch.arange(n) // block
-        gate = gate.masked_fill(
-            torch.arange(n_blocks)[None, :] >= own[:, None], float("-inf")
-        )  # only blocks before the own one compete
+        # only blocks before the own one compete
+        gate = gate.masked_fill(torch.arange(n_blocks)[None, :] >= own[:, None], float("-inf"))
         keep = torch.zeros(gate.shape, dtype=torch.bool)
         if top > 1 and n_blocks > 1:
             best = gate.topk(min(top - 1, n_blocks), dim=-1)
@@ -163,18 +160,20 @@ def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
 @pytest.mark.parametrize(
     "blocks, valid, lens, message",
     [
+        # token 0 names block 1
         (
             [[[1]], [[0]], [[0]]] + [[[0]]] * 3,
             [[[True]]] + [[[False]]] * 5,
             [6],
             "not before the query's own block",
-        ),  # token 0 names block 1
+        ),
+        # tokens 4, 5 name their own block
         (
             [[[0]]] * 4 + [[[1]]] * 2,
             [[[False]]] * 4 + [[[True]]] * 2,
             [6],
             "not before the query's own block",
-        ),  # tokens 4, 5 name their own block
+        ),
         ([[[0]]] * 6, [[[False]]] * 6, [3, 3], "samples of \\[3, 3\\] tokens"),
         ([[0]] * 6, [[False]] * 6, [6], "expected \\(6, 1, K\\)"),
     ],

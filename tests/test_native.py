@@ -37,6 +37,7 @@ def both_paths(fn):
 
 
 @settings(max_examples=30, deadline=None)
+# 32: the kernels' unrolled copy
 @given(
     n=st.integers(1, 40),
     heads=st.sampled_from([1, 2, 4]),
@@ -44,7 +45,7 @@ def both_paths(fn):
     shared=st.booleans(),
     dims=st.sampled_from([(8, 8), (16, 5), (32, 32)]),
     seed=st.integers(0, 100),
-)  # 32: the kernels' unrolled copy
+)
 def test_attention_over_selected_keys_agrees_with_the_torch_path(n, heads, count, shared, dims, seed):
     check_selected_keys(n, n + 3, heads, count, shared, dims, seed)
 
@@ -64,9 +65,8 @@ def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
     ).requires_grad_()  # scaled, as attention's: scores of order 1
     k = torch.randn(n_keys, heads, dims[0], generator=g, requires_grad=True)
     v = torch.randn(n_keys, heads, dims[1], generator=g, requires_grad=True)
-    keys = torch.randint(
-        0, n_keys, (n, 1 if shared else heads, count), generator=g
-    )  # count > 8: runs of 8 slots and a rest
+    # count > 8: runs of 8 slots and a rest
+    keys = torch.randint(0, n_keys, (n, 1 if shared else heads, count), generator=g)
     valid = torch.rand(n, 1 if shared else heads, count, generator=g) > 0.3
     valid[0] = False  # a query with nothing to read: zero output, no gradient
     sel = KeySelection(keys.expand(-1, heads, -1), valid.expand(-1, heads, -1))  # shared: a view with head stride 0
@@ -362,9 +362,8 @@ def test_a_failing_compiler_is_remembered_not_retried_by_every_process(fresh, tm
     tries = len(calls.read_text().split())  # --version, then each build tried
     monkeypatch.setattr(native, "_said", set())  # as a new process
     assert native.library("keys_kernel") is None and native.library("index_kernel") is None
-    assert (
-        len(calls.read_text().split()) == tries == 9 and len(fresh()) == 2
-    )  # --version, then 4 builds of each kernel, once
+    # --version, then 4 builds of each kernel, once
+    assert len(calls.read_text().split()) == tries == 9 and len(fresh()) == 2
 
 
 def test_the_cache_key_holds_the_cpus_model_where_there_is_no_proc_cpuinfo(tmp_path, monkeypatch):

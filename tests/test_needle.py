@@ -48,9 +48,8 @@ def test_examples_fill_the_context_and_score_only_the_answer():
             text = "".join(tokens)
             value = text.rsplit("It is ", 1)[1]
             assert len(tokens) == 201 and len(groups) == 200 and value.isdigit() and len(value) == 4
-            assert (
-                groups[-4:] == [groups[-1]] * 4 and groups[-1] in DEPTHS and not any(groups[:-4])
-            )  # the 4 digits, not the space before
+            # the 4 digits, not the space before
+            assert groups[-4:] == [groups[-1]] * 4 and groups[-1] in DEPTHS and not any(groups[:-4])
             assert "".join(answer(tokens, groups)) == value and f"is {value}." in text  # the needle holds the answer
     depths = [next(g for g in groups if g) for _, groups in data["valid"]]
     assert depths == DEPTHS * 2  # valid cycles through the depths
@@ -61,9 +60,8 @@ def test_examples_fill_the_context_and_score_only_the_answer():
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 0.9, 1.0])
 def test_the_needle_sits_at_its_depth_in_tokens(tokenizer, depth):
     task = make(tokenizer, context=600, depths=str(depth))
-    longest = max(
-        len(task.tokens(" " + s)) for s in sys.modules[NEEDLE.obj.__module__].FILLER
-    )  # tokens of the longest filler sentence
+    # tokens of the longest filler sentence
+    longest = max(len(task.tokens(" " + s)) for s in sys.modules[NEEDLE.obj.__module__].FILLER)
     for tokens, groups in task.generate()["test"]:
         needle = task.tokens(" The secret number of")
         start = next(i for i in range(len(tokens)) if tokens[i : i + len(needle)] == needle)
@@ -77,9 +75,8 @@ def test_the_needle_sits_at_its_depth_in_tokens(tokenizer, depth):
 def test_pieces_are_written_as_the_tokenizer_writes_the_whole_text():
     tokenizer = Words()
     for tokens, groups in make(tokenizer, context=100).generate()["valid"]:
-        assert (
-            len(tokens) == 101 and tokenizer.tokenize("".join(tokens)) == tokens
-        )  # " It is" + " 4821", not " It is " + "4821"
+        # " It is" + " 4821", not " It is " + "4821"
+        assert len(tokens) == 101 and tokenizer.tokenize("".join(tokens)) == tokens
         value = "".join(tokens).rsplit("It is ", 1)[1]
         assert answer(tokens, groups) == [" " + value] and sum(map(bool, groups)) == 1
 
@@ -98,9 +95,8 @@ def test_vocabulary_is_fixed_by_the_task_and_names_are_a_setting():
     assert (
         one.src_vocab == other.src_vocab == one.tgt_vocab and "{" not in one.src_vocab.stoi and one.context_len() == 256
     )
-    assert all(
-        "".join(t).rsplit("It is ", 1)[0].count(" Ada") == 2 for t, _ in other.splits()["train"]
-    )  # only Ada, in needle and question
+    # only Ada, in needle and question
+    assert all("".join(t).rsplit("It is ", 1)[0].count(" Ada") == 2 for t, _ in other.splits()["train"])
 
 
 def test_phase_metrics_mirror_recall():

@@ -140,9 +140,8 @@ def nsa_by_definition(module, q, k, v, lens):
                     p = torch.softmax(torch.stack([comp["k"][i][hh] @ qs[t, hh] for i in seen]), 0).detach()
                     for j, i in enumerate(seen):
                         for b in range(own):
-                            if (
-                                b * c.s <= i * c.d + c.l - 1 and i * c.d <= (b + 1) * c.s - 1
-                            ):  # compressed block i overlaps block b
+                            # compressed block i overlaps block b
+                            if b * c.s <= i * c.d + c.l - 1 and i * c.d <= (b + 1) * c.s - 1:
                                 importance[b] += p[j]
                 forced = {b for b in (0, own - 1) if 0 <= b < own}
                 rest = sorted(set(range(own)) - forced, key=lambda b: -float(importance[b]))

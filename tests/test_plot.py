@@ -108,9 +108,8 @@ def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "<svg" in (tmp_path / "new" / "deeper" / "p.svg").read_text()  # missing parents are created
     result = gtx("plot", "pattern", "full", "--src-len", 4, "-o", tmp_path / "p", "--format", "pdf")
-    assert result.exit_code == 0 and (tmp_path / "p").read_bytes().startswith(
-        b"%PDF"
-    )  # the path as given: no suffix appended
+    # the path as given: no suffix appended
+    assert result.exit_code == 0 and (tmp_path / "p").read_bytes().startswith(b"%PDF")
 
 
 @pytest.mark.parametrize(
@@ -238,9 +237,8 @@ def test_many_groups_wrap_into_rows_of_three(tmp_path):
     df = pd.concat([df.assign(task=f"t{i}", run_id=df.run_id + f"-{i}") for i in range(7)], ignore_index=True)
     fig = plot.results(df)
     width, height = fig.get_size_inches()
-    assert width == pytest.approx(3 * 5.6) and height == pytest.approx(
-        3 * 8.4
-    )  # 7 groups: 3 rows of 3 columns, not one row of 7
+    # 7 groups: 3 rows of 3 columns, not one row of 7
+    assert width == pytest.approx(3 * 5.6) and height == pytest.approx(3 * 8.4)
     titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titled == [f"task=t{i}, model=transformer" for i in range(7)]
     assert sum(not ax.axison for ax in fig.axes) == 2 * 2  # the last row's two empty places, top and bottom
@@ -320,12 +318,10 @@ def test_results_and_report_plot_each_tasks_own_metric(tmp_path):
         "task=text, model=transformer": "best_valid_bpc (lower is better)",
     }
     text_panel = next(ax for ax in fig.axes if ax.get_title() == "task=text, model=transformer")
-    assert sorted(text_panel.get_lines()[0].get_ydata()) == pytest.approx(
-        [2.45]
-    )  # mean bpc of the two seeds, not their token_acc
-    result = gtx(
-        "plot", "results", "--results", tmp_path, "--by", "model"
-    )  # one panel holding three metrics: refused, one line
+    # mean bpc of the two seeds, not their token_acc
+    assert sorted(text_panel.get_lines()[0].get_ydata()) == pytest.approx([2.45])
+    # one panel holding three metrics: refused, one line
+    result = gtx("plot", "results", "--results", tmp_path, "--by", "model")
     assert (
         result.exit_code == 2
         and "holds tasks judged by different metrics" in result.output
@@ -358,11 +354,12 @@ class Page(HTMLParser):
 
 def test_report_is_one_self_contained_page(tmp_path):
     fake_results(tmp_path)
+    # still training
     write_run(
         tmp_path,
         "full-s2",
         [row("full-s2", "full", 2, "train", 1, 0.1, 1000.0), row("full-s2", "full", 2, "valid", 1, 0.1)],
-    )  # still training
+    )
     result = gtx("report", "--results", tmp_path)
     assert result.exit_code == 0, result.output
     path = tmp_path / "report.html"
@@ -371,9 +368,8 @@ def test_report_is_one_self_contained_page(tmp_path):
     page.feed(path.read_text())
     text = "".join(page.text)
     assert page.tags.count("details") == 5 and '"dim": 16' in text  # one configuration per run
-    assert (
-        "Left out: 1 unfinished run(s), without test rows yet: full-s2" in text
-    )  # the comparison pools finished runs only
+    # the comparison pools finished runs only
+    assert "Left out: 1 unfinished run(s), without test rows yet: full-s2" in text
     assert "table" in page.tags and "best_valid_token_acc" in text and "local:w=1" in text
     assert len(page.images) == 3  # the results figure, one picture per pattern
     for src in page.images:
@@ -572,9 +568,8 @@ def test_recorded_weights_are_the_softmax_that_makes_the_output(trained):
         torch.testing.assert_close(sums, torch.ones(call.n_q, call.heads))  # every query has an edge under local:w=1
         mixed = torch.zeros_like(out).index_add(0, part.dst, part.weights[..., None] * v[part.src])
         torch.testing.assert_close(mixed, out, atol=1e-5, rtol=1e-5)  # they weight the values into the backend's output
-        dense = torch.full(
-            (call.n_q, call.n_k, call.heads), float("-inf")
-        )  # the softmax of q.k over the row's edges, densely
+        # the softmax of q.k over the row's edges, densely
+        dense = torch.full((call.n_q, call.n_k, call.heads), float("-inf"))
         dense[part.dst, part.src] = (q[part.dst] * k[part.src]).sum(-1)
         torch.testing.assert_close(dense.softmax(1)[part.dst, part.src], part.weights)
 
@@ -726,9 +721,8 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
         "plot", "attention", run_id, "--results", trained["results"], "--example", 2, "--layer", 0, "--head", 1
     )
     assert result.exit_code == 0, result.output
-    picture = (
-        Path(trained["results"]) / "plots" / f"attention-{run_id}-test-2.png"
-    )  # under the results folder, not the working directory
+    # under the results folder, not the working directory
+    picture = Path(trained["results"]) / "plots" / f"attention-{run_id}-test-2.png"
     assert result.output.strip() == str(picture)
     image_of(picture)
     result = gtx("plot", "attention", trained["ut"], "--split", "valid", "-o", tmp_path / "a.svg")

@@ -218,9 +218,8 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
         p.name for p in out.iterdir()
     }
     trained = torch.load(checkpoint_dir(results, run_id) / "best.pt", weights_only=False)["model"]
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        out
-    )  # transformers' own attention: the folder names no gtx
+    # transformers' own attention: the folder names no gtx
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert json.loads((out / "config.json").read_text()).get("_attn_implementation") in (None, "sdpa")
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, trained[f"hf.{name}"]), name  # the fine-tuned weights, not the folder's
@@ -233,9 +232,8 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
             and all(torch.equal(f.get_tensor(k), trained[k]) for k in f.keys())
         )
     from_folder = CliRunner().invoke(cli, ["generate", "--set", f"path={out}", *prompt])
-    assert (
-        from_folder.output.splitlines()[0] == from_run.output.splitlines()[0]
-    )  # the exported folder generates what the run does
+    # the exported folder generates what the run does
+    assert from_folder.output.splitlines()[0] == from_run.output.splitlines()[0]
     again = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
     assert again.exit_code == 2 and "is not empty" in again.output and again.output.count("\n") == 1
     unknown = CliRunner().invoke(cli, ["generate", "zzzzzz", "--results", str(results), *prompt])

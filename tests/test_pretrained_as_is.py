@@ -22,11 +22,12 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.plugins.registry import MODELS
 
+# Qwen's: layers from max_window_layers on slide
 SLIDING = {
     "use_sliding_window": True,
     "sliding_window": 5,
     "max_window_layers": 1,
-}  # Qwen's: layers from max_window_layers on slide
+}
 # family -> (its config beyond the tiny sizes, each layer's sliding window): every family gtx accepts, the features it declares
 FAMILIES = {
     "llama": ({}, [None, None]),
@@ -34,10 +35,11 @@ FAMILIES = {
     "qwen2": (SLIDING, [None, 5]),
     "qwen3": (SLIDING, [None, 5]),
     "gemma": ({}, [None, None]),
+    # scaling 16^-0.5, not 8^-0.5
     "gemma2": (
         {"sliding_window": 5, "attn_logit_softcapping": None, "query_pre_attn_scalar": 16},
         [5, None],
-    ),  # scaling 16^-0.5, not 8^-0.5
+    ),
     "gemma3_text": (
         {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16},
         [5, None],
@@ -113,9 +115,8 @@ def test_a_pattern_applies_within_the_layers_windows(root):
     for ours, theirs in zip(packed_logits(gtx_model(mistral, "local:w=8"), "local:w=8", ids), own_logits(mistral, ids)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     windowless = packed_logits(gtx_model(mistral), "full", ids)[0]
-    assert not torch.allclose(
-        windowless, own_logits(mistral, ids, sliding_window=None)[0], rtol=1e-4, atol=1e-5
-    )  # the window matters here
+    # the window matters here
+    assert not torch.allclose(windowless, own_logits(mistral, ids, sliding_window=None)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_generation_with_the_cache_keeps_each_layers_window(root):

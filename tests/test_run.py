@@ -127,10 +127,11 @@ def test_models_and_tasks_list_like_patterns():
     tasks = gtx("tasks").output
     for name in ("copy", "sort", "reverse", "addition", "listops", "g2p", "translation"):
         assert any(line.startswith(name) for line in tasks.splitlines()), name
+    # what a pretrained model's tokenizer writes
     assert [line.split()[0] for line in tasks.splitlines() if "lm, text" in line] == [
         "needle",
         "text",
-    ]  # what a pretrained model's tokenizer writes
+    ]
 
 
 def test_runs_are_reproducible_from_the_seed(tmp_path):
@@ -239,9 +240,8 @@ def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     assert key == cell_key(
         RunConfig(pattern="local", device="cpu", results_dir="elsewhere", settings={"epochs": "4", "dim": "16"})
     )
-    assert key != cell_key(
-        RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"})
-    )  # equal settings, other task
+    # equal settings, other task
+    assert key != cell_key(RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"}))
 
 
 def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp_path):

@@ -227,17 +227,17 @@ def test_a_real_run_listed_and_shown(tmp_path):
         "test",
     ]
     ckpts = [ln.split() for ln in lines if ".pt " in ln]  # path, size, MiB, modified, epoch
+    # the epoch each holds
     assert sorted((c[0].rsplit("/", 1)[1], c[-1]) for c in ckpts) == [
         ("best.pt", "1"),
         ("last.pt", "1"),
-    ]  # the epoch each holds
+    ]
     config = json.loads(gtx("show", run_id, "--results", tmp_path, "--format", "json").output)
     assert config["train"]["epochs"] == 1 and config["task_config"]["n_train"] == 32
     assert gtx("eval", run_id, "--results", tmp_path, "--pattern", "local:w=1").exit_code == 0
     df = results.load(tmp_path)
-    results.write_run(
-        tmp_path, run_id, df[(df.run_id == run_id) & (df.split != "test")].to_dict("records")
-    )  # as if killed before its test
+    # as if killed before its test
+    results.write_run(tmp_path, run_id, df[(df.run_id == run_id) & (df.split != "test")].to_dict("records"))
     table = listed(tmp_path)
     assert list(table.status) == ["incomplete, resumable", f"eval of {runs.short_id(run_id)}"] and list(
         table.pattern

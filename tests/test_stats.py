@@ -30,9 +30,8 @@ def test_welch_p_known_properties():
     assert welch_p([0.90, 0.91, 0.92], [0.50, 0.52, 0.51]) < 0.001
     assert welch_p([0.90, 0.95, 0.85], [0.91, 0.86, 0.96]) > 0.5
     assert math.isnan(welch_p([0.9], [0.5, 0.6])) and math.isnan(welch_p([0.9, np.nan], [0.5, 0.6]))
-    assert (
-        welch_p([1.0, 1.0, 1.0], [1.0, 1.0]) == 1.0 and welch_p([1.0, 1.0], [0.5, 0.5]) == 0.0
-    )  # no spread: 0/0 and x/0
+    # no spread: 0/0 and x/0
+    assert welch_p([1.0, 1.0, 1.0], [1.0, 1.0]) == 1.0 and welch_p([1.0, 1.0], [0.5, 0.5]) == 0.0
     assert welch_p([1, 2, 3, 4], [3, 4, 5, 6]) == welch_p([3, 4, 5, 6], [1, 2, 3, 4])
 
 

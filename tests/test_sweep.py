@@ -113,9 +113,8 @@ def test_plan_skips_complete_cells_resumes_checkpointed_ones_restarts_the_rest(t
     fake_run(res, "b", k[1], ["train", "valid"], "2026-01-01T00:00:00")  # incomplete, checkpoint: resume
     checkpoint(res, "b")
     fake_run(res, "c", k[2], ["train", "valid"], "2026-01-01T00:00:00")  # incomplete, no checkpoint: run afresh
-    fake_run(
-        res, "d1", k[3], ["train", "valid", "test"], "2026-01-01T00:00:00"
-    )  # complete once, then started again: skip
+    # complete once, then started again: skip
+    fake_run(res, "d1", k[3], ["train", "valid", "test"], "2026-01-01T00:00:00")
     fake_run(res, "d2", k[3], ["train"], "2026-01-02T00:00:00")
     checkpoint(res, "d2")
     fake_run(res, "e1", k[4], ["train"], "2026-01-01T00:00:00")  # only the latest run is resumed: it has no checkpoint
@@ -241,9 +240,8 @@ def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are
     assert [(c.action, c.rekeyed) for c in sw.plan(grid, res)] == [("skip", False), ("skip", True)]
     said = gtx("--task", "copy,sort", "--results", res, "--dry-run")
     assert said.exit_code == 0 and "1 of the complete cells are runs written before results schema 4" in said.output
-    fake_run(
-        res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, config="{}"
-    )  # no settings stored
+    # no settings stored
+    fake_run(res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, config="{}")
     assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
 
 
@@ -334,9 +332,10 @@ def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
     result = gtx("--results", res, *args)  # a later --results wins
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
+    # click's own: usage too
     assert (
         message in lines[-1] and lines[-1].startswith("Error: ") and (len(lines) == 1 or lines[0].startswith("Usage:"))
-    )  # click's own: usage too
+    )
     assert not res.exists()
 
 
@@ -371,9 +370,8 @@ def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_
     assert not (res / "runs").exists() or not list((res / "runs").iterdir())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (claims.claim_dir(res) / cell.key).write_text(
-        f"{dead.pid}@{__import__('socket').gethostname()}\n"
-    )  # its sweep was killed
+    # its sweep was killed
+    (claims.claim_dir(res) / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")
     result = gtx(*args)
     assert result.exit_code == 0 and "1 done" in result.output and not (claims.claim_dir(res) / cell.key).exists(), (
         result.output
@@ -436,10 +434,11 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
         [*SWEEP, *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
+        # generous: a loaded machine takes minutes for a first run; the loop leaves as soon as one is done
         deadline, first_done = (
             time.monotonic() + 600,
             None,
-        )  # generous: a loaded machine takes minutes for a first run; the loop leaves as soon as one is done
+        )
         while time.monotonic() < deadline and proc.poll() is None:
             files = list((res / "runs").glob("*.csv"))
             done = complete_files(res) if files else {}
@@ -464,6 +463,5 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
     assert len(test) == 3 and test.cell.nunique() == 3 and set(test.seed) == {0, 1, 2}  # one complete run per cell
     assert {name: data for name, data in complete_files(res).items() if name in complete} == complete  # byte for byte
     after = {run_id: set(zip(rows.epoch, rows.split)) for run_id, rows in df.groupby("run_id")}
-    assert all(
-        rows <= after[run_id] for run_id, rows in earlier.items()
-    )  # a killed run's rows stay (resumed: kept in its file)
+    # a killed run's rows stay (resumed: kept in its file)
+    assert all(rows <= after[run_id] for run_id, rows in earlier.items())

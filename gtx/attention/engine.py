@@ -39,9 +39,8 @@ def propagate_attention(
         (n_dst, H, Dv); zeros for a query without incoming edges.
     """
     if edges.pattern is not None and not edges.pattern.plain and not isinstance(backend, (Attention, LayerAttention)):
-        backend = Attention(
-            backend
-        )  # a model built with a bare backend: head groups, fixed biases and selections still apply
+        # a model built with a bare backend: head groups, fixed biases and selections still apply
+        backend = Attention(backend)
     if inputs is not None and isinstance(backend, (Attention, LayerAttention)):
         return backend(q * q.shape[-1] ** -0.5, k, v, edges, inputs=inputs)
     return backend(q * q.shape[-1] ** -0.5, k, v, edges)

@@ -93,9 +93,8 @@ def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
     if native.kernel("index_kernel", iq, w, ik) is not None:
         return _IndexKL.apply(p, iq, w, ik, keys, valid)
 
-    def block(
-        p_r, iq_r, w_r, ik, keys_r, valid_r
-    ):  # the kept keys gathered inside: the backward keeps no (rows, K, d) copy
+    # the kept keys gathered inside: the backward keeps no (rows, K, d) copy
+    def block(p_r, iq_r, w_r, ik, keys_r, valid_r):
         return kl_to(p_r, index_scores(iq_r, w_r, ik[keys_r]), valid_r)
 
     total = p.new_zeros(())

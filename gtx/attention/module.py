@@ -63,11 +63,12 @@ class Attention(torch.nn.Module):
         self.stats: dict[
             str, list[float]
         ] = {}  # trainable attention's losses and kept edges: name -> [sum, count], since reset
+        # the training step, its auxiliary losses, whether it trains them alone
         self.step, self.pending, self.frozen = (
             0,
             [],
             False,
-        )  # the training step, its auxiliary losses, whether it trains them alone
+        )
         self.flops = (
             0.0  # forward FLOPs of the attention itself (q.k and the weighted sum of v over the attended edges), ever
         )

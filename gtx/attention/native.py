@@ -35,6 +35,7 @@ from gtx.files import CACHE_VARIABLE, atomic_write, cache_dir, replace_durably
 
 log = logging.getLogger(__name__)
 
+# associative math: dot products vectorize
 FLAGS = [
     "-O3",
     "-fno-math-errno",
@@ -43,10 +44,9 @@ FLAGS = [
     "-fno-trapping-math",
     "-shared",
     "-fPIC",
-]  # associative math: dot products vectorize
-ARCH = [
-    "-march=native"
-]  # this CPU's vector instructions; some compilers refuse it (clang <= 14 on AArch64, older Apple clang)
+]
+# this CPU's vector instructions; some compilers refuse it (clang <= 14 on AArch64, older Apple clang)
+ARCH = ["-march=native"]
 OPENMP = ["-fopenmp"]  # a kernel's parts on the OpenMP team torch's threads form (the kernels' ON_PARTS)
 RETRY_AFTER = 24 * 3600  # seconds a failed build is remembered
 SLOWER = "topk and dsa run on their torch path, several times slower on the CPU"
@@ -117,9 +117,8 @@ def toolchain(cc: str | None) -> tuple[list[str], str] | str:
 def _first_error(stderr: str) -> str:
     """The line of a compiler's output that says what failed, cut to 200 characters."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    causes = [
-        x for x in lines if "ld returned" not in x and "linker command failed" not in x
-    ]  # the linker's own line says why
+    # the linker's own line says why
+    causes = [x for x in lines if "ld returned" not in x and "linker command failed" not in x]
     line = next((x for x in causes if "error" in x.lower() or "cannot find" in x), lines[-1] if lines else "no output")
     return line[:200]
 
@@ -182,10 +181,11 @@ def library(name: str) -> Path | None:
         return None
     argv, identity = tool
     source = Path(__file__).with_name(f"{name}.c")
+    # what the sources include
     texts = [
         source.read_text(),
         *(h.read_text() for h in sorted(source.parent.glob("*.h"))),
-    ]  # what the sources include
+    ]
     folder = cache_dir() / "native"
     cc = f"CC={shlex.join(argv)}"
     try:

@@ -211,25 +211,22 @@ class _TokenBlockPlan:
         n_blocks = (lens + b - 1) // b  # per sample
         sample = torch.repeat_interleave(torch.arange(len(sel.lens), device=device), lens)
         first = (torch.cumsum(n_blocks, 0) - n_blocks) * heads  # each sample's first block row
-        start = (
-            first[:, None] + torch.arange(heads, device=device)[None, :] * n_blocks[:, None]
-        )  # (B, H): a head's first block row
+        # (B, H): a head's first block row
+        start = first[:, None] + torch.arange(heads, device=device)[None, :] * n_blocks[:, None]
         self.n_rows = int(n_blocks.sum()) * heads
-        position = (
-            torch.arange(len(sample), device=device) - (torch.cumsum(lens, 0) - lens)[sample]
-        )  # each token's place in its sample
-        place = (start[sample] + (position // b)[:, None]) * b + (position % b)[
-            :, None
-        ]  # (n, H): each (token, head)'s place in the blocks
+        # each token's place in its sample
+        position = torch.arange(len(sample), device=device) - (torch.cumsum(lens, 0) - lens)[sample]
+        # (n, H): each (token, head)'s place in the blocks
+        place = (start[sample] + (position // b)[:, None]) * b + (position % b)[:, None]
         self.place_of = place.flatten()  # by (token, head) row of (n * H, ...) views
+        # each block place's (token, head) row, or one past them
         self.source = torch.full((self.n_rows * b,), len(sample) * heads, dtype=torch.long, device=device).index_copy_(
             0, self.place_of, torch.arange(len(sample) * heads, device=device)
-        )  # each block place's (token, head) row, or one past them
+        )
         self.padded = len(self.place_of) < len(self.source)
         token, head, slot = sel.valid.nonzero(as_tuple=True)
-        group = (
-            start[sample[token], head] + sel.blocks[token, head, slot]
-        )  # the (sample, head, block) row of the key blocks
+        # the (sample, head, block) row of the key blocks
+        group = start[sample[token], head] + sel.blocks[token, head, slot]
         order = torch.argsort(group, stable=True)
         token, head, slot, group = token[order], head[order], slot[order], group[order]
         self.slots = sel.blocks.shape[-1]
@@ -356,9 +353,8 @@ class _TokenBlocks(torch.autograd.Function):
         mass.view(-1)[plan.mass_at] = part_w
         ctx.plan = plan
         ctx.mark_non_differentiable(mass)
-        ctx.save_for_backward(
-            q, k, v, out, own_lse, part_lse, own_w, part_w
-        )  # k, v, not their blocks: the backward copies them again
+        # k, v, not their blocks: the backward copies them again
+        ctx.save_for_backward(q, k, v, out, own_lse, part_lse, own_w, part_w)
         return out, mass
 
     @staticmethod
@@ -382,9 +378,8 @@ class _TokenBlocks(torch.autograd.Function):
         for rows, pairs, places in plan.chunks():
             pair = plan.pair[pairs]
             n_tiles = len(rows)
-            lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[
-                ..., 0
-            ]  # empty places: 0, harmless where the gradient is 0
+            # empty places: 0, harmless where the gradient is 0
+            lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[..., 0]
             dqt, dkt, dvt = _flash_backward(
                 _tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
                 _tiles(_take(q, pair), places, n_tiles, b),
@@ -394,9 +389,8 @@ class _TokenBlocks(torch.autograd.Function):
                 lse,
                 False,
             )
-            dq.index_add_(
-                0, pair, _take(dqt, places)
-            )  # in place: a copy per chunk would move all of dq, dk, dv each time
+            # in place: a copy per chunk would move all of dq, dk, dv each time
+            dq.index_add_(0, pair, _take(dqt, places))
             dkb.index_add_(0, rows, dkt)
             dvb.index_add_(0, rows, dvt)
         dq = dq.view_as(q)

@@ -54,9 +54,8 @@ class SelfAttentionStack(AdaptiveComputation, GraphModel):
         self.layers = nn.ModuleList(
             EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout) for _ in range(1 if c.universal else c.layers)
         )
-        self.layer_attention = nn.ModuleList(
-            layer_attention(attention) for _ in self.layers
-        )  # each layer's own trainable attention
+        # each layer's own trainable attention
+        self.layer_attention = nn.ModuleList(layer_attention(attention) for _ in self.layers)
         if c.universal:
             self.halt = Halting(c.dim)
             self.time = PositionalEncoding(c.dim, max_len=c.max_depth)

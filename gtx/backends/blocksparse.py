@@ -126,9 +126,8 @@ def _key_blocks_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torc
     )
 
 
-CHUNK_KEYS = (
-    1 << 12
-)  # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
+# gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
+CHUNK_KEYS = 1 << 12
 
 
 class _GatheredBlocks(torch.autograd.Function):
@@ -241,9 +240,8 @@ class BlockSparseBackend(Backend):
         return edges.plan(("blocksparse", self.block, edges.device), lambda: plan(edges, self.block))
 
     def __call__(self, q, k, v, edges, bias=None):
-        if (
-            edges.parent is not None and bias is None
-        ):  # an ACT subset: reuse the full plan on the blocks with kept queries
+        # an ACT subset: reuse the full plan on the blocks with kept queries
+        if edges.parent is not None and bias is None:
             layout = self.layout(edges.parent)
             keep = edges.keep
             rows = torch.nonzero(
@@ -251,6 +249,5 @@ class BlockSparseBackend(Backend):
             ).squeeze(1)
             out = attend(q, k, v, layout.rows(rows), rows)
             return out * keep[:, None, None].to(out.dtype)
-        return attend(
-            q, k, v, self.layout(edges), bias=bias
-        )  # a biased subset: its own plan, as its bias is per its edges
+        # a biased subset: its own plan, as its bias is per its edges
+        return attend(q, k, v, self.layout(edges), bias=bias)

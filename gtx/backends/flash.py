@@ -180,9 +180,8 @@ def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, ca
     q4 = q.view(b.count, b.n_q, *q.shape[1:]).transpose(1, 2)
     k4 = k.view(b.count, b.n_k, *k.shape[1:]).transpose(1, 2)
     v4 = v.view(b.count, b.n_k, *v.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q4, k4, v4, attn_mask=b.mask, is_causal=causal, scale=1.0
-    )  # (count, H, n_q, Dv)
+    # (count, H, n_q, Dv)
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=b.mask, is_causal=causal, scale=1.0)
     return out.transpose(1, 2).reshape(b.count * b.n_q, q.shape[1], v.shape[-1])
 
 

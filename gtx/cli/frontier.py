@@ -134,9 +134,8 @@ def frontier(
                 click.echo(f"  {line}", err=True)
             raise click.exceptions.Exit(1)
         name = fr.reading_name(cells, table, margin)
-        saved = (
-            fr.frontier_dir(results_dir) / f"{name}.csv"
-        )  # not with_suffix: the margin's own dot would be taken for one
+        # not with_suffix: the margin's own dot would be taken for one
+        saved = fr.frontier_dir(results_dir) / f"{name}.csv"
         atomic_write(saved, table.to_csv(index=False))
         figure = save(plot.frontier(table), fr.frontier_dir(results_dir) / f"{name}.png")
         if not quiet:

@@ -242,17 +242,15 @@ def run_cells(
         from gtx.experiments import cluster
 
         log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "submitit", "submitit folder")
-        executor = cluster.make_executor(
-            log_dir, cluster.executor_options(executor_opts)
-        )  # refused options: before any job
+        # refused options: before any job
+        executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))
         on_change(counts)
         failures = cluster.submit(
             cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc
         )
     else:
-        log_dir = writable_dir(
-            writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder"
-        )  # checked before any cell starts
+        # checked before any cell starts
+        log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")
         on_change(counts)
         failures = sw.execute(
             cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc

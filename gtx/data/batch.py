@@ -77,9 +77,8 @@ def make_batch(task: Task, split: str, index: list[int], pattern: Pattern) -> Ba
         return Batch(src, src_pos, None, None, targets, build_graph(pattern, src_lens), split, index)
     eos = [Vocab.eos] if task.eos else []
     tgt_out = [task.tgt_vocab.encode(t) + eos for _, t in examples]
-    tgt_in, tgt_pos, tgt_lens = _flat(
-        [([Vocab.sos] + t)[:-1] for t in tgt_out]
-    )  # teacher forcing: the output shifted right
+    # teacher forcing: the output shifted right
+    tgt_in, tgt_pos, tgt_lens = _flat([([Vocab.sos] + t)[:-1] for t in tgt_out])
     targets = torch.tensor([i for t in tgt_out for i in t], dtype=torch.long)
     return Batch(src, src_pos, tgt_in, tgt_pos, targets, build_graph(pattern, src_lens, tgt_lens), split, index)
 

@@ -79,13 +79,17 @@ class Task:
         """Build the splits from the config; deterministic given ``config.seed``."""
         raise NotImplementedError
 
+    def check_tokenizer(self) -> None:
+        """One line when a model's own tokenizer is set on a task that writes symbols, not text."""
+        if self.tokenizer is not None and not self.text:
+            raise GtxError(
+                f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
+                "give it a task written in text (gtx tasks lists them: text, needle)"
+            )
+
     def splits(self) -> dict[str, list[Example]]:
         if self._splits is None:
-            if self.tokenizer is not None and not self.text:
-                raise GtxError(
-                    f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
-                    "give it a task written in text (gtx tasks lists them: text, needle)"
-                )
+            self.check_tokenizer()
             with plugin_code(f"task {self.name!r}", "while making its data", settings=f"task {self.name!r}"):
                 self._splits = self._load_or_generate()
             checks.examples(f"task {self.name!r}", self._splits)

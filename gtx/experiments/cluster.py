@@ -99,16 +99,16 @@ class CellJob:
         return {**self.__dict__, "_child": None}  # a process does not travel with the job
 
     def __call__(self) -> int:
-        cell = as_results_stand(
-            self.cell, cell_states(self.results_dir), self.results_dir
-        )  # as they stand now, requeued or not
+        # as they stand now, requeued or not
+        cell = as_results_stand(self.cell, cell_states(self.results_dir), self.results_dir)
         if cell.action == "skip":
             return 0
         argv = [*launcher_argv(self.nproc), *run_args(cell, self.results_dir, self.plugins_dirs)]
         print(f"==> {' '.join(argv)}", flush=True)
+        # one log: the job's stdout
         self._child = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=child_env(self.nproc)
-        )  # one log: the job's stdout
+        )
         while (
             code := self._child.poll()
         ) is None:  # not wait(): it holds a lock that checkpoint()'s poll, in a signal handler, would need
@@ -119,9 +119,8 @@ class CellJob:
 
     def checkpoint(self):
         if self._child is not None and self._child.poll() is None:
-            self._child.send_signal(
-                signal.SIGTERM
-            )  # its last epoch's checkpoint is on disk: the requeued job resumes from it
+            # its last epoch's checkpoint is on disk: the requeued job resumes from it
+            self._child.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
             while self._child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)

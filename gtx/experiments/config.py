@@ -210,15 +210,14 @@ def resolve(config: RunConfig) -> Resolved:
             f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}"
         )
     max_len = getattr(c.model, "max_len", None)
-    check_positions(
-        config, c.model, max_len, task.declared_len()
-    )  # before the data: a length past the model's is made for nothing
+    task.check_tokenizer()
+    # before the data: a length past the model's is made for nothing
+    check_positions(config, c.model, max_len, task.declared_len())
     task.splits()  # generates or loads the data: a missing data_dir fails here
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
-    probe.graph_only(
-        make_batch(task, "train", [0], c.chosen)
-    )  # builds and checks the pattern's edges: a leak fails here
+    # builds and checks the pattern's edges: a leak fails here
+    probe.graph_only(make_batch(task, "train", [0], c.chosen))
     density = {stage: probe.density(stage) for stage in probe.edges}
     check_budget(c.chosen, list(probe.edges), task.context_len())
     heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)

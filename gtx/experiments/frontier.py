@@ -106,9 +106,8 @@ def parse_family(text: str) -> Family:
         try:
             pattern = parse_pattern(spec + rest)
         except GtxError as e:
-            if rest and re.search(
-                r",\s*[^\s=,()|&+]+\s*(?:[|&+)]|\Z)", rest
-            ):  # a bare value after a comma: a budget list in the rest
+            # a bare value after a comma: a budget list in the rest
+            if rest and re.search(r",\s*[^\s=,()|&+]+\s*(?:[|&+)]|\Z)", rest):
                 raise GtxError(
                     f"family {text!r}: only the first pattern's parameter may list budgets; write the pattern whose budgets vary "
                     "first, the rest after it (local:w=8,16|strided:l=8: the union with strided at each window)"
@@ -235,9 +234,8 @@ def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
                 stages, n = list(probe.edges), r.task.context_len()
                 why = full_budget(pattern, stages, n)
                 fixed = pattern.select is None and not pattern.heads and pattern.trainable is None
-                if fixed and all(
-                    _density(pattern, stage, n) >= NEARLY_FULL for stage in stages
-                ):  # at the longest sequence, not a short one
+                # at the longest sequence, not a short one
+                if fixed and all(_density(pattern, stage, n) >= NEARLY_FULL for stage in stages):
                     why = f"pattern {spec!r} attends to every candidate at {n} tokens (density 1.0)"
                 if why:
                     out.setdefault(spec, why)

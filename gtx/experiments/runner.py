@@ -191,11 +191,12 @@ def run(
             state["epoch"] + 1,
             state["best_valid_loss"],
         )
+        # a checkpoint from before schema 4 is rekeyed
         keys = {
             "schema_version": SCHEMA_VERSION,
             "cell": r.cell,
             "experiment": r.experiment,
-        }  # a checkpoint from before schema 4 is rekeyed
+        }
         common, rows = {**common, **keys}, [{**row, **keys} for row in rows]
         run_id = common["run_id"]
     else:
@@ -239,16 +240,14 @@ def run(
         return progress(label, -(-len(r.task.splits()[split]) // size)) if progress and world.main else (lambda: None)
 
     part = (world.rank, world.size)
-    epoch = last = (
-        start - 1
-    )  # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
+    # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
+    epoch = last = start - 1
     status = "failed"
     snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
     attention.reset_choices(), attention.take_reads(), attention.reset_stats()
     try:
-        for epoch in (
-            range(start, r.train.epochs + 1) if r.train.epochs else [0]
-        ):  # epoch 0: the model untrained, scored
+        # epoch 0: the model untrained, scored
+        for epoch in range(start, r.train.epochs + 1) if r.train.epochs else [0]:
             if trainer.done:
                 break
             new = []

@@ -196,9 +196,8 @@ def describe(df: pd.DataFrame, run_id: str, results_dir: str | Path) -> str:
     shown = {*CONFIG_PARTS, "settings", "task", "model", "backend", "seed", "device"} | (
         {"pattern"} if config.get("pattern") == first.pattern else set()
     )
-    body += [
-        (k, value_text(v)) for k, v in sorted(config.items()) if k not in shown
-    ]  # the pattern as the model ran it (ut: act(...)), eval's checkpoint
+    # the pattern as the model ran it (ut: act(...)), eval's checkpoint
+    body += [(k, value_text(v)) for k, v in sorted(config.items()) if k not in shown]
     out = (
         _lines(head)
         + [""]

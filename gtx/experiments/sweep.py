@@ -375,9 +375,8 @@ def execute(
         while queue or running:
             while queue and len(running) < jobs:
                 cell = queue.pop(0)
-                if (
-                    claims.claim(results_dir, cell.key) is not None
-                ):  # another sweep runs it: its run lands in the same folder
+                # another sweep runs it: its run lands in the same folder
+                if claims.claim(results_dir, cell.key) is not None:
                     counts.elsewhere += 1
                     on_change(counts)
                     continue

@@ -228,9 +228,8 @@ class Trainer:
             world or World(),
         )
         self.forward = self.world.wrap(model)
-        self.opt = torch.optim.Adam(
-            model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True
-        )  # one kernel for all parameters (CPU and CUDA)
+        # one kernel for all parameters (CPU and CUDA)
+        self.opt = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
         self.step = 0
 
     @property
@@ -265,9 +264,8 @@ class Trainer:
                 if out.aux_loss is not None:
                     loss = loss + out.aux_loss
                 aux, frozen = attention.take_losses() if attention is not None else (None, False)
-                if (
-                    aux is not None
-                ):  # a trainable pattern's own losses (DSA's indexer); alone while it freezes the model
+                # a trainable pattern's own losses (DSA's indexer); alone while it freezes the model
+                if aux is not None:
                     loss = aux if frozen else loss + aux
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -331,9 +329,8 @@ def evaluate(
                 out = forward_pass(model, batch, device, precision)
             stats.flops += flops.total
             stats.attn_flops += flops.attention
-            read = (
-                attention.take_reads() if attention is not None else None
-            )  # the teacher-forced pass's, not decoding's
+            # the teacher-forced pass's, not decoding's
+            read = attention.take_reads() if attention is not None else None
             checks.model_output(model, out, len(batch.targets), len(task.tgt_vocab))
             stats.add(out, batch, F.cross_entropy(out.logits, batch.targets, ignore_index=IGNORE), read)
             if decode_limit < 0 or len(hyps) < decode_limit:

@@ -170,9 +170,8 @@ class Pattern:
     def structure(self, stage: str, n_q: int, n_k: int) -> str | None:
         """``"complete"`` (every key), ``"causal"`` (n_q == n_k, keys at or before the query) or
         None, for one sample's validated edges; cached."""
-        if (
-            stage in self.structures and (n_q, n_k) != (1, 1) and (self.structures[stage] == "complete" or n_q == n_k)
-        ):  # 1x1: "complete", as counted
+        # 1x1: "complete", as counted
+        if stage in self.structures and (n_q, n_k) != (1, 1) and (self.structures[stage] == "complete" or n_q == n_k):
             return self.structures[stage]
         key = ("structure", stage, n_q, n_k)
         if key not in self._cache:

@@ -74,9 +74,8 @@ def edge_softmax(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, bias: torch.T
     """(E, H) weights: for edge e (key src[e] -> query dst[e]) the softmax of q[dst]·k[src] (+ bias)
     over the query's incoming edges, as every backend computes it (q already scaled)."""
     src, dst = edges.src, edges.dst
-    chunk = max(
-        1, 2**24 // (q.shape[1] * q.shape[2])
-    )  # edges per gather: q[dst] is E x H x D, far more than the (E, H) scores
+    # edges per gather: q[dst] is E x H x D, far more than the (E, H) scores
+    chunk = max(1, 2**24 // (q.shape[1] * q.shape[2]))
     score = torch.cat(
         [(q[dst[i : i + chunk]].float() * k[src[i : i + chunk]].float()).sum(-1) for i in range(0, len(src), chunk)]
         or [q.new_zeros(0, q.shape[1], dtype=torch.float32)]

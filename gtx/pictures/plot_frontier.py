@@ -80,9 +80,8 @@ def frontier(table: pd.DataFrame) -> Figure:
         )
         cost_ax.set(xscale="log", xlabel="training GFLOP (counted; log)", ylabel=metric)
         for ax in (budget_ax, cost_ax):
-            ax.xaxis.set_major_locator(
-                MaxNLocator(5)
-            )  # a study's budgets and costs often span less than a decade: few decade ticks
+            # a study's budgets and costs often span less than a decade: few decade ticks
+            ax.xaxis.set_major_locator(MaxNLocator(5))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))  # 16, 32, 64 rather than 1.6 x 10^1
             ax.xaxis.set_minor_locator(NullLocator())
             ax.grid(alpha=0.3, which="both")

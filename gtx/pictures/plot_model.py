@@ -110,9 +110,8 @@ def attention_figure(
             ax.set_title(name, fontsize=9)
             ax.set_axis_off()
             continue
-        if (
-            layer is None and act
-        ):  # the step where most queries still attend (the earliest of equals): the last may hold one query
+        # the step where most queries still attend (the earliest of equals): the last may hold one query
+        if layer is None and act:
             call = max(calls, key=active_queries)
         else:
             call = calls[-1 if layer is None else layer]
