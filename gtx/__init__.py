@@ -42,7 +42,7 @@ PUBLIC = {
     "Logger": ("gtx.experiments.loggers", "Logger"),
     "scalars": ("gtx.experiments.loggers", "scalars"),
     "load_results": ("gtx.experiments.results", "load"),
-    "load_frontiers": ("gtx.experiments.frontier", "load_frontiers"),
+    "load_frontiers": ("gtx.experiments.frontier_tables", "load_frontiers"),
     "probe": ("gtx.measure.probe", None),
     "plot": ("gtx.pictures.plot", None),
     "plot_model": ("gtx.pictures.plot_model", None),

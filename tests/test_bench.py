@@ -282,11 +282,12 @@ def test_skip_attention_has_the_output_shape_and_sends_gradients_to_q_k_v():
 
 def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     from gtx.backends import auto
+    from gtx.measure import calibrate
 
     monkeypatch.setattr(
-        bench, "CALIBRATION_SUITE", [("local:w=2", [64]), ("full", [48]), ("local:w=4", [200]), ("full", [8] * 20)]
+        calibrate, "CALIBRATION_SUITE", [("local:w=2", [64]), ("full", [48]), ("local:w=4", [200]), ("full", [8] * 20)]
     )
-    fitted = bench.calibrate("cpu", heads=2, head_dim=8, repeats=1)
+    fitted = calibrate.calibrate("cpu", heads=2, head_dim=8, repeats=1)
     assert {"dense", "blocksparse:32", "dgl", "torch"} <= set(fitted)
     assert auto.costs("cpu")["dense"] == tuple(fitted["dense"])
     auto.costs_path("cpu").unlink()

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from gtx.cli import cli
 from gtx.errors import GtxError
 from gtx.experiments.cost import FlopCount
-from gtx.experiments.frontier import load_frontiers, parse_family
+from gtx.experiments.frontier import parse_family
+from gtx.experiments.frontier_tables import load_frontiers
 from gtx.experiments.results import load
 from gtx.experiments.stats import tost_p
 from gtx.pictures import plot

@@ -111,9 +111,9 @@ def bench_attention(
 def bench_calibrate(device, heads, head_dim):
     """Measure the auto backend's cost constants on this machine and save them for auto to use."""
     from gtx.experiments.runner import resolve_device
-    from gtx.measure import bench as gtx_bench
+    from gtx.measure.calibrate import calibrate
 
-    fitted = gtx_bench.calibrate(str(resolve_device(device)), heads, head_dim, log=lambda s: click.echo(s, err=True))
+    fitted = calibrate(str(resolve_device(device)), heads, head_dim, log=lambda s: click.echo(s, err=True))
     for kind, (a, o) in sorted(fitted.items()):
         click.echo(f"{kind:<12} {a:.3e} s per unit of work + {1000 * o:.3f} ms per call")
 

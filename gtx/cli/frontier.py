@@ -8,6 +8,7 @@ from gtx.cli.common import CliError
 from gtx.cli.sweep import grid_options, read_grid, run_cells
 from gtx.errors import GtxError
 from gtx.experiments import frontier as fr
+from gtx.experiments import frontier_tables as tables
 from gtx.experiments import sweep as sw
 
 
@@ -113,16 +114,16 @@ def frontier(
         if table.empty:
             raise GtxError(f"no runs of this frontier under {results_dir} yet; run it without --table-only")
         missing = fr.missing_cells(cells, df)
-        click.echo(fr.format_frontier(table, fmt))
+        click.echo(tables.format_frontier(table, fmt))
         click.echo(
             f"\nequivalent to full: TOST (Welch) p < {fr.ALPHA} that |{table.metric.iloc[0]} - full's| < {margin}; "
             "smallest such budget per family (fewest edges per query):"
         )
-        click.echo(format_table(fr.equivalent_budgets(table), fmt))
+        click.echo(format_table(tables.equivalent_budgets(table), fmt))
         click.echo(
             "\ncost front: per task and length, across sizes, families and budgets, the rows no cheaper row matches or beats:"
         )
-        click.echo(fr.format_frontier(fr.cost_front(table), fmt))
+        click.echo(tables.format_frontier(tables.cost_front(table), fmt))
         if missing:  # a partial table is printed as one, never saved as the study's reading
             lines = fr.describe_missing(missing, cells, points, results_dir)
             click.echo(
@@ -135,9 +136,9 @@ def frontier(
             raise click.exceptions.Exit(1)
         name = fr.reading_name(cells, table, margin)
         # not with_suffix: the margin's own dot would be taken for one
-        saved = fr.frontier_dir(results_dir) / f"{name}.csv"
+        saved = tables.frontier_dir(results_dir) / f"{name}.csv"
         atomic_write(saved, table.to_csv(index=False))
-        figure = save(plot.frontier(table), fr.frontier_dir(results_dir) / f"{name}.png")
+        figure = save(plot.frontier(table), tables.frontier_dir(results_dir) / f"{name}.png")
         if not quiet:
             click.echo(f"\nfrontier table: {saved}; figure: {figure} (gtx report shows both)", err=True)
         if failed:

@@ -74,7 +74,7 @@ class AttentionCell:
     plugins_dirs: tuple[str, ...] = ()
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -201,7 +201,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     def timed():
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        sync_device(device)
         return time.perf_counter() - t0
 
     first = timed()
@@ -439,7 +439,7 @@ def _time_steps(step, data, warmup_steps, r):
     tokens, data_s = 0, 0.0
     for i, batch in enumerate(data):
         if i == warmup_steps:
-            _sync(r.device)
+            sync_device(r.device)
             t0 = time.perf_counter()
         d0 = time.perf_counter()
         fresh = make_batch(r.task, batch.split, batch.index, r.pattern)
@@ -447,70 +447,8 @@ def _time_steps(step, data, warmup_steps, r):
             data_s += time.perf_counter() - d0
             tokens += fresh.n_tokens
         step(fresh)
-    _sync(r.device)
+    sync_device(r.device)
     return tokens, time.perf_counter() - t0, data_s
-
-
-CALIBRATION_SUITE = [
-    ("full", [256]),
-    ("full", [1024]),
-    ("causal", [2048]),
-    ("local:w=8", [2048]),
-    ("local:w=32", [4096]),
-    ("local:w=32", [8192]),
-    ("local:w=64", [2048]),
-    ("strided:l=64", [4096]),
-    ("strided:l=32", [2048]),
-    ("full", [16] * 128),
-    ("local:w=2", [16] * 128),
-]
-
-
-def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None) -> dict[str, tuple[float, float]]:
-    """Time every auto candidate on a small suite (one long sequence and batches of short ones),
-    fit seconds = a * work + overhead per candidate (least relative squared error), and save the constants where
-    ``auto`` reads them. Returns the fitted constants."""
-    import numpy as np
-
-    from gtx.attention.engine import propagate_attention
-    from gtx.backends.auto import AutoBackend, costs, costs_path, work
-    from gtx.files import atomic_write
-    from gtx.graph.spec import parse_pattern
-    from gtx.graph.tokens import build_graph
-
-    dev = torch.device(device)
-    auto = AutoBackend()
-    candidates = auto.candidates(dev)
-    kinds = {n.split(":")[0] for n in candidates}
-    samples: dict[str, list[tuple[float, float]]] = {}
-    for spec, lens in CALIBRATION_SUITE:
-        edges = build_graph(parse_pattern(spec), lens).edges["ee"].to(dev)
-        units = work(edges, heads, head_dim, kinds)
-        q, k, v = (torch.randn(edges.n_dst, heads, head_dim, device=dev, requires_grad=True) for _ in range(3))
-        for name, backend in candidates.items():
-            if name.split(":")[0] in ("torch",) and edges.num_edges > 2_000_000:
-                continue
-            times = []
-            for i in range(repeats + 1):
-                _sync(dev)
-                t0 = time.perf_counter()
-                propagate_attention(q, k, v, edges, backend).sum().backward()
-                _sync(dev)
-                if i:  # the first call builds the plan
-                    times.append(time.perf_counter() - t0)
-            samples.setdefault(name, []).append((units[name], statistics.median(times)))
-            log(f"{spec:<12} x{len(lens):<4} {name:<15} {1000 * statistics.median(times):9.2f} ms")
-    fitted = {}
-    for kind, points in samples.items():
-        w, t = np.array(points).T
-        # least squares on relative error: small and large cases count alike
-        (a, o), *_ = np.linalg.lstsq(np.stack([w / t, 1 / t], 1), np.ones_like(t), rcond=None)
-        fitted[kind] = (max(float(a), 1e-15), max(float(o), 0.0))
-    path = costs_path(dev.type)
-    atomic_write(path, json.dumps(fitted, indent=1))
-    costs.cache_clear()
-    log(f"wrote {path}")
-    return fitted
 
 
 def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:

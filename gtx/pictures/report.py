@@ -17,7 +17,7 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.experiments.compare import check_by, compare, format_compare
-from gtx.experiments.frontier import format_frontier, load_frontiers
+from gtx.experiments.frontier_tables import format_frontier, load_frontiers
 from gtx.experiments.results import load, training_runs
 from gtx.graph.pattern import STAGES
 from gtx.pictures import plot
@@ -111,7 +111,7 @@ def configs_html(df: pd.DataFrame) -> str:
 
 
 def frontiers_html(frontiers: dict[str, pd.DataFrame]) -> str:
-    """Each saved frontier (``gtx.experiments.frontier.load_frontiers``): its table and figure."""
+    """Each saved frontier (``gtx.experiments.frontier_tables.load_frontiers``): its table and figure."""
     parts = []
     for name, table in frontiers.items():
         margin = f" at margin {table['margin'].iloc[0]:g}" if "margin" in table and len(table) else ""
@@ -134,7 +134,7 @@ def report(
 ) -> str:
     """The report page of a results frame (``gtx.experiments.results.load``) as an HTML string; ``source`` names
     where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``; ``frontiers``
-    (``gtx.experiments.frontier.load_frontiers``) add a section. GtxError if there are no runs, or
+    (``gtx.experiments.frontier_tables.load_frontiers``) add a section. GtxError if there are no runs, or
     ``by`` or ``metric`` name nothing these runs have."""
     if df.empty:
         raise GtxError(f"no runs in {source or 'the results'}; run `gtx run` first")
