@@ -5,12 +5,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx.attention.engine import propagate_attention
 from gtx.backends import Backend, get_backend
 from gtx.backends.dgl_compat import GraphboltUnavailable, import_dgl
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
+from gtx.model.engine import propagate_attention
 from gtx.plugins.registry import BACKENDS
 
 BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None and n != "dense"]

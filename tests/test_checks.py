@@ -9,10 +9,10 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx.attention.model import Output
 from gtx.cli import cli
 from gtx.errors import PluginError
 from gtx.graph.pattern import Pattern, check_edges
+from gtx.model.layers import Output
 from gtx.plugins import checks
 
 DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool, torch.float32, torch.float64]
@@ -143,7 +143,7 @@ BAD_PLUGINS = {
         '''
         import torch
         from gtx import hookimpl
-        from gtx.attention.model import Output
+        from gtx.model.layers import Output
         from gtx.plugins.registry import MODELS
 
         TRANSFORMER = MODELS.get("transformer")

@@ -14,6 +14,7 @@ LAYERS = [
     ("data",),
     ("backends",),
     ("attention",),
+    ("model",),
     ("experiments",),
     ("measure",),
     ("pictures",),
@@ -100,3 +101,25 @@ def test_the_public_api_is_what_docs_api_md_lists():
     assert (
         gtx.parse_pattern("local:w=2").spec == "local:w=2" and callable(gtx.plot.pattern) and callable(gtx.load_results)
     )
+
+
+def test_the_rooms_hold_what_their_names_say():
+    """Built-in plugins sit in their rooms: ``patterns/`` registers patterns or biases, ``plugins/models/``
+    models, ``plugins/tasks/`` tasks, and nothing sits loose in ``plugins/``; ``gtx/model/`` holds the
+    model parts (a layer above ``gtx/attention/``)."""
+    checkout = ROOT.parent
+    rooms = {
+        "patterns": {"register_patterns", "register_biases"},
+        "plugins/models": {"register_models"},
+        "plugins/tasks": {"register_tasks"},
+    }
+    misplaced = []
+    for room, hooks in rooms.items():
+        for path in sorted((checkout / room).glob("*.py")):
+            defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+            registers = {name for name in defined if name.startswith("register_")}
+            if not registers or not registers <= hooks:
+                misplaced.append(f"{room}/{path.name} registers {sorted(registers)}")
+    assert not misplaced, "plugins in the wrong room:\n" + "\n".join(misplaced)
+    assert not list((checkout / "plugins").glob("*.py")), "a built-in plugin goes in plugins/models/ or plugins/tasks/"
+    assert {"engine", "layers", "act", "stack", "decode"} <= {p.stem for p in (ROOT / "model").glob("*.py")}

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from gtx.attention.decode import decode
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.data.vocab import Vocab
 from gtx.graph.spec import parse_pattern
+from gtx.model.decode import decode
 from gtx.plugins.registry import BACKENDS, MODELS
 
 BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None]
@@ -182,7 +182,7 @@ def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, mo
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
-    from gtx.attention.model import Dropout
+    from gtx.model.layers import Dropout
 
     torch.manual_seed(0)
     drop = Dropout(p)
@@ -204,8 +204,8 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
 def test_incremental_decoding_gives_the_logits_of_the_whole_prefix(tiny_task, model, overrides, spec):
     """Feeding tokens one at a time through ``decode_next`` gives, at every position, the logits
     ``decode`` computes over the whole prefix (for the UT: with nodes halting at different steps)."""
-    from gtx.attention.decode import latest_edges
     from gtx.graph.tokens import build_graph, positions
+    from gtx.model.decode import latest_edges
 
     m = build(model, tiny_task, seed=5, **overrides)
     m.eval()

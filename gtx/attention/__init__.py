@@ -1,8 +1,8 @@
-"""Attention and the model parts built on it: the ``Attention`` module every model receives (head
-groups, score biases and content-chosen selections at run time: ``module``, ``selection``), the
-engine's ``update_graph`` (``engine``), shared layers (``model``), adaptive computation time
-(``act``), the one-stage models' stack (``stack``) and decoding (``decode``). Kernels live in
-``gtx.backends``."""
+"""What a model attends with: the ``Attention`` module every model receives (head groups, score
+biases and content-chosen selections at run time: ``module``, ``selection``), the budget account
+(``budget``), and the selection kernels of token- and block-chosen methods (``keys``, ``choice``,
+``indexer``, ``compressed``, ``trainable``; C kernels built by ``native``). Backends (the kernels of
+plain patterns) live in ``gtx.backends``, the model parts built on attention in ``gtx.model``."""
 
 from gtx.attention.module import Attention, check_budget, check_keep, check_pattern, check_selection
 

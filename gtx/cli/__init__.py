@@ -24,7 +24,6 @@ import click
 import pandas as pd
 
 from gtx import __version__
-from gtx.attention.model import model_forms
 from gtx.cli.bench import bench
 from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option, progress_lines
 from gtx.cli.frontier import frontier
@@ -40,6 +39,7 @@ from gtx.experiments.train import TrainConfig
 from gtx.graph.pattern import STAGE_NAMES, STAGES
 from gtx.graph.spec import describe_params, is_modifier, parse_pattern
 from gtx.graph.tokens import EdgeSet, possible_edges
+from gtx.model.layers import model_forms
 from gtx.plugins.registry import BACKENDS, BIASES, MODELS, PATTERNS, TASKS, call_each, label_of, load_plugins, pm
 
 

@@ -21,7 +21,9 @@ from gtx.plugins.registry import MODELS
 def hf_entry():
     """The hf model plugin's entry (class and config); one line where it is not loaded."""
     if "hf" not in MODELS.names():
-        raise GtxError("gtx generate and gtx export need the hf model plugin (plugins/hf.py), which is not loaded here")
+        raise GtxError(
+            "gtx generate and gtx export need the hf model plugin (plugins/models/hf.py), which is not loaded here"
+        )
     return MODELS.get("hf")
 
 

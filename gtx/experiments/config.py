@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gtx.attention.model import model_forms
 from gtx.attention.module import check_budget, check_pattern, check_trainable
 from gtx.backends import get_backend
 from gtx.data.batch import make_batch
@@ -18,6 +17,7 @@ from gtx.experiments.results import identity_keys
 from gtx.experiments.train import PhaseStats, TrainConfig, check_precision
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
+from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
 from gtx.values import out_of_range, parse_scalar
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gtx.attention.decode import decode
-from gtx.attention.model import GraphModel
 from gtx.attention.module import Attention
 from gtx.data.batch import IGNORE, Batch
 from gtx.data.task import Task
@@ -22,6 +20,8 @@ from gtx.experiments.distributed import World
 from gtx.graph.pattern import STAGES, Pattern
 from gtx.graph.tokens import possible_edges
 from gtx.memory import peak_mb
+from gtx.model.decode import decode
+from gtx.model.layers import GraphModel
 from gtx.plugins import checks
 from gtx.values import setting
 

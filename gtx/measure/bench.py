@@ -97,9 +97,9 @@ def sdpa_mode(edges) -> str:
 def _gtx_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
     """(step, choice): forward + backward of ``propagate_attention`` with the cell's backend on
     (n, H, D) inputs, and what the backend chose (called after the steps)."""
-    from gtx.attention.engine import propagate_attention
     from gtx.backends import get_backend
     from gtx.graph.tokens import EdgeSet
+    from gtx.model.engine import propagate_attention
 
     backend = get_backend(cell.backend, device)
     q, k, v = (

@@ -32,11 +32,11 @@ def calibrate(device="cpu", heads=4, head_dim=32, repeats=3, log=lambda s: None)
     ``auto`` reads them. Returns the fitted constants."""
     import numpy as np
 
-    from gtx.attention.engine import propagate_attention
     from gtx.backends.auto import AutoBackend, costs, costs_path, work
     from gtx.files import atomic_write
     from gtx.graph.spec import parse_pattern
     from gtx.graph.tokens import build_graph
+    from gtx.model.engine import propagate_attention
 
     dev = torch.device(device)
     auto = AutoBackend()

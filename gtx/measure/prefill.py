@@ -3,7 +3,7 @@ its attention run by gtx under each pattern, against the same weights on transfo
 
     df = bench_prefill("llama", patterns=["full", "local:w=256"], lengths=[4096, 16384])
 
-The model is ``--model hf``'s (``plugins/hf.py``), randomly initialised: speed does not depend on
+The model is ``--model hf``'s (``plugins/models/hf.py``), randomly initialised: speed does not depend on
 the weights. Each row times ``repeats`` forward passes without gradients (the median, after one
 warm-up) and measures the pass's peak memory growth over the loaded model (``gtx.memory``).
 """

@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from gtx.attention.model import Dropout, FeedForward, Output, PositionalEncoding
 from gtx.backends import Backend
 from gtx.data.batch import batches, make_batch
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import forget_parsed, parse_pattern
 from gtx.memory import peak_mb, reset_peak
+from gtx.model.layers import Dropout, FeedForward, Output, PositionalEncoding
 
 SDPA_CAUSAL, SDPA_MASK, TORCH_TRANSFORMER = "torch SDPA is_causal", "torch SDPA bool mask", "torch.nn"
 COMPLETE = ("full", "causal")  # patterns whose dd mask is the causal one: is_causal covers them

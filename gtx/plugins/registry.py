@@ -1,7 +1,7 @@
 """Plugin loading, and the registries built from the hooks.
 
 Load order (``load_plugins``, lazy and idempotent): gtx's own backends; the built-in plugin folders
-``patterns/`` and ``plugins/`` beside the ``gtx`` package, loaded by path exactly like a user's
+``patterns/``, ``plugins/models/`` and ``plugins/tasks/`` beside the ``gtx`` package, loaded by path like a user's
 folder; installed packages of the entry-point group ``gtx`` (``GTX_LOAD_PLUGINS=a,b`` allow-lists
 distributions, an empty value loads none); then user folders (``--plugins-dir`` or
 ``GTX_PLUGINS_DIR``, several separated by ``os.pathsep``). Last, ``pm.check_pending()`` rejects
@@ -34,13 +34,16 @@ from gtx.plugins import hookspecs
 ROOT = Path(__file__).resolve().parents[2]  # gtx/plugins/registry.py -> the checkout
 
 
-def _builtin_dirs() -> tuple[Path, Path]:
-    """``patterns/`` and ``plugins/`` beside the package (a checkout, an editable install), else
-    where a regular install puts them (``<prefix>/share/gtx``)."""
-    for base in (ROOT, Path(sys.prefix) / "share" / "gtx"):
-        if (base / "patterns").is_dir():
-            return base / "patterns", base / "plugins"
-    return ROOT / "patterns", ROOT / "plugins"
+#: the built-in plugin folders, relative to where they are installed
+BUILTIN_FOLDERS = ("patterns", "plugins/models", "plugins/tasks")
+
+
+def _builtin_dirs() -> tuple[Path, ...]:
+    """``patterns/``, ``plugins/models/`` and ``plugins/tasks/`` beside the package (a checkout, an
+    editable install), else where a regular install puts them (``<prefix>/share/gtx``)."""
+    bases = (ROOT, Path(sys.prefix) / "share" / "gtx")
+    base = next((b for b in bases if (b / "patterns").is_dir()), ROOT)
+    return tuple(base / folder for folder in BUILTIN_FOLDERS)
 
 
 BUILTIN_DIRS = _builtin_dirs()

@@ -29,7 +29,7 @@ class Halting(nn.Module):
 
 class AdaptiveComputation:
     """Mixin of models with ACT. Expects ``self.config`` with ``max_depth``, ``threshold``, ``act``
-    and ``act_loss_weight``; ``self.embed`` (``gtx.attention.model.Embeddings``) and ``self.time``, a
+    and ``act_loss_weight``; ``self.embed`` (``gtx.model.layers.Embeddings``) and ``self.time``, a
     ``PositionalEncoding`` of ``max_depth`` steps.
 
     Node state of one node type (``state``): ``x`` the state, ``pos`` positions, ``s`` the

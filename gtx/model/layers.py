@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gtx.attention.engine import MultiHeadAttention
 from gtx.data.vocab import Vocab
+from gtx.model.engine import MultiHeadAttention
 
 
 @dataclass
@@ -258,7 +258,7 @@ class Seq2SeqModel(GraphModel):
         return self.decode(self.encode(batch.src, batch.src_pos, batch.graph), batch.tgt_in, batch.tgt_pos, batch.graph)
 
     # Incremental decoding (optional): a model that keeps per-token state between decoding steps
-    # returns it from ``start_decoding``; ``gtx.attention.decode`` then feeds one token per hypothesis per
+    # returns it from ``start_decoding``; ``gtx.model.decode`` then feeds one token per hypothesis per
     # step instead of recomputing the whole prefix. Models returning None are decoded by recomputing.
 
     def start_decoding(self, encoded: Encoded, pattern):

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gtx import hookimpl
-from gtx.attention.act import AdaptiveComputation, Halting
-from gtx.attention.engine import apply_nodes, propagate_attention, update_graph
-from gtx.attention.model import (
+from gtx.attention.module import layer_attention
+from gtx.model.act import AdaptiveComputation, Halting
+from gtx.model.engine import apply_nodes, propagate_attention, update_graph
+from gtx.model.layers import (
     DecoderLayer,
     Embeddings,
     Encoded,
@@ -21,7 +22,6 @@ from gtx.attention.model import (
     Seq2SeqModel,
     append_keys,
 )
-from gtx.attention.module import layer_attention
 from gtx.values import setting
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gtx import hookimpl
-from gtx.attention.model import Output
-from gtx.attention.stack import SelfAttentionStack, StackConfig
+from gtx.model.layers import Output
+from gtx.model.stack import SelfAttentionStack, StackConfig
 
 
 class EncoderClassifier(SelfAttentionStack):

@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from gtx import GtxError, hookimpl, setting
-from gtx.attention.model import GraphModel, Output
 from gtx.attention.module import layer_attention
 from gtx.data.vocab import ModelVocab, Tokenizer
 from gtx.graph.pattern import Pattern, within_window
 from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, window_edges
+from gtx.model.layers import GraphModel, Output
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 # the folders' families tests/test_pretrained.py checks against transformers' own model (model_type in config.json)

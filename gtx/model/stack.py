@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gtx.attention.act import AdaptiveComputation, Halting
-from gtx.attention.engine import update_graph
-from gtx.attention.model import Embeddings, EncoderLayer, GraphModel, PositionalEncoding
 from gtx.attention.module import layer_attention
+from gtx.model.act import AdaptiveComputation, Halting
+from gtx.model.engine import update_graph
+from gtx.model.layers import Embeddings, EncoderLayer, GraphModel, PositionalEncoding
 from gtx.values import setting
 
 

@@ -7,8 +7,8 @@ embedding.
 """
 
 from gtx import hookimpl
-from gtx.attention.model import Output
-from gtx.attention.stack import SelfAttentionStack, StackConfig
+from gtx.model.layers import Output
+from gtx.model.stack import SelfAttentionStack, StackConfig
 
 
 class LanguageModel(SelfAttentionStack):

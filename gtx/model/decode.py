@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
-from gtx.attention.model import Encoded, Seq2SeqModel
 from gtx.data.batch import Batch
 from gtx.data.task import Task
 from gtx.data.vocab import Vocab
 from gtx.graph.pattern import Pattern
 from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, positions
+from gtx.model.layers import Encoded, Seq2SeqModel
 
 
 def _select(encoded: Encoded, src_lens: torch.Tensor, repeat: int) -> Encoded:

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gtx import hookimpl
-from gtx.attention.engine import propagate_attention, update_graph
-from gtx.attention.model import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
 from gtx.attention.module import layer_attention
+from gtx.model.engine import propagate_attention, update_graph
+from gtx.model.layers import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
 from gtx.values import setting
 
 
