@@ -18,7 +18,8 @@ import torch
 from gtx.attention.module import Attention
 from gtx.data.batch import make_batch
 from gtx.errors import GtxError
-from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+from gtx.experiments.build import build_attention, build_model
+from gtx.experiments.runner import RunConfig, resolve
 from gtx.graph.tokens import positions
 from gtx.plugins.registry import PATTERNS, load_plugins
 

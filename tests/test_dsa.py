@@ -192,7 +192,8 @@ def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freeze
 
 def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_its_stage(tmp_path):
     from gtx.data.batch import batches
-    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+    from gtx.experiments.build import build_attention, build_model
+    from gtx.experiments.runner import RunConfig, resolve
     from gtx.experiments.train import Trainer
 
     config = RunConfig(
@@ -437,7 +438,8 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
     layer's normalised input (gtx's layers' norm before self-attention; the hidden states
     transformers hands its attention module; ut: every decoder node's, as its keys are)."""
     from gtx.data.batch import batches
-    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+    from gtx.experiments.build import build_attention, build_model
+    from gtx.experiments.runner import RunConfig, resolve
 
     if model == "hf":
         pytest.importorskip("transformers")

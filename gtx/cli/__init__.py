@@ -319,7 +319,7 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
     a unique prefix, or the 6 hex digits `gtx runs` prints.
 
     The rows are appended as a run of their own whose eval_of column names the trained run."""
-    from gtx.experiments.runner import evaluate_checkpoint
+    from gtx.experiments.evaluation import evaluate_checkpoint
 
     rows = evaluate_checkpoint(
         checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device

@@ -1,5 +1,5 @@
-"""The runner: train and evaluate a run, checkpoint it, resume it, evaluate a checkpoint; append
-results. Knows nothing of click.
+"""The runner: train and evaluate a run, checkpoint it, resume it; append its
+results. Knows nothing of click. (A checkpoint evaluated: ``gtx.experiments.evaluation``.)
 
     from gtx.experiments.runner import RunConfig, run
     table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
@@ -12,23 +12,19 @@ duplicates or loses an epoch.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-import gtx
 from gtx.attention.module import Attention
 from gtx.attention.trainable import check_untrained, stages_of
-from gtx.backends import get_backend
 from gtx.data.batch import batches
-from gtx.data.task import SPLITS
-from gtx.errors import GtxError, PluginError, plugin_code
+from gtx.errors import GtxError
 from gtx.experiments import checkpoint, distributed
+from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
 from gtx.experiments.config import (
     DEFAULT_BACKEND,
     Resolved,
@@ -40,18 +36,15 @@ from gtx.experiments.config import (
     resolve_device,
 )
 from gtx.experiments.loggers import Loggers
-from gtx.experiments.results import SCHEMA_VERSION, metrics_json, scalar_metrics, write_run
-from gtx.experiments.runref import find_checkpoint, resolve_run
+from gtx.experiments.results import SCHEMA_VERSION, scalar_metrics, write_run
+from gtx.experiments.runref import resolve_run
 from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
-from gtx.files import check_writable, writable_dir
-from gtx.plugins.registry import MODELS
 
 __all__ = [
     "DEFAULT_BACKEND",
     "RunConfig",
     "RunInterrupted",
     "cell_key",
-    "evaluate_checkpoint",
     "resolve",
     "resolve_configs",
     "resolve_device",
@@ -65,69 +58,6 @@ class RunInterrupted(GtxError):
     """Ctrl-C: what was done is written; the message says how to continue."""
 
     exit_code = 130  # the shell's code for a process stopped by SIGINT
-
-
-def _versions() -> dict[str, str]:
-    from gtx.backends.dgl_compat import import_dgl
-
-    try:
-        dgl_version = import_dgl().__version__
-    except ImportError:
-        dgl_version = "unavailable"
-    return {"gtx_version": gtx.__version__, "torch_version": torch.__version__, "dgl_version": dgl_version}
-
-
-def _results_dir(name: str, run_id: str | None = None) -> Path:
-    """The results folder, created; the places a run writes to later (``runs/`` and, for ``run_id``,
-    its checkpoint folder) checked before the first step, so no trained epoch is lost to them."""
-    results_dir = writable_dir(Path(name))
-    check_writable(results_dir / "runs", "results folder")
-    if run_id:
-        check_writable(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
-    return results_dir
-
-
-def build_attention(r, backend: str) -> Attention:
-    """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
-    heads, dim = getattr(r.model_config, "heads", None), getattr(r.model_config, "dim", None)
-    return Attention.for_width(get_backend(backend, r.device), r.pattern, heads, dim)
-
-
-def build_model(r, attention: Attention) -> torch.nn.Module:
-    who = f"model {r.config.model!r} ({MODELS.get(r.config.model).plugin})"
-    with plugin_code(who, "while being built", settings=f"model {r.config.model!r}"):
-        model = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
-    if not isinstance(model, torch.nn.Module):
-        raise PluginError(f"{who} built a {type(model).__name__}; expected a torch.nn.Module")
-    model.plugin_label = who  # what checks.model_output names
-    return model.to(r.device)
-
-
-def _new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]:
-    started = dt.datetime.now(dt.timezone.utc)
-    return f"{started:%Y%m%d-%H%M%S}-{task}-{model}{kind}-{uuid.uuid4().hex[:6]}", started
-
-
-def _row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
-    extra = {**stats.extra, **attention.reset_stats()}  # trainable attention's losses and kept edges per branch
-    return {
-        **common,
-        "epoch": epoch,
-        "split": split,
-        **stats.row(),
-        "seq_acc": extra.pop("seq_acc", float("nan")),
-        "metrics": metrics_json(extra),
-        "backend_plan": json.dumps(attention.reset_choices(), sort_keys=True),
-    }
-
-
-def _ran_note(r: Resolved, phase: PhaseStats, say, epoch: int, model) -> str | None:
-    """``complete_note`` judged by the keys a phase read (patterns that choose or learn them); said once."""
-    when = f"in epoch {epoch}'s {phase.split or 'train'} phase"
-    note = complete_note(r, {s: phase.density(s) for s in phase.edges}, when, stages_of(model))
-    if note:
-        say(note)
-    return note
 
 
 def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
@@ -158,6 +88,203 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
     return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
 
 
+@dataclasses.dataclass
+class _Run:
+    """A run's parts between its steps: what it trains, what it has written, where and to whom it speaks."""
+
+    config: RunConfig
+    resolved: Resolved
+    world: distributed.World
+    attention: Attention
+    model: torch.nn.Module
+    trainer: Trainer
+    common: dict  # the columns every row of the run shares
+    rows: list[dict]
+    start: int  # the first epoch still to train
+    best: float  # the lowest validation loss so far
+    snapshot: dict | None  # the latest checkpoint's contents (the finished run's last.pt is it with the test rows)
+    results_dir: Path
+    say: Callable[[str], None]
+    progress: Progress | None
+    note: str | None = None  # the full-attention note, said at most once
+
+    @property
+    def checkpoints(self) -> Path:
+        return checkpoint.checkpoint_dir(self.results_dir, self.common["run_id"])
+
+    def tick(self, label: str, split: str, size: int) -> Callable[[], None]:
+        """The progress callback of one phase (once per batch), on the main process."""
+        if not (self.progress and self.world.main):
+            return lambda: None
+        return self.progress(label, -(-len(self.resolved.task.splits()[split]) // size))
+
+    def judge(self, phase: PhaseStats, epoch: int) -> None:
+        """Say ``complete_note`` judged by the keys a phase read (patterns that choose or learn them), once."""
+        if not self.note:
+            when = f"in epoch {epoch}'s {phase.split or 'train'} phase"
+            read = {stage: phase.density(stage) for stage in phase.edges}
+            self.note = complete_note(self.resolved, read, when, stages_of(self.model))
+            if self.note:
+                self.say(self.note)
+
+
+def _new_common(config: RunConfig, resolved: Resolved, model: torch.nn.Module, world) -> dict:
+    run_id, started = world.broadcast(new_run_id(config.task, config.model))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "started_at": started.isoformat(timespec="seconds"),
+        "task": config.task,
+        "model": config.model,
+        "pattern": resolved.chosen.spec,
+        "cell": resolved.cell,
+        "experiment": resolved.experiment,
+        "eval_of": None,
+        "backend": config.backend,
+        "device": str(resolved.device),
+        "seed": config.seed,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "config": json.dumps(resolved.as_dict(), sort_keys=True),
+        **versions(),
+    }
+
+
+def _restore(state: dict, resolved: Resolved, trainer: Trainer, world) -> tuple[dict, list[dict], int, float]:
+    """A checkpoint's training state loaded into ``trainer``: (common, rows, next epoch, best valid loss)."""
+    trainer.load_state_dict(state)
+    torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
+    # a checkpoint from before schema 4 is rekeyed
+    keys = {"schema_version": SCHEMA_VERSION, "cell": resolved.cell, "experiment": resolved.experiment}
+    common = {**json.loads(state["common"]), **keys}
+    rows = [{**row, **keys} for row in checkpoint.rows_of(state)]
+    return common, rows, state["epoch"] + 1, state["best_valid_loss"]
+
+
+def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
+    """Resolve, build and (for ``resume``) restore a run; check every place it writes; say what it is."""
+    state = None
+    if resume is not None:
+        state, config = _resume_state(resume, config.results_dir)
+    resolved = resolve(config)
+    if not resolved.train.epochs and state is None:
+        check_untrained(resolved.chosen, resolved.model_config, "--epochs 0")
+    world, resolved.device = distributed.setup(resolved.device)
+    torch.manual_seed(config.seed)
+    attention = build_attention(resolved, config.backend)
+    model = build_model(resolved, attention)
+    width = getattr(resolved.model_config, "dim", 128)
+    trainer = Trainer(model, resolved.train, width, resolved.device, resolved.task, world)
+    if state:
+        checkpoint.check_vocab(
+            state, resolved.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST
+        )
+        common, rows, start, best = _restore(state, resolved, trainer, world)
+    else:
+        if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
+            torch.manual_seed(config.seed * 100_003 + world.rank)
+        common, rows, start, best = _new_common(config, resolved, model, world), [], 1, float("inf")
+    results_dir = checked_results_dir(config.results_dir, common["run_id"])  # checked before it trains
+    say = log if world.main else (lambda s: None)
+    say(
+        f"run {common['run_id']}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, "
+        f"model {config.model} ({common['n_params']:,} parameters), pattern {resolved.pattern.spec}, "
+        f"backend {config.backend}, device {resolved.device}" + (f", {world.size} processes" if world.size > 1 else "")
+    )
+    run = _Run(
+        config, resolved, world, attention, model, trainer, common, rows, start, best, state, results_dir, say, progress
+    )
+    run.note = complete_note(resolved)
+    if run.note:
+        say(run.note)
+    return run
+
+
+def _epoch(run: _Run, epoch: int) -> list[dict]:
+    """Train one epoch (none for epoch 0: the untrained model, scored) and validate: the new rows."""
+    resolved, train, new = run.resolved, run.resolved.train, []
+    if epoch:
+        shuffled = batches(
+            resolved.task,
+            "train",
+            resolved.pattern,
+            train.batch_size,
+            shuffle_seed=run.config.seed * 10_007 + epoch,
+            part=(run.world.rank, run.world.size),
+        )
+        phase = run.trainer.train_epoch(shuffled, run.tick(f"epoch {epoch}/{train.epochs}", "train", train.batch_size))
+        run.judge(phase, epoch)
+        new.append(result_row(run.common, epoch, "train", phase, run.attention))
+        run.say(
+            f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} "
+            f"({new[0]['tokens_per_s']:,.0f} tokens/s)"
+        )
+    # every rank evaluates the whole split: no coordination, and every rank's model is the same
+    valid = evaluate(
+        run.model,
+        resolved.task,
+        batches(resolved.task, "valid", resolved.pattern, train.eval_batch_size),
+        resolved.pattern,
+        resolved.device,
+        decode_limit=train.decode_valid,
+        precision=train.precision,
+        on_batch=run.tick(f"epoch {epoch} valid", "valid", train.eval_batch_size),
+    )
+    run.judge(valid, epoch)
+    new.append(result_row(run.common, epoch, "valid", valid, run.attention))
+    run.say(
+        f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
+        + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items())
+    )
+    return new
+
+
+def _save_epoch(run: _Run, epoch: int, new: list[dict], loggers: Loggers) -> None:
+    """Checkpoint (last, and best on a new lowest validation loss), then the rows: on disk, a
+    checkpoint always holds at least the rows written."""
+    run.rows += new
+    best_now = new[-1]["loss"] < run.best
+    run.best = min(run.best, new[-1]["loss"])
+    rng = run.world.gather(torch.get_rng_state())
+    if not (run.world.main and epoch):
+        return
+    task = run.resolved.task
+    run.snapshot = {
+        **run.trainer.state_dict(),
+        "run_config": dataclasses.asdict(run.config),
+        "common": json.dumps(run.common),
+        "epoch": epoch,
+        "rows": json.dumps(run.rows),
+        "best_valid_loss": run.best,
+        "rng": rng,
+        "vocab": {"src": task.src_vocab.itos, "tgt": task.tgt_vocab.itos},
+    }
+    checkpoint.save(run.checkpoints / checkpoint.LAST, run.snapshot)
+    if best_now:
+        checkpoint.save(run.checkpoints / checkpoint.BEST, run.snapshot)
+    write_run(run.results_dir, run.common["run_id"], run.rows)
+    loggers.call("epoch_end", epoch, new)
+
+
+def _test(run: _Run, last: int) -> None:
+    """Score the test split, labelled with the last epoch that trained; write the rows, then mark the checkpoint finished."""
+    resolved = run.resolved
+    test = evaluate(
+        run.model,
+        resolved.task,
+        batches(resolved.task, "test", resolved.pattern, resolved.train.eval_batch_size),
+        resolved.pattern,
+        resolved.device,
+        beam=getattr(resolved.task_config, "beam", 1),
+        precision=resolved.train.precision,
+        on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
+    )
+    run.rows.append(result_row(run.common, last, "test", test, run.attention))
+    if run.world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
+        write_run(run.results_dir, run.common["run_id"], run.rows)
+        if run.snapshot is not None:
+            checkpoint.save(run.checkpoints / checkpoint.LAST, {**run.snapshot, "rows": json.dumps(run.rows)})
+
+
 def run(
     config: RunConfig,
     progress: Progress | None = None,
@@ -170,158 +297,26 @@ def run(
     configuration comes from the checkpoint). ``progress(description, total)`` may return a
     per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
     """
-    state = None
-    if resume is not None:
-        state, config = _resume_state(resume, config.results_dir)
-    r = resolve(config)
-    if not r.train.epochs and state is None:
-        check_untrained(r.chosen, r.model_config, "--epochs 0")
-    world, r.device = distributed.setup(r.device)
-    torch.manual_seed(config.seed)
-    attention = build_attention(r, config.backend)
-    model = build_model(r, attention)
-    trainer = Trainer(model, r.train, getattr(r.model_config, "dim", 128), r.device, r.task, world)
-    if state:
-        checkpoint.check_vocab(state, r.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST)
-        trainer.load_state_dict(state)
-        torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
-        common, rows, start, best = (
-            json.loads(state["common"]),
-            checkpoint.rows_of(state),
-            state["epoch"] + 1,
-            state["best_valid_loss"],
-        )
-        # a checkpoint from before schema 4 is rekeyed
-        keys = {
-            "schema_version": SCHEMA_VERSION,
-            "cell": r.cell,
-            "experiment": r.experiment,
-        }
-        common, rows = {**common, **keys}, [{**row, **keys} for row in rows]
-        run_id = common["run_id"]
-    else:
-        if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
-            torch.manual_seed(config.seed * 100_003 + world.rank)
-        run_id, started = world.broadcast(_new_run_id(config.task, config.model))
-        common = {
-            "schema_version": SCHEMA_VERSION,
-            "run_id": run_id,
-            "started_at": started.isoformat(timespec="seconds"),
-            "task": config.task,
-            "model": config.model,
-            "pattern": r.chosen.spec,
-            "cell": r.cell,
-            "experiment": r.experiment,
-            "eval_of": None,
-            "backend": config.backend,
-            "device": str(r.device),
-            "seed": config.seed,
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "config": json.dumps(r.as_dict(), sort_keys=True),
-            **_versions(),
-        }
-        rows, start, best = [], 1, float("inf")
-    results_dir = _results_dir(config.results_dir, run_id)  # every place this run writes, checked before it trains
-    say = log if world.main else (lambda s: None)
-    ckpt_dir = checkpoint.checkpoint_dir(results_dir, run_id)
-    loggers = Loggers(config.loggers if world.main else [], run_id, results_dir)
-    say(
-        f"run {run_id}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, model {config.model} "
-        f"({common['n_params']:,} parameters), pattern {r.pattern.spec}, backend {config.backend}, device {r.device}"
-        + (f", {world.size} processes" if world.size > 1 else "")
-    )
-    note = complete_note(r)
-    if note:
-        say(note)
-    loggers.call("start", json.loads(common["config"]))
-
-    def tick(label: str, split: str, size: int):
-        """The progress callback of one phase (once per batch), on the main process."""
-        return progress(label, -(-len(r.task.splits()[split]) // size)) if progress and world.main else (lambda: None)
-
-    part = (world.rank, world.size)
+    run = _prepare(config, resume, progress, log)
+    run_id, epochs = run.common["run_id"], run.resolved.train.epochs
+    loggers = Loggers(config.loggers if run.world.main else [], run_id, run.results_dir)
+    loggers.call("start", json.loads(run.common["config"]))
     # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
-    epoch = last = start - 1
+    epoch = last = run.start - 1
     status = "failed"
-    snapshot = state  # the latest checkpoint's contents: the finished run's last.pt is it with the test rows
-    attention.reset_choices(), attention.take_reads(), attention.reset_stats()
+    run.attention.reset_choices(), run.attention.take_reads(), run.attention.reset_stats()
     try:
-        # epoch 0: the model untrained, scored
-        for epoch in range(start, r.train.epochs + 1) if r.train.epochs else [0]:
-            if trainer.done:
+        for epoch in range(run.start, epochs + 1) if epochs else [0]:
+            if run.trainer.done:
                 break
-            new = []
-            if epoch:
-                shuffled = batches(
-                    r.task, "train", r.pattern, r.train.batch_size, shuffle_seed=config.seed * 10_007 + epoch, part=part
-                )
-                phase = trainer.train_epoch(
-                    shuffled, tick(f"epoch {epoch}/{r.train.epochs}", "train", r.train.batch_size)
-                )
-                note = note or _ran_note(r, phase, say, epoch, model)
-                new.append(_row(common, epoch, "train", phase, attention))
-                say(
-                    f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} ({new[0]['tokens_per_s']:,.0f} tokens/s)"
-                )
-            # every rank evaluates the whole split: no coordination, and every rank's model is the same
-            valid = evaluate(
-                model,
-                r.task,
-                batches(r.task, "valid", r.pattern, r.train.eval_batch_size),
-                r.pattern,
-                r.device,
-                decode_limit=r.train.decode_valid,
-                precision=r.train.precision,
-                on_batch=tick(f"epoch {epoch} valid", "valid", r.train.eval_batch_size),
-            )
-            note = note or _ran_note(r, valid, say, epoch, model)
-            new.append(_row(common, epoch, "valid", valid, attention))
-            rows += new
-            best_now = new[-1]["loss"] < best
-            best = min(best, new[-1]["loss"])
-            rng = world.gather(torch.get_rng_state())
-            if world.main and epoch:
-                snapshot = {
-                    **trainer.state_dict(),
-                    "run_config": dataclasses.asdict(config),
-                    "common": json.dumps(common),
-                    "epoch": epoch,
-                    "rows": json.dumps(rows),
-                    "best_valid_loss": best,
-                    "rng": rng,
-                    "vocab": {"src": r.task.src_vocab.itos, "tgt": r.task.tgt_vocab.itos},
-                }
-                checkpoint.save(ckpt_dir / checkpoint.LAST, snapshot)
-                if best_now:
-                    checkpoint.save(ckpt_dir / checkpoint.BEST, snapshot)
-                write_run(results_dir, run_id, rows)
-                loggers.call("epoch_end", epoch, new)
+            _save_epoch(run, epoch, _epoch(run, epoch), loggers)
             last = epoch
-            say(
-                f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
-                + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items())
-            )
-        beam = getattr(r.task_config, "beam", 1)
-        test = evaluate(
-            model,
-            r.task,
-            batches(r.task, "test", r.pattern, r.train.eval_batch_size),
-            r.pattern,
-            r.device,
-            beam=beam,
-            precision=r.train.precision,
-            on_batch=tick("test", "test", r.train.eval_batch_size),
-        )
-        rows.append(_row(common, last, "test", test, attention))
-        if world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
-            write_run(results_dir, run_id, rows)
-            if snapshot is not None:
-                checkpoint.save(ckpt_dir / checkpoint.LAST, {**snapshot, "rows": json.dumps(rows)})  # finished
+        _test(run, last)
         status = "finished"
     except NonFiniteLoss as e:
         kept = (
-            f"epochs up to {epoch - 1} and their checkpoint are kept under {results_dir}"
-            if epoch > start
+            f"epochs up to {epoch - 1} and their checkpoint are kept under {run.results_dir}"
+            if epoch > run.start
             else "nothing new was written"
         )
         raise GtxError(
@@ -332,106 +327,8 @@ def run(
         status = "interrupted"
         raise RunInterrupted(
             f"run {run_id} interrupted in epoch {epoch}: epochs up to {epoch - 1} are written; "
-            f"continue with: gtx run --resume {run_id} --results {results_dir}"
+            f"continue with: gtx run --resume {run_id} --results {run.results_dir}"
         ) from None
     finally:
-        loggers.call("end", rows, status)
-    return pd.DataFrame(rows)
-
-
-def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.Module, Resolved, Attention]:
-    """A checkpoint's model rebuilt under ``config`` (the run's own, or another pattern, backend or
-    device) with its weights loaded: (model, its resolved configuration, its Attention). The one path
-    from a checkpoint to a model (eval, plots, probes); a vocabulary or a shape that does not fit is
-    one line."""
-    r = resolve(config)
-    checkpoint.check_vocab(state, r.task, path)
-    attention = build_attention(r, config.backend)
-    model = build_model(r, attention)
-    try:
-        loaded = model.load_state_dict(state["model"], strict=False)
-    except RuntimeError as e:
-        raise GtxError(
-            f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}"
-        ) from None
-    learned = [key for key in loaded.missing_keys if _trainable_key(key)]
-    if learned:
-        trained = json.loads(state["common"])["pattern"]
-        raise GtxError(
-            f"pattern {r.chosen.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
-            f"({learned[0]}); evaluate it under a pattern without them, or train under {r.chosen.spec!r}"
-        )
-    # a trainable pattern's parameters are unused under another pattern: evaluating its model so is allowed
-    other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not _trainable_key(key))]
-    if other:
-        raise GtxError(
-            f"checkpoint {path} does not fit model {config.model!r} as configured here: parameter {other[0]!r} "
-            f"{'missing from the checkpoint' if other[0] in loaded.missing_keys else 'not in the model'}"
-        )
-    return model, r, attention
-
-
-def _trainable_key(key: str) -> bool:
-    return key.startswith("trainable.") or ".trainable." in key
-
-
-def evaluate_checkpoint(
-    ref: str,
-    results_dir: str | None = None,
-    split: str = "test",
-    beam: int | None = None,
-    pattern: str | None = None,
-    backend: str | None = None,
-    device: str = "auto",
-) -> pd.DataFrame:
-    """Evaluate a trained model (a checkpoint path, or a run id under ``results_dir``) on one split,
-    under its own pattern or another; append the rows as a new run whose ``eval_of`` names the source."""
-    if split not in SPLITS:
-        raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
-    path = find_checkpoint(ref, results_dir or "results")
-    state = checkpoint.load(path)
-    trained = RunConfig(**state["run_config"])
-    results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
-    config = dataclasses.replace(
-        trained,
-        pattern=pattern or trained.pattern,
-        backend=backend or trained.backend,
-        device=device,
-        results_dir=results_dir,
-        loggers=[],
-    )
-    model, r, attention = trained_model(path, state, config)
-    source = json.loads(state["common"])
-    stats = evaluate(
-        model,
-        r.task,
-        batches(r.task, split, r.pattern, r.train.eval_batch_size),
-        r.pattern,
-        r.device,
-        beam=beam or getattr(r.task_config, "beam", 1),
-        precision=r.train.precision,
-    )
-    run_id, started = _new_run_id(config.task, config.model, "-eval")
-    setup = {
-        **r.as_dict(),
-        "checkpoint": str(path),
-        "trained_pattern": source["pattern"],
-        "attention_stage": stages_of(model),
-    }
-    common = {
-        **source,
-        "schema_version": SCHEMA_VERSION,
-        "run_id": run_id,
-        "started_at": started.isoformat(timespec="seconds"),
-        "pattern": r.chosen.spec,
-        "cell": None,
-        "experiment": r.experiment,
-        "eval_of": source["run_id"],
-        "backend": config.backend,
-        "device": str(r.device),
-        "config": json.dumps(setup, sort_keys=True),
-        **_versions(),
-    }
-    rows = [_row(common, state["epoch"], split, stats, attention)]
-    write_run(_results_dir(results_dir), run_id, rows)
-    return pd.DataFrame(rows)
+        loggers.call("end", run.rows, status)
+    return pd.DataFrame(run.rows)

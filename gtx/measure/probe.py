@@ -45,7 +45,7 @@ def load_model(
     ``results_dir``: ``runref.find_checkpoint``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
     unusable on ``device``; ``pattern``: the run's own by default. GtxError (one line) for a missing or foreign checkpoint."""
-    from gtx.experiments.runner import trained_model  # the runner's own path: what trains is what is probed
+    from gtx.experiments.evaluation import trained_model  # the runner's own path: what trains is what is probed
     from gtx.plugins.registry import BACKENDS
 
     path = find_checkpoint(ref, results_dir or "results")

@@ -274,7 +274,7 @@ class TrainCell:
 
     def build(self, r):
         """(``Trainer`` of the cell's model for the resolved run ``r``, its attention backend or None), seeded alike."""
-        from gtx.experiments.runner import build_attention
+        from gtx.experiments.build import build_attention
         from gtx.experiments.train import Trainer
 
         torch.manual_seed(0)

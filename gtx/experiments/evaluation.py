@@ -1,0 +1,121 @@
+"""A trained model from its checkpoint (``trained_model``: eval, plots, probes), and its evaluation
+as a run of its own (``evaluate_checkpoint``: ``gtx eval``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from gtx.attention.module import Attention
+from gtx.attention.trainable import stages_of
+from gtx.data.batch import batches
+from gtx.data.task import SPLITS
+from gtx.errors import GtxError
+from gtx.experiments import checkpoint
+from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
+from gtx.experiments.config import Resolved, RunConfig, resolve
+from gtx.experiments.results import SCHEMA_VERSION, write_run
+from gtx.experiments.runref import find_checkpoint
+from gtx.experiments.train import evaluate
+
+
+def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.Module, Resolved, Attention]:
+    """A checkpoint's model rebuilt under ``config`` (the run's own, or another pattern, backend or
+    device) with its weights loaded: (model, its resolved configuration, its Attention). The one path
+    from a checkpoint to a model (eval, plots, probes); a vocabulary or a shape that does not fit is
+    one line."""
+    resolved = resolve(config)
+    checkpoint.check_vocab(state, resolved.task, path)
+    attention = build_attention(resolved, config.backend)
+    model = build_model(resolved, attention)
+    try:
+        loaded = model.load_state_dict(state["model"], strict=False)
+    except RuntimeError as e:
+        raise GtxError(
+            f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}"
+        ) from None
+    learned = [key for key in loaded.missing_keys if _trainable_key(key)]
+    if learned:
+        trained = json.loads(state["common"])["pattern"]
+        raise GtxError(
+            f"pattern {resolved.chosen.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
+            f"({learned[0]}); evaluate it under a pattern without them, or train under {resolved.chosen.spec!r}"
+        )
+    # a trainable pattern's parameters are unused under another pattern: evaluating its model so is allowed
+    other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not _trainable_key(key))]
+    if other:
+        raise GtxError(
+            f"checkpoint {path} does not fit model {config.model!r} as configured here: parameter {other[0]!r} "
+            f"{'missing from the checkpoint' if other[0] in loaded.missing_keys else 'not in the model'}"
+        )
+    return model, resolved, attention
+
+
+def _trainable_key(key: str) -> bool:
+    return key.startswith("trainable.") or ".trainable." in key
+
+
+def evaluate_checkpoint(
+    ref: str,
+    results_dir: str | None = None,
+    split: str = "test",
+    beam: int | None = None,
+    pattern: str | None = None,
+    backend: str | None = None,
+    device: str = "auto",
+) -> pd.DataFrame:
+    """Evaluate a trained model (a checkpoint path, or a run id under ``results_dir``) on one split,
+    under its own pattern or another; append the rows as a new run whose ``eval_of`` names the source."""
+    if split not in SPLITS:
+        raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
+    path = find_checkpoint(ref, results_dir or "results")
+    state = checkpoint.load(path)
+    trained = RunConfig(**state["run_config"])
+    results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
+    config = dataclasses.replace(
+        trained,
+        pattern=pattern or trained.pattern,
+        backend=backend or trained.backend,
+        device=device,
+        results_dir=results_dir,
+        loggers=[],
+    )
+    model, resolved, attention = trained_model(path, state, config)
+    source = json.loads(state["common"])
+    stats = evaluate(
+        model,
+        resolved.task,
+        batches(resolved.task, split, resolved.pattern, resolved.train.eval_batch_size),
+        resolved.pattern,
+        resolved.device,
+        beam=beam or getattr(resolved.task_config, "beam", 1),
+        precision=resolved.train.precision,
+    )
+    run_id, started = new_run_id(config.task, config.model, "-eval")
+    setup = {
+        **resolved.as_dict(),
+        "checkpoint": str(path),
+        "trained_pattern": source["pattern"],
+        "attention_stage": stages_of(model),
+    }
+    common = {
+        **source,
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "started_at": started.isoformat(timespec="seconds"),
+        "pattern": resolved.chosen.spec,
+        "cell": None,
+        "experiment": resolved.experiment,
+        "eval_of": source["run_id"],
+        "backend": config.backend,
+        "device": str(resolved.device),
+        "config": json.dumps(setup, sort_keys=True),
+        **versions(),
+    }
+    rows = [result_row(common, state["epoch"], split, stats, attention)]
+    write_run(checked_results_dir(results_dir), run_id, rows)
+    return pd.DataFrame(rows)
