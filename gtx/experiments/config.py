@@ -228,7 +228,7 @@ def resolve(config: RunConfig) -> Resolved:
 
 
 def complete_note(
-    r: Resolved, read: dict[str, float] | None = None, when: str = "", stage: str | None = None
+    resolved: Resolved, read: dict[str, float] | None = None, when: str = "", stage: str | None = None
 ) -> str | None:
     """A warning when a pattern other than full or causal is (nearly) full attention at the task's
     lengths: its results would be full attention's under another name. A fixed pattern is judged
@@ -236,21 +236,21 @@ def complete_note(
     run time, or splits heads, by the density a phase recorded (``read``: stage -> density; None: not
     yet; ``when``: which phase). ``stage``: the stage a trainable method ran in (``Trainable.describe``):
     a method that reads every key in a stage (DSA's dense warm-up) is said to, not called full attention."""
-    if r.chosen.spec.split("+")[0] in ("full", "causal"):
+    if resolved.chosen.spec.split("+")[0] in ("full", "causal"):
         return None
-    fixed = r.chosen.select is None and not r.chosen.heads and r.chosen.trainable is None
-    density = r.density if fixed else read
+    fixed = resolved.chosen.select is None and not resolved.chosen.heads and resolved.chosen.trainable is None
+    density = resolved.density if fixed else read
     if not density or min(density.values()) < NEARLY_COMPLETE:
         return None
     stages = ", ".join(f"{s} {d:.3f}" for s, d in density.items())
     if fixed:
         return (
-            f"note: pattern {r.chosen.spec} is (nearly) full attention at task {r.config.task!r}'s lengths (density {stages}); "
+            f"note: pattern {resolved.chosen.spec} is (nearly) full attention at task {resolved.config.task!r}'s lengths (density {stages}); "
             "it measures full attention here: use longer sequences or a sparser setting"
         )
     if stage:
-        return f"note: pattern {r.chosen.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
+        return f"note: pattern {resolved.chosen.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
     return (
-        f"note: pattern {r.chosen.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
-        f"at task {r.config.task!r}'s lengths; use longer sequences or a sparser setting"
+        f"note: pattern {resolved.chosen.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
+        f"at task {resolved.config.task!r}'s lengths; use longer sequences or a sparser setting"
     )

@@ -344,8 +344,10 @@ def bench_train(
     variants: list[_Variant] = []
 
     def add(cell, fields, group, role):
-        r = cell.resolve()
-        variants.append(_Variant(cell, {**fields, "backend": cell.backend}, group, role, *cell.build(r), r))
+        resolved = cell.resolve()
+        variants.append(
+            _Variant(cell, {**fields, "backend": cell.backend}, group, role, *cell.build(resolved), resolved)
+        )
 
     model_cls = MODELS.get(model).obj
     for label, extra in [("", {}), *getattr(model_cls, "bench_variants", {}).items()]:
@@ -431,7 +433,7 @@ def bench_train(
     return df.reindex(columns=TRAIN_COLUMNS)
 
 
-def _time_steps(step, data, warmup_steps, r):
+def _time_steps(step, data, warmup_steps, resolved):
     """Run the first ``warmup_steps`` batches untimed, then time the rest. Every batch is rebuilt
     from its examples with the run's pattern, inside the timed region, so that data cost is counted."""
     from gtx.data.batch import make_batch
@@ -439,15 +441,15 @@ def _time_steps(step, data, warmup_steps, r):
     tokens, data_s = 0, 0.0
     for i, batch in enumerate(data):
         if i == warmup_steps:
-            sync_device(r.device)
+            sync_device(resolved.device)
             t0 = time.perf_counter()
         d0 = time.perf_counter()
-        fresh = make_batch(r.task, batch.split, batch.index, r.pattern)
+        fresh = make_batch(resolved.task, batch.split, batch.index, resolved.pattern)
         if i >= warmup_steps:
             data_s += time.perf_counter() - d0
             tokens += fresh.n_tokens
         step(fresh)
-    sync_device(r.device)
+    sync_device(resolved.device)
     return tokens, time.perf_counter() - t0, data_s
 
 

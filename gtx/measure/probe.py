@@ -2,8 +2,8 @@
 weights per edge and its ACT step counts. No plotting (``gtx.pictures.plot_model`` draws what this records).
 
     from gtx.measure import probe
-    model, r, state = probe.load_model("results/checkpoints/<run_id>/best.pt")
-    seen = probe.run_example(model, r, "test", 0)
+    model, resolved, state = probe.load_model("results/checkpoints/<run_id>/best.pt")
+    seen = probe.run_example(model, resolved, "test", 0)
     seen.calls[0].weights()      # (src, dst, w): the first call's edges and their softmax weights, mean over heads
 
 Recording works at the backend: the model's ``gtx.attention.Attention`` keeps deciding head groups,
@@ -41,7 +41,7 @@ def load_model(
     backend: str | None = None,
     pattern: str | None = None,
 ):
-    """(model, r, state): the trained model of a checkpoint (a .pt path, or a run under
+    """(model, resolved, state): the trained model of a checkpoint (a .pt path, or a run under
     ``results_dir``: ``runref.find_checkpoint``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
     unusable on ``device``; ``pattern``: the run's own by default. GtxError (one line) for a missing or foreign checkpoint."""
@@ -54,18 +54,18 @@ def load_model(
     if backend is None:
         usable = BACKENDS.get(trained.backend).obj.available(resolve_device(device)) is None
         backend = trained.backend if usable else FALLBACK_BACKEND
-    model, r, _ = trained_model(
+    model, resolved, _ = trained_model(
         path,
         state,
         dataclasses.replace(trained, pattern=pattern or trained.pattern, backend=backend, device=device, loggers=[]),
     )
-    return model.eval(), r, state
+    return model.eval(), resolved, state
 
 
-def check_example(r, split: str, index: int) -> None:
+def check_example(resolved, split: str, index: int) -> None:
     if split not in SPLITS:
         raise GtxError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
-    n = len(r.task.splits()[split])
+    n = len(resolved.task.splits()[split])
     if not 0 <= index < n:
         raise GtxError(f"example {index} is out of range: the {split} split has {n} examples (0-{n - 1})")
 
@@ -236,27 +236,27 @@ def step_counts(batch: Batch, steps: list[torch.Tensor]) -> dict[str, torch.Tens
     return {side: s.detach().cpu() for side, s in zip(sides(batch), steps)}
 
 
-def run_example(model, r, split: str = "test", index: int = 0) -> Probe:
+def run_example(model, resolved, split: str = "test", index: int = 0) -> Probe:
     """Run example ``index`` of ``split`` through ``model`` (eval, no grad, teacher forced: the decoder
     reads the reference target) and record its attention and ACT steps."""
-    check_example(r, split, index)
-    batch = make_batch(r.task, split, [index], r.pattern).to(r.device)
+    check_example(resolved, split, index)
+    batch = make_batch(resolved.task, split, [index], resolved.pattern).to(resolved.device)
     model.eval()
     with torch.no_grad(), recording(model) as calls:
         out = model(batch)
-    src = None if batch.src is None else r.task.src_vocab.decode(batch.src.tolist())
-    tgt_vocab = r.task.src_vocab if r.task.form == "lm" else r.task.tgt_vocab
+    src = None if batch.src is None else resolved.task.src_vocab.decode(batch.src.tolist())
+    tgt_vocab = resolved.task.src_vocab if resolved.task.form == "lm" else resolved.task.tgt_vocab
     tgt = None if batch.tgt_in is None else tgt_vocab.decode(batch.tgt_in.tolist())
     return Probe(split, index, src, tgt, calls, step_counts(batch, out.steps))
 
 
-def split_steps(model, r, split: str = "test") -> dict[str, torch.Tensor]:
+def split_steps(model, resolved, split: str = "test") -> dict[str, torch.Tensor]:
     """ACT step counts of every node of a split, per side (``enc``, ``dec``); empty without ACT."""
     out: dict[str, list[torch.Tensor]] = {}
     model.eval()
     with torch.no_grad():
-        for batch in batches(r.task, split, r.pattern, r.train.eval_batch_size):
-            batch = batch.to(r.device)
+        for batch in batches(resolved.task, split, resolved.pattern, resolved.train.eval_batch_size):
+            batch = batch.to(resolved.device)
             for side, s in step_counts(batch, model(batch).steps).items():
                 out.setdefault(side, []).append(s)
     return {side: torch.cat(s) for side, s in out.items()}

@@ -272,27 +272,33 @@ class TrainCell:
             RunConfig(task=self.task, model=self.model, pattern=pattern, device=self.device, settings=self.settings)
         )
 
-    def build(self, r):
-        """(``Trainer`` of the cell's model for the resolved run ``r``, its attention backend or None), seeded alike."""
+    def build(self, resolved):
+        """(``Trainer`` of the cell's model for the resolved run ``resolved``, its attention backend or None), seeded alike."""
         from gtx.experiments.build import build_attention
         from gtx.experiments.train import Trainer
 
         torch.manual_seed(0)
         be = None
         if self.gtx or self.backend == SkipAttention.name:
-            attention = build_attention(r, self.backend) if self.gtx else SkipAttention()
+            attention = build_attention(resolved, self.backend) if self.gtx else SkipAttention()
             be = attention.backend if self.gtx else attention
-            net = r.model_cls(r.model_config, r.task.src_vocab, r.task.tgt_vocab, attention)
+            net = resolved.model_cls(resolved.model_config, resolved.task.src_vocab, resolved.task.tgt_vocab, attention)
         else:
-            net = reference_model(self.backend, r.model_config, r.task, self.pattern)
-        return Trainer(net.to(r.device), r.train, getattr(r.model_config, "dim", 128), r.device), be
+            net = reference_model(self.backend, resolved.model_config, resolved.task, self.pattern)
+        return Trainer(
+            net.to(resolved.device), resolved.train, getattr(resolved.model_config, "dim", 128), resolved.device
+        ), be
 
 
-def first_batches(r, n: int) -> list:
-    """The first n training batches of the resolved run ``r`` (the split again and again where it
+def first_batches(resolved, n: int) -> list:
+    """The first n training batches of the resolved run ``resolved`` (the split again and again where it
     holds fewer), graphs under NO_EDGES: each variant builds them again under its own pattern."""
     cheap = parse_pattern(NO_EDGES)
-    epochs = (b for epoch in range(n) for b in batches(r.task, "train", cheap, r.train.batch_size, shuffle_seed=epoch))
+    epochs = (
+        b
+        for epoch in range(n)
+        for b in batches(resolved.task, "train", cheap, resolved.train.batch_size, shuffle_seed=epoch)
+    )
     return [b for _, b in zip(range(n), epochs)]
 
 
@@ -304,19 +310,19 @@ def train_cell_memory(cell: TrainCell, steps: int = 3) -> float:
     from gtx.plugins.registry import load_plugins
 
     load_plugins(dirs=cell.plugins_dirs)
-    r = cell.resolve()
-    data = first_batches(r, steps)
-    trainer, _ = cell.build(r)
-    trainer.train_epoch([make_batch(r.task, data[0].split, data[0].index, r.pattern)])
+    resolved = cell.resolve()
+    data = first_batches(resolved, steps)
+    trainer, _ = cell.build(resolved)
+    trainer.train_epoch([make_batch(resolved.task, data[0].split, data[0].index, resolved.pattern)])
     del trainer
-    for pattern in (r.pattern, r.chosen, parse_pattern(cell.pattern)):
+    for pattern in (resolved.pattern, resolved.chosen, parse_pattern(cell.pattern)):
         pattern._cache.clear()  # cached edges are the variant's memory: its steps build them again
     forget_parsed()  # and so are those of patterns it makes for itself (nsa's window)
-    base = reset_peak(r.device)
-    trainer, _ = cell.build(r)
+    base = reset_peak(resolved.device)
+    trainer, _ = cell.build(resolved)
     for b in data:
-        trainer.train_epoch([make_batch(r.task, b.split, b.index, r.pattern)])
-    return peak_mb(r.device) - base
+        trainer.train_epoch([make_batch(resolved.task, b.split, b.index, resolved.pattern)])
+    return peak_mb(resolved.device) - base
 
 
 def memory_in_subprocess(cell: TrainCell, steps: int = 3, timeout_s: float = 900) -> tuple[float, str]:

@@ -164,9 +164,9 @@ def attention(
     """The attention weights of a checkpoint's model (a .pt path, or a run id under ``results_dir``)
     on example ``example`` of ``split``: see ``attention_figure``. GtxError (one line) for a missing
     or foreign checkpoint, or an example, layer or head out of range."""
-    model, r, _ = probe.load_model(ref, results_dir, device)
-    seen = probe.run_example(model, r, split, example)
-    return attention_figure(seen, layer, head, f"{r.config.model}, pattern {r.chosen.spec}: ", max_cells)
+    model, resolved, _ = probe.load_model(ref, results_dir, device)
+    seen = probe.run_example(model, resolved, split, example)
+    return attention_figure(seen, layer, head, f"{resolved.config.model}, pattern {resolved.chosen.spec}: ", max_cells)
 
 
 def act_figure(
@@ -215,14 +215,16 @@ def act(
     examples = [examples] if isinstance(examples, int) else list(examples)
     if not examples:
         raise GtxError("no example to plot; give at least one example index")
-    model, r, _ = probe.load_model(ref, results_dir, device)
-    seen = [probe.run_example(model, r, split, i) for i in examples]
+    model, resolved, _ = probe.load_model(ref, results_dir, device)
+    seen = [probe.run_example(model, resolved, split, i) for i in examples]
     if not seen[0].steps:
         raise GtxError(
-            f"model {r.config.model!r} does not use adaptive computation time; train ut or --set universal=true"
+            f"model {resolved.config.model!r} does not use adaptive computation time; train ut or --set universal=true"
         )
-    title = f"{r.config.model}, pattern {r.chosen.spec}: "
-    return act_figure(seen, probe.split_steps(model, r, split), getattr(r.model_config, "max_depth", None), title)
+    title = f"{resolved.config.model}, pattern {resolved.chosen.spec}: "
+    return act_figure(
+        seen, probe.split_steps(model, resolved, split), getattr(resolved.model_config, "max_depth", None), title
+    )
 
 
 __all__ = ["act", "act_figure", "attention", "attention_figure", "attention_grid"]
