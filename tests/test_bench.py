@@ -17,6 +17,7 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.measure import bench, reference
 from gtx.measure.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
+from gtx.measure.train_bench import TRAIN_COLUMNS, TrainBench, bench_train
 from gtx.plugins.registry import MODELS
 
 
@@ -92,10 +93,12 @@ def test_bench_train_compares_backends_and_torch_transformer():
         "dim_ff": "16",
         "batch_size": "16",
     }
-    df = bench.bench_train(
-        "copy", "transformer", "full", ["auto", "dgl-seed"], steps=2, warmup_steps=1, settings=settings, rounds=2
+    df = bench_train(
+        TrainBench(
+            "copy", "transformer", "full", ["auto", "dgl-seed"], steps=2, warmup_steps=1, settings=settings, rounds=2
+        )
     )
-    assert list(df.columns) == bench.TRAIN_COLUMNS
+    assert list(df.columns) == TRAIN_COLUMNS
     assert list(df.backend) == ["auto", "dgl-seed", "(no attention)", "torch.nn"] and (df.tokens_per_s > 0).all()
     assert (df.steps == 2).all() and (df.rounds == 2).all()
     assert json.loads(df.choice.iloc[0])  # auto's choices per stage
@@ -103,7 +106,9 @@ def test_bench_train_compares_backends_and_torch_transformer():
     # torch.nn.Transformer is the reference; memory off
     assert df.vs_reference.iloc[3] == 1 and df.peak_mem_mb.isna().all()
     ut_settings = {**{k: v for k, v in settings.items() if k != "layers"}, "max_depth": "2"}
-    ut = bench.bench_train("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
+    ut = bench_train(
+        TrainBench("copy", "ut", "local:w=2", ["auto"], steps=2, warmup_steps=1, settings=ut_settings, rounds=1)
+    )
     assert list(ut.model) == ["ut", "ut", "ut[act=false]", "ut[act=false]"]
     assert list(ut.backend) == ["auto", "(no attention)", "auto", "(no attention)"]
     assert (ut.attention_ms.iloc[[1, 3]] == 0).all()  # each bound belongs to its own model variant
@@ -229,7 +234,7 @@ def test_bench_train_cli_repeats_pattern_and_compares_lm_with_sdpa(tmp_path):
     assert result.exit_code == 0, result.output
     (path,) = (tmp_path / "bench").glob("train-*.csv")
     df = pd.read_csv(path)
-    assert list(df.columns) == bench.TRAIN_COLUMNS
+    assert list(df.columns) == TRAIN_COLUMNS
     assert list(zip(df.pattern, df.backend)) == [
         ("full", "auto"),
         ("local:w=2", "auto"),
@@ -251,18 +256,20 @@ def test_bench_train_cli_repeats_pattern_and_compares_lm_with_sdpa(tmp_path):
 
 
 def test_bench_train_memory_pass_measures_each_row_in_a_fresh_process(tmp_path):
-    df = bench.bench_train(
-        "text",
-        "lm",
-        ["full"],
-        ["dense"],
-        steps=1,
-        warmup_steps=0,
-        settings=tiny_text(tmp_path, 256),
-        rounds=1,
-        bound=False,
-        memory=True,
-        memory_steps=2,
+    df = bench_train(
+        TrainBench(
+            "text",
+            "lm",
+            ["full"],
+            ["dense"],
+            steps=1,
+            warmup_steps=0,
+            settings=tiny_text(tmp_path, 256),
+            rounds=1,
+            bound=False,
+            memory=True,
+            memory_steps=2,
+        )
     )
     assert list(df.backend) == ["dense", SDPA_CAUSAL]
     mem = df.set_index("backend").peak_mem_mb

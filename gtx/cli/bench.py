@@ -187,9 +187,10 @@ def bench_train(
 ):
     """Training tokens/s and peak memory per (pattern, backend) on the same batches, beside plain-torch references."""
     from gtx.measure import bench as gtx_bench
+    from gtx.measure.train_bench import TrainBench, bench_train
 
     load_plugins(dirs=plugins_dirs)
-    df = gtx_bench.bench_train(
+    spec = TrainBench(
         task,
         model,
         patterns,
@@ -202,8 +203,8 @@ def bench_train(
         rounds=rounds,
         memory=memory,
         plugins_dirs=plugins_dirs,
-        log=lambda s: click.echo(s, err=True),
     )
+    df = bench_train(spec, log=lambda s: click.echo(s, err=True))
     path = gtx_bench.save(df, results_dir, "train")
     click.echo(format_table(df.drop(columns=["choice"]), fmt))
     click.echo(f"table: {path}", err=True)

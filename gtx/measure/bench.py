@@ -1,4 +1,4 @@
-"""Benchmarks: attention kernels per (pattern, length, backend), and training throughput per backend.
+"""Benchmarks: attention kernels per (pattern, length, backend) (training throughput: ``train_bench``).
 
 Each attention cell runs in a fresh subprocess so that its peak memory (CPU: growth of the
 process's peak RSS; CUDA: peak allocated) belongs to that cell alone, and cells do not warm each
@@ -23,8 +23,6 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from gtx.backends import Backend
-from gtx.errors import GtxError
 from gtx.memory import peak_mb, reset_peak
 
 ATTENTION_COLUMNS = [
@@ -41,23 +39,6 @@ ATTENTION_COLUMNS = [
     "device",
     "heads",
     "head_dim",
-]
-TRAIN_COLUMNS = [
-    "task",
-    "model",
-    "pattern",
-    "backend",
-    "tokens_per_s",
-    "vs_reference",
-    "ceiling_share",
-    "step_ms",
-    "attention_ms",
-    "data_ms",
-    "peak_mem_mb",
-    "steps",
-    "rounds",
-    "device",
-    "choice",
 ]
 
 
@@ -274,183 +255,6 @@ def bench_attention(
                 )
                 rows.append(row)
     return pd.DataFrame(rows).reindex(columns=ATTENTION_COLUMNS)
-
-
-@dataclass
-class _Variant:
-    """One row of ``bench_train``, built and timed in this process."""
-
-    cell: object  # its gtx.measure.reference.TrainCell
-    fields: dict  # the row's model, pattern and backend columns
-    group: str  # the model variant it is compared within
-    role: str  # gtx, bound or reference
-    trainer: object
-    backend: Backend | None
-    run: object  # its ``Resolved``: task, device and the pattern its batches are built under
-
-
-def bench_train(
-    task="copy",
-    model="transformer",
-    patterns=("full",),
-    backends=("auto",),
-    steps=30,
-    warmup_steps=3,
-    settings=None,
-    device="cpu",
-    baseline=True,
-    bound=True,
-    rounds=3,
-    memory=False,
-    memory_steps=3,
-    plugins_dirs=(),
-    timeout_s=900,
-    log=lambda s: None,
-) -> pd.DataFrame:
-    """Training tokens/s (target tokens per second of wall time, graph building included) per
-    pattern (a spec or several) and backend, on the same batches, beside plain-torch references.
-
-    Rows per model variant (ut: also with halting off): each pattern x backend; with ``bound`` the
-    model with attention skipped (``SkipAttention``, graphs under NO_EDGES): the ceiling for any
-    backend; with ``baseline`` the model's plain-torch references (``gtx.measure.reference.references``:
-    transformer: torch.nn.Transformer; lm: SDPA is_causal, and SDPA with the bool mask of each
-    pattern but full/causal). Every variant is built first, then timed in ``rounds`` interleaved
-    rounds of ``steps`` steps (a variant's round runs after every other variant's previous round),
-    so that a slow spell of a shared machine hits all alike; a row reports its median round.
-
-    ``vs_reference``: tokens/s over the first reference's; ``ceiling_share``: the part of the
-    possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both or
-    where the bound is not faster; ``data_ms``: the part of a step spent building batches and
-    graphs; ``attention_ms``: the step minus the bound's (rows of the bound's model);
-    ``peak_mem_mb`` (``memory``): ``gtx.measure.reference.train_cell_memory`` over ``memory_steps``
-    steps, each variant in a fresh subprocess after the timed rounds (NaN without ``memory``)."""
-    from collections import Counter
-
-    from gtx.experiments.runner import resolve_device
-    from gtx.graph.spec import parse_pattern
-    from gtx.measure.reference import (
-        NO_EDGES,
-        TORCH_TRANSFORMER,
-        SkipAttention,
-        TrainCell,
-        first_batches,
-        memory_in_subprocess,
-        references,
-    )
-    from gtx.plugins.registry import MODELS
-
-    specs = [parse_pattern(p).spec for p in ([patterns] if isinstance(patterns, str) else patterns)]
-    dev, dirs = str(resolve_device(device)), tuple(map(str, plugins_dirs))
-    variants: list[_Variant] = []
-
-    def add(cell, fields, group, role):
-        resolved = cell.resolve()
-        variants.append(
-            _Variant(cell, {**fields, "backend": cell.backend}, group, role, *cell.build(resolved), resolved)
-        )
-
-    model_cls = MODELS.get(model).obj
-    for label, extra in [("", {}), *getattr(model_cls, "bench_variants", {}).items()]:
-        group, sets = model + label, {**(settings or {}), **extra}
-        for spec in specs:
-            for b in backends:
-                add(TrainCell(task, model, spec, b, sets, dev, dirs), {"model": group, "pattern": spec}, group, "gtx")
-        if bound:
-            add(
-                TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev, dirs),
-                {"model": group, "pattern": "-"},
-                group,
-                "bound",
-            )
-        if baseline:
-            mine = [v.run for v in variants if v.group == group]
-            config = (
-                mine[0] if mine else TrainCell(task, model, NO_EDGES, SkipAttention.name, sets, dev).resolve()
-            ).model_config
-            for kind, spec in references(model_cls, config, specs):
-                fields = {"model": group, "pattern": spec}
-                if kind == TORCH_TRANSFORMER:  # another implementation, not the bound's model: no attention_ms
-                    fields = {"model": "torch.nn.Transformer", "pattern": "full (padded, masked)"}
-                add(TrainCell(task, model, spec, kind, sets, dev, dirs), fields, group, "reference")
-
-    if not variants:
-        raise GtxError("bench train: nothing to time; give --backends, or keep --bound or --baseline")
-    data = first_batches(variants[0].run, steps + warmup_steps)
-    timings = [[] for _ in variants]  # per variant: (tokens, wall_s, data_s) per round
-    choices = [{} for _ in variants]
-    for round_ in range(rounds):
-        for v, times, chosen in zip(variants, timings, choices):
-            if v.backend is not None:
-                v.backend.reset_choices()  # one backend object serves every variant that names it
-            step = lambda b, trainer=v.trainer: trainer.train_epoch([b])  # noqa: E731
-            times.append(
-                _time_steps(
-                    step, data if round_ == 0 else data[warmup_steps:], warmup_steps if round_ == 0 else 0, v.run
-                )
-            )
-            for stage, counts in (v.backend.reset_choices() if v.backend is not None else {}).items():
-                chosen.setdefault(stage, Counter()).update(counts)
-            tokens, wall, _ = times[-1]
-            log(
-                f"round {round_ + 1}/{rounds}  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {tokens / wall:10,.0f} tokens/s"
-            )
-    rows = []
-    for v, times, chosen in zip(variants, timings, choices):
-        tokens, wall, data_s = sorted(times, key=lambda t: t[1])[len(times) // 2]
-        n = len(data) - warmup_steps
-        rows.append(
-            {
-                "task": task,
-                **v.fields,
-                "tokens_per_s": tokens / wall,
-                "step_ms": 1000 * wall / n,
-                "data_ms": 1000 * data_s / n,
-                "peak_mem_mb": float("nan"),
-                "steps": n,
-                "rounds": rounds,
-                "device": str(v.run.device),
-                "choice": json.dumps(chosen) if v.backend is not None else "",
-            }
-        )
-    for group in dict.fromkeys(v.group for v in variants):
-        members = [(v, row) for v, row in zip(variants, rows) if v.group == group]
-        ref, top = (
-            next((row["tokens_per_s"] for v, row in members if v.role == role), float("nan"))
-            for role in ("reference", "bound")
-        )
-        for _, row in members:
-            row["vs_reference"] = row["tokens_per_s"] / ref
-            row["ceiling_share"] = (row["tokens_per_s"] - ref) / (top - ref) if top > ref else float("nan")
-    if memory:
-        for v, row in zip(variants, rows):
-            row["peak_mem_mb"], why = memory_in_subprocess(v.cell, memory_steps, timeout_s)
-            log(
-                f"memory  {v.fields['model']:<12} {v.fields['pattern']:<14} {v.fields['backend']:<20} {row['peak_mem_mb']:9.1f} MB  {why}"
-            )
-    df = pd.DataFrame(rows)
-    floor = df[df.backend == SkipAttention.name].set_index("model").step_ms
-    df["attention_ms"] = df.step_ms - df.model.map(floor)
-    return df.reindex(columns=TRAIN_COLUMNS)
-
-
-def _time_steps(step, data, warmup_steps, resolved):
-    """Run the first ``warmup_steps`` batches untimed, then time the rest. Every batch is rebuilt
-    from its examples with the run's pattern, inside the timed region, so that data cost is counted."""
-    from gtx.data.batch import make_batch
-
-    tokens, data_s = 0, 0.0
-    for i, batch in enumerate(data):
-        if i == warmup_steps:
-            sync_device(resolved.device)
-            t0 = time.perf_counter()
-        d0 = time.perf_counter()
-        fresh = make_batch(resolved.task, batch.split, batch.index, resolved.pattern)
-        if i >= warmup_steps:
-            data_s += time.perf_counter() - d0
-            tokens += fresh.n_tokens
-        step(fresh)
-    sync_device(resolved.device)
-    return tokens, time.perf_counter() - t0, data_s
 
 
 def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
