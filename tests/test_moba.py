@@ -179,7 +179,7 @@ def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     ],
 )
 def test_a_bad_token_block_selection_is_one_line_naming_the_pattern(blocks, valid, lens, message):
-    from gtx.attention.module import check_selection
+    from gtx.attention.checks import check_selection
     from gtx.errors import PluginError
 
     edges = build_graph(parse_pattern("moba:b=4,k=2"), None, [6]).edges["dd"]

@@ -1,9 +1,11 @@
 """What a model attends with: the ``Attention`` module every model receives (head groups, score
 biases and content-chosen selections at run time: ``module``, ``selection``), the budget account
-(``budget``), and the selection kernels of token- and block-chosen methods (``keys``, ``choice``,
-``indexer``, ``compressed``, ``trainable``; C kernels built by ``native``). Backends (the kernels of
+(``budget``), the checks of what a pattern selects (``checks``), and the selection kernels of
+token- and block-chosen methods (``keys``, ``choice``, ``indexer``, ``compressed``, ``trainable``;
+C kernels built by ``native``). Backends (the kernels of
 plain patterns) live in ``gtx.backends``, the model parts built on attention in ``gtx.model``."""
 
-from gtx.attention.module import Attention, check_budget, check_keep, check_pattern, check_selection
+from gtx.attention.checks import check_keep, check_selection
+from gtx.attention.module import Attention, check_budget, check_pattern
 
 __all__ = ["Attention", "check_budget", "check_keep", "check_pattern", "check_selection"]
