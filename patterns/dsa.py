@@ -30,9 +30,9 @@ from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 
-# query rows per block of the warm-up's KL. From 1024 to 16384 tokens the warm-up step's peak grew
-# 1.4 GB (256 rows, ascending), 0.94 GB (256, the last rows first), 0.69 (128), 0.57 (64), against
-# 0.5 GB for the model without attention; 64 rows cost the step 5% at 4096 tokens
+# query rows per block of the dense stage's KL: its saved scores are rows x keys per block, so
+# small blocks keep the peak near the model without attention's at long lengths (the last rows,
+# the widest, first); a few percent of the step is the price of the extra calls
 DENSE_KL_ROWS = 64
 
 
