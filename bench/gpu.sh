@@ -4,15 +4,18 @@
 # ceiling. Each phase writes its logs into OUT and has a time limit, so that a phase that runs long
 # costs only itself; OUT/attention.csv and OUT/train.csv gather the tables.
 #
-#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,attention,train
+#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,attention,train;
+#                                       frontier: the recall frontier at long lengths (its own call)
 #
 # Runs from a checkout without installing it (PYTHONPATH), on the machine's own torch; dgl is not
 # needed (its backends report themselves unavailable). Environment: LENGTHS (attention, default
 # 4096,16384), LONG (one more length for the sparse patterns, default 65536; empty: none), PATTERNS
 # (separated by ';'), TRAIN_RUNS (precision:length pairs, default every pair of float32 or bfloat16
 # and 4096 or 16384; the last also measures peak memory), BASELINE (train: --baseline adds the
-# plain-torch rows, default --no-baseline), and seconds per command: TESTS_LIMIT, ATTENTION_LIMIT
-# (per pattern), TRAIN_LIMIT (per run).
+# plain-torch rows, default --no-baseline), FRONTIER_LENGTHS (default 1024,4096,16384),
+# FRONTIER_FAMILIES (separated by ';'), FRONTIER_SEEDS (default 0-2), FRONTIER_SETTINGS (the runs'
+# options), FRONTIER_JOBS (cells at once on the card, default 4), and seconds per command:
+# TESTS_LIMIT, ATTENTION_LIMIT (per pattern), TRAIN_LIMIT (per run), FRONTIER_LIMIT (per length).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash bench/gpu.sh OUT [PHASES]}")
 phases=${2:-tests,attention,train}
@@ -68,12 +71,26 @@ if has train; then
   done
 fi
 
+if has frontier; then
+  IFS=';' read -ra families <<< "${FRONTIER_FAMILIES:-local:w=64,128,256;moba:b=64,k=2,4,8;nsa:n=4,8,16;dsa:k=64,128,256}"
+  family_args=(); for f in "${families[@]}"; do family_args+=(--family "$f"); done
+  IFS=',' read -ra flengths <<< "${FRONTIER_LENGTHS:-1024,4096,16384}"
+  for n in "${flengths[@]}"; do  # one frontier per length: a length that runs out of time costs only itself
+    stamp "frontier: $n tokens"
+    # shellcheck disable=SC2086  # FRONTIER_SETTINGS is a list of options
+    timeout "${FRONTIER_LIMIT:-150}" "$py" -m gtx.cli frontier --task recall --model lm --lengths "$n" "${family_args[@]}" \
+      --seeds "${FRONTIER_SEEDS:-0-2}" ${FRONTIER_SETTINGS:---set n_train=512 --epochs 2 --batch-size 4 --dim 64 --heads 4 --dim-ff 128 --set dropout=0} \
+      -j "${FRONTIER_JOBS:-4}" --format csv --results "$out/f" > "$out/frontier-$n.log" 2>&1
+    echo "exit $?"; tail -4 "$out/frontier-$n.log"
+  done
+fi
+
 # one CSV per benchmark kind, from the tables the commands saved
 "$py" - "$out" <<'PY'
 import glob, sys
 import pandas as pd
-for kind in ("attention", "train"):
-    tables = [pd.read_csv(p) for p in sorted(glob.glob(f"{sys.argv[1]}/r/bench/{kind}-*.csv"))]
+for kind, pattern in (("attention", "r/bench/attention-*.csv"), ("train", "r/bench/train-*.csv"), ("frontier", "f/frontiers/*.csv")):
+    tables = [pd.read_csv(p) for p in sorted(glob.glob(f"{sys.argv[1]}/{pattern}"))]
     if tables:
         pd.concat(tables).to_csv(f"{sys.argv[1]}/{kind}.csv", index=False)
 PY
