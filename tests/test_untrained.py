@@ -34,7 +34,7 @@ def folder(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("pretrained") / "llama")
 
 
-@pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,w=8", "dsa:k=8,warmup=0"])
+@pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,w=8", "dsa:k=8,dense=0"])
 def test_scoring_untrained_pattern_parameters_is_refused_unless_asked_for(folder, tmp_path, spec):
     run = ["run", "--model", "hf", "--set", f"path={folder}", *TEXT, "--pattern", spec]
     bad = CliRunner().invoke(cli, [*run, "--results", str(tmp_path / "r")])
@@ -66,5 +66,6 @@ def test_generate_under_an_untrained_indexer_is_refused_or_says_its_stage(folder
     ok = CliRunner().invoke(cli, [*args[:2], *args[2:3], "--set", "untrained_attention=true", *args[3:]])
     assert (
         ok.exit_code == 0
-        and "(its own parameters untrained) (dense warm-up stage, indexer trained 0 steps)" in ok.output
+        and "(its own parameters untrained) (dense stage, indexer trained 0 steps, freeze=true (a trained start))"
+        in ok.output
     ), ok.output

@@ -23,7 +23,7 @@ import torch
 
 import gtx
 from gtx.attention.module import Attention
-from gtx.attention.trainable import check_untrained, stages_of
+from gtx.attention.trainable import check_untrained, stages_of, starts_trained
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.data.task import SPLITS
@@ -90,7 +90,7 @@ def _results_dir(name: str, run_id: str | None = None) -> Path:
 def build_attention(r, backend: str) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
     heads, dim = getattr(r.model_config, "heads", None), getattr(r.model_config, "dim", None)
-    return Attention.for_width(get_backend(backend, r.device), r.pattern, heads, dim)
+    return Attention.for_width(get_backend(backend, r.device), r.pattern, heads, dim, starts_trained(r.model_config))
 
 
 def build_model(r, attention: Attention) -> torch.nn.Module:
