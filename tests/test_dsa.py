@@ -188,7 +188,35 @@ def test_the_dense_stage_is_dense_fits_the_indexer_to_the_dense_attention_and_fr
     assert not attention.take_losses()[1] and "kept_selected" in attention.reset_stats()
 
 
-def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_knows_its_stage(tmp_path):
+@pytest.mark.parametrize(
+    "freeze, from_trained, frozen, said",
+    [
+        ("", False, False, "freeze=false (from scratch)"),  # a frozen random model would learn nothing
+        ("", True, True, "freeze=true (a trained start)"),  # DeepSeek's recipe: adapting a trained model
+        (",freeze=auto", True, True, "freeze=true (a trained start)"),
+        (",freeze=true", False, True, "freeze=true (given)"),  # a value given wins either way
+        (",freeze=false", True, False, "freeze=false (given)"),
+    ],
+)
+def test_freeze_follows_the_runs_start_unless_given_and_the_stage_says_which(freeze, from_trained, frozen, said):
+    lens, heads, dim = [12], 2, 8
+    pattern = parse_pattern(f"dsa:k=4,index_heads=2,index_dim=4,dense=2{freeze}")
+    attention = Attention(get_backend("auto"), pattern, heads, dim, from_trained=from_trained)
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    attention.begin_step(0)  # the dense stage
+    attention(q, k, v, edges, inputs=torch.randn(sum(lens), heads * dim))
+    assert attention.take_losses()[1] is frozen
+    assert attention.trainable.describe() == f"dense stage, indexer trained 1 steps, {said}"
+    attention.begin_step(2)  # sparse: the model trains whatever freeze says
+    attention(q, k, v, edges, inputs=torch.randn(sum(lens), heads * dim))
+    assert not attention.take_losses()[1]
+    assert attention.trainable.describe() == f"sparse stage, indexer trained 3 steps, {said}"
+
+
+@pytest.mark.parametrize("freeze, frozen", [(",freeze=true", True), ("", False)])
+def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_knows_its_stage(tmp_path, freeze, frozen):
+    """Asked to, the dense stage trains the indexer alone; by default a run from scratch trains the model too."""
     from gtx.data.batch import batches
     from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
     from gtx.experiments.train import Trainer
@@ -196,7 +224,7 @@ def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_know
     config = RunConfig(
         task="recall",
         model="lm",
-        pattern="dsa:k=8,index_heads=2,index_dim=4,dense=2,freeze=true",
+        pattern=f"dsa:k=8,index_heads=2,index_dim=4,dense=2{freeze}",
         settings={
             "seq_len": "64",
             "n_train": "8",
@@ -217,9 +245,8 @@ def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_know
     trainer.train_epoch(batches(r.task, "train", r.pattern, 2))
     after = model.state_dict()
     changed = {key for key in before if not torch.equal(before[key], after[key])}
-    assert changed and all(".indexer." in key or key.endswith((".steps", ".sparse")) for key in changed), sorted(
-        changed
-    )[:5]
+    own = {key for key in changed if ".indexer." in key or key.endswith((".steps", ".sparse"))}
+    assert own and (changed == own) is frozen, sorted(changed - own)[:5]
     assert int(model.layer_attention[0].trainable.steps) == 2  # two steps trained: the dense stage is over
     model.eval()
     with torch.no_grad():
@@ -333,6 +360,9 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
         ("dsa:k=2000", "keeps up to 2000 keys per query"),
         ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"),
         ("dsa:k=16,b=16", "at least 2b"),
+        # the dense stage's old name, the learning rate warm-up's (--set warmup): refused with the new spelling
+        ("dsa:k=8,warmup=5", "pattern 'dsa' has no parameter 'warmup': it is named 'dense' now; write dsa:dense=5"),
+        ("dsa:freeze=1", "write freeze=auto (frozen in the dense stage when the run starts from a trained model)"),
     ],
 )
 def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
