@@ -64,7 +64,7 @@ if has train; then
     [[ $run == "${runs##* }" ]] && memory=--memory
     timeout "${TRAIN_LIMIT:-100}" "$py" -m gtx.cli bench train --task text --model lm --backends auto --steps 3 --rounds 2 $memory \
       ${BASELINE:---no-baseline} --set layers=2 --set heads=4 --set dim=128 --set dim_ff=512 --set batch_size=1 --set context="$n" \
-      --set precision="$precision" --pattern causal --pattern local:w=256 --pattern moba:b=64,k=4 --pattern nsa --pattern dsa:warmup=0 \
+      --set precision="$precision" --pattern causal --pattern local:w=256 --pattern moba:b=64,k=4 --pattern nsa --pattern dsa:dense=0 \
       --format csv --results "$out/r" > "$out/train-$precision-$n.log" 2>&1
     pkill -f gtx.measure.reference
     grep -v "^round" "$out/train-$precision-$n.log" | tail -14

@@ -18,6 +18,11 @@ def act(inner: Pattern) -> Pattern:
         Written ``act(local:w=4)``. With all nodes active it equals the inner pattern; the Universal
         Transformer applies it around whatever pattern a run chooses. Keys are never filtered:
         a halted node keeps its frozen state and stays visible to active queries.
+
+    Checked:
+        ``tests/test_patterns.py::test_pattern_matches_oracle[act]``: with every node active its edges equal the
+        inner pattern's rule exactly (``act(local:w)`` against ``tests/oracles.py``'s ``local``);
+        ``test_act_filters_edges_into_halted_queries``: a halted query keeps no edge, an active one all of its.
     """
     return replace(inner, filter=keep_active)
 

@@ -38,6 +38,14 @@ def bigbird(b: int = 64, r: int = 3, seed: int = 0) -> Pattern:
         ``dd`` is the unidirectional form (DeepSpeed's BigBird): the first block global, the window,
         r random earlier blocks, & j <= i; the last block cannot be global there, since a decoder
         does not know where its sequence ends. Self included.
+
+    Checked:
+        ``tests/test_patterns.py::test_bigbird_window_global_and_random_blocks``: on every stage its edges
+        contain every edge of the window and global blocks of the rule in ``tests/oracles.py``
+        (``bigbird_deterministic``); beyond them, in ``ee`` and ``dd``, at most r other key blocks per query
+        block, and none in the future in ``dd`` (b 1 to 6, r 0 to 3, lengths 1 to 40); which random blocks
+        is not compared with a definition. ``test_bigbird_random_blocks_are_seeded``: the same seed, the
+        same blocks; another seed, others.
     """
     if b < 1 or r < 0:
         raise ValueError(f"need b >= 1 and r >= 0, got b={b}, r={r}")

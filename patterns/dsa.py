@@ -4,8 +4,8 @@ A lightning indexer scores every earlier token for each query,
 ``I(t, s) = sum_j w(t, j) * relu(q(t, j) . k(s))`` (a few heads j of small dimension, one key per
 token and the weights from the layer's input, the queries from the attention's queries, part of
 each index query and key turned by its position), the top k tokens are kept, and the main
-attention runs over them. The indexer learns by KL divergence to the main attention: first a dense warm-up (the main
-attention dense; the model frozen unless ``freeze=false``), then sparse training with the KL
+attention runs over them. The indexer learns by KL divergence to the main attention: first a dense stage of ``dense``
+optimizer steps (the main attention dense; the model frozen or training, ``freeze``), then sparse training with the KL
 restricted to the kept tokens. Its inputs are detached: the main loss never trains it, its KL
 never trains the model.
 
@@ -41,8 +41,8 @@ class DSAConfig:
     k: int  # tokens kept per query
     index_heads: int
     index_dim: int
-    warmup: int  # optimizer steps of the dense warm-up
-    freeze: bool  # the model frozen during the warm-up (the report's stage 1)
+    dense: int  # optimizer steps of the dense stage
+    freeze: bool | None  # the model frozen during the dense stage (the report's stage 1); None: the run's start decides
     b: int = 1  # 1: tokens are chosen (DSA); > 1: blocks of b positions (MSA's corner), k / b of them read
     rope: int = 0  # leading index dimensions turned by position (DeepSeek: 64 of 128)
 
@@ -81,8 +81,8 @@ class SparseIndexed(Trainable):
         self.config = config
         self.indexer = Indexer(heads * head_dim, heads * head_dim, config.index_heads, config.index_dim, config.rope)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # steps trained
-        # the stage training reached: a checkpoint is evaluated in it, whatever warm-up its evaluation's spec states
-        self.register_buffer("sparse", torch.tensor(config.warmup == 0))
+        # the stage training reached: a checkpoint is evaluated in it, whatever dense stage its evaluation's spec states
+        self.register_buffer("sparse", torch.tensor(config.dense == 0))
         self._register_load_state_dict_pre_hook(_check_definition, with_module=True)
 
     def forward(self, q, k, v, edges, run):
@@ -95,17 +95,17 @@ class SparseIndexed(Trainable):
                 f"pattern {run.spec!r} reads the layer's input for its index keys, {len(q)} x {self.indexer.wk.in_features} here, "
                 f"and got {got}: call the attention with inputs= (gtx's models do; gtx.attention.trainable.Run.inputs)"
             )
-        sparse = run.step >= c.warmup if run.training else bool(self.sparse)
+        sparse = run.step >= c.dense if run.training else bool(self.sparse)
         if run.training:  # the steps trained with this one, and the stage the next one (or an evaluation) runs in
             self.steps.fill_(run.step + 1)
-            self.sparse.fill_(run.step + 1 >= c.warmup)
+            self.sparse.fill_(run.step + 1 >= c.dense)
         # the indexer's input: detached
         iq, w, ik = self.indexer(q.detach().flatten(1), x.detach(), positions_of(lens, q.device))
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
         if not sparse:
             if run.training:
                 run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges, blocks))
-                if c.freeze:
+                if self.freeze:
                     run.freeze_model()
             run.kept("dense", edges.num_edges, edges.n_dst)
             return run.attend(q, k, v, edges)
@@ -133,11 +133,20 @@ class SparseIndexed(Trainable):
         run.kept("selected", valid.sum(-1), edges.n_dst)
         return out
 
+    @property
+    def freeze(self) -> bool:
+        """Whether the model is frozen in the dense stage: ``freeze`` as given, else whether the run starts trained."""
+        return self.from_trained if self.config.freeze is None else self.config.freeze
+
     def describe(self) -> str:
-        return f"{'sparse' if bool(self.sparse) else 'dense warm-up'} stage, indexer trained {int(self.steps)} steps"
+        why = "given" if self.config.freeze is not None else "a trained start" if self.from_trained else "from scratch"
+        return (
+            f"{'sparse' if bool(self.sparse) else 'dense'} stage, indexer trained {int(self.steps)} steps, "
+            f"freeze={str(self.freeze).lower()} ({why})"
+        )
 
     def dense_kl(self, q, k, iq, w, ik, edges, blocks: BlockIndex | None = None) -> torch.Tensor:
-        """The warm-up's KL: the main attention's distribution summed over heads (then normalised)
+        """The dense stage's KL: the main attention's distribution summed over heads (then normalised)
         against the indexer's softmax over every candidate, per query, summed over the batch and
         divided by the queries; with ``blocks``, both as masses per block (a query's own block and
         those before it). Row blocks are recomputed in the backward (checkpoint), their masks too:
@@ -168,7 +177,7 @@ class SparseIndexed(Trainable):
         return total / q.shape[0]
 
     def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
-        """After the warm-up: the main attention over the kept tokens (averaged over heads) against
+        """After the dense stage: the main attention over the kept tokens (averaged over heads) against
         the indexer's softmax over the same tokens, per query, averaged."""
         return index_kl(p, iq, w, ik, keys, valid) / len(keys)
 
@@ -262,7 +271,7 @@ class BlockIndex:
         return TokenBlockSelection(size, list(lens), blocks, valid)
 
     def sparse_kl(self, mass: torch.Tensor, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
-        """After the warm-up: the main attention's mass on each block a token reads (``mass``: its own
+        """After the dense stage: the main attention's mass on each block a token reads (``mass``: its own
         block first, then the chosen ones, averaged over heads, as ``attend_token_blocks`` gives it)
         against the indexer's softmax over the same blocks, per query, averaged."""
         n_blocks = self.keys.shape[1]
@@ -290,8 +299,8 @@ def dsa(
     index_heads: int = 2,
     index_dim: int = 32,
     rope: float = 0.5,
-    warmup: int = 100,
-    freeze: bool = True,
+    dense: int = 100,
+    freeze: str = "auto",
     b: int = 1,
 ):
     """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included);
@@ -304,19 +313,40 @@ def dsa(
         and head weights from the layer's input, the leading ``rope`` share of each index query's
         and key's dimensions turned by position (DeepSeek's angles; it turns 64 of 128); index
         queries from the layer's attention queries, where DeepSeek's read its query latent,
-        which gtx's models do not have. For the first ``warmup`` optimizer steps attention is dense and the
-        indexer is fitted by KL to it, the model frozen (``freeze=false``: the model trains
-        densely meanwhile, for training from scratch); after, attention is sparse and the KL
-        covers the kept tokens. Results: ``indexer_kl_dense``, ``indexer_kl_sparse``,
-        ``kept_selected`` (keys per query). DeepSeek-V3.2 keeps 2048 of up to 128k tokens with
-        64 indexer heads of 128. ``b > 1``: blocks scored by their mean index key, read on MoBA's
-        per-token block kernel, the KL over block masses; k a multiple of b, at least 2b.
+        which gtx's models do not have. Two stages: for the first ``dense`` optimizer steps
+        attention is dense and the indexer is fitted by KL to it (``dense=0``: sparse from the
+        first step); after, attention is sparse and the KL covers the kept tokens. ``freeze``:
+        whether the model is frozen in the dense stage (the indexer trains alone). ``auto``
+        follows the run: frozen when it starts from a trained model (a pretrained folder,
+        ``--set path=DIR``, as DeepSeek adapts a trained model; a resumed run keeps its start's),
+        training from scratch (a frozen random model would learn nothing); ``true`` or ``false``
+        decides. The run records the value it ran with in the trained attention's state
+        (``attention_stage`` of ``gtx eval``'s rows; the note a dense stage prints). Results:
+        ``indexer_kl_dense``, ``indexer_kl_sparse``, ``kept_selected`` (keys per query).
+        DeepSeek-V3.2 keeps 2048 of up to 128k tokens with 64 indexer heads of 128. ``b > 1``:
+        blocks scored by their mean index key, read on MoBA's per-token block kernel, the KL over
+        block masses; k a multiple of b, at least 2b. ``warmup``, this parameter's earlier name,
+        is refused with the new one.
+
+    Checked:
+        ``tests/test_dsa.py::test_the_indexer_scores_equal_deepseeks_indexer_with_its_rotary_angles``: index
+        scores against DeepSeek's ``Indexer`` written out in float64 at rtol 1e-5 (atol 1e-5 of the largest
+        score); ``test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl``: the choice (as a top
+        set), the output at atol and rtol 1e-5, the q, k, v gradients at atol 2e-5 and rtol 1e-5, the sparse KL
+        at atol and rtol 1e-5 and its indexer gradients at atol 1e-5 and rtol 1e-4, against DSA written out in
+        float64;
+        ``test_the_dense_stage_is_dense_fits_the_indexer_to_the_dense_attention_and_freezes_the_model``: the
+        dense stage's output and KL at torch's float32 tolerance (atol 1e-5, rtol 1.3e-6);
+        ``test_blocks_chosen_by_the_indexer_equal_their_definition``: ``b > 1`` at the tolerances of tokens.
     """
     if k < 1:
         raise ValueError(f"k={k}: dsa keeps k >= 1 tokens per query")
-    if index_heads < 1 or index_dim < 1 or warmup < 0:
+    if index_heads < 1 or index_dim < 1 or dense < 0:
+        raise ValueError(f"need index_heads >= 1, index_dim >= 1, dense >= 0; got {index_heads}, {index_dim}, {dense}")
+    if freeze not in FREEZE:
         raise ValueError(
-            f"need index_heads >= 1, index_dim >= 1, warmup >= 0; got {index_heads}, {index_dim}, {warmup}"
+            f"freeze={freeze}: write freeze=auto (frozen in the dense stage when the run starts from a trained model), "
+            "freeze=true or freeze=false"
         )
     if b < 1 or (b > 1 and (k % b or k < 2 * b)):
         raise ValueError(
@@ -329,10 +359,15 @@ def dsa(
             f"rope={rope} of index_dim={index_dim}: the share of index dimensions turned by position, in [0, 1], must turn an "
             f"even number of them (pairs), e.g. rope={2 * (index_dim // 4) / index_dim:g} ({2 * (index_dim // 4)} of {index_dim})"
         )
-    config = DSAConfig(k, index_heads, index_dim, warmup, freeze, b, turned)
+    config = DSAConfig(k, index_heads, index_dim, dense, FREEZE[freeze], b, turned)
     return replace(
         parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k
     )
+
+
+dsa.renamed = {"warmup": "dense"}  # the learning rate's warm-up is --set warmup: the dense stage has a name of its own
+# ``freeze``'s spellings: one each, so that the canonical spec names an experiment once
+FREEZE = {"auto": None, "true": True, "false": False}
 
 
 @hookimpl

@@ -15,6 +15,11 @@ def fixed(l: int = 8, c: int = 2) -> Pattern:
         A1 = {j : floor(j/l) = floor(i/l)}, A2 = {j : j mod l in {l-c, ..., l-1}}. ``ee`` is
         A1 | A2 (two-sided), ``dd`` the paper's autoregressive form (A1 | A2) & j <= i, ``ed``
         the ``ee`` rule at the aligned source position. Self included.
+
+    Checked:
+        ``tests/test_patterns.py::test_pattern_matches_oracle[fixed]``: its edges on ``ee``, ``dd`` and ``ed``
+        equal, as sets and exactly, those of the rule written out from the definition in ``tests/oracles.py``,
+        over random parameters and lengths 1 to 40.
     """
     if l < 1 or not 1 <= c <= l:
         raise ValueError(f"need l >= 1 and 1 <= c <= l, got l={l}, c={c}")

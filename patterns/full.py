@@ -9,6 +9,11 @@ def full() -> Pattern:
 
     Note:
         Self-edges included. ``dd`` is the causal (half-complete) graph: the most a decoder may see.
+
+    Checked:
+        ``tests/test_patterns.py::test_pattern_matches_oracle[full]``: its edges on ``ee``, ``dd`` and ``ed``
+        equal, as sets and exactly, those of the rule written out from the definition in ``tests/oracles.py``,
+        at lengths 1 to 40.
     """
     return Pattern(
         ee=everything,

@@ -19,6 +19,14 @@ def lsh(inner: Pattern = None, buckets: int = 8, seed: int = 0) -> Pattern:
         so q.k-similar pairs tend to share one. Every query also keeps the candidate at its own
         position (the last one before it where it has none), so no query is left empty. It scores
         no pair, but reads every candidate edge to compare buckets. No gradient through the choice.
+
+    Checked:
+        Its candidates: ``tests/test_patterns.py::test_pattern_matches_oracle[lsh]`` (full's rule, exactly). Its
+        choice: ``tests/test_attention.py::test_selections_keep_a_subset_of_candidates_and_every_query`` (a
+        subset of the candidates, no query left without a key) and
+        ``tests/test_attention.py::test_every_backend_agrees_with_dense_on_values_and_gradients``: every
+        backend's output and q, k, v gradients equal the dense reference's at atol and rtol 1e-5. No test
+        compares its buckets with a definition written out.
     """
     if buckets < 2 or buckets % 2:
         raise ValueError(f"buckets must be even and >= 2, got {buckets}")

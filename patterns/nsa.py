@@ -272,6 +272,12 @@ def nsa(l: int = 32, d: int = 16, s: int = 64, n: int = 4, w: int = 128, phi: st
         ``phi=mean`` by mean pooling (fla-org/native-sparse-attention's choice). ``g`` heads
         share one selection (the paper's GQA group). Gates: sigmoid of a linear map of the
         query, per head and branch. The paper's 64k-token setting is l=32, d=16, s=64, n=16, w=512.
+
+    Checked:
+        ``tests/test_nsa.py::test_nsa_equals_its_definition_on_values_and_every_gradient``: against NSA written
+        out in float64, the output at atol and rtol 1e-5, the gradients of q, k, v and every parameter at atol
+        2e-5 and rtol 1e-4; ``test_selected_and_window_branches_equal_naive_nsa_given_blocks_and_gates``: those
+        two branches at atol and rtol 1e-5, their gradients at atol 2e-5 and rtol 1e-5.
     """
     if min(l, d, s, w, g) < 1:
         raise ValueError(f"l, d, s, w and g must be >= 1, got l={l}, d={d}, s={s}, w={w}, g={g}")

@@ -19,6 +19,14 @@ def topk(inner: Pattern = None, k: int = 32) -> Pattern:
         many as the candidate pattern has, n(n+1)/2 per sample for causal), so it saves attention
         work, not scoring. The choice itself has no gradient; the kept edges' attention does.
         Queries with at most k candidates keep them all.
+
+    Checked:
+        ``tests/test_attention.py::test_selections_keep_a_subset_of_candidates_and_every_query``: at most k kept
+        keys per query and head, each scoring (q.k) at least as high as every dropped one;
+        ``test_topk_without_edges_is_dense_attention_over_the_keys_it_names``: the output equals the dense
+        reference over the kept keys at atol and rtol 1e-5;
+        ``tests/test_attention.py::test_every_backend_agrees_with_dense_on_values_and_gradients``: every
+        backend's output and q, k, v gradients equal the dense reference's at atol and rtol 1e-5.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")

@@ -42,7 +42,7 @@ SPECS = {
     "lsh": ["lsh:buckets=4"],
     "moba": ["moba:b=3,k=2", "moba:b=3,k=2,gate=block"],
     "nsa": ["nsa:l=4,d=2,s=4,n=4,w=3", "nsa:l=4,d=4,s=2,n=4,w=2,phi=mean"],
-    "dsa": ["dsa:k=3,warmup=0", "dsa:k=3", "dsa:k=6,b=3,warmup=0"],
+    "dsa": ["dsa:k=3,dense=0", "dsa:k=3", "dsa:k=6,b=3,dense=0"],
 }
 SMALL = {"dim": "32", "heads": "2", "dim_ff": "16"}  # head_dim 16: each sample's keys fit one-hot
 FEW = {"n_train": "8", "n_valid": "2", "n_test": "2"}
@@ -200,18 +200,20 @@ def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_sta
     from gtx.cli import cli
     from gtx.experiments.results import load
 
-    sparse = _run(tmp_path, "--pattern", "dsa:k=8,warmup=0")
+    sparse = _run(tmp_path, "--pattern", "dsa:k=8,dense=0")
     assert "full attention" not in sparse.output and "note:" not in sparse.output, sparse.output
     run_id = load(tmp_path).run_id.iloc[0]
-    # the spec's warm-up is 100 steps
+    # the spec's dense stage is 100 steps
     again = CliRunner().invoke(cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)])
-    assert again.exit_code == 0 and "(sparse stage, indexer trained 2 steps)" in again.output, again.output
+    assert (
+        again.exit_code == 0 and "(sparse stage, indexer trained 2 steps, freeze=false (from scratch))" in again.output
+    ), again.output
     evaluated = load(tmp_path).query("eval_of == @run_id")
-    assert (evaluated.edges_per_query_dd <= 8).all() and evaluated.pattern.str.contains("warmup=100").all()
+    assert (evaluated.edges_per_query_dd <= 8).all() and evaluated.pattern.str.contains("dense=100").all()
     dense = _run(tmp_path / "warm", "--pattern", "dsa:k=8")
     assert (
         "full attention" not in dense.output
-        and "it ran in its dense warm-up stage, indexer trained 2 steps" in dense.output
+        and "it ran in its dense stage, indexer trained 2 steps, freeze=false (from scratch)" in dense.output
     ), dense.output
 
 
@@ -242,7 +244,7 @@ def test_the_note_judges_head_groups_and_chosen_keys_by_what_they_read(tmp_path)
     [
         "moba:b=8,k=2",
         "moba:b=8,k=2,gate=block",
-        "dsa:k=8,warmup=0",
+        "dsa:k=8,dense=0",
         "topk:k=8",
         "lsh:buckets=8",
         "nsa:l=16,d=8,s=16,w=16",

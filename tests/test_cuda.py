@@ -52,8 +52,8 @@ CHOSEN = [
     "moba:b=16,k=2",
     "moba:b=16,k=2,gate=block",
     "nsa:l=8,d=4,s=16,n=4,w=16",
-    "dsa:k=8,warmup=0",
-    "dsa:k=32,warmup=0,b=16",
+    "dsa:k=8,dense=0",
+    "dsa:k=32,dense=0,b=16",
     "topk(local:w=32):k=4",
 ]
 _rows: list[dict] = []
@@ -172,7 +172,7 @@ METHODS = [
     "moba:b=16,k=2",
     "moba:b=16,k=2,gate=block",
     "nsa:l=8,d=4,s=16,n=4,w=16",
-    "dsa:k=8,warmup=1",
+    "dsa:k=8,dense=1",
     "topk:k=8",
 ]
 # (model, precision, methods): every method on the decoder-only models; the seq2seq ones, whose
@@ -242,7 +242,7 @@ def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precis
 
 
 @pytest.mark.parametrize(
-    "spec", ["local:w=16", "moba:b=16,k=2", "nsa:l=8,d=4,s=16,n=4,w=16", "dsa:k=8,warmup=0", "topk:k=8"]
+    "spec", ["local:w=16", "moba:b=16,k=2", "nsa:l=8,d=4,s=16,n=4,w=16", "dsa:k=8,dense=0", "topk:k=8"]
 )
 def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     """The lm's loss and every parameter's gradient on one batch: CUDA against the CPU, float32."""

@@ -297,3 +297,16 @@ def test_links_to_a_heading_find_it():
                 if target.exists() and anchor not in heading_anchors(target):
                     broken.append(f"{page.relative_to(ROOT)}:{n}: {path}#{anchor}")
     assert not broken, "\n".join(broken)
+
+
+def test_every_test_a_method_entry_names_exists():
+    """methods.md says which test checks each method against its reference: each named test is one."""
+    tests = Path(__file__).resolve().parent
+    sources = {p.name: p.read_text() for p in tests.glob("test_*.py")}
+    for entry in (DOCS / "methods.md").read_text().split("\n## ")[1:]:
+        checked = entry.partition("**Checked**")[2]
+        assert checked.strip(), f"{entry.splitlines()[0]}: no **Checked** section naming its test"
+        for file, name in re.findall(r"tests/(test_\w+\.py)::(test_\w+)", checked):
+            assert f"def {name}(" in sources[file], (file, name)
+        for name in re.findall(r"``(test_\w+)``", checked):
+            assert any(f"def {name}(" in text for text in sources.values()), name

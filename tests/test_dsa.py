@@ -8,8 +8,8 @@ frequencies; then q and k pass a Hadamard rotation (orthonormal: dot products un
 (left out here). gtx's models have no query latent: the attention's queries stand in for it. The
 top k earlier tokens (itself included) are kept, equal scores preferring the later token (a relu
 makes zeros common); the main attention is a softmax over them. Training
-(the V3.2 report): a dense warm-up in which the indexer fits KL(mean over heads of the dense attention
-|| softmax(I)) with the model frozen, then sparse attention and the KL over the kept tokens."""
+(the V3.2 report): a dense stage in which the indexer fits KL(mean over heads of the dense attention
+|| softmax(I)), the model frozen when asked (or by default when the run starts trained), then sparse attention and the KL over the kept tokens."""
 
 import json
 import math
@@ -136,9 +136,7 @@ def twins(spec, lens, seed, heads=2, dim=8):
 
 @pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
 def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
-    pattern, attention, reference, q, k, v, inputs = twins(
-        f"dsa:k={top},index_heads=3,index_dim=4,warmup=0", lens, seed
-    )
+    pattern, attention, reference, q, k, v, inputs = twins(f"dsa:k={top},index_heads=3,index_dim=4,dense=0", lens, seed)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     attention.begin_step(0)
     got = attention(*xs, build_graph(pattern, None, lens).edges["dd"], inputs=inputs)
@@ -160,15 +158,15 @@ def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, 
     assert sum(len(s) for s in kept) == attention.reset_stats()["kept_selected"] * sum(lens)
 
 
-def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freezes_the_model():
+def test_the_dense_stage_is_dense_fits_the_indexer_to_the_dense_attention_and_freezes_the_model():
     torch.manual_seed(3)
     lens, heads, dim = [30, 21], 2, 8
-    pattern = parse_pattern("dsa:k=4,index_heads=2,index_dim=4,warmup=2")
+    pattern = parse_pattern("dsa:k=4,index_heads=2,index_dim=4,dense=2,freeze=true")
     attention = Attention(get_backend("auto"), pattern, heads, dim)
     edges = build_graph(pattern, None, lens).edges["dd"]
     q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
     x = torch.randn(sum(lens), heads * dim)
-    attention.begin_step(1)  # the second step: still the warm-up
+    attention.begin_step(1)  # the second step: still the dense stage
     out = attention(q, k, v, edges, inputs=x)
     dense = get_backend("dense")(q, k, v, build_graph(parse_pattern("causal"), None, lens).edges["dd"])
     torch.testing.assert_close(out, dense)
@@ -185,12 +183,40 @@ def test_the_warm_up_is_dense_fits_the_indexer_to_the_dense_attention_and_freeze
         want.append((p * (p.clamp_min(1e-30).log() - logq.masked_fill(later, 0))).sum(-1))
         start += n
     torch.testing.assert_close(kl, torch.cat(want).mean())
-    attention.begin_step(2)  # warm-up over: sparse, and the model trains
+    attention.begin_step(2)  # the dense stage over: sparse, and the model trains
     attention(q, k, v, edges, inputs=x)
     assert not attention.take_losses()[1] and "kept_selected" in attention.reset_stats()
 
 
-def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_its_stage(tmp_path):
+@pytest.mark.parametrize(
+    "freeze, from_trained, frozen, said",
+    [
+        ("", False, False, "freeze=false (from scratch)"),  # a frozen random model would learn nothing
+        ("", True, True, "freeze=true (a trained start)"),  # DeepSeek's recipe: adapting a trained model
+        (",freeze=auto", True, True, "freeze=true (a trained start)"),
+        (",freeze=true", False, True, "freeze=true (given)"),  # a value given wins either way
+        (",freeze=false", True, False, "freeze=false (given)"),
+    ],
+)
+def test_freeze_follows_the_runs_start_unless_given_and_the_stage_says_which(freeze, from_trained, frozen, said):
+    lens, heads, dim = [12], 2, 8
+    pattern = parse_pattern(f"dsa:k=4,index_heads=2,index_dim=4,dense=2{freeze}")
+    attention = Attention(get_backend("auto"), pattern, heads, dim, from_trained=from_trained)
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    q, k, v = (torch.randn(sum(lens), heads, dim) for _ in range(3))
+    attention.begin_step(0)  # the dense stage
+    attention(q, k, v, edges, inputs=torch.randn(sum(lens), heads * dim))
+    assert attention.take_losses()[1] is frozen
+    assert attention.trainable.describe() == f"dense stage, indexer trained 1 steps, {said}"
+    attention.begin_step(2)  # sparse: the model trains whatever freeze says
+    attention(q, k, v, edges, inputs=torch.randn(sum(lens), heads * dim))
+    assert not attention.take_losses()[1]
+    assert attention.trainable.describe() == f"sparse stage, indexer trained 3 steps, {said}"
+
+
+@pytest.mark.parametrize("freeze, frozen", [(",freeze=true", True), ("", False)])
+def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_knows_its_stage(tmp_path, freeze, frozen):
+    """Asked to, the dense stage trains the indexer alone; by default a run from scratch trains the model too."""
     from gtx.data.batch import batches
     from gtx.experiments.build import build_attention, build_model
     from gtx.experiments.runner import RunConfig, resolve
@@ -199,7 +225,7 @@ def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_it
     config = RunConfig(
         task="recall",
         model="lm",
-        pattern="dsa:k=8,index_heads=2,index_dim=4,warmup=2",
+        pattern=f"dsa:k=8,index_heads=2,index_dim=4,dense=2{freeze}",
         settings={
             "seq_len": "64",
             "n_train": "8",
@@ -220,14 +246,13 @@ def test_training_freezes_the_model_during_the_warm_up_and_a_checkpoint_knows_it
     trainer.train_epoch(batches(r.task, "train", r.pattern, 2))
     after = model.state_dict()
     changed = {key for key in before if not torch.equal(before[key], after[key])}
-    assert changed and all(".indexer." in key or key.endswith((".steps", ".sparse")) for key in changed), sorted(
-        changed
-    )[:5]
-    assert int(model.layer_attention[0].trainable.steps) == 2  # two steps trained: the warm-up is over
+    own = {key for key in changed if ".indexer." in key or key.endswith((".steps", ".sparse"))}
+    assert own and (changed == own) is frozen, sorted(changed - own)[:5]
+    assert int(model.layer_attention[0].trainable.steps) == 2  # two steps trained: the dense stage is over
     model.eval()
     with torch.no_grad():
         model(next(iter(batches(r.task, "valid", r.pattern, 2))))
-    assert "kept_selected" in model.attention.reset_stats()  # evaluation after the warm-up is sparse
+    assert "kept_selected" in model.attention.reset_stats()  # evaluation after the dense stage is sparse
 
 
 def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_refused(tmp_path):
@@ -259,7 +284,7 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
         str(tmp_path),
     ]
     result = CliRunner().invoke(
-        cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=2,freeze=false"]
+        cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,dense=2,freeze=false"]
     )
     assert result.exit_code == 0, result.output
     from gtx.experiments import results
@@ -305,12 +330,12 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
         "--results",
         str(tmp_path),
     ]
-    result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,warmup=0"])
+    result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,dense=0"])
     assert result.exit_code == 0, result.output
     from gtx.experiments import results
 
     rows = results.load(tmp_path)
-    assert set(rows.pattern) == {"dsa:k=8,index_heads=2,index_dim=4,rope=0.5,warmup=0,freeze=true,b=1"}
+    assert set(rows.pattern) == {"dsa:k=8,index_heads=2,index_dim=4,rope=0.5,dense=0,freeze=auto,b=1"}
     run_id = rows.run_id.iloc[0]
     path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
     state = torch.load(path, weights_only=False)
@@ -336,6 +361,9 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
         ("dsa:k=2000", "keeps up to 2000 keys per query"),
         ("dsa:k=24,b=16", "k (keys read) must be a multiple of b"),
         ("dsa:k=16,b=16", "at least 2b"),
+        # the dense stage's old name, the learning rate warm-up's (--set warmup): refused with the new spelling
+        ("dsa:k=8,warmup=5", "pattern 'dsa' has no parameter 'warmup': it is named 'dense' now; write dsa:dense=5"),
+        ("dsa:freeze=1", "write freeze=auto (frozen in the dense stage when the run starts from a trained model)"),
     ],
 )
 def test_bad_dsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message):
@@ -350,7 +378,7 @@ def blocks_by_definition(attention, q, k, v, x, lens, top, size, chosen_by):
     """``dsa:b=size``, per sample from the formula: a block's index key is the mean of its tokens', a
     token reads its own block (up to itself) and the ``top / size - 1`` earlier blocks it scores
     highest; softmax attention over those keys; the sparse KL over block masses (mean over queries),
-    and the warm-up's KL over every block up to the token's own. Scores tie often (a relu of a
+    and the dense stage's KL over every block up to the token's own. Scores tie often (a relu of a
     negative dot is 0), so the blocks are ``chosen_by(token)``, checked here to be a top set."""
     indexer = attention.trainable.indexer
     out, sparse, dense, start = torch.zeros_like(q), [], [], 0
@@ -399,7 +427,7 @@ def blocks_by_definition(attention, q, k, v, x, lens, top, size, chosen_by):
 def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, seed):
     """The MSA corner: DSA's indexer and losses at block granularity, read on MoBA's per-token kernel."""
     pattern, attention, reference, q, k, v, inputs = twins(
-        f"dsa:k={top},b={size},index_heads=3,index_dim=4,warmup=1", lens, seed
+        f"dsa:k={top},b={size},index_heads=3,index_dim=4,dense=1", lens, seed
     )
     edges = build_graph(pattern, None, lens).edges["dd"]
     dsa = sys.modules[type(attention.trainable).__module__]
@@ -411,7 +439,7 @@ def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, se
 
     ys = [x.double().requires_grad_() for x in (q, k, v)]
     want, want_sparse, want_dense = blocks_by_definition(reference, *ys, inputs.double(), lens, top, size, chosen_by)
-    attention.begin_step(0)  # the warm-up: dense, the KL over block masses
+    attention.begin_step(0)  # the dense stage: dense, the KL over block masses
     attention(q, k, v, edges, inputs=inputs)
     (dense,) = attention.pending
     torch.testing.assert_close(dense.detach(), want_dense.detach().float(), atol=1e-5, rtol=1e-5)
@@ -455,7 +483,7 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
         **({"layers": "2", "max_len": "64"} if model == "hf" else {}),
     }
     r = resolve(
-        RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,warmup=0", settings=settings)
+        RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,dense=0", settings=settings)
     )
     net = build_model(r, build_attention(r, "auto")).eval()
     own = {"transformer": lambda: net.dec_attention[0], "ut": lambda: net.dec_attention}.get(
@@ -495,7 +523,7 @@ def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top,
 
     if native.load("index_kernel") is None:
         pytest.skip("no C compiler: the torch path is all there is")
-    pattern, attention, _, q, k, v, inputs = twins(f"dsa:k={top},index_heads=2,index_dim=8,warmup=0", lens, seed)
+    pattern, attention, _, q, k, v, inputs = twins(f"dsa:k={top},index_heads=2,index_dim=8,dense=0", lens, seed)
     edges = build_graph(pattern, None, lens).edges["dd"]
 
     def run():

@@ -298,7 +298,7 @@ def test_bad_nsa_settings_are_one_line_and_write_nothing(tmp_path, spec, message
 
 @pytest.mark.parametrize(
     "model, pattern",
-    [("ut", "nsa:l=4,d=2,s=4,n=4,w=4"), ("transformer", "dsa:k=4,warmup=1"), ("lm", "dsa:k=4,warmup=0")],
+    [("ut", "nsa:l=4,d=2,s=4,n=4,w=4"), ("transformer", "dsa:k=4,dense=1"), ("lm", "dsa:k=4,dense=0")],
 )
 def test_every_model_trains_and_decodes_with_a_trainable_pattern(tmp_path, model, pattern):
     task = ["--task", "recall", "--set", "seq_len=48"] if model == "lm" else ["--task", "copy"]

@@ -298,7 +298,7 @@ def test_declared_structures_are_what_the_edges_say(name):
         "moba:b=4,k=2",
         "moba:b=4,k=2,gate=block",
         "nsa:l=4,d=2,s=4,w=2",
-        "dsa:k=2,warmup=0",
+        "dsa:k=2,dense=0",
         "heads(local:w=1,strided:l=3)+alibi",
     ],
 )
@@ -373,7 +373,7 @@ def test_a_pattern_within_a_sliding_window_keeps_its_run_time_parts():
     [
         ("lócal", "'ó' at position 1 is not part of a spec"),
         ("local:w=" + "9" * 23, "beyond 2,147,483,647"),
-        ("dsa:warmup=" + "1" + "0" * 21, "beyond 2,147,483,647"),
+        ("dsa:dense=" + "1" + "0" * 21, "beyond 2,147,483,647"),
         ("(" * 100 + "full" + ")" * 100, "nests 100 levels of parentheses; gtx takes at most 64"),
         ("heads(" * 5000 + "full" + ")" * 5000, "gtx takes at most 4,096"),
         ("|".join(["local:w=1"] * 2000), "pattern spec of 19,999 characters"),

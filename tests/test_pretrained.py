@@ -192,7 +192,7 @@ def test_bad_runs_are_one_line(folders, tmp_path, args, match):
 def tuned(folders, tmp_path_factory):
     """A run fine-tuned from the llama folder under dsa (so its pattern has trained parameters of its own), and its 6-hex tail."""
     results = tmp_path_factory.mktemp("tuned")
-    result = run(folders["llama"], *TEXT, "--pattern", "dsa:k=8,warmup=0", "--epochs", "1", "--results", str(results))
+    result = run(folders["llama"], *TEXT, "--pattern", "dsa:k=8,dense=0", "--epochs", "1", "--results", str(results))
     assert result.exit_code == 0, result.output
     return results, load(results).run_id.iloc[0].rsplit("-", 1)[1]
 

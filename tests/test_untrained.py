@@ -34,7 +34,7 @@ def folder(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("pretrained") / "llama")
 
 
-@pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,w=8", "dsa:k=8,warmup=0"])
+@pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,w=8", "dsa:k=8,dense=0"])
 def test_scoring_untrained_pattern_parameters_is_refused_unless_asked_for(folder, tmp_path, spec):
     run = ["run", "--model", "hf", "--set", f"path={folder}", *TEXT, "--pattern", spec]
     bad = CliRunner().invoke(cli, [*run, "--results", str(tmp_path / "r")])
@@ -66,5 +66,55 @@ def test_generate_under_an_untrained_indexer_is_refused_or_says_its_stage(folder
     ok = CliRunner().invoke(cli, [*args[:2], *args[2:3], "--set", "untrained_attention=true", *args[3:]])
     assert (
         ok.exit_code == 0
-        and "(its own parameters untrained) (dense warm-up stage, indexer trained 0 steps)" in ok.output
+        and "(its own parameters untrained) (dense stage, indexer trained 0 steps, freeze=true (a trained start))"
+        in ok.output
     ), ok.output
+
+
+@pytest.mark.parametrize(
+    "spec, said", [("dsa:k=8", "freeze=true (a trained start)"), ("dsa:k=8,freeze=false", "freeze=false (given)")]
+)
+def test_dsa_freezes_a_pretrained_model_in_its_dense_stage_unless_told_and_its_evaluation_says_so(
+    folder, tmp_path, spec, said
+):
+    """Training from a pretrained folder is DeepSeek's case (adapting a trained model): the model frozen in
+    the dense stage by default; the evaluation's recorded stage names the freeze the training ran with."""
+    import torch
+
+    from gtx.data.batch import batches
+    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
+    from gtx.experiments.train import Trainer
+
+    settings = {"path": str(folder), "context": "32", "train_tokens": "600", "eval_tokens": "300", "max_steps": "1"}
+    r = resolve(RunConfig(task="text", model="hf", pattern=spec, settings=settings, results_dir=str(tmp_path)))
+    model = build_model(r, build_attention(r, "auto"))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    Trainer(model, r.train, 16, r.device, r.task).train_epoch(batches(r.task, "train", r.pattern, 2))
+    changed = {key for key, value in model.state_dict().items() if not torch.equal(before[key], value)}
+    own = {key for key in changed if ".indexer." in key or key.endswith((".steps", ".sparse"))}
+    assert own and (changed == own) is ("true" in said), sorted(changed - own)[:5]
+    trained = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--model",
+            "hf",
+            "--set",
+            f"path={folder}",
+            *TEXT,
+            "--pattern",
+            spec,
+            "--epochs",
+            "1",
+            "--set",
+            "max_steps=1",
+            "--results",
+            str(tmp_path / "r"),
+        ],
+    )
+    assert trained.exit_code == 0, trained.output
+    run_id = load(tmp_path / "r").run_id.iloc[0]
+    evaluated = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path / "r")])
+    assert evaluated.exit_code == 0 and f"(dense stage, indexer trained 1 steps, {said})" in evaluated.output
+    setup = json.loads(load(tmp_path / "r").query("eval_of == @run_id").config.iloc[0])
+    assert setup["attention_stage"] == f"dense stage, indexer trained 1 steps, {said}"

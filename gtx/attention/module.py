@@ -51,11 +51,20 @@ def bias_key(bias: tuple[str, tuple]) -> str:
 class Attention(torch.nn.Module):
     """``attention(q, k, v, edges)`` as a backend is called (q pre-scaled; (n, H, D) tensors), for any
     pattern; ``pattern``, ``heads`` (the model's head count) and ``head_dim`` build the pattern's bias
-    modules and trainable attention."""
+    modules and trainable attention; ``from_trained``: the run starts from a trained model
+    (``gtx.attention.trainable.starts_trained``), what its trainable attention is told."""
 
-    def __init__(self, backend: Backend, pattern=None, heads: int | None = None, head_dim: int | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        pattern=None,
+        heads: int | None = None,
+        head_dim: int | None = None,
+        from_trained: bool = False,
+    ):
         super().__init__()
         self.backend, self.heads, self.pattern, self.head_dim = backend, heads, pattern, head_dim
+        self.from_trained = from_trained
         self.biases = torch.nn.ModuleDict()
         for key, bias in _bias_modules(pattern, {}).items():
             self.biases[key] = self._build_bias(bias, heads)
@@ -78,10 +87,12 @@ class Attention(torch.nn.Module):
         )
 
     @classmethod
-    def for_width(cls, backend: Backend, pattern, heads: int | None, dim: int | None) -> Attention:
+    def for_width(
+        cls, backend: Backend, pattern, heads: int | None, dim: int | None, from_trained: bool = False
+    ) -> Attention:
         """For a model of ``dim`` features in ``heads`` heads (``dim // heads`` each); either may be
         None for a model that states no heads."""
-        return cls(backend, pattern, heads, dim // heads if heads and dim else None)
+        return cls(backend, pattern, heads, dim // heads if heads and dim else None, from_trained)
 
     def _build_trainable(self):
         make = getattr(self.pattern, "trainable", None)
@@ -92,7 +103,9 @@ class Attention(torch.nn.Module):
                 f"pattern {self.pattern.spec!r} has learned parameters: it needs the model's heads and dim settings"
             )
         with plugin_code(f"pattern {self.pattern.spec!r}", "while building its trainable attention"):
-            return make(self.heads, self.head_dim)
+            module = make(self.heads, self.head_dim)
+        module.from_trained = self.from_trained
+        return module
 
     def for_layer(self) -> LayerAttention:
         """This attention with trainable parts of one layer's own (the model's backend, biases and

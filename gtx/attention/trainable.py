@@ -23,8 +23,9 @@ patterns); an ACT step's subset (``edges.keep``) is applied to the output by the
 were projected from (after the layer's normalisation), given by the model (gtx's models and ``hf``
 do; None where a caller gives only q, k and v). DSA's indexer reads its index keys there.
 ``run.loss(name, value)`` adds an auxiliary loss to the training loss (DSA's indexer KL);
-``run.freeze_model()`` makes this step train the auxiliary losses alone (a warm-up with the model
-frozen). Losses and kept edges are averaged into each results row's ``metrics``. The stage's keys
+``run.freeze_model()`` makes this step train the auxiliary losses alone (a stage with the model
+frozen, as DSA's dense one). ``self.from_trained`` says whether the run starts from a trained model
+(``starts_trained``), set by the ``Attention`` that builds the module, before its first call. Losses and kept edges are averaged into each results row's ``metrics``. The stage's keys
 per query (``gtx.attention.budget``) are the branches' kept edges summed, or, where branches may
 read one key twice, what ``run.read`` gives: each query's keys counted once.
 """
@@ -41,6 +42,7 @@ class Trainable(torch.nn.Module):
     """Base class of a pattern's trainable attention; see the module docstring for the contract."""
 
     stages: tuple[str, ...] = ("dd",)
+    from_trained: bool = False  # the run starts from a trained model (``starts_trained``); set by ``Attention``
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, run: Run) -> torch.Tensor:
         raise NotImplementedError
@@ -56,7 +58,8 @@ class Trainable(torch.nn.Module):
         return None
 
     def describe(self) -> str | None:
-        """The stage this module attends in, for a method that has stages (DSA's warm-up), else None."""
+        """The stage this module attends in and what it runs with there, for a method that has stages
+        (DSA's dense stage and its ``freeze``), else None."""
         return None
 
 
@@ -67,11 +70,19 @@ def stages_of(model: torch.nn.Module) -> str | None:
     return "; ".join(seen) or None
 
 
+def starts_trained(model_config) -> bool:
+    """Whether a model of this configuration starts from trained weights: a pretrained folder (the
+    model setting ``path``, as ``hf``'s). A resumed run is configured as its start was, so it keeps the answer."""
+    return bool(getattr(model_config, "path", ""))
+
+
 def check_untrained(pattern, model_config, doing: str) -> None:
     """A pattern with parameters of its own on a pretrained model (a ``path`` setting) that will not
     train them: one line, unless the model setting ``untrained_attention`` asks for them untrained."""
     path = getattr(model_config, "path", "")
-    if getattr(pattern, "trainable", None) is None or not path or getattr(model_config, "untrained_attention", False):
+    if getattr(pattern, "trainable", None) is None or not starts_trained(model_config):
+        return
+    if getattr(model_config, "untrained_attention", False):
         return
     raise GtxError(
         f"pattern {pattern.spec!r} attends with parameters of its own that the pretrained folder {path} lacks; {doing} would "

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from gtx.attention.module import Attention, check_pattern
-from gtx.attention.trainable import check_untrained, stages_of
+from gtx.attention.trainable import check_untrained, stages_of, starts_trained
 from gtx.backends import get_backend
 from gtx.cli.common import key_value
 from gtx.errors import GtxError
@@ -104,7 +104,10 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
         )
     if run is None:
         model = entry.obj(
-            config, tokenizer.vocab, tokenizer.vocab, Attention.for_width(backend, p, config.heads, config.dim)
+            config,
+            tokenizer.vocab,
+            tokenizer.vocab,
+            Attention.for_width(backend, p, config.heads, config.dim, starts_trained(config)),
         ).to(where)
     out = model.generate(ids, new, p, cache)
     click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))

@@ -12,6 +12,7 @@ import torch
 
 import gtx
 from gtx.attention.module import Attention
+from gtx.attention.trainable import starts_trained
 from gtx.backends import get_backend
 from gtx.errors import PluginError, plugin_code
 from gtx.experiments import checkpoint
@@ -25,7 +26,8 @@ from gtx.plugins.registry import MODELS
 def build_attention(resolved: Resolved, backend: str) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
     heads, dim = getattr(resolved.model_config, "heads", None), getattr(resolved.model_config, "dim", None)
-    return Attention.for_width(get_backend(backend, resolved.device), resolved.pattern, heads, dim)
+    backend = get_backend(backend, resolved.device)
+    return Attention.for_width(backend, resolved.pattern, heads, dim, starts_trained(resolved.model_config))
 
 
 def build_model(resolved: Resolved, attention: Attention) -> torch.nn.Module:

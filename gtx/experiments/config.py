@@ -235,7 +235,7 @@ def complete_note(
     before the run by its edges (what it attends to); a pattern that chooses or learns its keys at
     run time, or splits heads, by the density a phase recorded (``read``: stage -> density; None: not
     yet; ``when``: which phase). ``stage``: the stage a trainable method ran in (``Trainable.describe``):
-    a method that reads every key in a stage (DSA's dense warm-up) is said to, not called full attention."""
+    a method that reads every key in a stage (DSA's dense stage) is said to, not called full attention."""
     if resolved.chosen.spec.split("+")[0] in ("full", "causal"):
         return None
     fixed = resolved.chosen.select is None and not resolved.chosen.heads and resolved.chosen.trainable is None

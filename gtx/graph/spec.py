@@ -205,7 +205,12 @@ def _convert(name: str, key: str, value: str, annotation) -> object:
 
 def _kwargs(kind: str, name: str, factory: Callable, raw: Mapping[str, str], skip: str = "inner") -> dict:
     known = pattern_params(factory, skip)
+    renamed = getattr(factory, "renamed", {})  # old parameter name -> new: refused with the new spelling
     for key in raw:
+        if key in renamed and key not in known:
+            raise PatternError(
+                f"{kind} {name!r} has no parameter {key!r}: it is named {renamed[key]!r} now; write {name}:{renamed[key]}={raw[key]}"
+            )
         if key not in known:
             listing = describe_params(factory, skip) or "none"
             raise PatternError(f"{kind} {name!r} has no parameter {key!r}; its parameters: {listing}")
