@@ -176,6 +176,11 @@ def run(
     r = resolve(config)
     if not r.train.epochs and state is None:
         check_untrained(r.chosen, r.model_config, "--epochs 0")
+    if r.train.epochs and not get_backend(config.backend, r.device).trains_on(r.device):
+        raise GtxError(
+            f"backend {config.backend!r} has no backward on {r.device}, so it cannot train; train with --backend auto "
+            f"and evaluate under {config.backend!r} (gtx eval RUN --backend {config.backend}), or run --epochs 0"
+        )
     world, r.device = distributed.setup(r.device)
     torch.manual_seed(config.seed)
     attention = build_attention(r, config.backend)

@@ -4,7 +4,6 @@ cost constants (seconds = a * work + overhead per candidate), saved where ``auto
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import torch
@@ -29,8 +28,8 @@ CALIBRATION_SUITE = [
 def calibrate(
     device="cpu", heads=4, head_dim=32, repeats=3, forward=True, log=lambda s: None
 ) -> dict[str, dict[str, tuple[float, float]]]:
-    """Time every auto candidate on a small suite (one long sequence and batches of short ones),
-    forward + backward, and with ``forward`` also the forward alone without gradients (where more
+    """Time every auto candidate on a small suite (one long sequence and batches of short ones; the
+    fastest of ``repeats`` calls after a first one), forward + backward, and with ``forward`` also the forward alone without gradients (where more
     candidates may run: flex on the CPU); fit seconds = a * work + overhead per candidate (least
     relative squared error) and save each table where ``auto`` reads it. Returns the fitted
     constants per table ("cpu", "cpu-forward", ...)."""
@@ -72,9 +71,10 @@ def _samples(dev, heads, head_dim, repeats, grad, log) -> dict[str, list[tuple[f
                 sync_device(dev)
                 if i:  # the first call builds the plan (and compiles flex)
                     times.append(time.perf_counter() - t0)
-            samples.setdefault(name, []).append((units[name], statistics.median(times)))
+            # the fastest repeat: a shared machine's slow spells only add time (as auto-tuned times candidates)
+            samples.setdefault(name, []).append((units[name], min(times)))
             mode = "fwd+bwd" if grad else "forward"
-            log(f"{mode} {spec:<12} x{len(lens):<4} {name:<15} {1000 * statistics.median(times):9.2f} ms")
+            log(f"{mode} {spec:<12} x{len(lens):<4} {name:<15} {1000 * min(times):9.2f} ms")
     return samples
 
 
