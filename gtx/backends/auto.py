@@ -52,7 +52,15 @@ COSTS = {
         "blocksparse:32": (2.34e-10, 8e-5),
         "blocksparse:64": (1.77e-10, 0.0),
     },
-    "cpu-forward": {},
+    "cpu-forward": {
+        "dense": (8.59e-10, 5.9e-2),
+        "dgl": (6.75e-9, 0.0),
+        "torch": (4.21e-8, 0.0),
+        "flex": (5.37e-10, 1.2e-2),
+        "blocksparse:16": (4.39e-10, 0.0),
+        "blocksparse:32": (1.39e-10, 0.0),
+        "blocksparse:64": (2.67e-10, 0.0),
+    },
     "cuda": {
         "dense": (2.0e-13, 5e-5),
         "blocksparse": (4.0e-13, 3e-4),
