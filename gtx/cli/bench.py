@@ -253,9 +253,15 @@ def bench_train(
 @click.option(
     "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median)."
 )
+@click.option(
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="gtx backends, comma-separated: a row per pattern and backend (e.g. auto,flex,blocksparse).",
+)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir):
+def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, results_dir):
     """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,
     against the same weights on transformers' own SDPA; peak memory growth per row. Needs pip install -e '.[hf]'.
 
@@ -266,7 +272,10 @@ def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir
     from gtx.measure.prefill import bench_prefill as run
 
     load_plugins()
-    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True))
+    names = csv_list(backends)
+    for name in names:
+        BACKENDS.get(name)  # an unknown name is one line before the model is built
+    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True), backends=names)
     path = gtx_bench.save(df, results_dir, "prefill")
     click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)
