@@ -13,7 +13,12 @@ from gtx.graph.tokens import EdgeSet, build_graph
 from gtx.model.engine import propagate_attention
 from gtx.plugins.registry import BACKENDS
 
-BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None and n != "dense"]
+# the backends that compute gradients on the CPU (flex runs there without gradients only: tested below)
+BACKEND_NAMES = [
+    n
+    for n in BACKENDS.names()
+    if BACKENDS.get(n).obj.available("cpu") is None and BACKENDS.get(n).obj.trains_on("cpu") and n != "dense"
+]
 
 
 def random_edges(seed: int, n_q: int, n_k: int, density: float, allow_empty: bool = False) -> EdgeSet:
@@ -160,11 +165,43 @@ def test_auto_records_its_choice_per_stage():
     assert auto.reset_choices() == {}
 
 
-def test_flex_is_unavailable_on_cpu_with_the_reason():
-    reason = BACKENDS.get("flex").obj.available("cpu")
-    assert "FlexAttention cannot train on CPU" in reason
-    with pytest.raises(GtxError, match="backend 'flex' is unavailable on cpu: FlexAttention cannot train on CPU"):
-        get_backend("flex", "cpu")
+def test_flex_on_cpu_refuses_gradients_in_one_line():
+    flex = get_backend("flex", "cpu")  # usable: without gradients
+    edges = build_graph(parse_pattern("local:w=2"), [20]).edges["ee"]
+    q, k, v = (torch.randn(20, 2, 8, requires_grad=True) for _ in range(3))
+    with pytest.raises(GtxError, match="backend 'flex' runs on the CPU without gradients only") as e:
+        propagate_attention(q, k, v, edges, flex)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "spec, lens",
+    [
+        ("local:w=3", [50, 70]),  # two samples: a block-diagonal graph; blocks cut by the end of each
+        ("bigbird:b=8", [100]),
+        ("local:w=2|strided:l=8", [120]),
+        ("fixed:l=16,c=2", [90]),
+        ("full", [128]),  # every block full: no per-element mask
+    ],
+)
+def test_flex_compiled_forward_on_cpu_matches_dense(spec, lens):
+    """The compiled CPU kernel (every size here pads to one block of 128: one compilation)."""
+    edges = build_graph(parse_pattern(spec), lens).edges["ee"]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(edges.n_dst, 2, 8, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        got = get_backend("flex")(q, k, v, edges)
+        want = get_backend("dense")(q, k, v, edges)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_pads_to_a_ladder_of_few_sizes():
+    from gtx.backends.flex import padded
+
+    sizes = {padded(n) for n in range(1, 20000)}
+    assert all(padded(n) >= n and padded(n) % 128 == 0 for n in (1, 127, 129, 4097, 16385))
+    assert padded(1024) == 1024 and padded(16384) == 16384 and padded(4097) <= 1.2 * 4097 + 128
+    assert len(sizes) < 30
 
 
 @settings(max_examples=8, deadline=None)

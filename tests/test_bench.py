@@ -18,6 +18,7 @@ from gtx.graph.tokens import build_graph
 from gtx.measure import bench, reference
 from gtx.measure.reference import SDPA_CAUSAL, SDPA_MASK, reference_model, references
 from gtx.measure.train_bench import TRAIN_COLUMNS, TrainBench, bench_train
+from gtx.model.engine import propagate_attention
 from gtx.plugins.registry import MODELS
 
 
@@ -78,8 +79,13 @@ def test_bench_attention_reports_a_failing_cell_instead_of_stopping():
     assert (
         df.ms.isna().all()
         and df.choice.iloc[0].startswith("error:")
-        and "FlexAttention cannot train on CPU" in df.choice.iloc[0]
+        and "runs on the CPU without gradients only" in df.choice.iloc[0]
     )
+
+
+def test_bench_attention_forward_times_the_forward_alone():
+    df = bench.bench_attention(["local:w=2"], [64], ["dense", bench.SDPA], repeats=1, forward=True)
+    assert df.ms.notna().all() and list(df["mode"]) == ["forward", "forward"]
 
 
 def test_bench_train_compares_backends_and_torch_transformer():
@@ -292,13 +298,38 @@ def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     from gtx.measure import calibrate
 
     monkeypatch.setattr(
-        calibrate, "CALIBRATION_SUITE", [("local:w=2", [64]), ("full", [48]), ("local:w=4", [200]), ("full", [8] * 20)]
-    )
-    fitted = calibrate.calibrate("cpu", heads=2, head_dim=8, repeats=1)
-    assert {"dense", "blocksparse:32", "dgl", "torch"} <= set(fitted)
+        calibrate, "CALIBRATION_SUITE", [("local:w=2", [64]), ("full", [48]), ("local:w=4", [100]), ("full", [8] * 12)]
+    )  # sizes of one flex block (128): one compilation
+    tables = calibrate.calibrate("cpu", heads=2, head_dim=8, repeats=1)
+    fitted, forward = tables["cpu"], tables["cpu-forward"]
+    assert {"dense", "blocksparse:32", "dgl", "torch"} <= set(fitted) and "flex" not in fitted
+    assert {"dense", "blocksparse:32", "flex"} <= set(forward)  # flex runs on the CPU without gradients
     assert auto.costs("cpu")["dense"] == tuple(fitted["dense"])
-    auto.costs_path("cpu").unlink()
+    assert auto.costs("cpu-forward")["flex"] == tuple(forward["flex"])
+    for table in tables:
+        auto.costs_path(table).unlink()
     auto.costs.cache_clear()
+
+
+def test_auto_offers_flex_on_cpu_only_without_gradients(monkeypatch):
+    from gtx.backends import auto as auto_module
+
+    auto = auto_module.AutoBackend()
+    local = build_graph(parse_pattern("local:w=2"), [100]).edges["ee"]
+    cpu = torch.device("cpu")
+    assert "flex" in auto.candidates(cpu, grad=False) and "flex" not in auto.candidates(cpu, grad=True)
+    # a forward table where flex is cheapest: chosen without gradients, never with them
+    cheap = {name: (1.0, 1.0) for name in auto_module.COSTS["cpu"]} | {"flex": (1e-15, 0.0)}
+    monkeypatch.setitem(auto_module.COSTS, "cpu-forward", cheap)
+    auto_module.costs.cache_clear()
+    try:
+        assert auto.choose(local, 2, 8, cpu, grad=False) == "flex"
+        assert auto.choose(local, 2, 8, cpu, grad=True) != "flex"
+        q, k, v = (torch.randn(100, 2, 8, requires_grad=True) for _ in range(3))
+        propagate_attention(q, k, v, local, auto).sum().backward()  # gradients: not flex, no error
+        assert "flex" not in auto.reset_choices()["ee"]
+    finally:
+        auto_module.costs.cache_clear()
 
 
 def test_auto_chooses_flash_for_plain_attention_and_blocks_for_long_local():

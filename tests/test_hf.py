@@ -237,6 +237,8 @@ def test_bench_prefill_rows(tmp_path):
             "32",
             "--repeats",
             "1",
+            "--backends",
+            "auto,blocksparse",
             "--format",
             "csv",
             "--results",
@@ -252,7 +254,9 @@ def test_bench_prefill_rows(tmp_path):
         ["transformers sdpa", "causal"],
         ["no attention", "-"],
         ["gtx", "full"],
+        ["gtx blocksparse", "full"],
         ["gtx", "local:w=8"],
+        ["gtx blocksparse", "local:w=8"],
     ]
     assert df.vs_sdpa.iloc[0] == 1.0 and (df.ms > 0).all() and (df.tokens_per_s > 0).all()
     bad = CliRunner().invoke(cli, ["bench", "prefill", "--set", "heads=3", "--lengths", "32"])

@@ -10,7 +10,9 @@ from gtx.graph.spec import parse_pattern
 from gtx.model.decode import decode
 from gtx.plugins.registry import BACKENDS, MODELS
 
-BACKEND_NAMES = [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None]
+BACKEND_NAMES = [
+    n for n in BACKENDS.names() if BACKENDS.get(n).obj.available("cpu") is None and BACKENDS.get(n).obj.trains_on("cpu")
+]
 TINY = {"transformer": dict(layers=2, heads=2, dim=16, dim_ff=16), "ut": dict(heads=2, dim=16, dim_ff=16, max_depth=4)}
 
 

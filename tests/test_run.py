@@ -102,6 +102,7 @@ def test_mission_command_shape_ut_local(tmp_path):
         (["--set", "dropout=nan"], "--set dropout=nan: model 'transformer' needs dropout in [0, 1)"),
         (["--set", "mean_len=-3"], "--set mean_len=-3.0: task 'copy' needs mean_len in [1, inf)"),
         (["--seed", str(2**70)], "--seed 1180591620717411303424: choose a seed from 0 to 2147483647"),
+        (["--backend", "flex", "--device", "cpu"], "backend 'flex' has no backward on cpu, so it cannot train"),
     ],
 )
 def test_bad_input_one_line_exit_2_writes_nothing(tmp_path, args, message):

@@ -29,6 +29,11 @@ class Backend:
         """None when usable on ``device``, else a one-line reason."""
         return None
 
+    def trains_on(self, device: torch.device | str = "cpu") -> bool:
+        """Whether the backend computes gradients on ``device`` (``auto`` offers one that does not only
+        to calls without gradients)."""
+        return True
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
         raise NotImplementedError
 

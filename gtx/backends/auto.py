@@ -4,9 +4,11 @@ An edge set that is plain attention (every sample complete or causal) runs as SD
 (``gtx.backends.flash``), chosen before any model (no candidate beats them); its choice reads
 ``flash-complete`` or ``flash-causal``. Other sets choose among the candidates: ``dense`` (the
 masked kernel) and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
-CPU and ``torch``; ``flex`` on CUDA. The model predicts forward+backward time from the edge set's
-structure (sizes, edges, active blocks) with per-device constants fitted by ``gtx bench
-calibrate`` (see docs/benchmarks.md). A plan is made once per edge set and kept with it; an ACT
+CPU and ``torch``; ``flex`` on CUDA, and on the CPU for calls without gradients (its CPU kernel has
+no backward). The model predicts the call's time from the edge set's structure (sizes, edges,
+active blocks) with per-device constants fitted by ``gtx bench calibrate`` (see
+docs/benchmarks.md): forward + backward where the inputs need gradients, the forward alone (its own
+constants, ``<device>-forward``) where they do not, as in ``gtx eval`` and a prefill. A plan is made once per edge set and kept with it; an ACT
 subset (``EdgeSet.filter_dst``) reuses its full set's plan instead of planning every step.
 Choices are counted per stage in ``choices`` (the runner writes them to the results).
 
@@ -37,9 +39,10 @@ from gtx.backends.blocksparse import block_pairs
 from gtx.backends.flash import flash_attention, flash_structure
 from gtx.graph.tokens import EdgeSet
 
-# Seconds per unit of work and per call, forward + backward, float32: the built-in calibration,
-# measured with ``gtx bench calibrate`` on the machines named in docs/benchmarks.md. Running it
-# writes this device kind's constants to <cache>/costs-<cpu|cuda>.json, which then take precedence.
+# Seconds per unit of work and per call, float32, forward + backward ("cpu", "cuda") and forward
+# alone ("cpu-forward"; a device without such a table uses its forward + backward one): the built-in
+# calibration, measured with ``gtx bench calibrate`` on the machines named in docs/benchmarks.md.
+# Running it writes this device kind's tables to <cache>/costs-<table>.json, which then take precedence.
 COSTS = {
     "cpu": {
         "dense": (2.31e-10, 3.2e-4),
@@ -48,6 +51,15 @@ COSTS = {
         "blocksparse:16": (3.42e-10, 0.0),
         "blocksparse:32": (2.34e-10, 8e-5),
         "blocksparse:64": (1.77e-10, 0.0),
+    },
+    "cpu-forward": {
+        "dense": (8.59e-10, 5.9e-2),
+        "dgl": (6.75e-9, 0.0),
+        "torch": (4.21e-8, 0.0),
+        "flex": (5.37e-10, 1.2e-2),
+        "blocksparse:16": (4.39e-10, 0.0),
+        "blocksparse:32": (1.39e-10, 0.0),
+        "blocksparse:64": (2.67e-10, 0.0),
     },
     "cuda": {
         "dense": (2.0e-13, 5e-5),
@@ -61,17 +73,27 @@ FLASH = "flash-"  # choice prefix: plain attention, run by gtx.backends.flash
 MEASURE_WITHIN = 1.5  # candidates predicted within this factor of the best are timed, once per shape class
 
 
-def costs_path(device_type: str) -> Path:
+def table_name(device: torch.device, grad: bool = True) -> str:
+    """The cost table of calls on ``device``: "cpu" or "cuda" (forward + backward), "<that>-forward"
+    without gradients."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    return kind if grad else f"{kind}-forward"
+
+
+def costs_path(table: str) -> Path:
     from gtx.files import cache_dir
 
-    return cache_dir() / f"costs-{device_type}.json"
+    return cache_dir() / f"costs-{table}.json"
 
 
-@lru_cache(maxsize=4)
-def costs(device_type: str) -> dict[str, tuple[float, float]]:
-    """The constants for a device kind: the calibration file if there is one, else the built-ins."""
-    path = costs_path(device_type)
-    table = dict(COSTS[device_type])
+@lru_cache(maxsize=8)
+def costs(table: str) -> dict[str, tuple[float, float]]:
+    """The constants of a table ("cpu", "cpu-forward", ...): the calibration file if there is one, else
+    the built-ins; a forward table with neither is its device's forward + backward table."""
+    path = costs_path(table)
+    if table.endswith("-forward") and not COSTS.get(table) and not path.exists():
+        return costs(table.removesuffix("-forward"))
+    table = dict(COSTS.get(table, {}))
     if path.exists():
         table.update({k: tuple(v) for k, v in json.loads(path.read_text()).items()})
     return table
@@ -79,7 +101,8 @@ def costs(device_type: str) -> dict[str, tuple[float, float]]:
 
 def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, float]:
     """Units of work per candidate ('dense', 'blocksparse:32', 'dgl', ...): query*key*head*dim for
-    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels."""
+    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels, and
+    the elements of the active blocks of 128 (``gtx.backends.flex.BLOCK``) *head*dim for flex."""
     hd = heads * dim
     out = {}
     if "dense" in kinds:
@@ -90,15 +113,21 @@ def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, flo
             n_qb = -(-edges.n_dst // b)
             k_max = int(torch.bincount(pairs // n_kb, minlength=n_qb).max()) if len(pairs) else 1
             out[f"blocksparse:{b}"] = float(n_qb * k_max * b * b * hd)
-    for name in ("dgl", "torch", "flex"):
+    if "flex" in kinds:
+        from gtx.backends.flex import BLOCK
+
+        out["flex"] = float(len(block_pairs(edges, BLOCK)[0]) * BLOCK * BLOCK * hd)
+    for name in ("dgl", "torch"):
         if name in kinds:
             out[name] = float(edges.num_edges * hd)
     return out
 
 
-def estimate(edges: EdgeSet, heads: int, dim: int, device: torch.device, kinds: set[str]) -> dict[str, float]:
-    """Predicted seconds per candidate for one forward + backward."""
-    table = costs("cuda" if device.type == "cuda" else "cpu")
+def estimate(
+    edges: EdgeSet, heads: int, dim: int, device: torch.device, kinds: set[str], grad: bool = True
+) -> dict[str, float]:
+    """Predicted seconds per candidate for one forward + backward (``grad``), or one forward."""
+    table = costs(table_name(device, grad))
     out = {}
     for name, units in work(edges, heads, dim, kinds).items():
         constants = table.get(name) or table.get(name.split(":")[0])  # per block size, else per kind
@@ -112,7 +141,7 @@ class AutoBackend(Backend):
     """Per edge set, the kernel a calibrated cost model predicts fastest (reproducible).
 
     Plain attention (every sample complete or causal) runs as SDPA's own kernels; other sets choose
-    among dense, blocksparse, dgl, torch and flex; with ``measure`` (``auto-tuned``) the
+    among dense, blocksparse, dgl, torch and flex (on the CPU: calls without gradients); with ``measure`` (``auto-tuned``) the
     candidates predicted close to the best are timed once per shape class."""
 
     name = "auto"
@@ -127,7 +156,12 @@ class AutoBackend(Backend):
         self._backends: dict[str, Backend] = {}
         self._by_shape: dict[tuple, str] = {}
 
-    def candidates(self, device: torch.device) -> dict[str, Backend]:
+    def candidates(self, device: torch.device, grad: bool = True) -> dict[str, Backend]:
+        """The usable kernels on ``device``; with ``grad``, only those that have a backward there."""
+        usable = self._usable(device)
+        return {n: b for n, b in usable.items() if not grad or b.trains_on(device)}
+
+    def _usable(self, device: torch.device) -> dict[str, Backend]:
         from gtx.backends.blocksparse import BlockSparseBackend
         from gtx.backends.dense import DenseBackend
         from gtx.plugins.registry import BACKENDS
@@ -144,10 +178,18 @@ class AutoBackend(Backend):
         return self._backends[key]
 
     def choose(
-        self, edges: EdgeSet, heads: int, dim: int, device: torch.device, inputs=None, biased: bool = False
+        self,
+        edges: EdgeSet,
+        heads: int,
+        dim: int,
+        device: torch.device,
+        inputs=None,
+        biased: bool = False,
+        grad: bool = True,
     ) -> str:
         """The candidate for this edge set (or ``flash-<structure>``); ``inputs`` (q, k, v) allow
-        timing close candidates; ``biased``: only candidates that add score biases."""
+        timing close candidates; ``biased``: only candidates that add score biases; ``grad``: the call
+        needs gradients (only candidates with a backward on ``device``, timed forward + backward)."""
         structure = None if biased else flash_structure(edges)
         if structure is not None:
             return f"{FLASH}{structure}"
@@ -162,15 +204,16 @@ class AutoBackend(Backend):
             round(4 * math.log2(edges.n_src)),
             round(4 * math.log2(edges.num_edges + 1)),
             biased,
+            grad,
         )
         if shape not in self._by_shape:
-            self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs, biased)
+            self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs, biased, grad)
         return self._by_shape[shape]
 
-    def _best(self, shape, edges, heads, dim, device, inputs, biased) -> str:
-        usable = {n: b for n, b in self.candidates(device).items() if b.supports_bias or not biased}
+    def _best(self, shape, edges, heads, dim, device, inputs, biased, grad) -> str:
+        usable = {n: b for n, b in self.candidates(device, grad).items() if b.supports_bias or not biased}
         kinds = {n.split(":")[0] for n in usable}
-        predicted = {n: t for n, t in estimate(edges, heads, dim, device, kinds).items() if n in usable}
+        predicted = {n: t for n, t in estimate(edges, heads, dim, device, kinds, grad).items() if n in usable}
         best = min(predicted.values())
         close = sorted((n for n, t in predicted.items() if t <= MEASURE_WITHIN * best), key=predicted.get)
         if len(close) == 1 or inputs is None or not self.measure:
@@ -182,14 +225,15 @@ class AutoBackend(Backend):
 
     def __call__(self, q, k, v, edges, bias=None):
         root, biased = edges.root, bias is not None
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
         name = root.plan(
-            ("auto", q.device, q.shape[1], q.shape[2], biased),
-            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased),
+            ("auto", q.device, q.shape[1], q.shape[2], biased, grad),
+            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased, grad),
         )
         self.choices[edges.stage or "?"][name] += 1
         if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
             return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
-        backend = self.candidates(q.device)[name]
+        backend = self._usable(q.device)[name]
         return backend(q, k, v, edges, bias=bias) if biased else backend(q, k, v, edges)
 
     def reset_choices(self) -> dict[str, dict[str, int]]:

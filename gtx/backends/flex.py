@@ -1,47 +1,75 @@
-"""flex: FlexAttention (torch.nn.attention.flex_attention) with a BlockMask built from the edges; CUDA.
+"""flex: FlexAttention (torch.nn.attention.flex_attention) with a BlockMask built from the edges.
 
 The BlockMask comes straight from the block layout (``BlockMask.from_kv_blocks``): blocks whose
 every element is an edge are "full" (no per-element mask), the others are "partial" and consult
-the layout's element mask through ``mask_mod``. FlexAttention cannot train on CPU (torch raises
-"FlexAttention does not support backward on CPU"), so this backend reports itself unavailable
-there rather than falling back silently.
+the layout's element mask through ``mask_mod``. The kernel is compiled (``torch.compile``, static
+shapes): its first call at a new size compiles for seconds, later calls of that size reuse it. So
+that a run's batches of slightly different sizes share kernels, queries and keys are padded to a
+ladder of sizes (``padded``, at most ~19% over; padded query blocks read no key block and padded
+keys are no edge, so the padding costs a copy, not attention work).
+
+On CUDA it trains; on the CPU torch has the forward only ("FlexAttention does not support backward
+on CPU"), so a CPU call that would need gradients is refused in one line (inference: ``gtx eval``,
+``gtx bench prefill``, ``gtx generate``, anything under ``torch.no_grad()``, runs it).
 """
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
+
 import torch
+import torch.nn.functional as F
 
 from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs, row_slots
+from gtx.errors import GtxError
 from gtx.graph.tokens import EdgeSet
 
 BLOCK = 128
+# Distinct compiled sizes a process may hold (dynamo's default, 8, would fall back to the slow eager
+# kernel after eight sizes: a run's evaluation batches and a model's layers' stages reach that).
+RECOMPILE_LIMIT = 64
+
+
+def padded(n: int, block: int = BLOCK) -> int:
+    """``n`` rounded up to whole blocks, and the blocks up to the ladder ceil(2^(i/4)): few sizes, each
+    at most ~19% (and one block) over ``n``."""
+    blocks = max(-(-n // block), 1)
+    return block * math.ceil(2 ** (math.ceil(4 * math.log2(blocks) - 1e-9) / 4) - 1e-9)
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def block_mask(edges: EdgeSet, block: int = BLOCK):
-    """A FlexAttention BlockMask of the edge set (queries = rows, keys = columns)."""
+    """A FlexAttention BlockMask of the edge set (queries = rows, keys = columns), over the padded
+    sizes (``padded``)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     device = edges.device
-    n_qb, n_kb = -(-edges.n_dst // block), -(-edges.n_src // block)
+    n_q, n_k = padded(edges.n_dst, block), padded(edges.n_src, block)
+    n_qb, n_kb = n_q // block, -(-edges.n_src // block)
     pairs, _ = block_pairs(edges, block)
     per_pair = torch.bincount(
         torch.searchsorted(pairs, (edges.dst // block) * n_kb + edges.src // block), minlength=len(pairs)
     )
     row, col = pairs // n_kb, pairs % n_kb
-    rows_in = (torch.clamp(edges.n_dst - row * block, max=block)).to(per_pair.dtype)
-    cols_in = (torch.clamp(edges.n_src - col * block, max=block)).to(per_pair.dtype)
-    full = per_pair == rows_in * cols_in
+    full = per_pair == block * block  # a block cut by the end of the keys or queries holds padding: partial
 
     def kv_blocks(select):
         r, c = row[select], col[select]
         counts, slot = row_slots(r, n_qb)
-        index = torch.zeros(n_qb, n_kb, dtype=torch.int32, device=device)  # BlockMask wants one slot per key block
+        index = torch.zeros(n_qb, n_k // block, dtype=torch.int32, device=device)  # one slot per key block
         index[r, slot] = c.to(torch.int32)
         return counts.to(torch.int32)[None, None], index[None, None]
 
     # Element lookup for partial blocks, by absolute positions: FlexAttention reads it only there.
-    adjacency = edges.plan(("flex-adjacency", device), edges.dense)
+    # (Tiles of the partial blocks alone, indexed by block, measured 1.7x slower on the CPU.)
+    adjacency = torch.zeros(n_q, n_k, dtype=torch.bool, device=device)
+    adjacency[edges.dst, edges.src] = True
 
     def mask_mod(b, h, q_idx, kv_idx):
         return adjacency[q_idx, kv_idx]
@@ -55,7 +83,7 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
         full_index,
         BLOCK_SIZE=block,
         mask_mod=mask_mod,
-        seq_lengths=(edges.n_dst, edges.n_src),
+        seq_lengths=(n_q, n_k),
     )
 
 
@@ -63,34 +91,59 @@ _compiled = None
 
 
 def flex_attention(q, k, v, mask, compile: bool = True):
-    """q (n_dst, H, D), k/v (n_src, H, D) -> (n_dst, H, Dv) through FlexAttention."""
+    """q (n_dst, H, D), k/v (n_src, H, D) -> (n_dst, H, Dv) through FlexAttention, ``mask`` from
+    ``block_mask`` (its padded sizes: inputs are padded to them, the output cut back)."""
     global _compiled
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     fn = flex
     if compile:
         if _compiled is None:
+            import torch._dynamo
+
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             _compiled = torch.compile(flex, dynamic=False)
         fn = _compiled
-    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask, scale=1.0)
-    return out[0].transpose(0, 1)
+    n_q, n_k = mask.seq_lengths
+
+    def heads_first(x, n):  # (n, H, D) -> (1, H, n padded, D), contiguous: the CPU kernel's fast layout
+        return F.pad(x.transpose(0, 1), (0, 0, 0, n - x.shape[0]))[None]
+
+    out = fn(heads_first(q, n_q), heads_first(k, n_k), heads_first(v, n_k), block_mask=mask, scale=1.0)
+    return out[0, :, : q.shape[0]].transpose(0, 1)
+
+
+def compile_reason(device) -> str | None:
+    """Why FlexAttention cannot be compiled for ``device`` here, or None."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return "this torch has no FlexAttention (torch >= 2.5 needed)"
+    if torch.device(device).type == "cpu":
+        # what torch.compile's CPU kernels are built with (inductor's default is g++, CXX overrides it);
+        # looked up on the path, as importing inductor to ask it takes seconds
+        if not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++") if c):
+            return "torch.compile finds no C++ compiler for its CPU kernel (g++); install one, or use blocksparse"
+    return None
 
 
 class FlexBackend(Backend):
-    """FlexAttention with a BlockMask from the edges (CUDA; compiled)."""
+    """FlexAttention with a BlockMask from the edges (compiled; on the CPU, without gradients only)."""
 
     name = "flex"
 
     def available(self, device="cpu"):
-        try:
-            import torch.nn.attention.flex_attention
-        except ImportError:
-            return "this torch has no FlexAttention (torch >= 2.5 needed)"
-        if torch.device(device).type != "cuda":
-            return "FlexAttention cannot train on CPU (torch: 'FlexAttention does not support backward on CPU'); use blocksparse or auto"
-        return None
+        return compile_reason(device)
+
+    def trains_on(self, device="cpu"):
+        return torch.device(device).type != "cpu"
 
     def __call__(self, q, k, v, edges):
+        if q.device.type == "cpu" and needs_grad(q, k, v):
+            raise GtxError(
+                "backend 'flex' runs on the CPU without gradients only (torch's FlexAttention has no CPU backward): "
+                "train with --backend auto or blocksparse; flex serves gtx eval, gtx bench prefill, gtx generate"
+            )
         mask = edges.plan(("flex", q.device), lambda: block_mask(edges))
-        out = flex_attention(q, k, v, mask, compile=q.is_cuda)
-        return out * (edges.in_degree() > 0)[:, None, None].to(out.dtype)
+        out = flex_attention(q, k, v, mask)
+        return torch.where((edges.in_degree() > 0)[:, None, None], out, 0.0)

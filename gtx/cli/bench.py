@@ -54,7 +54,13 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
     default="dense,dgl,blocksparse,auto",
     show_default=True,
     help="Backends, comma-separated; for reference, sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask) "
-    "and flexattention (CUDA) FlexAttention called directly with the flex backend's BlockMask.",
+    "and flexattention FlexAttention called directly with the flex backend's BlockMask.",
+)
+@click.option(
+    "--forward",
+    is_flag=True,
+    help="Time the forward alone, without gradients (as gtx eval, a prefill and generation run it); "
+    "flex and flexattention run on the CPU only so.",
 )
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
@@ -71,9 +77,9 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
     help="Plugin folders (also for the subprocesses).",
 )
 def bench_attention(
-    patterns, lengths, backends, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs
+    patterns, lengths, backends, forward, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs
 ):
-    """Forward + backward time and peak memory per (pattern, length, backend)."""
+    """Forward + backward (or, with --forward, forward) time and peak memory per (pattern, length, backend)."""
     from gtx.experiments.runner import resolve_device
     from gtx.measure import bench as gtx_bench
 
@@ -93,6 +99,7 @@ def bench_attention(
         repeats,
         device=str(dev),
         plugins_dirs=plugins_dirs,
+        forward=forward,
         log=lambda s: click.echo(s, err=True),
     )
     path = gtx_bench.save(df, results_dir, "attention")
@@ -108,14 +115,23 @@ def bench_attention(
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
-def bench_calibrate(device, heads, head_dim):
+@click.option(
+    "--forward/--no-forward",
+    default=True,
+    show_default=True,
+    help="Also fit the constants of calls without gradients (inference), where flex also runs on the CPU.",
+)
+def bench_calibrate(device, heads, head_dim, forward):
     """Measure the auto backend's cost constants on this machine and save them for auto to use."""
     from gtx.experiments.runner import resolve_device
     from gtx.measure.calibrate import calibrate
 
-    fitted = calibrate(str(resolve_device(device)), heads, head_dim, log=lambda s: click.echo(s, err=True))
-    for kind, (a, o) in sorted(fitted.items()):
-        click.echo(f"{kind:<12} {a:.3e} s per unit of work + {1000 * o:.3f} ms per call")
+    tables = calibrate(
+        str(resolve_device(device)), heads, head_dim, forward=forward, log=lambda s: click.echo(s, err=True)
+    )
+    for table, fitted in tables.items():
+        for kind, (a, o) in sorted(fitted.items()):
+            click.echo(f"{table:<12} {kind:<15} {a:.3e} s per unit of work + {1000 * o:.3f} ms per call")
 
 
 @bench.command(name="train")
@@ -238,9 +254,15 @@ def bench_train(
 @click.option(
     "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median)."
 )
+@click.option(
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="gtx backends, comma-separated: a row per pattern and backend (e.g. auto,flex,blocksparse).",
+)
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
 @click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir):
+def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, results_dir):
     """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,
     against the same weights on transformers' own SDPA; peak memory growth per row. Needs pip install -e '.[hf]'.
 
@@ -251,7 +273,10 @@ def bench_prefill(family, patterns, lengths, settings, repeats, fmt, results_dir
     from gtx.measure.prefill import bench_prefill as run
 
     load_plugins()
-    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True))
+    names = csv_list(backends)
+    for name in names:
+        BACKENDS.get(name)  # an unknown name is one line before the model is built
+    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True), backends=names)
     path = gtx_bench.save(df, results_dir, "prefill")
     click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)

@@ -2,11 +2,12 @@
 
 Each attention cell runs in a fresh subprocess so that its peak memory (CPU: growth of the
 process's peak RSS; CUDA: peak allocated) belongs to that cell alone, and cells do not warm each
-other's caches. Times are medians of ``repeats`` after ``warmup`` calls, forward + backward; the
-first call, which builds the backend's plan for the edge set, is reported as ``first_ms``. The
+other's caches. Times are medians of ``repeats`` after ``warmup`` calls, forward + backward (or,
+with ``forward``, the forward alone without gradients, as inference runs it); the first call, which builds the backend's plan for the edge set, is reported as ``first_ms``. The
 pseudo-backend ``sdpa`` (``SDPA``) is plain torch for reference: scaled_dot_product_attention on
 (1, H, n, D) tensors, ``is_causal``, unmasked or with a bool mask, whichever the pattern needs;
-``flexattention`` (CUDA) is FlexAttention called directly with the BlockMask of the ``flex`` backend.
+``flexattention`` is FlexAttention, compiled, called directly with the BlockMask of the ``flex`` backend
+(on the CPU: forward only).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ ATTENTION_COLUMNS = [
     "device",
     "heads",
     "head_dim",
+    "mode",
 ]
 
 
@@ -53,6 +55,18 @@ class AttentionCell:
     warmup: int = 1
     device: str = "cpu"
     plugins_dirs: tuple[str, ...] = ()
+    forward: bool = False  # time the forward alone, without gradients
+
+    @property
+    def mode(self) -> str:
+        return "forward" if self.forward else "fwd+bwd"
+
+    def run(self, forward_fn, grad: torch.Tensor) -> None:
+        """One timed call: ``forward_fn()``, then its backward against ``grad`` unless ``forward``."""
+        with torch.set_grad_enabled(not self.forward):
+            out = forward_fn()
+        if not self.forward:
+            out.backward(grad)
 
 
 def sync_device(device: torch.device) -> None:
@@ -76,25 +90,29 @@ def sdpa_mode(edges) -> str:
 
 
 def _gtx_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Generator):
-    """(step, choice): forward + backward of ``propagate_attention`` with the cell's backend on
-    (n, H, D) inputs, and what the backend chose (called after the steps)."""
+    """(step, choice): forward + backward (or forward, ``cell.forward``) of ``propagate_attention`` with
+    the cell's backend on (n, H, D) inputs, and what the backend chose (called after the steps)."""
     from gtx.backends import get_backend
     from gtx.graph.tokens import EdgeSet
     from gtx.model.engine import propagate_attention
 
     backend = get_backend(cell.backend, device)
     q, k, v = (
-        torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3)
+        torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_(not cell.forward)
+        for _ in range(3)
     )
     grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
     # one tiny call first: libraries the backend imports lazily must not count as its memory
     tiny = EdgeSet(torch.arange(4, device=device), torch.arange(4, device=device), 4, 4, "ee")
-    propagate_attention(*(torch.randn(4, cell.heads, cell.head_dim, device=device) for _ in range(3)), tiny, backend)
+    with torch.no_grad():
+        propagate_attention(
+            *(torch.randn(4, cell.heads, cell.head_dim, device=device) for _ in range(3)), tiny, backend
+        )
     backend.reset_choices()
 
     def step():
         q.grad = k.grad = v.grad = None
-        propagate_attention(q, k, v, edges, backend).backward(grad)
+        cell.run(lambda: propagate_attention(q, k, v, edges, backend), grad)
 
     def choice():
         counts = backend.reset_choices().get("ee", {})
@@ -111,7 +129,7 @@ def _sdpa_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Gene
 
     mode = sdpa_mode(edges)
     shape = (1, cell.heads, cell.n, cell.head_dim)
-    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_(not cell.forward) for _ in range(3))
     grad = torch.randn(shape, generator=gen).to(device)
     tiny = torch.randn(1, cell.heads, 4, cell.head_dim, device=device)
     F.scaled_dot_product_attention(tiny, tiny, tiny, is_causal=True)
@@ -121,9 +139,12 @@ def _sdpa_cell(cell: AttentionCell, edges, device: torch.device, gen: torch.Gene
         if mode == "bool mask" and not mask:
             mask.append(edges.dense())
         q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[0] if mask else None, is_causal=mode == "is_causal"
-        ).backward(grad)
+        cell.run(
+            lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[0] if mask else None, is_causal=mode == "is_causal"
+            ),
+            grad,
+        )
 
     return step, lambda: mode
 
@@ -138,13 +159,14 @@ def _flexattention_cell(cell: AttentionCell, edges, device: torch.device, gen: t
 
     mask = block_mask(edges)
     shape = (1, cell.heads, cell.n, cell.head_dim)
-    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3))
+    shape = (1, cell.heads, mask.seq_lengths[0], cell.head_dim)  # the mask's padded size
+    q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_(not cell.forward) for _ in range(3))
     grad = torch.randn(shape, generator=gen).to(device)
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def step():
         q.grad = k.grad = v.grad = None
-        compiled(q, k, v, block_mask=mask).backward(grad)
+        cell.run(lambda: compiled(q, k, v, block_mask=mask), grad)
 
     return step, lambda: "BlockMask"
 
@@ -204,6 +226,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
         "device": str(device),
         "heads": cell.heads,
         "head_dim": cell.head_dim,
+        "mode": cell.mode,
     }
 
 
@@ -218,16 +241,27 @@ def bench_attention(
     device="cpu",
     plugins_dirs=(),
     timeout_s=900,
+    forward=False,
     log=lambda s: None,
 ) -> pd.DataFrame:
-    """Every (pattern, length, backend) cell in its own subprocess; a cell that fails or times out
-    is reported with ms = NaN and the reason in ``choice``."""
+    """Every (pattern, length, backend) cell in its own subprocess, forward + backward or, with
+    ``forward``, the forward alone without gradients; a cell that fails or times out is reported
+    with ms = NaN and the reason in ``choice``."""
     rows = []
     for pattern in patterns:
         for n in lengths:
             for backend in backends:
                 cell = AttentionCell(
-                    pattern, n, backend, heads, head_dim, repeats, warmup, device, tuple(map(str, plugins_dirs))
+                    pattern,
+                    n,
+                    backend,
+                    heads,
+                    head_dim,
+                    repeats,
+                    warmup,
+                    device,
+                    tuple(map(str, plugins_dirs)),
+                    forward,
                 )
                 try:
                     proc = subprocess.run(
@@ -248,6 +282,7 @@ def bench_attention(
                         "backend": backend,
                         "ms": float("nan"),
                         "choice": f"error: {reason}",
+                        "mode": "forward" if forward else "fwd+bwd",
                     }
                 mem = row.get("peak_mem_mb", float("nan"))
                 log(

@@ -26,7 +26,7 @@ def method_edges(pattern, stage: str, n: int, device: torch.device):
 
 def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
     """(step, choice, read) for a ``gtx.measure.bench.AttentionCell`` of a pattern that chooses or learns its keys: forward +
-    backward of the model's ``Attention`` (its choice, its attention over the chosen keys, a
+    backward (or forward, ``cell.forward``) of the model's ``Attention`` (its choice, its attention over the chosen keys, a
     trainable method's auxiliary losses) on the stage it serves, as a training step runs it;
     ``read()``: (keys read, queries, keys allowed) of the last step (``gtx.attention.budget``)."""
     from gtx.attention.module import Attention
@@ -39,7 +39,8 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
     layer = attention.for_layer().to(device) if pattern.trainable is not None else attention
     edges = method_edges(pattern, stage, cell.n, device)
     q, k, v = (
-        torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_() for _ in range(3)
+        torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device).requires_grad_(not cell.forward)
+        for _ in range(3)
     )
     grad = torch.randn(cell.n, cell.heads, cell.head_dim, generator=gen).to(device)
     width = cell.heads * cell.head_dim
@@ -56,10 +57,12 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
     def step():
         q.grad = k.grad = v.grad = None
         attention.begin_step(0)
-        out = layer(q, k, v, edges, inputs=inputs)
+        with torch.set_grad_enabled(not cell.forward):
+            out = layer(q, k, v, edges, inputs=inputs)
         reads[:] = [attention.take_reads()[stage]]
         aux, _ = attention.take_losses()
-        ((out * grad).sum() + (aux if aux is not None else 0)).backward()
+        if not cell.forward:
+            ((out * grad).sum() + (aux if aux is not None else 0)).backward()
 
     def choice():
         counts = attention.reset_choices().get(stage, {})

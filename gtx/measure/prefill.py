@@ -40,14 +40,14 @@ def _config(family: str, settings: dict[str, str], length: int):
     )["model"]
 
 
-def _gtx_model(config, pattern):
+def _gtx_model(config, pattern, backend: str = "auto"):
     """The hf plugin's model with gtx's attention under ``pattern`` (its trainable parts built for it)."""
     from gtx.attention.module import Attention
     from gtx.backends import get_backend
     from gtx.plugins.registry import MODELS
 
     torch.manual_seed(0)
-    attention = Attention.for_width(get_backend("auto"), pattern, config.heads, config.dim)
+    attention = Attention.for_width(get_backend(backend), pattern, config.heads, config.dim)
     return MODELS.get("hf").obj(config, _Vocab(), _Vocab(), attention).eval()
 
 
@@ -88,9 +88,11 @@ def bench_prefill(
     settings: dict[str, str] | None = None,
     repeats: int = 3,
     log: Callable[[str], None] = lambda s: None,
+    backends: Sequence[str] = ("auto",),
 ) -> pd.DataFrame:
     """Rows per length: transformers' SDPA (``is_causal``: the best kernel plain torch has for a causal
-    prefill), the same model without attention (the ceiling), then gtx under each pattern. Columns: family, length, attention, pattern, ms,
+    prefill), the same model without attention (the ceiling), then gtx under each pattern and backend
+    (``attention`` names a backend other than auto: "gtx flex"). Columns: family, length, attention, pattern, ms,
     tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes)."""
     from gtx.data.batch import Batch
     from gtx.graph.spec import parse_pattern
@@ -110,22 +112,23 @@ def bench_prefill(
             log(f"{family} {n:>6} {name:<24} {ms:10.1f} ms {mem:8.1f} MB")
         for spec in patterns:
             pattern = parse_pattern(spec)
-            model = _gtx_model(config, pattern)
             batch = Batch(
                 None, None, ids, positions(torch.tensor([n])), ids, build_graph(pattern, None, [n]), "test", [0]
             )
-            ms, mem = _time(repeats, model, batch)
-            rows.append(
-                {
-                    "family": family,
-                    "length": n,
-                    "attention": "gtx",
-                    "pattern": pattern.spec,
-                    "ms": ms,
-                    "peak_mem_mb": mem,
-                }
-            )
-            log(f"{family} {n:>6} gtx {pattern.spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
+            for backend in backends:
+                ms, mem = _time(repeats, _gtx_model(config, pattern, backend), batch)
+                name = "gtx" if backend == "auto" else f"gtx {backend}"
+                rows.append(
+                    {
+                        "family": family,
+                        "length": n,
+                        "attention": name,
+                        "pattern": pattern.spec,
+                        "ms": ms,
+                        "peak_mem_mb": mem,
+                    }
+                )
+                log(f"{family} {n:>6} {name:<10} {pattern.spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
     df = pd.DataFrame(rows)
     df["tokens_per_s"] = df.length / (df.ms / 1000)
     df["vs_sdpa"] = df.groupby("length").ms.transform(lambda ms: ms.iloc[0]) / df.ms

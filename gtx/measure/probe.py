@@ -146,6 +146,9 @@ class Recorder(Backend):
     def available(self, device="cpu"):
         return self.inner.available(device)
 
+    def trains_on(self, device="cpu"):
+        return self.inner.trains_on(device)
+
     def reset_choices(self):
         return self.inner.reset_choices()
 
