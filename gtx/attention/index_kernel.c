@@ -62,6 +62,31 @@ static float keep_best(uint64_t *c, int64_t size, int64_t count) {
     return candidate_score(worst);
 }
 
+#if defined(__AVX512F__) && !defined(GTX_PORTABLE)
+#include <immintrin.h>
+#define GTX_AVX512 1
+
+/* Appends to c[filled ...) the candidates (``candidate``) of scores sc (keys key0 .. key0 + 15) where
+ * `pass` is set, as two compressed vectors of 8 (16 slots written, whatever passes); returns the new fill. */
+static inline int64_t compress_candidates(uint64_t *c, int64_t filled, __m512 sc, __mmask16 pass, int64_t key0) {
+    __m512i bits = _mm512_castps_si512(sc);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, _mm512_set1_epi32((int32_t)0x80000000u)),
+                                 _mm512_setzero_si512());  /* -0 as +0 */
+    bits = _mm512_xor_si512(bits, _mm512_or_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32((int32_t)0x80000000u)));
+    __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int32_t)key0),
+                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int half = 0; half < 2; half++) {
+        __m256i b = half ? _mm512_extracti64x4_epi64(bits, 1) : _mm512_castsi512_si256(bits);
+        __m256i k = half ? _mm512_extracti64x4_epi64(keys, 1) : _mm512_castsi512_si256(keys);
+        __m512i both = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(b), 32), _mm512_cvtepu32_epi64(k));
+        __mmask8 m = (__mmask8)(half ? pass >> 8 : pass);
+        _mm512_storeu_si512(c + filled, _mm512_maskz_compress_epi64(m, both));
+        filled += __builtin_popcount(m);
+    }
+    return filled;
+}
+#endif
+
 #define GROUP 32 /* query rows scored together, each tile of index keys read once per group: choice.py's GROUP */
 #define TILE 128 /* keys per tile: gtx/attention/choice.py's TILE */
 #define CANDIDATES 4 /* a row's candidate buffer, in multiples of count... */
@@ -110,8 +135,7 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
  * back as 128 sum(q8); ks the tile's key scales (TILE, zero-padded). out (rows, TILE): the first
  * `width` scores of each row (more may be written). Dot products are exact in int32 (|.| < 2^31 for
  * dp < 2^17), so that every build scores alike up to the float epilogue's rounding. */
-#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(GTX_PORTABLE)
-#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(GTX_AVX512)
 #define GTX_INT8 "avx512-vnni"
 static void score_i8(float *out, const int8_t *q8, const float *wq, int64_t rows, int64_t J, int64_t dp,
                      const uint8_t *k, const float *ks, int64_t width, int64_t relu) {
@@ -221,6 +245,19 @@ static int top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t
                 for (int64_t hi = seen[r] - s0 < width ? seen[r] - s0 : width; hi > 0; hi -= 16) {
                     int64_t lo = hi > 16 ? hi - 16 : 0, any = 0;
                     uint64_t packed[16];
+#ifdef GTX_AVX512
+                    if (hi - lo == 16) {  /* the passing candidates of 16, compressed into the buffer: no loop over them */
+                        __m512 sc = _mm512_loadu_ps(row + lo);
+                        __mmask16 pass = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(bar[r]), _CMP_GT_OQ);
+                        if (!pass) continue;
+                        if (filled + 16 > cap) {  /* room for 16 (whole vectors are stored): select first */
+                            bar[r] = keep_best(cand, filled, count), filled = count;
+                            pass = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(bar[r]), _CMP_GT_OQ);
+                        }
+                        filled = compress_candidates(cand, filled, sc, pass, s0 + lo);
+                        continue;
+                    }
+#endif
                     if (hi - lo == 16) {  /* once the bar is up, most runs of 16 stop here: two vector comparisons */
                         v8 b = (v8){0} + bar[r];
                         v8i pass = (load8(row + lo) > b) | (load8(row + lo + 8) > b);
