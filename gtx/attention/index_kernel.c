@@ -148,14 +148,17 @@ static void score_i8(float *out, const int8_t *q8, const float *wq, int64_t rows
             for (int64_t c = 0; c < dp; c++) offset += q[c];
             __m512 wv = _mm512_set1_ps(wq[r * J + a]);
             for (int64_t run = 0; run < runs; run++) {
-                __m512i acc[4];
-                for (int x = 0; x < 4; x++) acc[x] = _mm512_set1_epi32(-128 * offset);
+                __m512i a0 = _mm512_set1_epi32(-128 * offset), a1 = a0, a2 = a0, a3 = a0;  /* named: GCC kept an array in memory */
                 for (int64_t c = 0; c < dp / 4; c++) {
                     memcpy(&q4, q + 4 * c, 4);
                     __m512i qb = _mm512_set1_epi32(q4);
                     const uint8_t *kc = k + (c * TILE + run * 64) * 4;
-                    for (int x = 0; x < 4; x++) acc[x] = _mm512_dpbusd_epi32(acc[x], _mm512_loadu_si512(kc + 64 * x), qb);
+                    a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(kc), qb);
+                    a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(kc + 64), qb);
+                    a2 = _mm512_dpbusd_epi32(a2, _mm512_loadu_si512(kc + 128), qb);
+                    a3 = _mm512_dpbusd_epi32(a3, _mm512_loadu_si512(kc + 192), qb);
                 }
+                __m512i acc[4] = {a0, a1, a2, a3};
                 for (int x = 0; x < 4; x++) {
                     __m512i v = relu ? _mm512_max_epi32(acc[x], _mm512_setzero_si512()) : acc[x];
                     __m512 f = _mm512_cvtepi32_ps(v);
