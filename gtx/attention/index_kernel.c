@@ -1,5 +1,6 @@
-/* A lightning indexer's top-k choice (``dsa``; q . k's for ``topk``) and its KL loss over the kept
- * keys, for the CPU. Each call splits its work into `parts` of rows run on OpenMP threads
+/* A lightning indexer's top-k choice (``dsa``; q . k's for ``topk``), in float32 or on int8 queries
+ * and keys (``score_i8``: AVX-512 VNNI where built for it, a portable loop elsewhere or under
+ * GTX_PORTABLE), and its KL loss over the kept keys, for the CPU. Each call splits its work into `parts` of rows run on OpenMP threads
  * (``ON_PARTS``, kernel.h). Layouts as in keys_kernel.c; index queries iq (n, J, d), weights
  * w (n, J), index keys ik (N, d). */
 #include "kernel.h"

@@ -5,7 +5,8 @@ token-level learned selection.
 and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
-its gradients); elsewhere the same definitions run as torch ops.
+its gradients); elsewhere the same definitions run as torch ops. The choice may score in int8
+(``top_indexed``'s ``precision``), the KL always in float32.
 
 Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
 by their tokens' positions (``rotary_angles``), so the kernels score rotated vectors as any others.
