@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import GtxError, hookimpl, parse_pattern
-from gtx.attention.choice import later_keys, query_blocks, softmax_, top_later_first
+from gtx.attention.choice import PRECISIONS, int8_scores, later_keys, query_blocks, softmax_, top_later_first
 from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_masked, kl_to, rotary_angles, rotate, top_indexed
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
@@ -45,6 +45,7 @@ class DSAConfig:
     freeze: bool | None  # the model frozen during the dense stage (the report's stage 1); None: the run's start decides
     b: int = 1  # 1: tokens are chosen (DSA); > 1: blocks of b positions (MSA's corner), k / b of them read
     rope: int = 0  # leading index dimensions turned by position (DeepSeek: 64 of 128)
+    precision: str = "float32"  # what the choice scores in (``top_indexed``); the KL stays in float32
 
 
 class Indexer(nn.Module):
@@ -111,14 +112,14 @@ class SparseIndexed(Trainable):
             return run.attend(q, k, v, edges)
         if blocks is not None:
             with torch.no_grad():
-                sel = blocks.top(iq, w, c.k // c.b - 1, q.shape[1])
+                sel = blocks.top(iq, w, c.k // c.b - 1, q.shape[1], c.precision)
             out, mass = attend_token_blocks(q, k, v, edges, sel, masses=True)
             if run.training:
                 run.loss("indexer_kl_sparse", blocks.sparse_kl(mass, iq, w, sel))
             run.kept("selected", sel.per_query(), edges.n_dst)
             return out
         with torch.no_grad():
-            keys, valid = top_indexed(iq, w, ik, edges, c.k)
+            keys, valid = top_indexed(iq, w, ik, edges, c.k, c.precision)
         heads = q.shape[1]
         out, p = attend_keys(
             q,
@@ -244,7 +245,7 @@ class BlockIndex:
         """A (rows, keys) mask of keys after each query -> the same per block (a block after the query's own)."""
         return hidden[:, :: self.size]
 
-    def top(self, iq, w, count: int, heads: int) -> TokenBlockSelection:
+    def top(self, iq, w, count: int, heads: int, precision: str = "float32") -> TokenBlockSelection:
         """Per token, the ``count`` earlier blocks with the highest index score (its own it reads anyway),
         shared by the ``heads``; scored a block of query rows at a time, never n x n."""
         size, lens = self.size, self.lens
@@ -259,8 +260,9 @@ class BlockIndex:
         for i, n in enumerate(lens):
             for r0 in range(0, n, ROWS):
                 r = slice(r0, min(r0 + ROWS, n))
+                score = int8_scores if precision == "int8" else index_scores
                 values, indices = top_later_first(
-                    index_scores(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")), count
+                    score(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")), count
                 )
                 blocks[i, r, : indices.shape[-1]] = indices
                 valid[i, r, : indices.shape[-1]] = values > float("-inf")
@@ -302,6 +304,7 @@ def dsa(
     dense: int = 100,
     freeze: str = "auto",
     b: int = 1,
+    index_precision: str = "float32",
 ):
     """DSA: per query the k earlier tokens a lightning indexer scores highest (itself included);
     with b > 1, the k / b blocks of b positions (its own and the best earlier ones: MSA's corner).
@@ -325,7 +328,10 @@ def dsa(
         ``indexer_kl_dense``, ``indexer_kl_sparse``, ``kept_selected`` (keys per query).
         DeepSeek-V3.2 keeps 2048 of up to 128k tokens with 64 indexer heads of 128. ``b > 1``:
         blocks scored by their mean index key, read on MoBA's per-token block kernel, the KL over
-        block masses; k a multiple of b, at least 2b. ``warmup``, this parameter's earlier name,
+        block masses; k a multiple of b, at least 2b. ``index_precision=int8``: the choice ranks
+        by scores of index queries and keys quantised per token to int8 (symmetric, a float scale
+        each), as DeepSeek's indexer runs in FP8; on the CPU on int8 dot products (VNNI where the
+        CPU has it); the KL losses stay in float32. ``warmup``, the dense stage's earlier name,
         is refused with the new one.
 
     Checked:
@@ -359,7 +365,9 @@ def dsa(
             f"rope={rope} of index_dim={index_dim}: the share of index dimensions turned by position, in [0, 1], must turn an "
             f"even number of them (pairs), e.g. rope={2 * (index_dim // 4) / index_dim:g} ({2 * (index_dim // 4)} of {index_dim})"
         )
-    config = DSAConfig(k, index_heads, index_dim, dense, FREEZE[freeze], b, turned)
+    if index_precision not in PRECISIONS:
+        raise ValueError(f"index_precision={index_precision}: one of {', '.join(PRECISIONS)}")
+    config = DSAConfig(k, index_heads, index_dim, dense, FREEZE[freeze], b, turned, index_precision)
     return replace(
         parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k
     )

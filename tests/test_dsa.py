@@ -335,7 +335,9 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
     from gtx.experiments import results
 
     rows = results.load(tmp_path)
-    assert set(rows.pattern) == {"dsa:k=8,index_heads=2,index_dim=4,rope=0.5,dense=0,freeze=auto,b=1"}
+    assert set(rows.pattern) == {
+        "dsa:k=8,index_heads=2,index_dim=4,rope=0.5,dense=0,freeze=auto,b=1,index_precision=float32"
+    }
     run_id = rows.run_id.iloc[0]
     path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
     state = torch.load(path, weights_only=False)

@@ -3,6 +3,7 @@ selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL 
 gradients; they build with older compilers, and a machine that cannot build or cache them falls back
 with one logged line."""
 
+import ctypes
 import logging
 import os
 import re
@@ -196,6 +197,31 @@ def loads_and_agrees(monkeypatch):
     edges = build_graph(parse_pattern("causal"), None, [50]).edges["dd"]
     (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_keys(q, k, edges, 5))
     assert same_sets(keys, valid, want_keys, want_valid)
+    # the int8 choice (VNNI or the portable loop) on scores exact in float32: ties to the later key alike
+    iq, w, ik = (x * 127 for x in indexer_inputs(300, 2, 6, 0))
+    iq[..., 0], ik[:, 0], w = 127.0, 127.0, w / 127
+    edges = build_graph(parse_pattern("causal"), None, [300]).edges["dd"]
+    (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_indexed(iq, w, ik, edges, 40, "int8"))
+    assert same_sets(keys, valid, want_keys, want_valid)
+
+
+def int8_kind(lib) -> str:
+    lib.gtx_int8_kind.restype = ctypes.c_char_p
+    return lib.gtx_int8_kind().decode()
+
+
+def test_the_int8_choice_builds_portable_without_the_cpus_int8_instructions(fresh, monkeypatch):
+    """GTX_PORTABLE leaves out the AVX-512 and VNNI code, as a CPU or compiler without them does."""
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-DGTX_PORTABLE"])
+    assert int8_kind(native.load.__wrapped__("index_kernel")) == "portable"
+    loads_and_agrees(monkeypatch)
+    assert fresh() == []
+
+
+def test_a_cpu_with_avx512_vnni_scores_int8_on_it():
+    if "avx512_vnni" not in native._cpu_features().split():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    assert int8_kind(native.load("index_kernel")) == "avx512-vnni"
 
 
 def test_the_kernels_use_no_builtin_that_only_gcc_12_has_outside_its_guard():

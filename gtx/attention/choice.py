@@ -1,7 +1,8 @@
 """Per query, the best keys by a score, never an n x n matrix: for complete or causal candidates,
 scored in blocks of query rows (torch ops), or on the CPU in float32 on the C kernel
 ``index_kernel.c`` (scores in tiles of keys, a candidate buffer per row with quickselect). Serves
-``topk`` (q.k per head) and DSA's lightning indexer (``gtx.attention.indexer``).
+``topk`` (q.k per head) and DSA's lightning indexer (``gtx.attention.indexer``), whose choice may
+also score in int8 (``quantised`` per token, ``int8_scores``), on the kernel's int8 dot products.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from gtx.graph.tokens import EdgeSet
 
 TILE = 128  # keys per tile of the C kernel's index keys (index_kernel.c's TILE)
 GROUP = 32  # query rows the C kernel scores together (index_kernel.c's GROUP)
+PRECISIONS = ("float32", "int8")  # what a lightning indexer's choice may score in (``int8_scores``)
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -90,23 +92,33 @@ def top_keys(q: torch.Tensor, k: torch.Tensor, edges: EdgeSet, count: int, rows:
     return torch.stack([keys for keys, _ in heads], 1), torch.stack([valid for _, valid in heads], 1)
 
 
-def top_native(iq, w, ik, edges: EdgeSet, count: int, relu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def top_native(
+    iq, w, ik, edges: EdgeSet, count: int, relu: bool = True, int8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """On the C kernel: per query t, the ``count`` candidate keys s with the best
     sum_j w(t, j) f(iq(t, j) . ik(s)), f = relu (a lightning indexer) or the identity; iq (n, J, d),
-    w (n, J), ik (N, d), float32 on the CPU. Equal scores prefer the later key. Key ids (n, count),
+    w (n, J), ik (N, d), float32 on the CPU; ``int8``: scored as ``int8_scores`` defines, on int8
+    dot products (VNNI where the CPU has it). Equal scores prefer the later key. Key ids (n, count),
     int32 (the kernels' ids: half the memory of int64), and valid (n, count); invalid slots hold 0."""
     lib = native.load("index_kernel")
     keys = torch.zeros(edges.n_dst, count, dtype=torch.int32)
     valid = torch.zeros(edges.n_dst, count, dtype=torch.bool)
     causal = int(edges.root.structure == "causal")
+    scales = None
+    if int8:
+        width = -(-iq.shape[-1] // 4) * 4  # the kernel's dot products take 4 bytes at a time
+        (iq, q_scale), (ik, scales) = quantised(iq, width), quantised(ik, width)
+        w = w * q_scale
     iq, w = iq.contiguous(), w.contiguous()
     q_off = k_off = 0
     for nq, nk in zip(*edges.sample_lens()):
+        sample = slice(k_off, k_off + nk)
         _top_sample(
             lib,
             iq[q_off:],
             w[q_off:],
-            tiles(ik[k_off : k_off + nk]),
+            tiles(ik[sample]) if scales is None else int8_tiles(ik[sample]),
+            None if scales is None else torch.nn.functional.pad(scales[sample], (0, -nk % TILE)),
             keys[q_off:],
             valid[q_off:],
             nq,
@@ -119,6 +131,26 @@ def top_native(iq, w, ik, edges: EdgeSet, count: int, relu: bool = True) -> tupl
     return keys, valid
 
 
+def quantised(x: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d) -> (q, scale): int8 q (..., width) (zero-padded from d) and float32 scales (...), per
+    row symmetric, x = scale * q up to rounding, |q| <= 127 (scale = max |x| / 127; 0 for a zero row)."""
+    top = x.detach().float().abs().amax(-1, keepdim=True)
+    q = torch.round(x.detach().float() / top.clamp_min(torch.finfo(torch.float32).tiny) * 127).to(torch.int8)
+    return torch.nn.functional.pad(q, (0, (width or x.shape[-1]) - x.shape[-1])), (top / 127).squeeze(-1)
+
+
+def int8_scores(iq, w, ik, relu: bool = True) -> torch.Tensor:
+    """The scores the int8 choice ranks by, iq (r, J, d), w (r, J), ik (S, d) -> (r, S):
+    I8(t, s) = sk(s) sum_j w(t, j) sq(t, j) f(q8(t, j) . k8(s)), q8, k8 and their scales sq, sk from
+    ``quantised`` (per token and head; per key), f = relu or the identity. The integer dot products are
+    exact in float32 (|.| <= 127^2 d < 2^24 for d < 1040), so this equals the kernel's up to the rounding
+    of the weighted sum."""
+    (q8, sq), (k8, sk) = quantised(iq), quantised(ik)
+    dots = torch.einsum("rjd,sd->rjs", q8.float(), k8.float())
+    dots = dots.relu_() if relu else dots
+    return torch.bmm((w * sq).unsqueeze(1), dots).squeeze(1) * sk
+
+
 def tiles(ik: torch.Tensor) -> torch.Tensor:
     """(nk, d) index keys -> (ceil(nk / TILE), d, TILE), zero-padded: a tile of keys the kernel reads
     as d contiguous rows (a (d, nk) layout would put rows a power of two apart, into one cache set)."""
@@ -126,15 +158,27 @@ def tiles(ik: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, TILE, ik.shape[1]).transpose(1, 2).contiguous()
 
 
-def _top_sample(lib, iq, w, ik_tiles, keys, valid, nq: int, nk: int, causal: int, offset: int, relu: bool) -> None:
+def int8_tiles(k8: torch.Tensor) -> torch.Tensor:
+    """(nk, dp) int8 keys (dp a multiple of 4) -> (ceil(nk / TILE), dp / 4, TILE, 4) bytes k8 + 128,
+    zero keys padded: each key's 4 dimensions at a time side by side, as VNNI's dot products read them."""
+    padded = torch.nn.functional.pad(k8, (0, 0, 0, -len(k8) % TILE)).to(torch.int16).add_(128).to(torch.uint8)
+    return padded.view(-1, TILE, k8.shape[1] // 4, 4).transpose(1, 2).contiguous()
+
+
+def _top_sample(
+    lib, iq, w, ik_tiles, k_scale, keys, valid, nq: int, nk: int, causal: int, offset: int, relu: bool
+) -> None:
     """One sample's rows (views from its first query and key): keys, valid written, the kernel's groups
-    of GROUP rows dealt to the kernel's parts in turn (later causal rows cost more)."""
+    of GROUP rows dealt to the kernel's parts in turn (later causal rows cost more); int8 where
+    ``k_scale`` (the keys' scales) is given."""
     heads, dim = iq.shape[1:]
     ptrs = [native.pointer(x) for x in (iq, w, ik_tiles)], [native.pointer(x) for x in (keys, valid)]
+    call, scale = (lib.gtx_top_index, []) if k_scale is None else (lib.gtx_top_index_i8, [native.pointer(k_scale)])
     native.check(
-        lib.gtx_top_index(
+        call(
             *native.ints(native.parts(-(-nq // GROUP)), nq, nk, heads, dim),
             *ptrs[0],
+            *scale,
             *native.ints(causal, int(relu), keys.shape[1], offset),
             *ptrs[1],
         )

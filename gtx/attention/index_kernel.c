@@ -1,5 +1,6 @@
-/* A lightning indexer's top-k choice (``dsa``; q . k's for ``topk``) and its KL loss over the kept
- * keys, for the CPU. Each call splits its work into `parts` of rows run on OpenMP threads
+/* A lightning indexer's top-k choice (``dsa``; q . k's for ``topk``), in float32 or on int8 queries
+ * and keys (``score_i8``: AVX-512 VNNI where built for it, a portable loop elsewhere or under
+ * GTX_PORTABLE), and its KL loss over the kept keys, for the CPU. Each call splits its work into `parts` of rows run on OpenMP threads
  * (``ON_PARTS``, kernel.h). Layouts as in keys_kernel.c; index queries iq (n, J, d), weights
  * w (n, J), index keys ik (N, d). */
 #include "kernel.h"
@@ -62,6 +63,31 @@ static float keep_best(uint64_t *c, int64_t size, int64_t count) {
     return candidate_score(worst);
 }
 
+#if defined(__AVX512F__) && !defined(GTX_PORTABLE)
+#include <immintrin.h>
+#define GTX_AVX512 1
+
+/* Appends to c[filled ...) the candidates (``candidate``) of scores sc (keys key0 .. key0 + 15) where
+ * `pass` is set, as two compressed vectors of 8 (16 slots written, whatever passes); returns the new fill. */
+static inline int64_t compress_candidates(uint64_t *c, int64_t filled, __m512 sc, __mmask16 pass, int64_t key0) {
+    __m512i bits = _mm512_castps_si512(sc);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(bits, _mm512_set1_epi32((int32_t)0x80000000u)),
+                                 _mm512_setzero_si512());  /* -0 as +0 */
+    bits = _mm512_xor_si512(bits, _mm512_or_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32((int32_t)0x80000000u)));
+    __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int32_t)key0),
+                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int half = 0; half < 2; half++) {
+        __m256i b = half ? _mm512_extracti64x4_epi64(bits, 1) : _mm512_castsi512_si256(bits);
+        __m256i k = half ? _mm512_extracti64x4_epi64(keys, 1) : _mm512_castsi512_si256(keys);
+        __m512i both = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(b), 32), _mm512_cvtepu32_epi64(k));
+        __mmask8 m = (__mmask8)(half ? pass >> 8 : pass);
+        _mm512_storeu_si512(c + filled, _mm512_maskz_compress_epi64(m, both));
+        filled += __builtin_popcount(m);
+    }
+    return filled;
+}
+#endif
+
 #define GROUP 32 /* query rows scored together, each tile of index keys read once per group: choice.py's GROUP */
 #define TILE 128 /* keys per tile: gtx/attention/choice.py's TILE */
 #define CANDIDATES 4 /* a row's candidate buffer, in multiples of count... */
@@ -102,6 +128,81 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
         }
 }
 
+/* Index scores of `rows` query rows against a tile of int8 keys (``index_precision=int8``): queries and
+ * keys quantised per token, q = sq * q8, k = sk * k8 (symmetric, |q8|, |k8| <= 127), so that
+ * I(t, s) = sk(s) sum_a wq(t, a) f(q8(t, a) . k8(s)) with wq = w sq (the scales are positive: they pass
+ * the relu). q8 (rows, J, dp) int8, wq (rows, J); the tile k (dp / 4, TILE, 4) holds k8 + 128 as bytes,
+ * the layout of VNNI's unsigned-by-signed dot products of 4 bytes, whose offset each query row takes
+ * back as 128 sum(q8); ks the tile's key scales (TILE, zero-padded). out (rows, TILE): the first
+ * `width` scores of each row (more may be written). Dot products are exact in int32 (|.| < 2^31 for
+ * dp < 2^17), so that every build scores alike up to the float epilogue's rounding. */
+#if defined(__AVX512VNNI__) && defined(GTX_AVX512)
+#define GTX_INT8 "avx512-vnni"
+static void score_i8(float *out, const int8_t *q8, const float *wq, int64_t rows, int64_t J, int64_t dp,
+                     const uint8_t *k, const float *ks, int64_t width, int64_t relu) {
+    int64_t runs = (width + 63) / 64;  /* runs of 4 x 16 keys: 4 independent chains (a tile has TILE, padded) */
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * TILE;
+        for (int64_t a = 0; a < J; a++) {
+            const int8_t *q = q8 + (r * J + a) * dp;
+            int32_t offset = 0, q4;
+            for (int64_t c = 0; c < dp; c++) offset += q[c];
+            __m512 wv = _mm512_set1_ps(wq[r * J + a]);
+            for (int64_t run = 0; run < runs; run++) {
+                __m512i a0 = _mm512_set1_epi32(-128 * offset), a1 = a0, a2 = a0, a3 = a0;  /* named: GCC kept an array in memory */
+                for (int64_t c = 0; c < dp / 4; c++) {
+                    memcpy(&q4, q + 4 * c, 4);
+                    __m512i qb = _mm512_set1_epi32(q4);
+                    const uint8_t *kc = k + (c * TILE + run * 64) * 4;
+                    a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(kc), qb);
+                    a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(kc + 64), qb);
+                    a2 = _mm512_dpbusd_epi32(a2, _mm512_loadu_si512(kc + 128), qb);
+                    a3 = _mm512_dpbusd_epi32(a3, _mm512_loadu_si512(kc + 192), qb);
+                }
+                __m512i acc[4] = {a0, a1, a2, a3};
+                for (int x = 0; x < 4; x++) {
+                    __m512i v = relu ? _mm512_max_epi32(acc[x], _mm512_setzero_si512()) : acc[x];
+                    __m512 f = _mm512_cvtepi32_ps(v);
+                    float *at = o + run * 64 + 16 * x;
+                    f = a ? _mm512_fmadd_ps(wv, f, _mm512_loadu_ps(at)) : _mm512_mul_ps(wv, f);
+                    _mm512_storeu_ps(at, f);
+                }
+            }
+        }
+        for (int64_t s = 0; s < runs * 64; s += 16) _mm512_storeu_ps(o + s, _mm512_mul_ps(_mm512_loadu_ps(o + s), _mm512_loadu_ps(ks + s)));
+    }
+}
+#else
+#define GTX_INT8 "portable"
+static void score_i8(float *out, const int8_t *q8, const float *wq, int64_t rows, int64_t J, int64_t dp,
+                     const uint8_t *k, const float *ks, int64_t width, int64_t relu) {
+    int32_t acc[TILE];
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * TILE;
+        for (int64_t a = 0; a < J; a++) {
+            const int8_t *q = q8 + (r * J + a) * dp;
+            int32_t offset = 0;
+            for (int64_t c = 0; c < dp; c++) offset += q[c];
+            for (int64_t s = 0; s < width; s++) acc[s] = -128 * offset;
+            for (int64_t c = 0; c < dp; c++) {
+                const uint8_t *kc = k + (c / 4 * TILE) * 4 + c % 4;
+                int32_t qc = q[c];
+                for (int64_t s = 0; s < width; s++) acc[s] += qc * kc[4 * s];
+            }
+            float wa = wq[r * J + a];
+            for (int64_t s = 0; s < width; s++) {
+                float f = (float)(relu && acc[s] < 0 ? 0 : acc[s]);
+                o[s] = a ? o[s] + wa * f : wa * f;
+            }
+        }
+        for (int64_t s = 0; s < width; s++) o[s] *= ks[s];
+    }
+}
+#endif
+
+/* Which int8 scoring this build has: "avx512-vnni" or "portable". */
+const char *gtx_int8_kind(void) { return GTX_INT8; }
+
 /* A lightning indexer's choice (DSA), for the n query rows of one sample: index queries iq (n, J, d),
  * weights w (n, J), index keys in tiles of TILE keys transposed, ik_tiles (ceil(nk / TILE), d, TILE). Row t
  * scores I(t, s) = sum_a w(t, a) relu(iq(t, a) . ik(s)) (without the relu where relu = 0: q . k for
@@ -113,9 +214,9 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
  * pass, so most keys cost one comparison. No (rows x keys) score matrix: a tile's at a time. Part (of parts)
  * does groups part, part + parts, ... of GROUP rows. */
 static int top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
-                     const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
-                     int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
-    float *dots = malloc(sizeof(float) * GROUP * J * TILE);
+                     const void *iq, const float *w, const void *ik_tiles, const float *k_scale, int64_t causal,
+                     int64_t relu, int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
+    float *dots = malloc(sizeof(float) * GROUP * (k_scale ? 1 : J) * TILE);
     int64_t cap = CANDIDATES * count < MIN_CANDIDATES ? MIN_CANDIDATES : CANDIDATES * count;
     uint64_t *cands = malloc(sizeof(uint64_t) * GROUP * cap);
     if (!dots || !cands) return free(dots), free(cands), 1;
@@ -129,19 +230,38 @@ static int top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t
         int64_t last = seen[rows - 1];
         for (int64_t s0 = (last - 1) / TILE * TILE; s0 >= 0; s0 -= TILE) {
             int64_t width = last - s0 < TILE ? last - s0 : TILE;
-            tile_dots(dots, iq + g0 * J * d, rows * J, ik_tiles + s0 * d, d, width);
+            if (k_scale)
+                score_i8(dots, (const int8_t *)iq + g0 * J * d, w + g0 * J, rows, J, d,
+                         (const uint8_t *)ik_tiles + s0 * d, k_scale + s0, width, relu);
+            else
+                tile_dots(dots, (const float *)iq + g0 * J * d, rows * J, (const float *)ik_tiles + s0 * d, d, width);
             for (int64_t r = 0; r < rows; r++) {
-                float *row = dots + r * J * width;
+                float *row = dots + r * (k_scale ? TILE : J * width);
                 uint64_t *cand = cands + r * cap;
-                for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f || !relu ? row[s] : 0.0f);
-                for (int64_t a = 1; a < J; a++) {
-                    const float *da = row + a * width, wa = w[(g0 + r) * J + a];
-                    for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f || !relu ? da[s] : 0.0f);
+                if (!k_scale) {
+                    for (int64_t s = 0; s < width; s++) row[s] = w[(g0 + r) * J] * (row[s] > 0.0f || !relu ? row[s] : 0.0f);
+                    for (int64_t a = 1; a < J; a++) {
+                        const float *da = row + a * width, wa = w[(g0 + r) * J + a];
+                        for (int64_t s = 0; s < width; s++) row[s] += wa * (da[s] > 0.0f || !relu ? da[s] : 0.0f);
+                    }
                 }
                 int64_t filled = size[r];
                 for (int64_t hi = seen[r] - s0 < width ? seen[r] - s0 : width; hi > 0; hi -= 16) {
                     int64_t lo = hi > 16 ? hi - 16 : 0, any = 0;
                     uint64_t packed[16];
+#ifdef GTX_AVX512
+                    if (hi - lo == 16) {  /* the passing candidates of 16, compressed into the buffer: no loop over them */
+                        __m512 sc = _mm512_loadu_ps(row + lo);
+                        __mmask16 pass = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(bar[r]), _CMP_GT_OQ);
+                        if (!pass) continue;
+                        if (filled + 16 > cap) {  /* room for 16 (whole vectors are stored): select first */
+                            bar[r] = keep_best(cand, filled, count), filled = count;
+                            pass = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(bar[r]), _CMP_GT_OQ);
+                        }
+                        filled = compress_candidates(cand, filled, sc, pass, s0 + lo);
+                        continue;
+                    }
+#endif
                     if (hi - lo == 16) {  /* once the bar is up, most runs of 16 stop here: two vector comparisons */
                         v8 b = (v8){0} + bar[r];
                         v8i pass = (load8(row + lo) > b) | (load8(row + lo + 8) > b);
@@ -179,7 +299,16 @@ static int top_index(int64_t part, int64_t parts, int64_t n, int64_t nk, int64_t
 int gtx_top_index(int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t d,
                   const float *iq, const float *w, const float *ik_tiles, int64_t causal, int64_t relu,
                   int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
-    ON_PARTS(parts, top_index(part, parts, n, nk, J, d, iq, w, ik_tiles, causal, relu, count, offset, keys, valid));
+    ON_PARTS(parts, top_index(part, parts, n, nk, J, d, iq, w, ik_tiles, NULL, causal, relu, count, offset, keys, valid));
+}
+
+/* gtx_top_index on int8 queries and keys (``score_i8``): iq8 (n, J, dp) int8, wq (n, J) the weights
+ * times the queries' scales, ik8_tiles (ceil(nk / TILE), dp / 4, TILE, 4) the keys plus 128 as bytes,
+ * k_scale (ceil(nk / TILE) * TILE) the keys' scales, zero-padded; dp a multiple of 4. */
+int gtx_top_index_i8(int64_t parts, int64_t n, int64_t nk, int64_t J, int64_t dp,
+                     const int8_t *iq8, const float *wq, const uint8_t *ik8_tiles, const float *k_scale,
+                     int64_t causal, int64_t relu, int64_t count, int64_t offset, int32_t *keys, uint8_t *valid) {
+    ON_PARTS(parts, top_index(part, parts, n, nk, J, dp, iq8, wq, ik8_tiles, k_scale, causal, relu, count, offset, keys, valid));
 }
 
 /* The indexer's KL over the kept keys (DSA's sparse stage), rows [i0, i1): for row t with targets p

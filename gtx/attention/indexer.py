@@ -5,7 +5,8 @@ token-level learned selection.
 and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
-its gradients); elsewhere the same definitions run as torch ops.
+its gradients); elsewhere the same definitions run as torch ops. The choice may score in int8
+(``top_indexed``'s ``precision``), the KL always in float32.
 
 Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
 by their tokens' positions (``rotary_angles``), so the kernels score rotated vectors as any others.
@@ -19,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gtx.attention import native
-from gtx.attention.choice import top_native, top_scored
+from gtx.attention.choice import PRECISIONS, int8_scores, top_native, top_scored
 from gtx.graph.tokens import EdgeSet
 
 ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
@@ -76,15 +77,21 @@ def kl_masked(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (p * (p.clamp_min(1e-30).log_() - torch.log_softmax(logits, -1))).sum()
 
 
-def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_indexed(iq, w, ik, edges: EdgeSet, count: int, precision: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
     highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
-    kernel) and valid (n, K) (invalid slots hold key 0). No gradient."""
+    kernel) and valid (n, K) (invalid slots hold key 0). No gradient. ``precision`` "int8": ranked by
+    the scores of queries and keys quantised per token (``gtx.attention.choice.int8_scores``), as
+    DeepSeek's indexer runs in FP8; on the CPU on int8 dot products."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"index precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    int8 = precision == "int8"
     if native.kernel("index_kernel", iq, w, ik) is None:
+        score = int8_scores if int8 else index_scores
         return top_scored(
-            edges, count, lambda block, keys: index_scores(iq[block], w[block], ik[keys]), ROWS, later_first=True
+            edges, count, lambda block, keys: score(iq[block], w[block], ik[keys]), ROWS, later_first=True
         )
-    return top_native(iq, w, ik, edges, count)
+    return top_native(iq, w, ik, edges, count, int8=int8)
 
 
 def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
