@@ -165,12 +165,14 @@ class NativeSparse(Trainable):
             chosen = choose_blocks(q.detach(), kc.detach(), lens, ends, c)
         window = window_edges(edges, self.window, lens, q.device)
         gates = torch.sigmoid(self.gate(q.flatten(1))).view(-1, heads, 3, 1)
-        # the compressed branch last: its rows are strided, and a sum takes its first term's layout,
-        # which the output projection would copy (and keep) to make contiguous
+        # one buffer for the sum, added to in place (a sum of products made four): the selected branch's
+        # product first, whose rows are contiguous, where the compressed branch's are strided and the
+        # output projection would copy (and keep) a strided sum to make it contiguous
         out = (
-            gates[:, :, 1] * attend_token_blocks(q, k, v, edges, chosen)
-            + gates[:, :, 2] * run.attend(q, k, v, window)
-            + attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0])
+            attend_token_blocks(q, k, v, edges, chosen)
+            .mul(gates[:, :, 1])
+            .addcmul_(run.attend(q, k, v, window), gates[:, :, 2])
+            .add_(attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0]))
         )
         queries = sum(lens)
         run.kept("compressed", compressed_keys_seen(lens, ends), queries)

@@ -355,3 +355,43 @@ def test_the_window_edges_are_shared_by_the_layers_and_kept_for_the_last_few_bat
     assert [key[1] for key in pattern._cache[("memo", "nsa windows")]] == [
         (n, 7) for n in range(20 + windows, 20 + 2 * windows)
     ]
+
+
+def test_one_layer_saves_for_backward_about_four_outputs_besides_q_k_v():
+    """What one nsa layer's forward keeps for its backward, beyond q, k and v themselves, stays near
+    its branches' outputs and the compressor's activations (4 q-sized tensors at 1024 tokens): a
+    copy of q, k or v more (padded, or laid out for a kernel) would exceed the bound."""
+    n, heads, dim = 1024, 4, 32
+    pattern = parse_pattern("nsa")
+    attention = Attention(get_backend("auto"), pattern, heads, dim).for_layer()
+    q, k, v = (torch.randn(n, heads, dim, requires_grad=True) for _ in range(3))
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(q, k, v, build_graph(pattern, None, [n]).edges["dd"])
+    assert sum(saved.values()) <= 4.5 * q.numel() * q.element_size()
+
+
+def test_the_compressed_branch_backward_allocates_gradients_once_not_per_block_of_rows(monkeypatch):
+    """Its rows attend a block at a time: the backward's allocations (each block's recomputed scores,
+    the gradients) stay near the size of q, where a full-size zeroed gradient of q per block of rows
+    (32 blocks here) made them 100 q-sized tensors."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(compressed, "ROWS", 16)
+    n, heads, dim = 512, 2, 8
+    ends = compressed.block_ends((n - 8) // 4 + 1, 8, 4, "cpu")
+    q = torch.randn(n, heads, dim, requires_grad=True)
+    kc, vc = (torch.randn(1, len(ends), heads, dim, requires_grad=True) for _ in range(2))
+    out = compressed.attend_compressed(q, kc, vc, [n], ends, torch.rand(n, heads, requires_grad=True))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.backward(torch.ones_like(out))
+    allocated = sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
+    assert allocated < 80 * q.numel() * q.element_size()

@@ -60,14 +60,18 @@ def attend_compressed(
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)  # (B, H, L, D)
     kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, m, D)
     wp = None if weight is None else pad_samples(weight[..., None], lens, max(lens)).transpose(1, 2)  # (B, H, L, 1)
+    # the blocks of rows by one split, not a slice each: a slice's backward is a zeroed tensor the size
+    # of all rows, one per block, summed into q's gradient; the split's is one of that size, once
+    q_blocks = qp.split(ROWS, 2)
+    w_blocks = None if wp is None else wp.split(ROWS, 2)
     parts = []
     for r0, r1, take, seen in _row_blocks(lens, ends, ROWS):
         part = qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1])
         if seen:
-            w = None if wp is None else take(wp[:, :, r0:r1])
+            w = None if wp is None else take(w_blocks[r0 // ROWS])
             rows = checkpoint(
                 _attend_rows,
-                take(qp[:, :, r0:r1]),
+                take(q_blocks[r0 // ROWS]),
                 take(kt[:, :, :seen]),
                 take(vt[:, :, :seen]),
                 ends[:seen],
