@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gtx.cli.common import CliError
+from gtx.cli.common import cli_error
 from gtx.cli.sweep import grid_options, read_grid, run_cells
 from gtx.errors import GtxError
 from gtx.experiments import frontier as fr
@@ -76,7 +76,7 @@ def frontier(
     <results>/frontiers/, named by what the table was read with (metric, margin). A cell without a
     finished run (failed, not run with --table-only, or running in another sweep or frontier on the
     same folder) is named, and the table is printed but not saved. Exit 1 if a cell failed or is
-    missing, 2 on bad input (nothing runs).
+    missing, 2 on bad input (nothing runs), 130 on Ctrl-C (finished cells are kept).
     """
     try:
         fr.check_margin(margin)  # before anything runs
@@ -144,4 +144,4 @@ def frontier(
         if failed:
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
-        raise CliError(str(e)) from None
+        raise cli_error(e) from None

@@ -27,7 +27,7 @@ from gtx.attention.trainable import check_untrained, stages_of
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.data.task import SPLITS
-from gtx.errors import GtxError, PluginError, plugin_code
+from gtx.errors import GtxError, Interrupted, PluginError, plugin_code
 from gtx.experiments import checkpoint, distributed
 from gtx.experiments.config import (
     DEFAULT_BACKEND,
@@ -61,10 +61,8 @@ __all__ = [
 Progress = Callable[[str, int], Callable[[], None]]
 
 
-class RunInterrupted(GtxError):
-    """Ctrl-C: what was done is written; the message says how to continue."""
-
-    exit_code = 130  # the shell's code for a process stopped by SIGINT
+class RunInterrupted(Interrupted):
+    """Ctrl-C during a run: the epochs done are written; the message says how to resume."""
 
 
 def _versions() -> dict[str, str]:
