@@ -95,6 +95,14 @@ class HFConfig:
         except re.error as e:
             raise ValueError(f"train_params={self.train_params!r} is not a regular expression ({e})") from None
         if self.path:
+            if self.family not in (
+                *FAMILIES,
+                *CHECKED,
+            ):  # the folder's model_type replaces it: a stored run's is one of these
+                raise ValueError(
+                    f"family={self.family!r} beside path={self.path}: the folder's config.json gives the family; "
+                    f"leave family out (or choose {', '.join(FAMILIES)})"
+                )
             for name, value in pretrained_sizes(Path(self.path)).items():
                 setattr(self, name, value)
             return
@@ -133,6 +141,11 @@ def pretrained_sizes(folder: Path) -> dict:
         raise ValueError(
             f"{where}: config.json holds a {type(raw).__name__}, not a model's configuration; give the one save_pretrained wrote"
         )
+    if raw.get("model_type") not in CHECKED:  # before transformers, whose words for a type it lacks run to 3 lines
+        raise ValueError(
+            f"{where}: model_type {raw.get('model_type')!r} in config.json is not a family gtx checks against transformers' "
+            f"own model ({', '.join(CHECKED)}); its attention may hold features gtx would not compute"
+        )
     name, positions = next(((k, raw[k]) for k in POSITIONS if k in raw), (None, None))
     if name is None:
         raise ValueError(
@@ -148,11 +161,6 @@ def pretrained_sizes(folder: Path) -> dict:
     except Exception as e:  # transformers' and huggingface_hub's validation: several lines, the reason last
         why = ([line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
         raise ValueError(f"{where}: transformers refuses its config.json: {why}") from None
-    if c.model_type not in CHECKED:
-        raise ValueError(
-            f"{where}: model_type {c.model_type!r} in config.json is not a family gtx checks against transformers' own model "
-            f"({', '.join(CHECKED)}); its attention may hold features gtx would not compute"
-        )
     heads = c.num_attention_heads
     return {
         "family": c.model_type,
@@ -298,6 +306,18 @@ def load_folder(t, path: str):
     return hf
 
 
+def check_vocab(hf, tokens: int, path: str) -> None:
+    """One line where the folder's tokenizer and model count different tokens: ids past the model's
+    embedding cannot be read, and logits over ids the tokenizer never writes are no scores of its text."""
+    embedded = hf.get_input_embeddings().num_embeddings
+    if tokens != embedded or tokens != hf.config.vocab_size:
+        raise GtxError(
+            f"path={path}: its tokenizer has {tokens} tokens but its model {hf.config.vocab_size} (vocab_size in config.json"
+            f"{f'; {embedded} embedded' if embedded != hf.config.vocab_size else ''}); give a folder whose tokenizer and model "
+            "were saved together"
+        )
+
+
 def check_features(model, layers, pattern, where: str) -> list[int | None]:
     """Each attention layer's sliding window (None: every earlier key), as transformers hands them
     to the attention in one forward of two tokens; one line refusing a feature gtx does not compute
@@ -387,6 +407,7 @@ class HFModel(GraphModel):
         self.config = config
         if config.path:
             self.hf = load_folder(t, config.path)
+            check_vocab(self.hf, len(tgt_vocab), config.path)
         else:
             self.hf = t.AutoModelForCausalLM.from_config(hf_config(config, len(tgt_vocab)), attn_implementation="gtx")
         if config.train_params:
