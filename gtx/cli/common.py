@@ -33,7 +33,7 @@ class GtxGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            error = Interrupted(f"gtx {ctx.invoked_subcommand or ''} interrupted (Ctrl-C)".replace("  ", " "))
+            error = Interrupted(f"{' '.join(filter(None, ['gtx', ctx.invoked_subcommand]))} interrupted (Ctrl-C)")
         except GtxError as e:
             error = e
         if not is_main_process():  # under torchrun every rank meets the same error: rank 0 alone says it
