@@ -184,6 +184,7 @@ class HFTokenizer(Tokenizer):
             raise GtxError(
                 f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
             ) from None
+        check_vocab(self.hf, folder)
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
         self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
 
@@ -306,15 +307,22 @@ def load_folder(t, path: str):
     return hf
 
 
-def check_vocab(hf, tokens: int, path: str) -> None:
-    """One line where the folder's tokenizer and model count different tokens: ids past the model's
-    embedding cannot be read, and logits over ids the tokenizer never writes are no scores of its text."""
-    embedded = hf.get_input_embeddings().num_embeddings
-    if tokens != embedded or tokens != hf.config.vocab_size:
+def check_vocab(tokenizer, folder: str) -> None:
+    """One line where the folder's tokenizer and model (``vocab_size`` in config.json) count different
+    tokens: ids the text is written in past the model's embedding cannot be read (tokens added beside
+    them, special ones, may be: text never holds them), and logits over ids the tokenizer never
+    writes are no scores of its text."""
+    try:
+        model = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
+    except (ValueError, OSError, AttributeError):  # pretrained_sizes names what is wrong with it
+        return
+    if isinstance(model, bool) or not isinstance(model, int):
+        return
+    written, every = tokenizer.vocab_size, len(tokenizer)
+    if written > model or every < model:
         raise GtxError(
-            f"path={path}: its tokenizer has {tokens} tokens but its model {hf.config.vocab_size} (vocab_size in config.json"
-            f"{f'; {embedded} embedded' if embedded != hf.config.vocab_size else ''}); give a folder whose tokenizer and model "
-            "were saved together"
+            f"path={folder}: its tokenizer has {written if written > model else every} tokens but its model {model} "
+            "(vocab_size in config.json); give a folder whose tokenizer and model were saved together"
         )
 
 
@@ -407,7 +415,6 @@ class HFModel(GraphModel):
         self.config = config
         if config.path:
             self.hf = load_folder(t, config.path)
-            check_vocab(self.hf, len(tgt_vocab), config.path)
         else:
             self.hf = t.AutoModelForCausalLM.from_config(hf_config(config, len(tgt_vocab)), attn_implementation="gtx")
         if config.train_params:

@@ -161,14 +161,10 @@ def _cut(name: str, keep: int):
 
 
 def _more_tokens(path):
-    """An edit of a folder: 5 tokens added to its tokenizer that its model has no embedding for."""
+    """An edit of a folder: 5 tokens of its tokenizer's vocabulary that its model has no embedding for."""
     tokenizer = json.loads((path / "tokenizer.json").read_text())
     first = len(tokenizer["model"]["vocab"])
-    tokenizer["added_tokens"] += [
-        {"id": first + i, "content": f"<extra{i}>", "single_word": False, "lstrip": False, "rstrip": False}
-        | {"normalized": False, "special": True}
-        for i in range(5)
-    ]
+    tokenizer["model"]["vocab"].update({f"extra{i}": first + i for i in range(5)})
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
