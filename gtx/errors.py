@@ -8,6 +8,13 @@ class GtxError(Exception):
     """An error caused by input or plugins; the CLI prints it as one line and exits with code 2."""
 
 
+class Interrupted(GtxError):
+    """Ctrl-C: what was done is kept; the message says how to continue. Exit code 130, the shell's
+    code for a process stopped by SIGINT."""
+
+    exit_code = 130
+
+
 class UnknownNameError(GtxError, KeyError):
     """A name that no plugin registered."""
 

@@ -16,8 +16,9 @@ def act(inner: Pattern) -> Pattern:
 
     Note:
         Written ``act(local:w=4)``. With all nodes active it equals the inner pattern; the Universal
-        Transformer applies it around whatever pattern a run chooses. Keys are never filtered:
-        a halted node keeps its frozen state and stays visible to active queries.
+        Transformer (and ``lm``, ``encoder`` with ``universal=true``) applies it around whatever
+        pattern a run chooses, so there ``act(P)`` is ``P``; a model without ACT refuses it. Keys
+        are never filtered: a halted node keeps its frozen state and stays visible to active queries.
 
     Checked:
         ``tests/test_patterns.py::test_pattern_matches_oracle[act]``: with every node active its edges equal the

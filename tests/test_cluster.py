@@ -70,7 +70,7 @@ def test_refused_executor_options_start_nothing(tmp_path, opt, match):
     assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
         result.output
     )
-    assert not (tmp_path / "r" / "runs").exists()
+    assert not (tmp_path / "r").exists()  # not even the empty sweeps/<name>/submitit/ folder
 
 
 def test_a_submitit_frontier_gives_the_local_frontiers_table(tmp_path):

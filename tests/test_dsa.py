@@ -292,6 +292,12 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
     rows = results.load(tmp_path)
     train = [json.loads(m) for m in rows[rows.split == "train"].metrics]
     assert "indexer_kl_dense" in train[0] and "indexer_kl_sparse" in train[1]
+    wider = CliRunner().invoke(
+        cli,
+        ["eval", rows.run_id.iloc[0], "--results", str(tmp_path), "--pattern", "dsa:k=8,index_heads=3,index_dim=4"],
+    )
+    assert wider.exit_code == 2 and len(wider.output.strip().splitlines()) == 1, wider.output
+    assert "index_heads=3 (the run's 2)," in wider.output and "(layer_attention.0.trainable.indexer." in wider.output
     local = CliRunner().invoke(cli, ["run", *base, "--pattern", "local:w=8"])
     assert local.exit_code == 0, local.output
     run_id = results.load(tmp_path).query("pattern == 'local:w=8'").run_id.iloc[0]

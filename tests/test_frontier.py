@@ -325,6 +325,17 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small):
         (["--family", "local:w=4,8", "--lengths", "4"], "seq_len=4 is too small"),
         (["--family", "local:w=4,8", "--lengths", "16", "--length-key", "nope"], "nope"),
         (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
+        (["--family", "local:w=4,8", "--lengths", "16", "--length-key", ""], "--length-key '': name the task setting"),
+        (["--family", "local:w=4,8", "--lengths", "16,16"], "--lengths 16,16: a length named twice"),
+        (["--family", "local:w=4,8", "--lengths", "16,abc"], "'abc' is not a length"),
+        (
+            ["--family", "local:w=4,8", "--family", "local:w=4,8", "--lengths", "16"],
+            "--family 'local' is given twice (w=4,8 and w=4,8)",
+        ),
+        (
+            ["--family", "moba:b=4,k=1,2", "--family", "moba:k=1,b=4,8", "--lengths", "16"],
+            "pattern 'moba:b=4,k=1,gate=token' is a budget of two families ('moba b=4' and 'moba k=1')",
+        ),
     ],
 )
 def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match):

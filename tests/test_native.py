@@ -336,6 +336,17 @@ def test_a_damaged_cached_library_is_rebuilt_never_loaded(fresh):
     assert native.load.__wrapped__("keys_kernel") is not None and fresh() == []
 
 
+def test_a_library_that_does_not_load_gives_the_torch_path_and_one_line_naming_gtx_cache_and_cc(
+    fresh, tmp_path, monkeypatch
+):
+    foreign = tmp_path / "foreign.so"
+    foreign.write_bytes(b"no shared object")
+    monkeypatch.setattr(native, "library", lambda name: foreign)
+    assert native.load.__wrapped__("keys_kernel") is None
+    (line,) = fresh()
+    assert line.startswith("C kernel keys_kernel does not load (") and "set GTX_CACHE to another folder, or CC" in line
+
+
 def test_the_library_is_synced_before_it_is_moved_into_place(fresh, monkeypatch):
     events, fsync, replace = [], os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])

@@ -260,6 +260,14 @@ def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path)
         cli, ["plot", "attention", rows.run_id.iloc[0], "--results", str(tmp_path), "-o", str(tmp_path / "a.png")]
     )
     assert drawn.exit_code == 2 and "cannot be recorded" in drawn.output and not (tmp_path / "a.png").exists()
+    # other block sizes shape the compression otherwise: named, with the run's values, not torch's header line alone
+    other = CliRunner().invoke(
+        cli, ["eval", rows.run_id.iloc[0], "--results", str(tmp_path), "--pattern", "nsa:l=16,d=8,s=16,n=4,w=16"]
+    )
+    assert other.exit_code == 2 and len(other.output.strip().splitlines()) == 1, other.output
+    assert "learned under 'nsa:l=8,d=4,s=16,n=4,w=16," in other.output
+    assert "l=16 (the run's 8), d=8 (the run's 4) (layer_attention.0.trainable." in other.output
+    assert len(results.load(tmp_path)) == len(rows)  # no eval rows
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,19 @@ def _cut(name: str, keep: int):
     return edit
 
 
+def _more_tokens(path):
+    """An edit of a folder: 5 tokens of its tokenizer's vocabulary that its model has no embedding for."""
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    first = len(tokenizer["model"]["vocab"])
+    tokenizer["model"]["vocab"].update({f"extra{i}": first + i for i in range(5)})
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+def _more_rows(w):
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w[name] = torch.cat([w[name], torch.zeros(10, w[name].shape[1])])
+
+
 REFUSED = {
     "a layer's weights missing": ({"weights": drop_layer_1}, "9 missing (model.layers.1.input_layernorm.weight, ...)"),
     "an unexpected weight": ({"weights": lambda w: w.update(extra=torch.zeros(2))}, "1 unexpected (extra)"),
@@ -202,6 +215,19 @@ REFUSED = {
         "max_position_embeddings=true in config.json is not",
     ),
     "3 heads over a width of 32": ({"config": {"num_attention_heads": 3}}, "transformers refuses its config.json"),
+    "a model_type transformers does not know": (
+        {"config": {"model_type": "nosuch"}},
+        "model_type 'nosuch' in config.json is not a family gtx checks",
+    ),
+    "a family beside path": ({"args": ["--set", "family=nosuch"]}, "family='nosuch' beside path="),
+    "a tokenizer of more tokens than the model": (
+        {"edit": _more_tokens},
+        "its tokenizer has 305 tokens but its model 300 (vocab_size in config.json)",
+    ),
+    "a model of more tokens than the tokenizer": (
+        {"config": {"vocab_size": 310}, "weights": _more_rows},
+        "its tokenizer has 300 tokens but its model 310",
+    ),
 }
 
 

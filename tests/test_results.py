@@ -78,3 +78,26 @@ def test_older_files_load_with_the_added_columns_missing(tmp_path):
         and pd.isna(df.eval_of["old"])
     )
     assert compare(load(tmp_path), ["task", "context_len"]).runs.sum() == 3
+
+
+def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_path):
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+    from gtx.errors import GtxError
+
+    write_run(tmp_path, "ok", [row(run_id="ok", split=split) for split in ("valid", "test")])
+    newer = tmp_path / "runs" / "newer.csv"
+    pd.DataFrame([row(run_id="newer", schema_version=999, split=split) for split in ("valid", "test")]).to_csv(
+        newer, index=False
+    )
+    before = newer.read_bytes()
+    with pytest.raises(GtxError, match=r"newer.csv has schema version 999, newer than this gtx reads \(5\)"):
+        load(tmp_path)
+    with pytest.raises(GtxError, match="schema version 999"):
+        write_run(tmp_path, "newer", [row(run_id="newer")])
+    for command in ("runs", "compare"):
+        result = CliRunner().invoke(cli, [command, "--results", str(tmp_path)])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+        assert "schema version 999" in result.output and "move it out of" in result.output
+    assert newer.read_bytes() == before

@@ -74,9 +74,26 @@ def test_mission_command_shape_ut_local(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "model, settings", [("ut", {}), ("lm", {"universal": "true"}), ("encoder", {"universal": "true"})]
+)
+def test_act_given_to_a_model_that_adds_act_itself_is_wrapped_once(model, settings):
+    from gtx.experiments.config import resolve_configs
+    from gtx.experiments.runner import RunConfig
+
+    for spec in ("act(local:w=2)", "local:w=2"):
+        config = RunConfig(task="copy", model=model, pattern=spec, settings=settings)
+        assert resolve_configs(config).pattern.spec == "act(local:w=2)"  # what the run's header and rows say
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--task", "nope"], "unknown task 'nope'; known tasks: addition, copy"),
+        (
+            ["--pattern", "act(local:w=2)"],
+            "which model 'transformer' does not have: it would do nothing; use a model with ACT (encoder --set "
+            "universal=true, lm --set universal=true, ut), or drop the act(...)",
+        ),
         (["--pattern", "lokal"], "unknown pattern 'lokal'"),
         (["--set", "nope=1"], "--set nope: no such setting; known settings: model transformer: layers"),
         (["--set", "dim=abc"], "--set dim=abc: model 'transformer' expects int for dim"),

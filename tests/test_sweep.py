@@ -465,3 +465,50 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
     after = {run_id: set(zip(rows.epoch, rows.split)) for run_id, rows in df.groupby("run_id")}
     # a killed run's rows stay (resumed: kept in its file)
     assert all(rows <= after[run_id] for run_id, rows in earlier.items())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sweep", "--epochs", "1", *TINY], "with 0 of the 1 cells of sweep grid-"),
+        (
+            [
+                "frontier",
+                "--task",
+                "recall",
+                "--model",
+                "lm",
+                "--family",
+                "local:w=4,8",
+                "--lengths",
+                "64",
+                *TINY[:6],
+                *TINY[8:],
+            ],
+            "with 0 of the 3 cells of sweep grid-",
+        ),
+    ],
+)
+def test_ctrl_c_exits_130_in_one_line_saying_how_to_finish(tmp_path, monkeypatch, args, message):
+    """As gtx run does (exit 130, the shell's code for SIGINT), not click's "Aborted!" and exit 1."""
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sw, "execute", interrupted)
+    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path), "--quiet"])
+    assert result.exit_code == 130, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert result.output.startswith("Error: interrupted (Ctrl-C)") and message in result.output
+    assert "run the same command again to finish" in result.output
+
+
+def test_ctrl_c_in_any_command_exits_130_in_one_line(tmp_path, monkeypatch):
+    from gtx.experiments import results
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(results, "load", interrupted)
+    result = CliRunner().invoke(cli, ["runs", "--results", str(tmp_path)])
+    assert result.exit_code == 130 and result.output.strip() == "Error: gtx runs interrupted (Ctrl-C)", result.output

@@ -226,7 +226,7 @@ def library(name: str) -> Path | None:
     _say(
         logging.WARNING,
         f"C kernel {name} does not build with {cc} ({_first_error(errors[0])}): {SLOWER}; "
-        f"set CC to another compiler, or remove {folder}/*.failed to retry",
+        f"set CC to another compiler, or remove {folder}/*.failed to retry ({CACHE_VARIABLE} sets where it is)",
         f"fails {cc}",
     )
     return None
@@ -242,7 +242,12 @@ def load(name: str) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:
-        _say(logging.WARNING, f"C kernel {name} does not load ({e}): {SLOWER}", "does not load")
+        _say(
+            logging.WARNING,
+            f"C kernel {name} does not load ({e}): {SLOWER}; set {CACHE_VARIABLE} to another folder, or CC to another "
+            "compiler, to build it afresh",
+            "does not load",
+        )
         return None
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gtx.errors import GtxError
+from gtx.errors import GtxError, Interrupted
 from gtx.experiments.distributed import is_main_process
 from gtx.plugins.registry import load_plugins
 
@@ -18,18 +18,27 @@ class CliError(click.ClickException):
     exit_code = 2
 
 
+def cli_error(e: GtxError) -> CliError:
+    """A GtxError as the CLI prints it: its one line, exit code 2 or the error's own (Ctrl-C: 130)."""
+    error = CliError(str(e))
+    error.exit_code = getattr(e, "exit_code", CliError.exit_code)
+    return error
+
+
 class GtxGroup(click.Group):
-    """Turns a GtxError into its one line; the exit code is 2, or the error's own ``exit_code`` (Ctrl-C: 130)."""
+    """Turns a GtxError into its one line (``cli_error``), and Ctrl-C that no command caught into
+    one line and exit code 130 rather than click's "Aborted!" and 1."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            error = Interrupted(f"{' '.join(filter(None, ['gtx', ctx.invoked_subcommand]))} interrupted (Ctrl-C)")
         except GtxError as e:
-            if not is_main_process():  # under torchrun every rank meets the same error: rank 0 alone says it
-                ctx.exit(getattr(e, "exit_code", CliError.exit_code))
-            error = CliError(str(e))
-            error.exit_code = getattr(e, "exit_code", CliError.exit_code)
-            raise error from None
+            error = e
+        if not is_main_process():  # under torchrun every rank meets the same error: rank 0 alone says it
+            ctx.exit(getattr(error, "exit_code", CliError.exit_code))
+        raise cli_error(error) from None
 
 
 def plugins_dir_option(f):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gtx.cli.common import CliError
+from gtx.cli.common import cli_error, lengths_option
 from gtx.cli.sweep import grid_options, read_grid, run_cells
 from gtx.errors import GtxError
 from gtx.experiments import frontier as fr
@@ -25,6 +25,7 @@ from gtx.experiments import sweep as sw
     "--lengths",
     required=True,
     metavar="L1[,L2...]",
+    callback=lengths_option,
     help="Sequence lengths: values of the task's seq_len or context setting.",
 )
 @click.option(
@@ -76,13 +77,13 @@ def frontier(
     <results>/frontiers/, named by what the table was read with (metric, margin). A cell without a
     finished run (failed, not run with --table-only, or running in another sweep or frontier on the
     same folder) is named, and the table is printed but not saved. Exit 1 if a cell failed or is
-    missing, 2 on bad input (nothing runs).
+    missing, 2 on bad input (nothing runs), 130 on Ctrl-C (finished cells are kept).
     """
     try:
         fr.check_margin(margin)  # before anything runs
         grid, results_dir, jobs = read_grid(None, (), **options)
         fr.check_margin(margin, fr.study_metrics(grid.task, metric))
-        study = fr.Study([fr.parse_family(f) for f in families], sw.split_list(lengths, "--lengths"), grid, length_key)
+        study = fr.Study([fr.parse_family(f) for f in families], [str(n) for n in lengths], grid, length_key)
         cells, points = fr.plan_study(study, results_dir)
         for note in study.notes:
             click.echo(f"note: {note}", err=True)
@@ -144,4 +145,4 @@ def frontier(
         if failed:
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
-        raise CliError(str(e)) from None
+        raise cli_error(e) from None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import CliError
-from gtx.errors import GtxError
+from gtx.cli.common import cli_error
+from gtx.errors import GtxError, Interrupted
 from gtx.experiments import sweep as sw
 from gtx.files import writable_dir
 
@@ -139,7 +139,8 @@ def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, *
     cell runs afresh. Each run's output goes to <results>/sweeps/<name>/logs/<cell>.log, <name> being
     the grid file's stem or grid-<hash>. --launcher submitit makes each cell a cluster job (Slurm, or
     --executor-opt cluster=local) that resumes when requeued; --nproc-per-node N runs each cell under
-    torchrun. Exit status 1 if a cell failed, 2 on bad input (nothing runs).
+    torchrun. Exit status 1 if a cell failed, 2 on bad input (nothing runs), 130 on Ctrl-C (finished
+    cells are kept).
     """
     try:
         grid, results_dir, jobs = read_grid(grid_file, patterns, **options)
@@ -158,7 +159,7 @@ def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, *
         ):
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
-        raise CliError(str(e)) from None
+        raise cli_error(e) from None
 
 
 def read_grid(
@@ -238,23 +239,30 @@ def run_cells(
         )
 
     started = time.monotonic()
-    if launcher == "submitit":
-        from gtx.experiments import cluster
+    try:
+        if launcher == "submitit":
+            from gtx.experiments import cluster
 
-        log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "submitit", "submitit folder")
-        # refused options: before any job
-        executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))
-        on_change(counts)
-        failures = cluster.submit(
-            cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc
-        )
-    else:
-        # checked before any cell starts
-        log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")
-        on_change(counts)
-        failures = sw.execute(
-            cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc
-        )
+            log_dir = Path(results_dir) / "sweeps" / name / "submitit"
+            # refused options: before any job, and before the folder is made (cluster.make_executor)
+            executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))
+            on_change(counts)
+            failures = cluster.submit(
+                cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc
+            )
+        else:
+            # checked before any cell starts
+            log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")
+            on_change(counts)
+            failures = sw.execute(
+                cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc
+            )
+    except KeyboardInterrupt:  # the cells running are stopped (sw.execute, cluster.submit); finished ones stay
+        click.echo(clear, nl=False, err=True)
+        raise Interrupted(
+            f"interrupted (Ctrl-C) with {counts.done} of the {counts.total - counts.skipped} cells of sweep {name} done; "
+            "run the same command again to finish: finished cells are kept and skipped"
+        ) from None
     if clear:
         click.echo(err=True)
     other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -73,3 +74,46 @@ def check_vocab(state: dict, task, path: Path) -> None:
                 f"checkpoint {path} was trained with a {side} vocabulary of {len(theirs)} tokens; task {task.name!r} here has "
                 f"{len(mine)}{' (other tokens)' if len(mine) == len(theirs) else ''}: evaluate it on the task and settings it was trained on"
             )
+
+
+def trainable_key(key: str) -> bool:
+    """A parameter of a pattern's own (nsa, dsa: ``gtx.attention.trainable``), not of the model."""
+    return key.startswith("trainable.") or ".trainable." in key
+
+
+def check_shapes(model: torch.nn.Module, state: dict, path: Path, model_name: str, spec: str) -> None:
+    """One line where a checkpoint's parameter has another shape than the model built here: for a
+    pattern's own parameters (nsa, dsa), the pattern parameters that differ from the run's spec."""
+    built = model.state_dict()
+    wrong = [
+        (k, tuple(v.shape), tuple(built[k].shape))
+        for k, v in state["model"].items()
+        if k in built and tuple(v.shape) != tuple(built[k].shape)
+    ]
+    if not wrong:
+        return
+    key, saved, here = wrong[0]
+    shapes = f"{key}: {saved} saved, {here} here"
+    if not trainable_key(key):
+        raise GtxError(f"checkpoint {path} does not fit model {model_name!r} as configured here: {shapes}")
+    trained = json.loads(state["common"])["pattern"]
+    ours, theirs = _spec_params(spec), _spec_params(trained)
+    differ = [
+        f"{k.partition('.')[2] or k}={ours[k]} (the run's {theirs[k]})"
+        for k in ours
+        if k in theirs and ours[k] != theirs[k]
+    ]
+    raise GtxError(
+        f"pattern {spec!r} has other shapes for the parameters checkpoint {path} learned under {trained!r}"
+        f"{': ' + ', '.join(differ) if differ else ''} ({shapes}); evaluate with the run's values of them"
+    )
+
+
+def _spec_params(spec: str) -> dict[str, str]:
+    """``nsa:l=8,d=4`` -> {"nsa.l": "8", "nsa.d": "4"}: every pattern's parameters in a spec, by pattern and name."""
+    out = {}
+    for name, params in re.findall(r"(\w+):([^|&+()]*)", spec):
+        for item in params.split(","):
+            key, _, value = item.partition("=")
+            out[f"{name}.{key.strip()}" if key.strip() else name] = value.strip()
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,6 +32,7 @@ from gtx.experiments.sweep import (
     launcher_argv,
     run_args,
 )
+from gtx.files import writable_dir
 
 INSTALL = "pip install 'gtx[cluster]' (or pip install submitit)"
 
@@ -66,19 +68,27 @@ def executor_options(items: Iterable[str]) -> dict[str, object]:
 
 def make_executor(folder: Path, options: dict[str, object]):
     """submitit's AutoExecutor in ``folder`` (``options["cluster"]``: slurm, local or debug; default:
-    slurm where there is one, else local), its other options checked by submitit: one GtxError line."""
+    slurm where there is one, else local), its other options checked by submitit: one GtxError line.
+    submitit makes its folder at once, so the options are tried in a scratch folder first: refused
+    ones leave nothing under ``folder``, which is then made (``writable_dir``)."""
     submitit = _submitit()
     options = dict(options)
     cluster = options.pop("cluster", None)
-    try:
-        executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
-        executor.update_parameters(**options)
-    except (NameError, ValueError, TypeError, AssertionError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GtxError(
-            f"--executor-opt: submitit refused the options {options or {'cluster': cluster}}: {first}"
-        ) from None
-    return executor
+
+    def executor(where: Path):
+        try:
+            made = submitit.AutoExecutor(folder=where, cluster=cluster)
+            made.update_parameters(**options)
+        except (NameError, ValueError, TypeError, AssertionError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GtxError(
+                f"--executor-opt: submitit refused the options {options or {'cluster': cluster}}: {first}"
+            ) from None
+        return made
+
+    with tempfile.TemporaryDirectory() as scratch:
+        executor(Path(scratch))
+    return executor(writable_dir(folder, "submitit folder"))
 
 
 class CellJob:

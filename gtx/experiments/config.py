@@ -167,13 +167,38 @@ def resolve_configs(config: RunConfig) -> Configs:
     )
     chosen = parse_pattern(config.pattern)
     model_cls = model_entry.obj
-    wrap = (
-        model_cls.modifier(cfg["model"])
-        if hasattr(model_cls, "modifier")
-        else getattr(model_cls, "dynamic_pattern", None)
-    )
-    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap else chosen
+    wrap = _modifier(model_cls, cfg["model"])
+    if chosen.dynamic and not wrap:
+        raise GtxError(
+            f"pattern {chosen.spec!r} filters its edges by the nodes still computing (ACT), which model {config.model!r} does "
+            f"not have: it would do nothing; use a model with ACT ({', '.join(_act_models())}), or drop the act(...)"
+        )
+    # a pattern already filtered at run time (act(P) given to a model that adds act itself) is not wrapped twice
+    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap and not chosen.dynamic else chosen
     return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
+
+
+def _modifier(model_cls, model_config) -> str | None:
+    """The modifier pattern (``act``) a model of this class and config wraps around the run's pattern."""
+    if hasattr(model_cls, "modifier"):
+        return model_cls.modifier(model_config)
+    return getattr(model_cls, "dynamic_pattern", None)
+
+
+def _act_models() -> list[str]:
+    """The registered models that wrap a run-time modifier (ACT) around the pattern: with their
+    defaults (``ut``), or with a ``universal`` setting on (``lm --set universal=true``)."""
+    out = []
+    for name, entry in sorted(MODELS.entries().items()):
+        fields = {f.name for f in dataclasses.fields(entry.config)} if dataclasses.is_dataclass(entry.config) else set()
+        try:
+            if _modifier(entry.obj, entry.config()):
+                out.append(name)
+            elif "universal" in fields and _modifier(entry.obj, entry.config(universal=True)):
+                out.append(f"{name} --set universal=true")
+        except (TypeError, ValueError):  # a plugin's config that cannot be made bare: not listed
+            continue
+    return out
 
 
 def cell_key(config: RunConfig) -> str:

@@ -32,13 +32,15 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     checkpoint.check_vocab(state, resolved.task, path)
     attention = build_attention(resolved, config.backend)
     model = build_model(resolved, attention)
+    checkpoint.check_shapes(model, state, path, config.model, resolved.chosen.spec)
     try:
         loaded = model.load_state_dict(state["model"], strict=False)
-    except RuntimeError as e:
+    except RuntimeError as e:  # torch's first line is a header ("Error(s) in loading ..."): the reason follows it
+        why = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise GtxError(
-            f"checkpoint {path} does not fit model {config.model!r} as configured here: {str(e).splitlines()[0]}"
+            f"checkpoint {path} does not fit model {config.model!r} as configured here: {why[min(1, len(why) - 1)]}"
         ) from None
-    learned = [key for key in loaded.missing_keys if _trainable_key(key)]
+    learned = [key for key in loaded.missing_keys if checkpoint.trainable_key(key)]
     if learned:
         trained = json.loads(state["common"])["pattern"]
         raise GtxError(
@@ -46,17 +48,13 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
             f"({learned[0]}); evaluate it under a pattern without them, or train under {resolved.chosen.spec!r}"
         )
     # a trainable pattern's parameters are unused under another pattern: evaluating its model so is allowed
-    other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not _trainable_key(key))]
+    other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not checkpoint.trainable_key(key))]
     if other:
         raise GtxError(
             f"checkpoint {path} does not fit model {config.model!r} as configured here: parameter {other[0]!r} "
             f"{'missing from the checkpoint' if other[0] in loaded.missing_keys else 'not in the model'}"
         )
     return model, resolved, attention
-
-
-def _trainable_key(key: str) -> bool:
-    return key.startswith("trainable.") or ".trainable." in key
 
 
 def evaluate_checkpoint(

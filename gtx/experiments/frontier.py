@@ -148,8 +148,34 @@ class Study:
     length_key: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        if self.length_key is not None and not self.length_key.strip():
+            raise GtxError(
+                "--length-key '': name the task setting that sets the length (seq_len, context, ...), or leave "
+                "--length-key out for the task's own"
+            )
+        named: dict[str, Family] = {}
+        owner: dict[str, Family] = {}
+        for f in self.families:  # the table groups by family name and budget spec: neither may be in two families
+            if f.name in named:
+                raise GtxError(
+                    f"--family {f.name!r} is given twice ({_budgets(named[f.name])} and {_budgets(f)}); give each "
+                    "pattern's budgets once, in one --family"
+                )
+            named[f.name] = f
+            for spec in f.specs:
+                if spec in owner:
+                    raise GtxError(
+                        f"pattern {spec!r} is a budget of two families ({owner[spec].name!r} and {f.name!r}); give it in one"
+                    )
+                owner[spec] = f
+
     def key(self, task: str) -> str:
         return self.length_key or length_key(task)
+
+
+def _budgets(f: Family) -> str:
+    return f"{f.param}={','.join(f.budgets)}" if f.param else f.specs[0]
 
 
 @dataclass(frozen=True)

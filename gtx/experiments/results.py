@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from gtx.data.task import SPLITS
+from gtx.errors import GtxError
 from gtx.files import atomic_write
 
 SCHEMA_VERSION = 5
@@ -140,22 +141,42 @@ def _rekey(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(cell=cell if df.eval_of.isna().all() else pd.NA, experiment=experiment)
 
 
+def check_known_schema(path: Path, versions) -> None:
+    """One line for a results file written by a newer gtx (a schema version above ``SCHEMA_VERSION``):
+    its columns may mean what this gtx cannot know, so it is neither read nor rewritten."""
+    newer = [v for v in pd.to_numeric(pd.Series(versions), errors="coerce").dropna() if v > SCHEMA_VERSION]
+    if newer:
+        raise GtxError(
+            f"results file {path} has schema version {int(max(newer))}, newer than this gtx reads ({SCHEMA_VERSION}): "
+            f"read it with the gtx that wrote it, or move it out of {path.parent}"
+        )
+
+
 def write_run(results_dir: str | Path, run_id: str, rows: Sequence[dict]) -> Path:
-    """Validate and (re)write one run's rows atomically; returns the file."""
+    """Validate and (re)write one run's rows atomically; returns the file. One line, nothing written,
+    where that file exists with a newer schema (``check_known_schema``)."""
     df = validate(pd.DataFrame(list(rows)))
     path = Path(results_dir) / "runs" / f"{run_id}.csv"
+    try:
+        on_disk = pd.read_csv(path, usecols=["schema_version"], dtype=str).schema_version
+    except (OSError, ValueError, pd.errors.ParserError):  # none yet, or one load would skip
+        on_disk = []
+    check_known_schema(path, on_disk)
     atomic_write(path, df.to_csv(index=False))
     return path
 
 
 def load(results_dir: str | Path) -> pd.DataFrame:
     """All runs under a results folder, validated; an empty frame with the schema if there are none.
-    Files written before schema 4 get their ``cell`` and ``experiment`` recomputed (``_rekey``)."""
+    Files written before schema 4 get their ``cell`` and ``experiment`` recomputed (``_rekey``); a
+    file that does not parse or fit the schema is skipped with a warning, one of a newer schema
+    refused (``check_known_schema``)."""
     files = sorted((Path(results_dir) / "runs").glob("*.csv"))  # temporary files start with '.'
     frames = []
     for f in files:
         try:
             df = pd.read_csv(f, dtype=str, keep_default_na=False, na_values=[""])
+            check_known_schema(f, df.get("schema_version", []))
             df = validate(df.assign(**{c: v for c, v in ADDED.items() if c not in df.columns}))
             frames.append(validate(_rekey(df)) if len(df) and df.schema_version.iloc[0] < KEYED_SINCE else df)
         except (ValueError, pd.errors.ParserError) as e:

@@ -23,7 +23,7 @@ from gtx.attention.module import Attention
 from gtx.attention.trainable import check_untrained, stages_of
 from gtx.backends import get_backend
 from gtx.data.batch import batches
-from gtx.errors import GtxError
+from gtx.errors import GtxError, Interrupted
 from gtx.experiments import checkpoint, distributed
 from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
 from gtx.experiments.config import (
@@ -55,10 +55,8 @@ __all__ = [
 Progress = Callable[[str, int], Callable[[], None]]
 
 
-class RunInterrupted(GtxError):
-    """Ctrl-C: what was done is written; the message says how to continue."""
-
-    exit_code = 130  # the shell's code for a process stopped by SIGINT
+class RunInterrupted(Interrupted):
+    """Ctrl-C during a run: the epochs done are written; the message says how to resume."""
 
 
 def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:

@@ -11,6 +11,7 @@ warm-up) and measures the pass's peak memory growth over the loaded model (``gtx
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 import torch
 
+from gtx.errors import GtxError
 from gtx.memory import peak_mb, reset_peak
 
 SDPA = "transformers sdpa"
@@ -38,6 +40,34 @@ def _config(family: str, settings: dict[str, str], length: int):
     return build_configs(
         {"family": family, "max_len": str(length), **settings}, {"model": ("hf", MODELS.get("hf").config)}
     )["model"]
+
+
+def check_lengths(family: str, settings: dict[str, str], lengths: Sequence[int]) -> None:
+    """Before any model or data is made: each length within the model's positions (a folder's, or
+    ``--set max_len``; a random model is otherwise built with as many as the length), and its hidden
+    states (the least one forward holds: a layer's input and output) within this machine's memory."""
+    memory = _physical_bytes()
+    for n in lengths:
+        config = _config(family, settings, n)
+        if n > config.max_len:
+            whose = f"path={config.path}" if config.path else "--set max_len"
+            raise GtxError(
+                f"bench prefill --lengths {n}: past the model's {config.max_len} positions ({whose}); give lengths up to "
+                f"{config.max_len}{'' if config.path else ', or raise max_len'}"
+            )
+        least = 2 * n * config.dim * 4  # float32
+        if memory and least > memory:
+            raise GtxError(
+                f"bench prefill --lengths {n}: one forward pass holds at least {least / 2**30:,.1f} GiB (hidden states of "
+                f"{n:,} tokens x {config.dim}, twice), more than this machine's {memory / 2**30:,.1f} GiB; give shorter lengths"
+            )
+
+
+def _physical_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return None
 
 
 def _gtx_model(config, pattern, backend: str = "auto"):
@@ -98,6 +128,7 @@ def bench_prefill(
     from gtx.graph.spec import parse_pattern
     from gtx.graph.tokens import build_graph, positions
 
+    check_lengths(family, dict(settings or {}), lengths)
     rows = []
     for n in lengths:
         config = _config(family, dict(settings or {}), n)

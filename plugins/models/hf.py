@@ -95,6 +95,14 @@ class HFConfig:
         except re.error as e:
             raise ValueError(f"train_params={self.train_params!r} is not a regular expression ({e})") from None
         if self.path:
+            if self.family not in (
+                *FAMILIES,
+                *CHECKED,
+            ):  # the folder's model_type replaces it: a stored run's is one of these
+                raise ValueError(
+                    f"family={self.family!r} beside path={self.path}: the folder's config.json gives the family; "
+                    f"leave family out (or choose {', '.join(FAMILIES)})"
+                )
             for name, value in pretrained_sizes(Path(self.path)).items():
                 setattr(self, name, value)
             return
@@ -133,6 +141,11 @@ def pretrained_sizes(folder: Path) -> dict:
         raise ValueError(
             f"{where}: config.json holds a {type(raw).__name__}, not a model's configuration; give the one save_pretrained wrote"
         )
+    if raw.get("model_type") not in CHECKED:  # before transformers, whose words for a type it lacks run to 3 lines
+        raise ValueError(
+            f"{where}: model_type {raw.get('model_type')!r} in config.json is not a family gtx checks against transformers' "
+            f"own model ({', '.join(CHECKED)}); its attention may hold features gtx would not compute"
+        )
     name, positions = next(((k, raw[k]) for k in POSITIONS if k in raw), (None, None))
     if name is None:
         raise ValueError(
@@ -148,11 +161,6 @@ def pretrained_sizes(folder: Path) -> dict:
     except Exception as e:  # transformers' and huggingface_hub's validation: several lines, the reason last
         why = ([line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
         raise ValueError(f"{where}: transformers refuses its config.json: {why}") from None
-    if c.model_type not in CHECKED:
-        raise ValueError(
-            f"{where}: model_type {c.model_type!r} in config.json is not a family gtx checks against transformers' own model "
-            f"({', '.join(CHECKED)}); its attention may hold features gtx would not compute"
-        )
     heads = c.num_attention_heads
     return {
         "family": c.model_type,
@@ -176,6 +184,7 @@ class HFTokenizer(Tokenizer):
             raise GtxError(
                 f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
             ) from None
+        check_vocab(self.hf, folder)
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
         self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
 
@@ -296,6 +305,25 @@ def load_folder(t, path: str):
             f"{said or info['error_msgs'][0]}; give the folder save_pretrained wrote, config and weights of one model"
         )
     return hf
+
+
+def check_vocab(tokenizer, folder: str) -> None:
+    """One line where the folder's tokenizer and model (``vocab_size`` in config.json) count different
+    tokens: ids the text is written in past the model's embedding cannot be read (tokens added beside
+    them, special ones, may be: text never holds them), and logits over ids the tokenizer never
+    writes are no scores of its text."""
+    try:
+        model = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
+    except (ValueError, OSError, AttributeError):  # pretrained_sizes names what is wrong with it
+        return
+    if isinstance(model, bool) or not isinstance(model, int):
+        return
+    written, every = tokenizer.vocab_size, len(tokenizer)
+    if written > model or every < model:
+        raise GtxError(
+            f"path={folder}: its tokenizer has {written if written > model else every} tokens but its model {model} "
+            "(vocab_size in config.json); give a folder whose tokenizer and model were saved together"
+        )
 
 
 def check_features(model, layers, pattern, where: str) -> list[int | None]:
