@@ -14,10 +14,10 @@ from click.testing import CliRunner
 from gtx.cli import cli
 from gtx.errors import GtxError
 from gtx.experiments.cost import FlopCount
-from gtx.experiments.frontier import parse_family
 from gtx.experiments.frontier_tables import load_frontiers
 from gtx.experiments.results import load
 from gtx.experiments.stats import tost_p
+from gtx.experiments.study import parse_family
 from gtx.pictures import plot
 from gtx.pictures.report import write_report
 

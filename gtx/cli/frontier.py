@@ -10,6 +10,7 @@ from gtx.errors import GtxError
 from gtx.experiments import frontier as fr
 from gtx.experiments import frontier_tables as tables
 from gtx.experiments import sweep as sw
+from gtx.experiments.study import Study, parse_family
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,7 +84,7 @@ def frontier(
         fr.check_margin(margin)  # before anything runs
         grid, results_dir, jobs = read_grid(None, (), **options)
         fr.check_margin(margin, fr.study_metrics(grid.task, metric))
-        study = fr.Study([fr.parse_family(f) for f in families], [str(n) for n in lengths], grid, length_key)
+        study = Study([parse_family(f) for f in families], [str(n) for n in lengths], grid, length_key)
         cells, points = fr.plan_study(study, results_dir)
         for note in study.notes:
             click.echo(f"note: {note}", err=True)

@@ -11,9 +11,9 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.experiments.compare import p_text, pm_text
-from gtx.experiments.frontier import FULL
 from gtx.experiments.results import cell_text, format_table, lower_is_better
 from gtx.experiments.stats import pareto_front
+from gtx.experiments.study import FULL
 
 
 def equivalent_budgets(table: pd.DataFrame) -> pd.DataFrame:

@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from gtx.errors import GtxError
-from gtx.experiments.frontier import FULL
+from gtx.experiments.study import FULL
 from gtx.pictures.figure import new_figure
 
 NEEDED = ["task", "model", "length", "family", "pattern", "mean", "ci_low", "ci_high", "edges_per_query", "train_flops"]
