@@ -259,21 +259,7 @@ def test_small_chunks_of_blocks_and_tiles_still_agree(monkeypatch, headroom):
     assert_agrees_with_definition([130, 45, 61], 8, 3, 3)
 
 
-def peak_bytes(f):
-    """f()'s result and the peak of the bytes it held allocated at once, from the profiler's timed allocations."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = f()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return result, peak
-
-
-def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch):
+def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
     """Forward and backward hold one chunk's tiles at a time besides the output and the gradients: each
     chunk's partial outputs merge into the output as they come and the gradients go straight to their
     rows, where a buffer of every chosen block's output (4 q-sized here) and block-layout copies of
