@@ -64,41 +64,66 @@ class Compressor(nn.Module):
         return self.mlp[2](self.mlp[1](hidden))
 
 
+CONV_OUTPUTS = 128  # compressed keys per convolution call: its unfolded input stays a few MB at any length
+
+
 class _StridedConv(torch.autograd.Function):
-    """conv1d over each sample's sequence, per head: (n, H, D) rows -> (B, m, H, O). The backward
-    keeps the rows themselves (which the other branches keep too) and lays them out for the
-    convolution again: conv1d's own backward would keep its (B * H, D, L) copy of them."""
+    """conv1d over each sample's sequence, per head: (n, H, D) rows -> (B, m, H, O), ``CONV_OUTPUTS``
+    outputs at a time, so that the channels-first copy of the rows and conv1d's unfolded input
+    (l times the rows) exist for one span of rows at a time. The backward keeps the rows themselves
+    (which the other branches keep too) and lays out each span for the convolution again."""
 
     @staticmethod
     def forward(ctx, x, lens, kernel, bias, stride):
         ctx.lens, ctx.stride = lens, stride
         ctx.save_for_backward(x, kernel)
+        padded = pad_samples(x, lens, max(lens))  # (B, L, H, D): a view for one sample of its full length
+        m = (padded.shape[1] - kernel.shape[-1]) // stride + 1
+        hidden = x.new_empty(len(lens), x.shape[1], kernel.shape[0], m)
         with _float32_convolutions():
-            hidden = F.conv1d(_channels_first(x, lens), kernel, bias, stride=stride)  # (B * H, O, m)
-        return hidden.view(len(lens), x.shape[1], *hidden.shape[1:]).permute(0, 3, 1, 2)
+            for outputs, rows in _spans(m, stride, kernel.shape[-1]):
+                hidden[..., outputs] = F.conv1d(_channels_first(padded[:, rows]), kernel, bias, stride=stride).view(
+                    *hidden.shape[:3], -1
+                )
+        return hidden.permute(0, 3, 1, 2)
 
     @staticmethod
     def backward(ctx, grad):
         x, kernel = ctx.saved_tensors
-        grad = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[3], grad.shape[1])  # (B * H, O, m)
+        padded = pad_samples(x, ctx.lens, max(ctx.lens))
+        dx = torch.zeros_like(padded) if ctx.needs_input_grad[0] else None
+        dkernel = torch.zeros_like(kernel) if ctx.needs_input_grad[2] else None
+        dbias = kernel.new_zeros(kernel.shape[0]) if ctx.needs_input_grad[3] else None
         with _float32_convolutions():
-            dx, dkernel, dbias = torch.ops.aten.convolution_backward(
-                grad,
-                _channels_first(x, ctx.lens),
-                kernel,
-                [kernel.shape[0]],
-                [ctx.stride],
-                [0],
-                [1],
-                False,
-                [0],
-                1,
-                [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]],
-            )
-        if dx is not None:
-            batch, heads, dim = len(ctx.lens), x.shape[1], x.shape[2]
-            dx = unpad_samples(dx.view(batch, heads, dim, -1).permute(0, 3, 1, 2), ctx.lens)
-        return dx, None, dkernel, dbias, None
+            for outputs, rows in _spans(grad.shape[1], ctx.stride, kernel.shape[-1]):
+                g = grad[:, outputs].permute(0, 2, 3, 1).reshape(-1, grad.shape[3], outputs.stop - outputs.start)
+                dxs, dks, dbs = torch.ops.aten.convolution_backward(
+                    g,
+                    _channels_first(padded[:, rows]),
+                    kernel,
+                    [kernel.shape[0]],
+                    [ctx.stride],
+                    [0],
+                    [1],
+                    False,
+                    [0],
+                    1,
+                    [dx is not None, dkernel is not None, dbias is not None],
+                )
+                if dx is not None:  # spans overlap by l - d rows: added
+                    dx[:, rows] += dxs.view(len(ctx.lens), x.shape[1], x.shape[2], -1).permute(0, 3, 1, 2)
+                if dkernel is not None:
+                    dkernel += dks
+                if dbias is not None:
+                    dbias += dbs
+        return None if dx is None else unpad_samples(dx, ctx.lens), None, dkernel, dbias, None
+
+
+def _spans(m: int, stride: int, size: int):
+    """(output slice, input row slice) per ``CONV_OUTPUTS`` outputs of a convolution of kernel ``size``."""
+    for j0 in range(0, m, CONV_OUTPUTS):
+        j1 = min(j0 + CONV_OUTPUTS, m)
+        yield slice(j0, j1), slice(j0 * stride, (j1 - 1) * stride + size)
 
 
 def _float32_convolutions():
@@ -108,10 +133,9 @@ def _float32_convolutions():
     return c.flags(enabled=c.enabled, benchmark=c.benchmark, deterministic=c.deterministic, allow_tf32=False)
 
 
-def _channels_first(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """(n, H, D) rows -> (B * H, D, L): conv1d's layout of the zero-padded samples (a copy)."""
-    padded = pad_samples(x, lens, max(lens))
-    return padded.permute(0, 2, 3, 1).reshape(-1, x.shape[-1], padded.shape[1])
+def _channels_first(padded: torch.Tensor) -> torch.Tensor:
+    """(B, L, H, D) zero-padded samples -> (B * H, D, L): conv1d's layout (a copy)."""
+    return padded.permute(0, 2, 3, 1).reshape(-1, padded.shape[-1], padded.shape[1])
 
 
 class NativeSparse(Trainable):

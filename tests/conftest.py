@@ -49,3 +49,21 @@ def tiny_task():
     task = entry.obj("copy", entry.config(n_train=48, n_valid=12, n_test=12, mean_len=5, std_len=2))
     task.splits()
     return task
+
+
+@pytest.fixture
+def peak_bytes():
+    """f -> (f(), the peak of the bytes f held allocated at once), from the profiler's timed allocations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def measure(f):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = f()
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        live = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            peak = max(peak, live)
+        return result, peak
+
+    return measure

@@ -192,6 +192,30 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
         )
 
 
+@pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=16,n=4,w=5", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
+def test_the_compressor_runs_in_overlapping_spans_of_outputs_and_still_agrees(monkeypatch, spec):
+    """phi's convolution 3 outputs at a time: spans of rows overlapping by l - d, their gradients added."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[parse_pattern("nsa").trainable.__module__], "CONV_OUTPUTS", 3)
+    test_nsa_equals_its_definition_on_values_and_every_gradient(spec, [50, 37], 4)
+
+
+def test_the_compressor_backward_lays_out_one_span_of_rows_at_a_time(monkeypatch, peak_bytes):
+    """phi's backward holds one span's channels-first copy of the rows and conv1d's unfolded input
+    (l / d times the rows) at a time: 2.2 x-sized tensors here, where the whole sequence's held 3.7."""
+    import sys
+
+    nsa = sys.modules[parse_pattern("nsa").trainable.__module__]
+    monkeypatch.setattr(nsa, "CONV_OUTPUTS", 16)
+    n, heads, dim = 2048, 2, 16
+    phi = nsa.Compressor(8, 4, dim)
+    x = torch.randn(n, heads, dim, requires_grad=True)
+    out = phi(x, [n])
+    _, backward = peak_bytes(lambda: out.backward(torch.ones_like(out)))
+    assert backward < 3 * x.numel() * x.element_size()
+
+
 @pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
 def test_blocks_of_rows_past_a_shorter_sample_leave_it_out(monkeypatch, spec):
     """Rows in blocks of 16 (choice: 8): the later blocks hold rows of the longer samples only, and score only them."""

@@ -198,6 +198,10 @@ def attend_token_blocks(
     return (out, mass.mean(1)) if masses else out
 
 
+BLOCK_ROWS = 128  # own blocks (of one sample and head) per chunk: 256 (and 256 tiles) held 14 MB more at 16k tokens
+TILES = 128  # tiles of chosen blocks per chunk
+
+
 class _TokenBlockPlan:
     """Where each (token, head, chosen block) pair sits among the tiles: tiles of ``block`` query
     places, one tile group per (sample, head, block), filled in token order. The blocks of q, k, v
@@ -245,34 +249,40 @@ class _TokenBlockPlan:
     def blocks(self, x: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """(n, H, D) -> (rows, 1, b, D): the given block rows (a slice or ids) of every sample and
         head, a sample's last block zero padded."""
-        source = self.source.view(self.n_rows, self.block)[rows].reshape(-1)
+        source = self.places(rows)
         flat = x.reshape(-1, x.shape[-1])
         out = flat.index_select(0, source.clamp_max(len(flat) - 1))
         if self.padded:
             out.masked_fill_((source == len(flat))[:, None], 0.0)
         return out.view(-1, 1, self.block, x.shape[-1])
 
-    def block_rows(self, size: int = 256):
-        """Slices of ``size`` block rows: the own blocks run a chunk at a time, so that their copies
+    def places(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """(rows * b,): the (token, head) row of each place of the given block rows, n * H for padding:
+        where ``blocks``' output goes back to in an (n * H + 1, ...) buffer whose last row takes the padding."""
+        return self.source.view(self.n_rows, self.block)[rows].reshape(-1)
+
+    def block_rows(self):
+        """Slices of ``BLOCK_ROWS`` block rows: the own blocks run a chunk at a time, so that their copies
         of q, k, v and the gradients stay small."""
-        return [slice(r0, min(r0 + size, self.n_rows)) for r0 in range(0, self.n_rows, size)]
+        return [slice(r0, min(r0 + BLOCK_ROWS, self.n_rows)) for r0 in range(0, self.n_rows, BLOCK_ROWS)]
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``blocks``' inverse: (rows, 1, b, ...) -> (n, H, ...), padding dropped."""
-        return (
-            x.reshape(self.n_rows * self.block, *x.shape[3:])
-            .index_select(0, self.place_of)
-            .view(-1, self.heads, *x.shape[3:])
-        )
-
-    def chunks(self, size: int = 256):
-        """(first tile, key block rows, pair slice, places within the chunk) per chunk of ``size``
-        tiles: tiles run a chunk at a time, so that their copies of q, k, v and the gradients stay small."""
+    def chunks(self, keys: slice = slice(None)):
+        """(key block rows, pair slice, places within the chunk) per chunk of up to ``TILES`` tiles, of
+        the tiles whose key block rows lie in ``keys`` (all by default): tiles run a chunk at a time,
+        so that their copies of q, k, v and the gradients stay small."""
         tile_of_pair = self.place // self.block  # ascending: pairs are in tile order
-        for t0 in range(0, self.n_tiles, size):
-            t1 = min(t0 + size, self.n_tiles)
+        # ascending too: tiles are in key block row order
+        lo, hi = (0, self.n_tiles) if keys == slice(None) else self.tiles_of(keys)
+        for t0 in range(lo, hi, TILES):
+            t1 = min(t0 + TILES, hi)
             p0, p1 = (int(torch.searchsorted(tile_of_pair, t)) for t in (t0, t1))
             yield self.key_rows[t0:t1], slice(p0, p1), self.place[p0:p1] - t0 * self.block
+
+    def tiles_of(self, keys: slice) -> tuple[int, int]:
+        """The tiles [lo, hi) whose key block rows lie in ``keys``."""
+        bounds = torch.tensor([keys.start, keys.stop], device=self.key_rows.device)
+        lo, hi = torch.searchsorted(self.key_rows, bounds).tolist()
+        return lo, hi
 
 
 def _tiles(pairs: torch.Tensor, places: torch.Tensor, n_tiles: int, block: int) -> torch.Tensor:
@@ -318,36 +328,53 @@ def _scores(q, k, causal: bool):
     return score
 
 
+_HEADROOM = 16.0  # how far a part's lse may pass a row's shift: weights up to e^16, far from float32's e^88
+
+
 class _TokenBlocks(torch.autograd.Function):
     """Own blocks and chosen blocks as separate softmaxes merged by log-sum-exp. Backward: each part
     through ``_flash_backward`` with the merged output and the part's share of the gradient, which
-    is the gradient of the merged softmax (the split-softmax identity FlashAttention's splits use)."""
+    is the gradient of the merged softmax (the split-softmax identity FlashAttention's splits use).
+    Outputs and gradients go straight to (n * H + 1, D) row buffers, a chunk at a time (the last row
+    takes padding): no buffer of every block's rows or of every chosen block's output."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: _TokenBlockPlan):
         q, k, v = (x.contiguous() for x in (q, k, v))  # read a chunk at a time: each a view, not a copy
-        pair, b = plan.pair, plan.block
-        own, own_lse = q.new_empty(plan.n_rows, 1, b, v.shape[-1]), q.new_empty(plan.n_rows, 1, b)
+        pair, b, rows_n = plan.pair, plan.block, q.shape[0] * q.shape[1]
+        acc, own_lse = q.new_empty(rows_n + 1, v.shape[-1]), q.new_empty(rows_n + 1)
         for r in plan.block_rows():  # padding keys lie after every real query of their block
-            own[r], own_lse[r] = _flash(plan.blocks(q, r), plan.blocks(k, r), plan.blocks(v, r), True)
-        own, own_lse = plan.rows(own), plan.rows(own_lse[..., None])[..., 0]  # (n, H, Dv), (n, H)
-        part, part_lse = own.new_empty(len(pair), own.shape[-1]), own_lse.new_empty(len(pair))
+            o, lse = _flash(plan.blocks(q, r), plan.blocks(k, r), plan.blocks(v, r), True)
+            places = plan.places(r)
+            acc.index_copy_(0, places, o.reshape(-1, o.shape[-1]))
+            own_lse.index_copy_(0, places, lse.reshape(-1))
+        acc, own_lse = acc[:rows_n], own_lse[:rows_n]
+        # online merge, a chunk of chosen blocks at a time: acc holds sum exp(lse_i - top) out_i and total
+        # sum exp(lse_i - top), top a shift per row that rises (rescaling the row) only where a part's lse
+        # passes it by more than _HEADROOM: rarely, where rescaling at every new maximum moves rows every chunk
+        top, total = own_lse.clone(), torch.ones_like(own_lse)
+        part_lse = own_lse.new_empty(len(pair))
         for rows, pairs, places in plan.chunks():
             tile_out, tile_lse = _flash(
                 _tiles(_take(q, pair[pairs]), places, len(rows), b), plan.blocks(k, rows), plan.blocks(v, rows), False
             )
-            part[pairs], part_lse[pairs] = _take(tile_out, places), tile_lse.reshape(-1).index_select(0, places)
-        top = own_lse.reshape(-1).scatter_reduce(0, pair, part_lse, "amax")  # a stable shift per (token, head)
-        total = torch.exp(own_lse.reshape(-1) - top).index_add(0, pair, torch.exp(part_lse - top[pair]))
+            at, lse = pair[pairs], tile_lse.reshape(-1).index_select(0, places)
+            part_lse[pairs] = lse
+            over = lse > top[at] + _HEADROOM
+            if over.any():
+                new_top = top.scatter_reduce(0, at[over], lse[over], "amax")
+                risen = (new_top > top).nonzero().squeeze(1)
+                scale = torch.exp(top[risen] - new_top[risen])
+                acc.index_copy_(0, risen, acc.index_select(0, risen).mul_(scale[:, None]))
+                total[risen] *= scale
+                top = new_top
+            weight = torch.exp(lse - top[at])
+            acc.index_add_(0, at, _take(tile_out, places).mul_(weight[:, None]))
+            total.index_add_(0, at, weight)
         lse = top + torch.log(total)
-        own_w, part_w = torch.exp(own_lse.reshape(-1) - lse), torch.exp(part_lse - lse[pair])
-        # in place: own and part are this function's own buffers, and each is as large as the output or larger
-        out = (
-            own.view(-1, own.shape[-1])
-            .mul_(own_w[:, None])
-            .index_add_(0, pair, part.mul_(part_w[:, None]))
-            .view_as(own)
-        )
+        out = acc.div_(total[:, None]).view(*q.shape[:2], v.shape[-1])
+        own_w, part_w = torch.exp(own_lse - lse), torch.exp(part_lse - lse[pair])
+        own_lse = own_lse.view(q.shape[:2])
         mass = own_w.new_zeros(*own_lse.shape, 1 + plan.slots)  # (n, H, 1 + K): each block's share of the softmax
         mass[..., 0] = own_w.view_as(own_lse)
         mass.view(-1)[plan.mass_at] = part_w
@@ -362,10 +389,13 @@ class _TokenBlocks(torch.autograd.Function):
         plan = ctx.plan
         q, k, v, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
         grad = grad.contiguous()
-        dim, b = q.shape[-1], plan.block
-        dqb, dkb, dvb = (x.new_empty(plan.n_rows, 1, b, x.shape[-1]) for x in (q, k, v))
-        for r in plan.block_rows():
-            dqb[r], dkb[r], dvb[r] = _flash_backward(
+        b, rows_n = plan.block, q.shape[0] * q.shape[1]
+        dq, dk, dv = (x.new_empty(rows_n + 1, x.shape[-1]) for x in (q, k, v))
+        # a chunk of block rows at a time: their own blocks' gradients, then the chosen tiles whose keys
+        # are these blocks add to the same chunk's dk, dv, which go to the rows once. Last chunk first:
+        # a query's chosen blocks come before its own, so its dq is written before they add to it
+        for r in reversed(plan.block_rows()):
+            dqo, dko, dvo = _flash_backward(
                 plan.blocks(grad, r) * plan.blocks(own_w.view(*own_lse.shape, 1), r),
                 plan.blocks(q, r),
                 plan.blocks(k, r),
@@ -374,24 +404,27 @@ class _TokenBlocks(torch.autograd.Function):
                 plan.blocks(own_lse[..., None], r)[..., 0],
                 True,
             )
-        dq = plan.rows(dqb).reshape(-1, dim)
-        for rows, pairs, places in plan.chunks():
-            pair = plan.pair[pairs]
-            n_tiles = len(rows)
-            # empty places: 0, harmless where the gradient is 0
-            lse = _tiles(part_lse[pairs, None], places, n_tiles, b)[..., 0]
-            dqt, dkt, dvt = _flash_backward(
-                _tiles(_take(grad, pair) * part_w[pairs, None], places, n_tiles, b),
-                _tiles(_take(q, pair), places, n_tiles, b),
-                plan.blocks(k, rows),
-                plan.blocks(v, rows),
-                _tiles(_take(out, pair), places, n_tiles, b),
-                lse,
-                False,
-            )
-            # in place: a copy per chunk would move all of dq, dk, dv each time
-            dq.index_add_(0, pair, _take(dqt, places))
-            dkb.index_add_(0, rows, dkt)
-            dvb.index_add_(0, rows, dvt)
-        dq = dq.view_as(q)
-        return dq, plan.rows(dkb), plan.rows(dvb), None
+            places = plan.places(r)
+            dq.index_copy_(0, places, dqo.reshape(-1, dqo.shape[-1]))  # every real place once
+            dko, dvo = dko.reshape(-1, b, dko.shape[-1]), dvo.reshape(-1, b, dvo.shape[-1])
+            for rows, pairs, at in plan.chunks(r):
+                pair = plan.pair[pairs]
+                n_tiles = len(rows)
+                # empty places: 0, harmless where the gradient is 0
+                lse = _tiles(part_lse[pairs, None], at, n_tiles, b)[..., 0]
+                dqt, dkt, dvt = _flash_backward(
+                    _tiles(_take(grad, pair) * part_w[pairs, None], at, n_tiles, b),
+                    _tiles(_take(q, pair), at, n_tiles, b),
+                    plan.blocks(k, rows),
+                    plan.blocks(v, rows),
+                    _tiles(_take(out, pair), at, n_tiles, b),
+                    lse,
+                    False,
+                )
+                # in place: a copy per chunk would move all of dq each time
+                dq.index_add_(0, pair, _take(dqt, at))
+                dko.index_add_(0, rows - r.start, dkt.view(-1, b, dkt.shape[-1]))
+                dvo.index_add_(0, rows - r.start, dvt.view(-1, b, dvt.shape[-1]))
+            dk.index_copy_(0, places, dko.view(-1, dko.shape[-1]))
+            dv.index_copy_(0, places, dvo.view(-1, dvo.shape[-1]))
+        return dq[:rows_n].view_as(q), dk[:rows_n].view_as(k), dv[:rows_n].view_as(v), None
