@@ -134,3 +134,90 @@ class _IndexKL(torch.autograd.Function):
     def backward(ctx, grad):
         diq, dw, dik = ctx.saved_tensors
         return None, diq * grad, dw * grad, dik * grad, None, None
+
+
+def dense_index_kl(q, k, lse, iq, w, ik, lens: list[int], rows: int, size: int = 1) -> torch.Tensor:
+    """sum over the queries of causal samples of ``lens`` tokens (packed in a row) of KL(p || softmax(I)):
+    p the main attention's distribution over the query's own and earlier keys (softmax(q . k), q (n, H, D)
+    pre-scaled, averaged over heads) against the indexer's scores over the same keys; ``size`` > 1: both per
+    block of ``size`` positions (p's mass per block, ik (samples, blocks, d) the blocks' index keys) over the
+    query's own block and those before. ``lse`` (n, H): each query's log-sum-exp of its scores per head as the
+    fused attention computed it, so that p = exp(q . k - lse) takes no softmax pass; None: computed here.
+    ``rows`` query rows at a time (the last first: they see the most keys, so each later block's buffers fit
+    in memory an earlier one freed); the loss and its gradients in one pass, the backward only scales them:
+    nothing is computed twice and no (rows, keys) buffer outlives its block. Gradients reach iq, w, ik only."""
+    return _DenseKL.apply(q.detach(), k.detach(), lse, iq, w, ik, lens, rows, size)
+
+
+class _DenseKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, lse, iq, w, ik, lens, rows, size):
+        heads = q.shape[1]
+        diq, dw, dik = torch.zeros_like(iq), torch.zeros_like(w), torch.zeros_like(ik)
+        total, start = q.new_zeros(()), 0
+        for sample, n in enumerate(lens):
+            tokens = slice(start, start + n)
+            # the sample's keys, (H, D + 1, n), with a row of ones: a query's extra entry -(lse + log H)
+            # then makes its product exp's argument (no pass to subtract it)
+            kt = torch.cat([k[tokens].permute(1, 2, 0), k.new_ones(heads, 1, n)], 1)
+            keys, dkeys = (ik[tokens], dik[tokens]) if size == 1 else (ik[sample], dik[sample])
+            for r0 in reversed(range(0, n, rows)):
+                r1 = min(r0 + rows, n)
+                r = slice(start + r0, start + r1)
+                p = _attention_mean(q[r], kt[..., :r1], None if lse is None else lse[r].to(q.dtype), r0)
+                if size > 1:
+                    p = per_block(p, size)
+                c0, cols = r0 // size, p.shape[1]
+                # the columns after each row's own: only among those from the block's first row's own
+                after = (
+                    torch.arange(c0, cols, device=q.device)[None, :]
+                    > (torch.arange(r0, r1, device=q.device) // size)[:, None]
+                )
+                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], keys[:cols], after, c0)
+                dkeys[:cols] += dk
+                total += loss
+            start += n
+        ctx.save_for_backward(diq, dw, dik)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        diq, dw, dik = ctx.saved_tensors
+        return None, None, None, diq * grad, dw * grad, dik * grad, None, None, None
+
+
+def _attention_mean(q, kt, lse, r0: int) -> torch.Tensor:
+    """(rows, keys): the mean over heads of rows r0.. of a causal sample attending over keys ``kt``
+    (H, D + 1, keys) (their last row ones), given each row's log-sum-exp per head (rows, H) or None."""
+    heads, dim = q.shape[1:]
+    own = torch.ones(len(q), len(q), dtype=torch.bool, device=q.device).triu_(1)  # the rows' later keys
+    if lse is None:
+        s = q.transpose(0, 1) @ kt[:, :dim]
+        s[..., r0:].masked_fill_(own, float("-inf"))
+        s.sub_(s.logsumexp(-1, keepdim=True) + math.log(heads))
+    else:
+        s = torch.cat([q.transpose(0, 1), -(lse.T[..., None] + math.log(heads))], -1) @ kt
+        s[..., r0:].masked_fill_(own, float("-inf"))
+    return s.exp_().sum(0)
+
+
+def _fit(p, iq, w, keys, after, c0: int):
+    """KL(p || softmax(I)) summed over rows, I = index scores of iq (r, J, d), w (r, J) over ``keys``
+    (C, d), columns c0.. hidden where ``after``; and its gradients for iq, w, keys."""
+    dots = (iq @ keys.T).relu_()  # (r, J, C)
+    logits = torch.bmm(w.unsqueeze(1), dots).squeeze(1)
+    logits[:, c0:].masked_fill_(after, torch.finfo(logits.dtype).min)  # finite: p is 0 there, and 0 x min is 0
+    # softmax's exp once, for the loss's log-sum-exp and the gradient; the loss as one dot product
+    top, mass = logits.amax(-1, keepdim=True), p.sum(-1, keepdim=True)
+    grad = (logits - top).exp_()
+    sums = grad.sum(-1, keepdim=True)
+    loss = torch.vdot(p.flatten(), p.clamp_min(1e-30).log_().sub_(logits).flatten()) + (mass * (top + sums.log())).sum()
+    grad.mul_(mass / sums).sub_(p)  # d loss / d logits
+    dw = torch.bmm(dots, grad.unsqueeze(-1)).squeeze(-1)
+    grad_dots = dots.sign_().mul_(w.unsqueeze(-1)).mul_(grad.unsqueeze(1))  # relu's gradient: 1 where positive
+    return loss, grad_dots @ keys, dw, grad_dots.flatten(0, 1).T @ iq.flatten(0, 1)
+
+
+def per_block(p: torch.Tensor, size: int) -> torch.Tensor:
+    """(rows, keys) weights -> (rows, ceil(keys / size)): each block's sum."""
+    return torch.nn.functional.pad(p, (0, -p.shape[-1] % size)).unflatten(-1, (-1, size)).sum(-1)
