@@ -155,22 +155,28 @@ class _DenseKL(torch.autograd.Function):
         heads = q.shape[1]
         diq, dw, dik = torch.zeros_like(iq), torch.zeros_like(w), torch.zeros_like(ik)
         total, start = q.new_zeros(()), 0
+        own = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)  # a block's later keys
         for sample, n in enumerate(lens):
             tokens = slice(start, start + n)
-            # the sample's keys, (H, D + 1, n), with a row of ones: a query's extra entry -(lse + log H)
-            # then makes its product exp's argument (no pass to subtract it)
+            # the sample's keys, (H, D + 1, n), with a row of ones, and queries (H, n, D + 1) with
+            # -(lse + log H): their product is exp's argument (no pass to subtract it)
             kt = torch.cat([k[tokens].permute(1, 2, 0), k.new_ones(heads, 1, n)], 1)
+            qt = q[tokens].transpose(0, 1)
+            if lse is not None:
+                qt = torch.cat([qt, -(lse[tokens].T.to(q.dtype) + math.log(heads))[..., None]], -1)
             keys, dkeys = (ik[tokens], dik[tokens]) if size == 1 else (ik[sample], dik[sample])
             for r0 in reversed(range(0, n, rows)):
                 r1 = min(r0 + rows, n)
                 r = slice(start + r0, start + r1)
-                p = _attention_mean(q[r], kt[..., :r1], None if lse is None else lse[r].to(q.dtype), r0)
+                p = _attention_mean(qt[:, r0:r1], kt[..., :r1], lse is not None, own[: r1 - r0, : r1 - r0], r0)
                 if size > 1:
                     p = per_block(p, size)
                 c0, cols = r0 // size, p.shape[1]
                 # the columns after each row's own: only among those from the block's first row's own
                 after = (
-                    torch.arange(c0, cols, device=q.device)[None, :]
+                    own[: r1 - r0, : r1 - r0]
+                    if size == 1
+                    else torch.arange(c0, cols, device=q.device)[None, :]
                     > (torch.arange(r0, r1, device=q.device) // size)[:, None]
                 )
                 loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], keys[:cols], after, c0)
@@ -186,18 +192,15 @@ class _DenseKL(torch.autograd.Function):
         return None, None, None, diq * grad, dw * grad, dik * grad, None, None, None
 
 
-def _attention_mean(q, kt, lse, r0: int) -> torch.Tensor:
+def _attention_mean(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
     """(rows, keys): the mean over heads of rows r0.. of a causal sample attending over keys ``kt``
-    (H, D + 1, keys) (their last row ones), given each row's log-sum-exp per head (rows, H) or None."""
-    heads, dim = q.shape[1:]
-    own = torch.ones(len(q), len(q), dtype=torch.bool, device=q.device).triu_(1)  # the rows' later keys
-    if lse is None:
-        s = q.transpose(0, 1) @ kt[:, :dim]
-        s[..., r0:].masked_fill_(own, float("-inf"))
+    (H, D + 1, keys) (their last row ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the
+    last entry each row's -(log-sum-exp + log H), else D); ``own`` (rows, rows) hides later keys."""
+    heads, dim = qt.shape[0], kt.shape[1] - 1
+    s = qt @ kt if shifted else qt @ kt[:, :dim]
+    s[..., r0:].masked_fill_(own, float("-inf"))
+    if not shifted:
         s.sub_(s.logsumexp(-1, keepdim=True) + math.log(heads))
-    else:
-        s = torch.cat([q.transpose(0, 1), -(lse.T[..., None] + math.log(heads))], -1) @ kt
-        s[..., r0:].masked_fill_(own, float("-inf"))
     return s.exp_().sum(0)
 
 
