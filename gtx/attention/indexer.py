@@ -15,6 +15,7 @@ by their tokens' positions (``rotary_angles``), so the kernels score rotated vec
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -153,9 +154,9 @@ class _DenseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, lse, iq, w, ik, lens, rows, size):
         heads = q.shape[1]
-        diq, dw, dik = torch.zeros_like(iq), torch.zeros_like(w), torch.zeros_like(ik)
-        total, start = q.new_zeros(()), 0
+        diq, dw = torch.zeros_like(iq), torch.zeros_like(w)
         own = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)  # a block's later keys
+        samples, blocks, start = [], [], 0
         for sample, n in enumerate(lens):
             tokens = slice(start, start + n)
             # the sample's keys, (H, D + 1, n), with a row of ones, and queries (H, n, D + 1) with
@@ -164,9 +165,19 @@ class _DenseKL(torch.autograd.Function):
             qt = q[tokens].transpose(0, 1)
             if lse is not None:
                 qt = torch.cat([qt, -(lse[tokens].T.to(q.dtype) + math.log(heads))[..., None]], -1)
-            keys, dkeys = (ik[tokens], dik[tokens]) if size == 1 else (ik[sample], dik[sample])
-            for r0 in reversed(range(0, n, rows)):
-                r1 = min(r0 + rows, n)
+            samples.append((start, kt, qt, tokens if size == 1 else sample))
+            blocks += [(sample, r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
+            start += n
+        # the widest blocks first, dealt in turn to the workers: each about the same work
+        blocks.sort(key=lambda b: b[2], reverse=True)
+
+        @torch.no_grad()  # grad mode is per thread: the workers' too
+        def work(part: int, parts: int):
+            if parts > 1:  # one thread each: blocks side by side, not every op split (a barrier each)
+                torch.set_num_threads(1)
+            total, dik = q.new_zeros(()), torch.zeros_like(ik)
+            for sample, r0, r1 in blocks[part::parts]:
+                start, kt, qt, at = samples[sample]
                 r = slice(start + r0, start + r1)
                 p = _attention_mean(qt[:, r0:r1], kt[..., :r1], lse is not None, own[: r1 - r0, : r1 - r0], r0)
                 if size > 1:
@@ -179,10 +190,22 @@ class _DenseKL(torch.autograd.Function):
                     else torch.arange(c0, cols, device=q.device)[None, :]
                     > (torch.arange(r0, r1, device=q.device) // size)[:, None]
                 )
-                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], keys[:cols], after, c0)
-                dkeys[:cols] += dk
+                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], ik[at][:cols], after, c0)
+                dik[at][:cols] += dk
                 total += loss
-            start += n
+            return total, dik
+
+        threads = torch.get_num_threads()
+        parts = min(threads, len(blocks)) if q.device.type == "cpu" else 1
+        if parts == 1:
+            total, dik = work(0, 1)
+        else:
+            try:
+                with ThreadPoolExecutor(parts) as pool:
+                    done = list(pool.map(work, range(parts), [parts] * parts))
+            finally:
+                torch.set_num_threads(threads)  # the workers set the count new threads start with
+            total, dik = sum(t for t, _ in done), sum(d for _, d in done)
         ctx.save_for_backward(diq, dw, dik)
         return total
 
