@@ -39,9 +39,9 @@ from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 
-# query rows per block of the dense stage's KL: its saved scores are rows x keys per block, so
-# small blocks keep the peak near the model without attention's at long lengths (the last rows,
-# the widest, first); a few percent of the step is the price of the extra calls
+# query rows per block of the dense stage's KL: a block's buffers are a few rows x keys (its scores
+# per head, targets, index scores), one block per torch thread at a time, so small blocks keep the
+# peak near the model without attention's at long lengths
 DENSE_KL_ROWS = 64
 
 

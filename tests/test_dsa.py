@@ -594,9 +594,15 @@ def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_k
     ys = [x.double().requires_grad_() for x in (iq, w, ik)]
     want = dense_kl_by_softmax(q.double(), k.double(), ys[0], ys[1], keys_of(ys[2]), lens, size)
     want_grads = torch.autograd.grad(want, ys)
-    for given in (lse, None):
+    threads = torch.get_num_threads()
+    for given, workers in ((lse, 2), (None, 1)):  # row blocks side by side on two threads, or on one
+        torch.set_num_threads(workers)
         xs = [x.clone().requires_grad_() for x in (iq, w, ik)]
-        got = dense_index_kl(q, k, given, xs[0], xs[1], keys_of(xs[2]), lens, rows, size)
+        try:
+            got = dense_index_kl(q, k, given, xs[0], xs[1], keys_of(xs[2]), lens, rows, size)
+            assert torch.get_num_threads() == workers  # as it was: the workers' own count undone
+        finally:
+            torch.set_num_threads(threads)
         torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
         for a, b in zip(torch.autograd.grad(got * 0.5, xs), want_grads):  # the backward scales the gradients
             torch.testing.assert_close(a.double(), 0.5 * b, atol=1e-5, rtol=1e-4)

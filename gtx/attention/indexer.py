@@ -144,9 +144,10 @@ def dense_index_kl(q, k, lse, iq, w, ik, lens: list[int], rows: int, size: int =
     block of ``size`` positions (p's mass per block, ik (samples, blocks, d) the blocks' index keys) over the
     query's own block and those before. ``lse`` (n, H): each query's log-sum-exp of its scores per head as the
     fused attention computed it, so that p = exp(q . k - lse) takes no softmax pass; None: computed here.
-    ``rows`` query rows at a time (the last first: they see the most keys, so each later block's buffers fit
-    in memory an earlier one freed); the loss and its gradients in one pass, the backward only scales them:
-    nothing is computed twice and no (rows, keys) buffer outlives its block. Gradients reach iq, w, ik only."""
+    ``rows`` query rows at a time, the widest blocks first, dealt in turn to one worker per torch thread
+    on the CPU (each on one thread: blocks side by side, where splitting each op across the threads costs a
+    barrier per op); the loss and its gradients in one pass, the backward only scales them: nothing is
+    recomputed and no (rows, keys) buffer outlives its block. Gradients reach iq, w, ik only."""
     return _DenseKL.apply(q.detach(), k.detach(), lse, iq, w, ik, lens, rows, size)
 
 
