@@ -24,15 +24,24 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import GtxError, hookimpl, parse_pattern
-from gtx.attention.choice import PRECISIONS, int8_scores, later_keys, query_blocks, softmax_, top_later_first
-from gtx.attention.indexer import ROWS, index_kl, index_scores, kl_masked, kl_to, rotary_angles, rotate, top_indexed
+from gtx.attention.choice import PRECISIONS, int8_scores, top_later_first
+from gtx.attention.indexer import (
+    ROWS,
+    dense_index_kl,
+    index_kl,
+    index_scores,
+    kl_to,
+    rotary_angles,
+    rotate,
+    top_indexed,
+)
 from gtx.attention.keys import KeySelection, attend_keys
 from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 
-# query rows per block of the dense stage's KL: its saved scores are rows x keys per block, so
-# small blocks keep the peak near the model without attention's at long lengths (the last rows,
-# the widest, first); a few percent of the step is the price of the extra calls
+# query rows per block of the dense stage's KL: a block's buffers are a few rows x keys (its scores
+# per head, targets, index scores), one block per torch thread at a time, so small blocks keep the
+# peak near the model without attention's at long lengths
 DENSE_KL_ROWS = 64
 
 
@@ -104,12 +113,14 @@ class SparseIndexed(Trainable):
         iq, w, ik = self.indexer(q.detach().flatten(1), x.detach(), positions_of(lens, q.device))
         blocks = BlockIndex(ik, lens, c.b) if c.b > 1 else None
         if not sparse:
-            if run.training:
-                run.loss("indexer_kl_dense", self.dense_kl(q.detach(), k.detach(), iq, w, ik, edges, blocks))
-                if self.freeze:
-                    run.freeze_model()
             run.kept("dense", edges.num_edges, edges.n_dst)
-            return run.attend(q, k, v, edges)
+            if not run.training:
+                return run.attend(q, k, v, edges)
+            out, lse = run.attend_lse(q, k, v, edges)  # the fused kernel's log-sum-exp: the KL's target in one pass
+            run.loss("indexer_kl_dense", self.dense_kl(q, k, lse, iq, w, ik, lens, blocks))
+            if self.freeze:
+                run.freeze_model()
+            return out
         if blocks is not None:
             with torch.no_grad():
                 sel = blocks.top(iq, w, c.k // c.b - 1, q.shape[1], c.precision)
@@ -146,36 +157,13 @@ class SparseIndexed(Trainable):
             f"freeze={str(self.freeze).lower()} ({why})"
         )
 
-    def dense_kl(self, q, k, iq, w, ik, edges, blocks: BlockIndex | None = None) -> torch.Tensor:
-        """The dense stage's KL: the main attention's distribution summed over heads (then normalised)
-        against the indexer's softmax over every candidate, per query, summed over the batch and
-        divided by the queries; with ``blocks``, both as masses per block (a query's own block and
-        those before it). Row blocks are recomputed in the backward (checkpoint), their masks too:
-        kept, a block's (rows, keys) mask cost 256 MB a layer at 16k tokens."""
-
-        def block(q_r, iq_r, w_r, k_s, ik_s, r0):
-            # k_s: the keys up to the block's last row, so only the block's own rows hide keys from
-            # each other: masks over those (rows x rows) columns only, not over every key
-            own = torch.ones(len(q_r), len(q_r), dtype=torch.bool, device=q_r.device).triu_(1)
-            with torch.no_grad():  # the target (q, k detached)
-                scores = q_r.transpose(0, 1) @ k_s.permute(1, 2, 0)
-                scores[..., r0:].masked_fill_(own, float("-inf"))
-                p = softmax_(scores).mean(0)
-            if blocks is not None:  # ik_s: the sample's block index keys
-                hidden = blocks.after(later_keys(r0, r0 + len(q_r), len(k_s), q_r.device))
-                return kl_to(per_block(p, blocks.size), index_scores(iq_r, w_r, ik_s[: hidden.shape[-1]]), ~hidden)
-            logits = index_scores(iq_r, w_r, ik_s)
-            logits[:, r0:].masked_fill_(own, torch.finfo(logits.dtype).min)  # p is 0 there already
-            return kl_masked(p, logits)
-
-        total = q.new_zeros(())
-        # the last rows first: they see the most keys, so each later block's buffers fit in memory an
-        # earlier one freed (in ascending order glibc's heap grew by about a block per block)
-        for sample, (q_off, k_off, nk, r0, r1) in reversed(list(enumerate_samples(query_blocks(edges, DENSE_KL_ROWS)))):
-            rows, keys = slice(q_off + r0, q_off + r1), slice(k_off, k_off + nk)
-            ik_s = ik[keys] if blocks is None else blocks.keys[sample]
-            total = total + checkpoint(block, q[rows], iq[rows], w[rows], k[keys], ik_s, r0, use_reentrant=False)
-        return total / q.shape[0]
+    def dense_kl(self, q, k, lse, iq, w, ik, lens, blocks: BlockIndex | None = None) -> torch.Tensor:
+        """The dense stage's KL: the main attention's distribution averaged over heads against the
+        indexer's softmax over every candidate, per query, averaged (``dense_index_kl``; ``lse``: the main
+        attention's log-sum-exp per query and head, or None); with ``blocks``, both as masses per block
+        (a query's own block and those before it)."""
+        keys, size = (ik, 1) if blocks is None else (blocks.keys, blocks.size)
+        return dense_index_kl(q, k, lse, iq, w, keys, lens, DENSE_KL_ROWS, size) / q.shape[0]
 
     def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
         """After the dense stage: the main attention over the kept tokens (averaged over heads) against
@@ -207,20 +195,6 @@ def _check_definition(module, state_dict, prefix, *args) -> None:
         f"{rotated} of {module.config.index_dim}: its choices would mean something else; train under this pattern, or evaluate "
         "the checkpoint under one without an indexer"
     )
-
-
-def enumerate_samples(blocks):
-    """``query_blocks``' tuples, each with the index of the sample it belongs to (samples are never empty)."""
-    sample, offset = -1, None
-    for item in blocks:
-        if item[0] != offset:
-            sample, offset = sample + 1, item[0]
-        yield sample, item
-
-
-def per_block(p: torch.Tensor, size: int) -> torch.Tensor:
-    """(rows, keys) weights -> (rows, ceil(keys / size)): each block's sum."""
-    return torch.nn.functional.pad(p, (0, -p.shape[-1] % size)).unflatten(-1, (-1, size)).sum(-1)
 
 
 class BlockIndex:

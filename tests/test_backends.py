@@ -468,3 +468,40 @@ def test_plain_attention_batches_know_their_structure_without_building_edges(spe
     src = torch.cat([pattern.edges(stage, n, n)[0] + o for n, o in zip(lens, offsets)])
     dst = torch.cat([pattern.edges(stage, n, n)[1] + o for n, o in zip(lens, offsets)])
     assert torch.equal(lazy.src, src) and torch.equal(lazy.dst, dst)
+
+
+@pytest.mark.parametrize("call_work", [0, 2**50])  # a bucket per shape (rows reordered) .. one padded call (masked)
+@pytest.mark.parametrize("name", ["dense", "auto"])
+@pytest.mark.parametrize("case", PLAIN, ids=[c[0] for c in PLAIN])
+def test_plain_attention_gives_each_querys_log_sum_exp_with_the_same_output(case, name, call_work, monkeypatch):
+    """``with_lse`` on the flash path: the output and gradients of the plain call, and per query and
+    head the log-sum-exp of its scores over its edges (what DSA's dense stage reads its attention from)."""
+    from gtx.backends import flash
+
+    _, edges, _ = case
+    monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
+    edges = EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 4, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src))
+    backend = get_backend(name)
+    out, lse = backend.with_lse(q, k, v, edges)
+    torch.testing.assert_close(out, backend(q, k, v, edges), atol=0, rtol=0)
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+    torch.testing.assert_close(
+        torch.autograd.grad((out * weights).sum(), (q, k, v)),
+        torch.autograd.grad((backend(q, k, v, edges) * weights).sum(), (q, k, v)),
+    )
+    adj = torch.zeros(edges.n_dst, edges.n_src, dtype=torch.bool)
+    adj[edges.dst, edges.src] = True
+    scores = torch.einsum("qhd,khd->qhk", q.double(), k.double()).masked_fill(~adj[:, None], float("-inf"))
+    assert lse.shape == (edges.n_dst, 2) and not lse.requires_grad
+    torch.testing.assert_close(lse, scores.logsumexp(-1).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_that_is_not_plain_gives_no_log_sum_exp():
+    edges = build_graph(parse_pattern("local:w=3"), None, [9]).edges["dd"]
+    q, k, v = (torch.randn(9, 2, 4) for _ in range(3))
+    for name in ("auto", "dense", "dgl"):
+        out, lse = get_backend(name).with_lse(q, k, v, edges)
+        assert lse is None
+        torch.testing.assert_close(out, get_backend("dense")(q, k, v, edges))

@@ -554,3 +554,61 @@ def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top,
     for a, b in zip(got[:-1], want[:-1]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
     assert got[-1] == want[-1]
+
+
+def dense_kl_by_softmax(q, k, iq, w, ik, lens, size):
+    """The dense stage's KL (summed over queries) written out in float64 with softmaxes: the mean over
+    heads of the causal attention against softmax(I) over the query's own and earlier tokens, or with
+    ``size`` > 1 both as masses per block over the query's own block and those before (ik: block keys)."""
+    total, start = 0.0, 0
+    for sample, n in enumerate(lens):
+        rows = slice(start, start + n)
+        later = torch.ones(n, n, dtype=torch.bool).triu(1)
+        p = torch.softmax(torch.einsum("thd,shd->hts", q[rows], k[rows]).masked_fill(later, float("-inf")), -1).mean(0)
+        keys = ik[rows] if size == 1 else ik[sample, : -(-n // size)]
+        if size > 1:
+            p = torch.nn.functional.pad(p, (0, -n % size)).unflatten(-1, (-1, size)).sum(-1)
+            later = torch.arange(len(keys))[None, :] > (torch.arange(n) // size)[:, None]
+        logq = torch.log_softmax(index_scores(iq[rows], w[rows], keys).masked_fill(later, float("-inf")), -1)
+        total = total + (p * (p.clamp_min(1e-30).log() - logq.masked_fill(later, 0))).sum()
+        start += n
+    return total
+
+
+@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("lens, rows", [([37], 64), ([30, 21, 5], 8), ([70, 1, 33], 16)])
+def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_kl_values_and_gradients(
+    lens, rows, size
+):
+    """``dense_index_kl``: its loss and the indexer's gradients (computed in its one pass), given the
+    log-sum-exp of the fused causal attention (unequal samples: bucketed, rows reordered) or
+    computing it itself, against the KL of softmaxes in float64, in blocks of rows of every size."""
+    from gtx.attention.indexer import dense_index_kl
+    from gtx.attention.selection import block_means
+
+    torch.manual_seed(sum(lens) + size)
+    n, heads = sum(lens), 3
+    q, k, v = (torch.randn(n, heads, 8) for _ in range(3))
+    iq, w, ik = torch.randn(n, 2, 4), torch.randn(n, 2), torch.randn(n, 4)
+    edges = build_graph(parse_pattern("causal"), None, lens).edges["dd"]
+    _, lse = get_backend("auto").with_lse(q, k, v, edges)
+    assert lse is not None  # the CPU's flash kernel gave it
+
+    def keys_of(ik):
+        return ik if size == 1 else block_means(ik[:, None], lens, size)[:, 0]
+
+    ys = [x.double().requires_grad_() for x in (iq, w, ik)]
+    want = dense_kl_by_softmax(q.double(), k.double(), ys[0], ys[1], keys_of(ys[2]), lens, size)
+    want_grads = torch.autograd.grad(want, ys)
+    threads = torch.get_num_threads()
+    for given, workers in ((lse, 2), (None, 1)):  # row blocks side by side on two threads, or on one
+        torch.set_num_threads(workers)
+        xs = [x.clone().requires_grad_() for x in (iq, w, ik)]
+        try:
+            got = dense_index_kl(q, k, given, xs[0], xs[1], keys_of(xs[2]), lens, rows, size)
+            assert torch.get_num_threads() == workers  # as it was: the workers' own count undone
+        finally:
+            torch.set_num_threads(threads)
+        torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
+        for a, b in zip(torch.autograd.grad(got * 0.5, xs), want_grads):  # the backward scales the gradients
+            torch.testing.assert_close(a.double(), 0.5 * b, atol=1e-5, rtol=1e-4)

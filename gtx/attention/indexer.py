@@ -15,6 +15,7 @@ by their tokens' positions (``rotary_angles``), so the kernels score rotated vec
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -134,3 +135,116 @@ class _IndexKL(torch.autograd.Function):
     def backward(ctx, grad):
         diq, dw, dik = ctx.saved_tensors
         return None, diq * grad, dw * grad, dik * grad, None, None
+
+
+def dense_index_kl(q, k, lse, iq, w, ik, lens: list[int], rows: int, size: int = 1) -> torch.Tensor:
+    """sum over the queries of causal samples of ``lens`` tokens (packed in a row) of KL(p || softmax(I)):
+    p the main attention's distribution over the query's own and earlier keys (softmax(q . k), q (n, H, D)
+    pre-scaled, averaged over heads) against the indexer's scores over the same keys; ``size`` > 1: both per
+    block of ``size`` positions (p's mass per block, ik (samples, blocks, d) the blocks' index keys) over the
+    query's own block and those before. ``lse`` (n, H): each query's log-sum-exp of its scores per head as the
+    fused attention computed it, so that p = exp(q . k - lse) takes no softmax pass; None: computed here.
+    ``rows`` query rows at a time, the widest blocks first, dealt in turn to one worker per torch thread
+    on the CPU (each on one thread: blocks side by side, where splitting each op across the threads costs a
+    barrier per op); the loss and its gradients in one pass, the backward only scales them: nothing is
+    recomputed and no (rows, keys) buffer outlives its block. Gradients reach iq, w, ik only."""
+    return _DenseKL.apply(q.detach(), k.detach(), lse, iq, w, ik, lens, rows, size)
+
+
+class _DenseKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, lse, iq, w, ik, lens, rows, size):
+        heads = q.shape[1]
+        diq, dw = torch.zeros_like(iq), torch.zeros_like(w)
+        own = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)  # a block's later keys
+        samples, blocks, start = [], [], 0
+        for sample, n in enumerate(lens):
+            tokens = slice(start, start + n)
+            # the sample's keys, (H, D + 1, n), with a row of ones, and queries (H, n, D + 1) with
+            # -(lse + log H): their product is exp's argument (no pass to subtract it)
+            kt = torch.cat([k[tokens].permute(1, 2, 0), k.new_ones(heads, 1, n)], 1)
+            qt = q[tokens].transpose(0, 1)
+            if lse is not None:
+                qt = torch.cat([qt, -(lse[tokens].T.to(q.dtype) + math.log(heads))[..., None]], -1)
+            samples.append((start, kt, qt, tokens if size == 1 else sample))
+            blocks += [(sample, r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
+            start += n
+        # the widest blocks first, dealt in turn to the workers: each about the same work
+        blocks.sort(key=lambda b: b[2], reverse=True)
+
+        @torch.no_grad()  # grad mode is per thread: the workers' too
+        def work(part: int, parts: int):
+            if parts > 1:  # one thread each: blocks side by side, not every op split (a barrier each)
+                torch.set_num_threads(1)
+            total, dik = q.new_zeros(()), torch.zeros_like(ik)
+            for sample, r0, r1 in blocks[part::parts]:
+                start, kt, qt, at = samples[sample]
+                r = slice(start + r0, start + r1)
+                p = _attention_mean(qt[:, r0:r1], kt[..., :r1], lse is not None, own[: r1 - r0, : r1 - r0], r0)
+                if size > 1:
+                    p = per_block(p, size)
+                c0, cols = r0 // size, p.shape[1]
+                # the columns after each row's own: only among those from the block's first row's own
+                after = (
+                    own[: r1 - r0, : r1 - r0]
+                    if size == 1
+                    else torch.arange(c0, cols, device=q.device)[None, :]
+                    > (torch.arange(r0, r1, device=q.device) // size)[:, None]
+                )
+                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], ik[at][:cols], after, c0)
+                dik[at][:cols] += dk
+                total += loss
+            return total, dik
+
+        threads = torch.get_num_threads()
+        parts = min(threads, len(blocks)) if q.device.type == "cpu" else 1
+        if parts == 1:
+            total, dik = work(0, 1)
+        else:
+            try:
+                with ThreadPoolExecutor(parts) as pool:
+                    done = list(pool.map(work, range(parts), [parts] * parts))
+            finally:
+                torch.set_num_threads(threads)  # the workers set the count new threads start with
+            total, dik = sum(t for t, _ in done), sum(d for _, d in done)
+        ctx.save_for_backward(diq, dw, dik)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        diq, dw, dik = ctx.saved_tensors
+        return None, None, None, diq * grad, dw * grad, dik * grad, None, None, None
+
+
+def _attention_mean(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
+    """(rows, keys): the mean over heads of rows r0.. of a causal sample attending over keys ``kt``
+    (H, D + 1, keys) (their last row ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the
+    last entry each row's -(log-sum-exp + log H), else D); ``own`` (rows, rows) hides later keys."""
+    heads, dim = qt.shape[0], kt.shape[1] - 1
+    s = qt @ kt if shifted else qt @ kt[:, :dim]
+    s[..., r0:].masked_fill_(own, float("-inf"))
+    if not shifted:
+        s.sub_(s.logsumexp(-1, keepdim=True) + math.log(heads))
+    return s.exp_().sum(0)
+
+
+def _fit(p, iq, w, keys, after, c0: int):
+    """KL(p || softmax(I)) summed over rows, I = index scores of iq (r, J, d), w (r, J) over ``keys``
+    (C, d), columns c0.. hidden where ``after``; and its gradients for iq, w, keys."""
+    dots = (iq @ keys.T).relu_()  # (r, J, C)
+    logits = torch.bmm(w.unsqueeze(1), dots).squeeze(1)
+    logits[:, c0:].masked_fill_(after, torch.finfo(logits.dtype).min)  # finite: p is 0 there, and 0 x min is 0
+    # softmax's exp once, for the loss's log-sum-exp and the gradient; the loss as one dot product
+    top, mass = logits.amax(-1, keepdim=True), p.sum(-1, keepdim=True)
+    grad = (logits - top).exp_()
+    sums = grad.sum(-1, keepdim=True)
+    loss = torch.vdot(p.flatten(), p.clamp_min(1e-30).log_().sub_(logits).flatten()) + (mass * (top + sums.log())).sum()
+    grad.mul_(mass / sums).sub_(p)  # d loss / d logits
+    dw = torch.bmm(dots, grad.unsqueeze(-1)).squeeze(-1)
+    grad_dots = dots.sign_().mul_(w.unsqueeze(-1)).mul_(grad.unsqueeze(1))  # relu's gradient: 1 where positive
+    return loss, grad_dots @ keys, dw, grad_dots.flatten(0, 1).T @ iq.flatten(0, 1)
+
+
+def per_block(p: torch.Tensor, size: int) -> torch.Tensor:
+    """(rows, keys) weights -> (rows, ceil(keys / size)): each block's sum."""
+    return torch.nn.functional.pad(p, (0, -p.shape[-1] % size)).unflatten(-1, (-1, size)).sum(-1)

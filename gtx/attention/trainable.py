@@ -114,6 +114,11 @@ class Run:
         """Softmax attention over ``edges`` on the run's backend (q pre-scaled, (n, H, D))."""
         return self._owner.backend(q, k, v, edges)
 
+    def attend_lse(self, q, k, v, edges: EdgeSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``attend``, and each query's log-sum-exp of its scores per head, (n_dst, H), without
+        gradient, where the backend's kernel computes it anyway (``Backend.with_lse``); else None."""
+        return self._owner.backend.with_lse(q, k, v, edges)
+
     def loss(self, name: str, value: torch.Tensor) -> None:
         """An auxiliary loss: added to the training loss when training; its mean is recorded."""
         if value.dim() != 0 or not value.is_floating_point():

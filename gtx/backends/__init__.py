@@ -37,6 +37,12 @@ class Backend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
         raise NotImplementedError
 
+    def with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet):
+        """``self(q, k, v, edges)`` and, where the kernel computes it anyway (SDPA's CPU flash kernel on
+        plain attention), each query's log-sum-exp of its scores per head, (n_dst, H), without
+        gradient; else None."""
+        return self(q, k, v, edges), None
+
     def reset_choices(self) -> dict[str, dict[str, int]]:
         """What the backend chose per stage since the last call (backends that choose override this)."""
         return {}

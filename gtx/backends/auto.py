@@ -223,7 +223,8 @@ class AutoBackend(Backend):
 
     supports_bias = True  # routed to the candidates that take biases
 
-    def __call__(self, q, k, v, edges, bias=None):
+    def _chosen(self, q, k, v, edges, bias) -> str:
+        """The choice for this call (planned once per edge set), counted."""
         root, biased = edges.root, bias is not None
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
         name = root.plan(
@@ -231,10 +232,22 @@ class AutoBackend(Backend):
             lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased, grad),
         )
         self.choices[edges.stage or "?"][name] += 1
+        return name
+
+    def with_lse(self, q, k, v, edges):
+        name = self._chosen(q, k, v, edges, None)
+        if name.startswith(FLASH) and edges.parent is None:
+            return flash_attention(q, k, v, edges, name.removeprefix(FLASH), lse=True)
+        return self._run(name, q, k, v, edges, None), None
+
+    def __call__(self, q, k, v, edges, bias=None):
+        return self._run(self._chosen(q, k, v, edges, bias), q, k, v, edges, bias)
+
+    def _run(self, name, q, k, v, edges, bias):
         if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
             return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
         backend = self._usable(q.device)[name]
-        return backend(q, k, v, edges, bias=bias) if biased else backend(q, k, v, edges)
+        return backend(q, k, v, edges) if bias is None else backend(q, k, v, edges, bias=bias)
 
     def reset_choices(self) -> dict[str, dict[str, int]]:
         """The choices counted since the last reset, per stage, then start counting afresh."""

@@ -57,3 +57,9 @@ class DenseBackend(Backend):
         if structure is not None:
             return flash_attention(q, k, v, edges, structure)
         return masked_attention(q, k, v, edges, bias)
+
+    def with_lse(self, q, k, v, edges):
+        structure = flash_structure(edges.root) if self.flash and edges.parent is None else None
+        return (
+            super().with_lse(q, k, v, edges) if structure is None else flash_attention(q, k, v, edges, structure, True)
+        )

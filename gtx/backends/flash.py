@@ -172,30 +172,49 @@ def buckets(shapes: list[tuple[int, int]], causal: bool, call_pairs: float) -> l
     return runs[::-1]
 
 
-def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, causal: bool) -> torch.Tensor:
+def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, causal: bool, lse: bool = False):
     """(count*n_q, H, Dv): the bucket as one (count, H, n, D) SDPA call. Four dimensions matter:
-    SDPA's CPU flash kernel takes only 4-D inputs (3-D ones fall back to the math kernel)."""
+    SDPA's CPU flash kernel takes only 4-D inputs (3-D ones fall back to the math kernel). With
+    ``lse``, also each query's log-sum-exp of its scores per head, (count*n_q, H), from the CPU
+    flash kernel itself (the one SDPA runs there, called directly: SDPA returns no log-sum-exp);
+    elsewhere None."""
     if b.q_idx is not None:  # index_select: its backward is index_add
         q, k, v = q.index_select(0, b.q_idx), k.index_select(0, b.k_idx), v.index_select(0, b.k_idx)
     q4 = q.view(b.count, b.n_q, *q.shape[1:]).transpose(1, 2)
     k4 = k.view(b.count, b.n_k, *k.shape[1:]).transpose(1, 2)
     v4 = v.view(b.count, b.n_k, *v.shape[1:]).transpose(1, 2)
-    # (count, H, n_q, Dv)
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=b.mask, is_causal=causal, scale=1.0)
-    return out.transpose(1, 2).reshape(b.count * b.n_q, q.shape[1], v.shape[-1])
+    sums = None
+    if lse and q.device.type == "cpu":
+        mask = None if b.mask is None else torch.zeros(b.mask.shape, dtype=q.dtype).masked_fill_(~b.mask, -torch.inf)
+        out, sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, causal, attn_mask=mask, scale=1.0
+        )
+        sums = sums.transpose(1, 2).reshape(b.count * b.n_q, q.shape[1])
+    else:  # (count, H, n_q, Dv)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=b.mask, is_causal=causal, scale=1.0)
+    out = out.transpose(1, 2).reshape(b.count * b.n_q, q.shape[1], v.shape[-1])
+    return (out, sums) if lse else out
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, structure: str) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, structure: str, lse: bool = False
+):
     """The backend contract (q (n_dst, H, D) scaled, k (n_src, H, D), v (n_src, H, Dv) ->
     (n_dst, H, Dv)) for an edge set whose ``flash_structure`` is ``structure``, or an ACT subset
-    of one (then ``structure`` is its full set's)."""
+    of one (then ``structure`` is its full set's). ``lse`` (a full set only): (out, each query's
+    log-sum-exp of its scores per head, (n_dst, H), no gradient; None off the CPU)."""
     root = edges.root
     head_dims = q.shape[1] * q.shape[2]
     plan = root.plan(("flash", structure, q.device, head_dims), lambda: make_plan(root, structure, head_dims))
-    outs = [_run_bucket(q, k, v, b, plan.causal) for b in plan.buckets]
+    if lse and edges.parent is not None:
+        raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
+    runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
+    outs, sums = zip(*runs) if lse else (runs, [None])
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    sums = None if sums[0] is None else sums[0] if len(sums) == 1 else torch.cat(sums)
     if plan.order is not None:
         out = out.index_select(0, plan.order)
+        sums = None if sums is None else sums.index_select(0, plan.order)
     if edges.parent is not None:  # dropped queries have no edges: zeros, and no gradient through them
         out = out * edges.keep[:, None, None].to(out.dtype)
-    return out
+    return (out, sums) if lse else out
