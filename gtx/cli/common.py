@@ -48,7 +48,7 @@ def plugins_dir_option(f):
         try:
             load_plugins(dirs=value)
         except GtxError as e:
-            raise CliError(str(e)) from None
+            raise cli_error(e) from None
         return value
 
     return click.option(
