@@ -298,7 +298,8 @@ def dsa(
         ``--set path=DIR``, as DeepSeek adapts a trained model; a resumed run keeps its start's),
         training from scratch (a frozen random model would learn nothing); ``true`` or ``false``
         decides. The run records the value it ran with in the trained attention's state
-        (``attention_stage`` of ``gtx eval``'s rows; the note a dense stage prints). Results:
+        (``attention_stage`` in each results row's metrics, the state its phase left it in; the note a
+        dense stage prints). Results:
         ``indexer_kl_dense``, ``indexer_kl_sparse``, ``kept_selected`` (keys per query).
         DeepSeek-V3.2 keeps 2048 of up to 128k tokens with 64 indexer heads of 128. ``b > 1``:
         blocks scored by their mean index key, read on MoBA's per-token block kernel, the KL over

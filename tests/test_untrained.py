@@ -113,7 +113,10 @@ def test_dsa_freezes_a_pretrained_model_in_its_dense_stage_unless_told_and_its_e
         ],
     )
     assert trained.exit_code == 0, trained.output
-    run_id = load(tmp_path / "r").run_id.iloc[0]
+    rows = load(tmp_path / "r")
+    run_id = rows.run_id.iloc[0]
+    # every training row records the state its phase left the method in, freeze resolved
+    assert {json.loads(m)["attention_stage"] for m in rows.metrics} == {f"dense stage, indexer trained 1 steps, {said}"}
     evaluated = CliRunner().invoke(cli, ["eval", run_id, "--results", str(tmp_path / "r")])
     assert evaluated.exit_code == 0 and f"(dense stage, indexer trained 1 steps, {said})" in evaluated.output
     setup = json.loads(load(tmp_path / "r").query("eval_of == @run_id").config.iloc[0])

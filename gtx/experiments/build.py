@@ -65,8 +65,15 @@ def new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]
     return f"{started:%Y%m%d-%H%M%S}-{task}-{model}{kind}-{uuid.uuid4().hex[:6]}", started
 
 
-def result_row(common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention) -> dict:
+def result_row(
+    common: dict, epoch: int, split: str, stats: PhaseStats, attention: Attention, stage: str | None = None
+) -> dict:
+    """One results row of a phase. ``stage``: what the model's trainable attention runs as after the phase
+    (``gtx.attention.trainable.stages_of``: DSA's stage, steps and resolved ``freeze``), kept in its metrics as
+    ``attention_stage``; the phase's losses and kept edges per branch say which stages the phase ran."""
     extra = {**stats.extra, **attention.reset_stats()}  # trainable attention's losses and kept edges per branch
+    if stage:
+        extra["attention_stage"] = stage
     return {
         **common,
         "epoch": epoch,

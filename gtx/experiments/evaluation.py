@@ -114,6 +114,6 @@ def evaluate_checkpoint(
         "config": json.dumps(setup, sort_keys=True),
         **versions(),
     }
-    rows = [result_row(common, state["epoch"], split, stats, attention)]
+    rows = [result_row(common, state["epoch"], split, stats, attention, setup["attention_stage"])]
     write_run(checked_results_dir(results_dir), run_id, rows)
     return pd.DataFrame(rows)

@@ -217,7 +217,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         )
         phase = run.trainer.train_epoch(shuffled, run.tick(f"epoch {epoch}/{train.epochs}", "train", train.batch_size))
         run.judge(phase, epoch)
-        new.append(result_row(run.common, epoch, "train", phase, run.attention))
+        new.append(result_row(run.common, epoch, "train", phase, run.attention, stages_of(run.model)))
         run.say(
             f"epoch {epoch}: train loss {new[0]['loss']:.4f} acc {new[0]['token_acc']:.4f} "
             f"({new[0]['tokens_per_s']:,.0f} tokens/s)"
@@ -234,7 +234,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         on_batch=run.tick(f"epoch {epoch} valid", "valid", train.eval_batch_size),
     )
     run.judge(valid, epoch)
-    new.append(result_row(run.common, epoch, "valid", valid, run.attention))
+    new.append(result_row(run.common, epoch, "valid", valid, run.attention, stages_of(run.model)))
     run.say(
         f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
         + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items())
@@ -282,7 +282,7 @@ def _test(run: _Run, last: int) -> None:
         precision=resolved.train.precision,
         on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
     )
-    run.rows.append(result_row(run.common, last, "test", test, run.attention))
+    run.rows.append(result_row(run.common, last, "test", test, run.attention, stages_of(run.model)))
     if run.world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
         write_run(run.results_dir, run.common["run_id"], run.rows)
         if run.snapshot is not None:
