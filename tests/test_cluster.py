@@ -13,6 +13,7 @@ from test_frontier import RECALL, science
 from gtx.cli import cli
 from gtx.errors import GtxError
 from gtx.experiments import cluster
+from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
 from gtx.experiments.results import load
 
@@ -138,7 +139,7 @@ def test_a_preempted_cell_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
         "batch_size": "8",
         "epochs": "20",
     }
-    grid = sw.make_grid(task=["recall"], model=["lm"], settings={k: [v] for k, v in settings.items()})
+    grid = gr.make_grid(task=["recall"], model=["lm"], settings={k: [v] for k, v in settings.items()})
     (cell,) = sw.plan(grid, res)
     executor = cluster.make_executor(tmp_path / "jobs", {"cluster": "local", "timeout_min": 10})
     job = executor.submit(cluster.CellJob(cell, res))

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.errors import GtxError
+from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
 from gtx.experiments.config import RunConfig, resolve_configs
 from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
@@ -57,13 +58,13 @@ def complete_files(results) -> dict[str, bytes]:
     [("0-4", [0, 1, 2, 3, 4]), ("0,2,5", [0, 2, 5]), ("0-2,7", [0, 1, 2, 7]), ("3", [3]), ("1,1-2", [1, 2])],
 )
 def test_parse_seeds(text, seeds):
-    assert sw.parse_seeds(text) == seeds
+    assert gr.parse_seeds(text) == seeds
 
 
 @pytest.mark.parametrize("text", ["5-2", "a-b", "", "1,,2", "-1", "0-"])
 def test_parse_seeds_rejects(text):
     with pytest.raises(GtxError, match="not a seed or a range"):
-        sw.parse_seeds(text)
+        gr.parse_seeds(text)
 
 
 def test_children_share_the_cores_unless_told():
@@ -106,7 +107,7 @@ def checkpoint(results, run_id):
 
 def test_plan_skips_complete_cells_resumes_checkpointed_ones_restarts_the_rest(tmp_path):
     res = tmp_path / "res"
-    grid = sw.make_grid(seeds="0-5")
+    grid = gr.make_grid(seeds="0-5")
     k = [c.key for c in sw.plan(grid, res)]
     assert len(set(k)) == 6
     fake_run(res, "a", k[0], ["train", "valid", "test"], "2026-01-01T00:00:00")  # complete: skip
@@ -209,7 +210,7 @@ def test_every_task_and_model_is_a_cell_of_its_own(tmp_path):
 
 def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are_rekeyed(tmp_path):
     res = tmp_path / "res"
-    grid = sw.make_grid(task=["copy", "sort"])
+    grid = gr.make_grid(task=["copy", "sort"])
     copy, sort = sw.plan(grid, res)
     fake_run(res, "c", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", task="copy")
     assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
@@ -264,7 +265,7 @@ train.warmup = 10
 def test_grid_file_with_options_overriding_its_keys(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text(GRID.format(res=tmp_path / "res"))
-    grid = sw.read_grid_file(path)
+    grid = gr.read_grid_file(path)
     assert grid["pattern"] == ["full", "bigbird:b=2,r=1"] and grid["seeds"] == "0-1" and grid["jobs"] == 2
     assert grid["settings"] == {
         "epochs": ["1", "2"],
@@ -341,10 +342,10 @@ def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
 
 def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
     names = ["full", "local", "strided", "bigbird", "heads"]
-    assert sw.split_patterns("full,local:w=4", names) == ["full", "local:w=4"]
-    assert sw.split_patterns("bigbird:b=2,r=1", names) == ["bigbird:b=2,r=1"]
-    assert sw.split_patterns("heads(local:w=2,strided:l=4),full", names) == ["heads(local:w=2,strided:l=4)", "full"]
-    assert sw.split_patterns("local:w=2|strided:l=4, full", names) == ["local:w=2|strided:l=4", "full"]
+    assert gr.split_patterns("full,local:w=4", names) == ["full", "local:w=4"]
+    assert gr.split_patterns("bigbird:b=2,r=1", names) == ["bigbird:b=2,r=1"]
+    assert gr.split_patterns("heads(local:w=2,strided:l=4),full", names) == ["heads(local:w=2,strided:l=4)", "full"]
+    assert gr.split_patterns("local:w=2|strided:l=4, full", names) == ["local:w=2|strided:l=4", "full"]
     result = gtx("--pattern", "full,local:w=4", "--pattern", "bigbird:b=2,r=1", "--dry-run", "--quiet")
     assert [shlex.split(line)[shlex.split(line).index("--pattern") + 1] for line in result.output.splitlines()] == [
         "full",
@@ -361,7 +362,7 @@ def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_
     pairs = [
         v.split("=") if flag == "--set" else (flag[2:].replace("-", "_"), v) for flag, v in zip(TINY[::2], TINY[1::2])
     ]
-    (cell,) = sw.plan(sw.make_grid(settings={k: [v] for k, v in [*pairs, ("epochs", "1")]}), res)
+    (cell,) = sw.plan(gr.make_grid(settings={k: [v] for k, v in [*pairs, ("epochs", "1")]}), res)
     assert claims.claim(res, cell.key) is None  # held by this (living) process
     result = gtx(*args)
     assert result.exit_code == 0 and "0 done, 0 skipped, 0 failed, 1 run by another sweep" in result.output, (

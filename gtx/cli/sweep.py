@@ -10,6 +10,7 @@ import click
 
 from gtx.cli.common import cli_error
 from gtx.errors import GtxError, Interrupted
+from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
 from gtx.files import writable_dir
 
@@ -28,7 +29,7 @@ def _settings(ctx, param, values) -> dict[str, list[str]]:
         if not value.strip():
             raise click.BadParameter(f"{item!r}: no values after '='", ctx=ctx, param=param)
         try:
-            out[key.strip()] = sw.split_list(value, f"--set {key.strip()}=")
+            out[key.strip()] = gr.split_list(value, f"--set {key.strip()}=")
         except GtxError as e:
             raise click.BadParameter(str(e), ctx=ctx, param=param) from None
     return out
@@ -169,16 +170,16 @@ def read_grid(
     from gtx.plugins.registry import PATTERNS, load_plugins
 
     load_plugins(dirs=plugins_dirs)
-    given = sw.read_grid_file(grid_file) if grid_file else {}
+    given = gr.read_grid_file(grid_file) if grid_file else {}
     for key, value in (("task", task), ("model", model), ("backend", backend)):
         if value is not None:
-            given[key] = sw.split_list(value, f"--{key}")
+            given[key] = gr.split_list(value, f"--{key}")
     if patterns:
-        given["pattern"] = [spec for text in patterns for spec in sw.split_patterns(text, PATTERNS.names())]
-    lists = {k: sw.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
+        given["pattern"] = [spec for text in patterns for spec in gr.split_patterns(text, PATTERNS.names())]
+    lists = {k: gr.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
     given["settings"] = {**given.get("settings", {}), **lists, **settings}
     file_results, file_jobs = given.pop("results", None), given.pop("jobs", None)
-    grid = sw.make_grid(
+    grid = gr.make_grid(
         **{**given, **({"seeds": seeds} if seeds is not None else {}), **({"device": device} if device else {})}
     )
     return grid, results_dir or file_results or "results", jobs or file_jobs or 1

@@ -29,10 +29,11 @@ import pandas as pd
 
 from gtx.errors import GtxError
 from gtx.experiments.compare import FALLBACK_METRIC, SPEED, run_table
+from gtx.experiments.grid import Grid
 from gtx.experiments.results import finished, lower_is_better, metric_range
 from gtx.experiments.stats import summarize, tost_p
 from gtx.experiments.study import FULL, Study
-from gtx.experiments.sweep import Cell, Grid, plan, sweep_name
+from gtx.experiments.sweep import Cell, plan, sweep_name
 from gtx.graph.spec import parse_pattern
 
 ALPHA = 0.05

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from gtx.errors import GtxError
-from gtx.experiments.sweep import Grid, split_list
+from gtx.experiments.grid import Grid, split_list
 from gtx.graph.spec import parse_pattern
 
 FULL = "full"  # every frontier's baseline
