@@ -218,6 +218,30 @@ def test_the_int8_choice_builds_portable_without_the_cpus_int8_instructions(fres
     assert fresh() == []
 
 
+def test_the_float32_choice_keeps_the_same_keys_built_for_avx512_and_portable(fresh, monkeypatch):
+    """The float32 scores' 16-lane loop (AVX-512 builds) sums each key's dot product in the order of the
+    portable 8-lane one: on random scores (few ties, many near ones) both keep the same keys."""
+    if "avx512f" not in native._cpu_features().split():
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(3)
+    iq, w, ik = (
+        torch.randn(700, 2, 32, generator=g),
+        torch.randn(700, 2, generator=g),
+        torch.randn(700, 32, generator=g),
+    )
+    edges = build_graph(parse_pattern("causal"), None, [300, 400]).edges["dd"]
+    chosen, build = [], native.load.__wrapped__
+    for flags in ([], ["-DGTX_PORTABLE"]):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(native, "FLAGS", [*native.FLAGS, *flags])
+            lib = {"index_kernel": build("index_kernel")}
+        monkeypatch.setattr(native, "load", lib.get)
+        chosen.append(top_indexed(iq, w, ik, edges, 60))
+    (keys, valid), (want_keys, want_valid) = chosen
+    assert same_sets(keys, valid, want_keys.long(), want_valid) and valid.sum() > 30_000
+    assert fresh() == []
+
+
 def test_a_cpu_with_avx512_vnni_scores_int8_on_it():
     if "avx512_vnni" not in native._cpu_features().split():
         pytest.skip("this CPU has no AVX-512 VNNI")

@@ -102,6 +102,23 @@ static void tile_dots(float *out, const float *q, int64_t nq, const float *k_t, 
         const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
         float *o = out + r * width;
         int64_t s = 0;
+#ifdef GTX_AVX512
+        for (; s + 32 <= width; s += 32) {  /* 4 vectors x 32 keys: half the instructions of 8 lanes; the same sums */
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+            for (int64_t c = 0; c < d; c++) {
+                __m512 k0 = _mm512_loadu_ps(k_t + c * TILE + s), k1 = _mm512_loadu_ps(k_t + c * TILE + s + 16);
+                __m512 b0 = _mm512_set1_ps(q0[c]), b1 = _mm512_set1_ps(q1[c]), b2 = _mm512_set1_ps(q2[c]), b3 = _mm512_set1_ps(q3[c]);
+                a00 = _mm512_fmadd_ps(b0, k0, a00), a01 = _mm512_fmadd_ps(b0, k1, a01);
+                a10 = _mm512_fmadd_ps(b1, k0, a10), a11 = _mm512_fmadd_ps(b1, k1, a11);
+                a20 = _mm512_fmadd_ps(b2, k0, a20), a21 = _mm512_fmadd_ps(b2, k1, a21);
+                a30 = _mm512_fmadd_ps(b3, k0, a30), a31 = _mm512_fmadd_ps(b3, k1, a31);
+            }
+            _mm512_storeu_ps(o + s, a00), _mm512_storeu_ps(o + s + 16, a01);
+            _mm512_storeu_ps(o + width + s, a10), _mm512_storeu_ps(o + width + s + 16, a11);
+            _mm512_storeu_ps(o + 2 * width + s, a20), _mm512_storeu_ps(o + 2 * width + s + 16, a21);
+            _mm512_storeu_ps(o + 3 * width + s, a30), _mm512_storeu_ps(o + 3 * width + s + 16, a31);
+        }
+#endif
         for (; s + 16 <= width; s += 16) {
             v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
             for (int64_t c = 0; c < d; c++) {
