@@ -110,6 +110,19 @@ def test_the_indexer_chooses_the_same_keys_ties_to_the_later_one(lens, count, se
         start += n
 
 
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_rows_that_fill_the_candidate_buffer_keep_the_torch_paths_keys(precision):
+    """Rows seeing more keys than the kernel's candidate buffer holds (1024) select in it on the way (the
+    partition on AVX-512 builds, through its spare room); equal scores (many here) still prefer later keys."""
+    iq, w, ik = indexer_inputs(2600, 2, 6, 4)
+    if precision == "int8":  # a 127 in every row: each scale 1, each int8 score exact in float32 on both paths
+        iq, w, ik = iq * 127, w, ik * 127
+        iq[..., 0], ik[:, 0] = 127.0, 127.0
+    edges = build_graph(parse_pattern("causal"), None, [2500, 100]).edges["dd"]
+    (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_indexed(iq, w, ik, edges, 7, precision))
+    assert same_sets(keys, valid, want_keys, want_valid)
+
+
 def same_sets(keys, valid, want_keys, want_valid) -> bool:
     """The same valid key ids per query (and head), in any order."""
     return torch.equal(
