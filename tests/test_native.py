@@ -110,6 +110,19 @@ def test_the_indexer_chooses_the_same_keys_ties_to_the_later_one(lens, count, se
         start += n
 
 
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_rows_that_fill_the_candidate_buffer_keep_the_torch_paths_keys(precision):
+    """Rows seeing more keys than the kernel's candidate buffer holds (1024) select in it on the way (the
+    partition on AVX-512 builds, through its spare room); equal scores (many here) still prefer later keys."""
+    iq, w, ik = indexer_inputs(2600, 2, 6, 4)
+    if precision == "int8":  # a 127 in every row: each scale 1, each int8 score exact in float32 on both paths
+        iq, w, ik = iq * 127, w, ik * 127
+        iq[..., 0], ik[:, 0] = 127.0, 127.0
+    edges = build_graph(parse_pattern("causal"), None, [2500, 100]).edges["dd"]
+    (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_indexed(iq, w, ik, edges, 7, precision))
+    assert same_sets(keys, valid, want_keys, want_valid)
+
+
 def same_sets(keys, valid, want_keys, want_valid) -> bool:
     """The same valid key ids per query (and head), in any order."""
     return torch.equal(
@@ -215,6 +228,30 @@ def test_the_int8_choice_builds_portable_without_the_cpus_int8_instructions(fres
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-DGTX_PORTABLE"])
     assert int8_kind(native.load.__wrapped__("index_kernel")) == "portable"
     loads_and_agrees(monkeypatch)
+    assert fresh() == []
+
+
+def test_the_float32_choice_keeps_the_same_keys_built_for_avx512_and_portable(fresh, monkeypatch):
+    """The float32 scores' 16-lane loop (AVX-512 builds) sums each key's dot product in the order of the
+    portable 8-lane one: on random scores (few ties, many near ones) both keep the same keys."""
+    if "avx512f" not in native._cpu_features().split():
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(3)
+    iq, w, ik = (
+        torch.randn(700, 2, 32, generator=g),
+        torch.randn(700, 2, generator=g),
+        torch.randn(700, 32, generator=g),
+    )
+    edges = build_graph(parse_pattern("causal"), None, [300, 400]).edges["dd"]
+    chosen, build = [], native.load.__wrapped__
+    for flags in ([], ["-DGTX_PORTABLE"]):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(native, "FLAGS", [*native.FLAGS, *flags])
+            lib = {"index_kernel": build("index_kernel")}
+        monkeypatch.setattr(native, "load", lib.get)
+        chosen.append(top_indexed(iq, w, ik, edges, 60))
+    (keys, valid), (want_keys, want_valid) = chosen
+    assert same_sets(keys, valid, want_keys.long(), want_valid) and valid.sum() > 30_000
     assert fresh() == []
 
 
