@@ -81,8 +81,7 @@ class Dropout(nn.Module):
         # from = int64 min, to = None: torch's full 64-bit range, every bit uniform
         words = torch.empty(-(-n // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)
         lanes = words.view(torch.int16)[:n]  # uniform on [-2^15, 2^15)
-        # bool times a 0-dim tensor of x's dtype: the scale in one pass (no float copy of the mask to scale after)
-        scale = (lanes >= round(-32768 + self.p * 65536)) * torch.tensor(1 / (1 - self.p), dtype=x.dtype)
+        scale = (lanes >= round(-32768 + self.p * 65536)).to(x.dtype).mul_(1 / (1 - self.p))
         return x * scale.view_as(x)
 
 
