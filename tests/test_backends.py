@@ -445,6 +445,23 @@ def test_buckets_cover_every_sample_once(causal):
     assert runs == sorted(runs) and runs[-1] == len(shapes) and 6 in runs  # 40 is never padded with the 9s
 
 
+def test_stages_over_the_same_samples_share_one_flash_plan(monkeypatch):
+    """A batch's ee and ed (a copy task's sources and targets of one length each) plan once; a
+    causal stage or another call cost plans afresh."""
+    from gtx.backends import flash
+    from gtx.graph.tokens import build_graph
+
+    lens = [5, 1, 3, 5]
+    graph = build_graph(parse_pattern("full"), lens, lens)
+    ee, ed, dd = (graph.edges[s] for s in ("ee", "ed", "dd"))
+    plan = flash.make_plan(ee, "complete", 8)
+    assert flash.make_plan(ed, "complete", 8) is plan
+    assert len(plan.buckets) > 1 or plan.buckets[0].q_idx is not None  # padded: the case worth sharing
+    assert flash.make_plan(dd, "causal", 8) is not plan
+    monkeypatch.setitem(flash.CALL_WORK, "cpu", 0)
+    assert flash.make_plan(ed, "complete", 8) is not plan
+
+
 @pytest.mark.parametrize(
     "spec,stage,lens,structure",
     [

@@ -120,6 +120,23 @@ def test_bench_train_compares_backends_and_torch_transformer():
     assert (ut.attention_ms.iloc[[1, 3]] == 0).all()  # each bound belongs to its own model variant
 
 
+def test_bench_train_times_a_round_as_one_pass_and_counts_only_timed_batches(tiny_task):
+    """A round's timed batches go to the trainer as one pass (per-pass set-up is not charged to each
+    step), the warm-up batches as another, untimed; each batch rebuilt under the run's pattern."""
+    from types import SimpleNamespace
+
+    from gtx.measure.train_bench import _time_steps
+
+    pattern = parse_pattern("local:w=1")
+    data = [make_batch(tiny_task, "train", [i, i + 1], parse_pattern("full")) for i in range(0, 8, 2)]
+    passes = []
+    run = SimpleNamespace(task=tiny_task, pattern=pattern, device=torch.device("cpu"))
+    tokens, wall, data_s = _time_steps(lambda batches: passes.append(list(batches)), data, 1, run)
+    assert [len(p) for p in passes] == [1, 3]
+    assert all(b.graph.pattern is pattern for p in passes for b in p)
+    assert tokens == sum(b.n_tokens for b in passes[1]) and 0 < data_s <= wall
+
+
 def test_bench_train_cli_writes_a_table(tmp_path, monkeypatch):
     monkeypatch.setenv("GTX_CACHE", str(tmp_path / "cache"))
     sets = [

@@ -262,3 +262,17 @@ def test_bench_attention_times_the_method_and_counts_its_keys_as_runs_do(spec):
     assert row["density"] < 0.5 and abs(row["edges"] - row["keys_per_query"] * 256) <= 0.5
     if not spec.startswith(("lsh", "nsa")):
         assert row["keys_per_query"] <= 20
+
+
+@pytest.mark.parametrize("stage", ["ee", "dd", "ed"])
+@pytest.mark.parametrize("q_lens,k_lens", [((4, 1, 3), (4, 1, 3)), ((2, 5), (6, 5)), (None, None)])
+def test_a_full_sets_allowed_keys_total_is_the_per_query_counts_summed(stage, q_lens, k_lens):
+    """The account's total from the lengths alone equals the per-query counts' sum (samples known or not)."""
+    from gtx.attention.budget import allowed_keys, allowed_total
+    from gtx.graph.tokens import EdgeSet
+
+    n_dst, n_src = (sum(q_lens), sum(k_lens)) if q_lens else (5, 7)
+    edges = EdgeSet(
+        torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), n_src, n_dst, stage, q_lens, k_lens
+    )
+    assert allowed_total(edges) == float(allowed_keys(edges).sum())

@@ -201,6 +201,22 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
     assert drop(x) is x
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_scales_by_the_kept_lanes_in_the_input_dtype(dtype):
+    """The output is x times (kept lane) / (1 - p), bit for bit, in x's dtype, with that gradient."""
+    from gtx.model.layers import Dropout
+
+    p, x = 0.1, torch.randn(1001, dtype=dtype, requires_grad=True)
+    torch.manual_seed(3)
+    y = Dropout(p)(x)
+    torch.manual_seed(3)
+    lanes = torch.empty(-(-x.numel() // 4), dtype=torch.int64).random_(-(2**63), None).view(torch.int16)[: x.numel()]
+    scale = (lanes >= round(-32768 + p * 65536)).to(dtype).mul_(1 / (1 - p))
+    assert y.dtype == dtype and torch.equal(y, x * scale)
+    y.sum().backward()
+    assert torch.equal(x.grad, scale)
+
+
 @pytest.mark.parametrize("model, overrides", [("transformer", {}), ("ut", {}), ("ut", {"act": False})])
 @pytest.mark.parametrize("spec", ["full", "local:w=2", "strided:l=3", "bigbird:b=2,r=1"])
 def test_incremental_decoding_gives_the_logits_of_the_whole_prefix(tiny_task, model, overrides, spec):

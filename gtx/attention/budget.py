@@ -34,6 +34,19 @@ def allowed_keys(edges: EdgeSet) -> torch.Tensor:
     return root.plan("allowed keys", build)
 
 
+def allowed_total(edges: EdgeSet) -> float:
+    """``allowed_keys(edges)`` summed, for a full set (not an ACT subset): from the sample lengths
+    alone, no tensor (a plain call's account costs a few additions)."""
+
+    def total():
+        q_lens, k_lens = edges.sample_lens()
+        if edges.stage == "dd":
+            return float(sum(nq * (nq + 1) // 2 + nq * (nk - nq) for nq, nk in zip(q_lens, k_lens)))
+        return float(sum(nq * nk for nq, nk in zip(q_lens, k_lens)))
+
+    return edges.plan("allowed keys total", total)
+
+
 def on_active(count, edges: EdgeSet) -> float:
     """A per-query count (n_dst,) summed over the queries the call attends with (``edges.keep``), or a number as given."""
     if not isinstance(count, torch.Tensor):
@@ -51,9 +64,9 @@ class Account:
     def add(self, spec: str, edges: EdgeSet, keys: float, offered=0.0) -> None:
         """One call's ``keys`` (one head's, over its active queries); ``offered``: keys beyond the
         stage's tokens the method made available to them (a number, or per query)."""
-        allowed = allowed_keys(edges)
         queries = edges.n_dst if edges.keep is None else int(edges.keep.sum())
-        allowed = on_active(allowed, edges) + on_active(offered, edges)
+        every = allowed_total(edges) if edges.keep is None else on_active(allowed_keys(edges), edges)
+        allowed = every + on_active(offered, edges)
         if keys > allowed * (1 + 1e-9) + 1e-6:
             raise PluginError(
                 f"pattern {spec!r} reports {keys:g} keys read by {queries} queries ({edges.stage}), more than the "

@@ -17,7 +17,9 @@ sends no gradient anywhere.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -110,9 +112,18 @@ def _edges_within_samples(edges: EdgeSet, q_lens, k_lens, causal: bool) -> bool:
 
 def make_plan(edges: EdgeSet, structure: str, head_dims: int) -> FlashPlan:
     """Samples of one shape run as views of q, k, v; others are padded into buckets (``buckets``)
-    sized for inputs of ``head_dims`` = heads * head dim."""
+    sized for inputs of ``head_dims`` = heads * head dim. Plans are shared by every edge set of the
+    same sample lengths, structure and device (``_plan``): a batch's stages over the same samples
+    (a copy task's ``ee`` and ``ed``) plan once, and so does a batch whose lengths recur."""
     q_lens, k_lens = edges.sample_lens()
-    causal = structure == CAUSAL
+    call_pairs = CALL_WORK["cpu" if edges.device.type == "cpu" else "cuda"] / head_dims
+    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device)
+
+
+@lru_cache(maxsize=16)  # a plan is a few index tensors of the batch's size: a handful per step is plenty
+def _plan(q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device: torch.device) -> FlashPlan:
+    """``make_plan`` for samples of ``q_lens`` queries and ``k_lens`` keys; ``call_pairs``: what one
+    more call costs, in query-key pairs. Read-only: callers share it."""
     if len(set(zip(q_lens, k_lens))) == 1:
         return FlashPlan(causal, [Bucket(len(q_lens), q_lens[0], k_lens[0], None, None, None)], None)
     # Padding a causal sample at its end needs no mask: its queries never see later keys. A complete
@@ -120,20 +131,19 @@ def make_plan(edges: EdgeSet, structure: str, head_dims: int) -> FlashPlan:
     samples = sorted((i for i in range(len(q_lens)) if q_lens[i]), key=lambda i: (k_lens[i], q_lens[i]))
     q_off = torch.cumsum(torch.tensor((0, *q_lens)), 0).tolist()
     k_off = torch.cumsum(torch.tensor((0, *k_lens)), 0).tolist()
-    call_pairs = CALL_WORK["cpu" if edges.device.type == "cpu" else "cuda"] / head_dims
     runs = buckets([(q_lens[i], k_lens[i]) for i in samples], causal, call_pairs)
     plan, rows, start = [], 0, 0
-    order = torch.empty(edges.n_dst, dtype=torch.long)
+    order = torch.empty(sum(q_lens), dtype=torch.long)
     for end in runs:
         members = samples[start:end]
         n_q, n_k = max(q_lens[i] for i in members), max(k_lens[i] for i in members)
         q_idx, q_real = _padded_ids([q_off[i] for i in members], [q_lens[i] for i in members], n_q)
         k_idx, k_real = _padded_ids([k_off[i] for i in members], [k_lens[i] for i in members], n_k)
         order[q_idx[q_real]] = torch.nonzero(q_real).squeeze(1) + rows
-        mask = None if causal or bool(k_real.all()) else k_real.view(len(members), 1, 1, n_k).to(edges.device)
-        plan.append(Bucket(len(members), n_q, n_k, q_idx.to(edges.device), k_idx.to(edges.device), mask))
+        mask = None if causal or bool(k_real.all()) else k_real.view(len(members), 1, 1, n_k).to(device)
+        plan.append(Bucket(len(members), n_q, n_k, q_idx.to(device), k_idx.to(device), mask))
         rows, start = rows + len(members) * n_q, end
-    return FlashPlan(causal, plan, order.to(edges.device))
+    return FlashPlan(causal, plan, order.to(device))
 
 
 def _padded_ids(offsets: list[int], lens: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +160,9 @@ def buckets(shapes: list[tuple[int, int]], causal: bool, call_pairs: float) -> l
     shape and run as one call, minimising calls * ``call_pairs`` + padded query-key pairs (a
     masked run's pairs cost ``MASK_COST`` each); returns the end of every run. O(len(shapes)^2)
     over distinct shapes."""
-    distinct = sorted(set(shapes), key=lambda s: (s[1], s[0]))
-    counts = [shapes.count(s) for s in distinct]
+    count_of = Counter(shapes)
+    distinct = sorted(count_of, key=lambda s: (s[1], s[0]))
+    counts = [count_of[s] for s in distinct]
     ends = [sum(counts[: j + 1]) for j in range(len(distinct))]
     best, cut = [0.0] + [float("inf")] * len(distinct), [0] * (len(distinct) + 1)
     for j in range(1, len(distinct) + 1):

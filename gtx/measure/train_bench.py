@@ -155,8 +155,7 @@ def _time_rounds(bench: TrainBench, variants: list[_Variant], data: list, log) -
         for v, times, chosen in zip(variants, timings, choices):
             if v.backend is not None:
                 v.backend.reset_choices()  # one backend object serves every variant that names it
-            step = lambda b, trainer=v.trainer: trainer.train_epoch([b])  # noqa: E731
-            times.append(_time_steps(step, data[bench.warmup_steps - warmup :], warmup, v.run))
+            times.append(_time_steps(v.trainer.train_epoch, data[bench.warmup_steps - warmup :], warmup, v.run))
             for stage, counts in (v.backend.reset_choices() if v.backend is not None else {}).items():
                 chosen.setdefault(stage, Counter()).update(counts)
             tokens, wall, _ = times[-1]
@@ -198,21 +197,29 @@ def _rows(bench: TrainBench, variants: list[_Variant], timings: list, choices: l
     return rows
 
 
-def _time_steps(step, data, warmup_steps, resolved):
+def _time_steps(epoch, data, warmup_steps, resolved):
     """Run the first ``warmup_steps`` batches untimed, then time the rest. Every batch is rebuilt
-    from its examples with the run's pattern, inside the timed region, so that data cost is counted."""
+    from its examples with the run's pattern, inside the timed region, so that data cost is counted.
+    ``epoch`` (``Trainer.train_epoch``) takes the timed batches as one pass, as training does: what
+    a pass sets up once (train mode, its meters) is not charged to every step."""
     from gtx.data.batch import make_batch
 
     tokens, data_s = 0, 0.0
-    for i, batch in enumerate(data):
-        if i == warmup_steps:
-            sync_device(resolved.device)
-            t0 = time.perf_counter()
-        d0 = time.perf_counter()
-        fresh = make_batch(resolved.task, batch.split, batch.index, resolved.pattern)
-        if i >= warmup_steps:
-            data_s += time.perf_counter() - d0
-            tokens += fresh.n_tokens
-        step(fresh)
+
+    def fresh(batches, timed):
+        nonlocal tokens, data_s
+        for batch in batches:
+            d0 = time.perf_counter()
+            built = make_batch(resolved.task, batch.split, batch.index, resolved.pattern)
+            if timed:
+                data_s += time.perf_counter() - d0
+                tokens += built.n_tokens
+            yield built
+
+    if warmup_steps:
+        epoch(fresh(data[:warmup_steps], False))
+    sync_device(resolved.device)
+    t0 = time.perf_counter()
+    epoch(fresh(data[warmup_steps:], True))
     sync_device(resolved.device)
     return tokens, time.perf_counter() - t0, data_s
