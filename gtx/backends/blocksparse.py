@@ -6,6 +6,13 @@ runs one scaled_dot_product_attention over them, with an element mask only when 
 is partly filled (a layout whose blocks are all full runs unmasked). Exact: the same function as
 ``dense``, forward and backward, on any device; one long sequence and a batch of many short
 samples (a block-diagonal graph) are the same case. Work is O(active blocks * block^2).
+
+A layout whose block rows form a band (query block i reads key blocks i+first .. i+first+K-1, as a
+sliding window's do, whatever the pattern) keeps ``band`` = first: the CPU kernel then reads each
+row's keys as a strided view of the keys padded at both ends (no gather, no copy), and its
+backward adds the K diagonals of key gradients with K slice additions instead of an index_add.
+A layout is planned once per pattern, stage and sample lengths (``EdgeSet.shared_plan``): batches
+of one shape reuse it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Layout:
     has_edge: torch.Tensor
     all_have_edges: bool
     cell: torch.Tensor
+    band: int | None = None
     _additive: dict = field(default_factory=dict, repr=False, compare=False)  # additive_mask's, per dtype
 
     def rows(self, keep_rows: torch.Tensor) -> Layout:
@@ -92,12 +100,20 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     src, dst, device = edges.src, edges.dst, edges.device
     n_qb = max(-(-edges.n_dst // block), 1)
     pairs, n_kb = block_pairs(edges, block)
-    row, col = pairs // n_kb, pairs % n_kb
-    counts, slot = row_slots(row, n_qb)
-    k_max = max(int(counts.max()) if len(counts) else 1, 1)
-    key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
-    key_blocks[row, slot] = col
-    edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
+    band = _band(pairs, n_qb, n_kb)
+    if band is not None:
+        first, k_max = band
+        key_blocks = (torch.arange(n_qb, device=device)[:, None] + first + torch.arange(k_max, device=device)).clamp_(
+            0, n_kb - 1
+        )
+        edge_slot = src // block - dst // block - first
+    else:
+        row, col = pairs // n_kb, pairs % n_kb
+        counts, slot = row_slots(row, n_qb)
+        k_max = max(int(counts.max()) if len(counts) else 1, 1)
+        key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
+        key_blocks[row, slot] = col
+        edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
     cell = ((dst // block) * block + dst % block) * (k_max * block) + edge_slot * block + src % block
     mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
     mask.view(-1)[cell] = True
@@ -106,7 +122,49 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
     has_edge = has_edge[: edges.n_dst]
     mask = None if bool(mask.all()) else mask
-    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell)
+    return Layout(
+        block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell, None if band is None else band[0]
+    )
+
+
+def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
+    """(first, K) when the active blocks are exactly a band: row i holds key blocks i+first ..
+    i+first+K-1 that lie in 0..n_kb-1 (every row at least one), else None."""
+    if not len(pairs):
+        return None
+    row, col = pairs // n_kb, pairs % n_kb
+    first = int((col - row).min())
+    k_max = int((col - row).max()) - first + 1
+    want = torch.arange(n_qb, device=pairs.device)[:, None] + first + torch.arange(k_max, device=pairs.device)
+    inside = (want >= 0) & (want < n_kb)
+    if k_max > n_kb or not bool(inside.any(1).all()):
+        return None
+    want = (torch.arange(n_qb, device=pairs.device)[:, None] * n_kb + want)[inside]
+    return (first, k_max) if want.shape == pairs.shape and torch.equal(want, pairs) else None
+
+
+def band_view(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(n, H, D) -> (n_qb, H, K*block, D) for a band layout: row i's key blocks i+first .. as one
+    strided view of ``x`` padded with zero blocks at both ends (blocks outside 0..n_kb-1 are
+    masked), made with one copy of ``x`` rather than one per slot."""
+    b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
+    before = max(-first, 0)
+    after = max(layout.n_qb + first + k_max - layout.n_kb, 0)
+    padded = F.pad(x, (0, 0, 0, 0, before * b, layout.n_kb * b - x.shape[0] + after * b))
+    row = b * padded.stride(0)
+    start = (first + before) * row
+    return padded.as_strided((layout.n_qb, k_max * b, *x.shape[1:]), (row, *padded.stride()), start).transpose(1, 2)
+
+
+def _band_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
+    """``band_view``'s backward for the query blocks in ``part``: adds (rows, H, K*block, D) gradients
+    into ``into`` (n_kb, block, H, D), slot j of row i at key block i+first+j (those in range)."""
+    b, first, rows = layout.block, layout.band, range(layout.n_qb)[part]
+    grad = grad.transpose(1, 2).unflatten(1, (-1, b))  # (rows, K, b, H, D)
+    for j in range(grad.shape[1]):
+        lo, hi = max(rows.start + first + j, 0), min(rows.stop + first + j, layout.n_kb)
+        if lo < hi:
+            into[lo:hi] += grad[lo - (rows.start + first + j) : hi - (rows.start + first + j), j]
 
 
 def gather_blocks(x: torch.Tensor, layout: Layout, part: slice = slice(None)) -> torch.Tensor:
@@ -126,6 +184,9 @@ def _key_blocks_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torc
     )
 
 
+# layouts kept per pattern for batches of the same lengths (a window of 256 at 16384 tokens: ~60 MB)
+PLAN_CACHE_BYTES = 256 << 20
+
 # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
 CHUNK_KEYS = 1 << 12
 
@@ -144,13 +205,10 @@ class _GatheredBlocks(torch.autograd.Function):
         out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)
         lse = qb.new_empty(rows, heads, b)
         mask = layout.additive_mask(qb.dtype)
+        keys = _key_blocks(k, v, layout)
         for part in _chunks(layout):
             out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qb[part],
-                gather_blocks(k, layout, part),
-                gather_blocks(v, layout, part),
-                attn_mask=None if mask is None else mask[part],
-                scale=1.0,
+                qb[part], *keys(part), attn_mask=None if mask is None else mask[part], scale=1.0
             )
         ctx.save_for_backward(qb, k, v, out, lse)
         ctx.layout = layout
@@ -163,12 +221,13 @@ class _GatheredBlocks(torch.autograd.Function):
         grad, mask = grad.contiguous(), layout.additive_mask(qb.dtype)
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
+        keys = _key_blocks(k, v, layout)
+        add = _key_blocks_grad if layout.band is None else _band_grad
         for part in _chunks(layout):
             dq[part], dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad[part],
                 qb[part],
-                gather_blocks(k, layout, part),
-                gather_blocks(v, layout, part),
+                *keys(part),
                 out[part],
                 lse[part],
                 0.0,
@@ -176,9 +235,18 @@ class _GatheredBlocks(torch.autograd.Function):
                 attn_mask=None if mask is None else mask[part],
                 scale=1.0,
             )
-            _key_blocks_grad(dkb, layout, part, dk)
-            _key_blocks_grad(dvb, layout, part, dv)
+            add(dkb, layout, part, dk)
+            add(dvb, layout, part, dv)
         return dq, dk.flatten(0, 1)[: k.shape[0]], dv.flatten(0, 1)[: v.shape[0]], None
+
+
+def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
+    """``part -> (keys, values)`` of the query blocks in ``part``: views of one padded copy each for a
+    band layout, else gathered per call."""
+    if layout.band is None:
+        return lambda part: (gather_blocks(k, layout, part), gather_blocks(v, layout, part))
+    kb, vb = band_view(k, layout), band_view(v, layout)
+    return lambda part: (kb[part], vb[part])
 
 
 def _chunks(layout: Layout):
@@ -223,6 +291,12 @@ def attend(
     return out if layout.all_have_edges else out * layout.has_edge[:, None, None].to(out.dtype)
 
 
+def _layout_bytes(layout: Layout) -> int:
+    """A layout's memory, counting the float32 additive mask it makes on first use."""
+    mask = 0 if layout.mask is None else 5 * layout.mask.numel()
+    return mask + 8 * (layout.cell.numel() + layout.key_blocks.numel()) + layout.has_edge.numel()
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
 
@@ -237,7 +311,9 @@ class BlockSparseBackend(Backend):
         self.block = block
 
     def layout(self, edges: EdgeSet) -> Layout:
-        return edges.plan(("blocksparse", self.block, edges.device), lambda: plan(edges, self.block))
+        return edges.shared_plan(
+            ("blocksparse", self.block), lambda: plan(edges, self.block), PLAN_CACHE_BYTES, _layout_bytes
+        )
 
     def __call__(self, q, k, v, edges, bias=None):
         # an ACT subset: reuse the full plan on the blocks with kept queries
