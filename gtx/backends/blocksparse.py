@@ -189,6 +189,8 @@ PLAN_CACHE_BYTES = 256 << 20
 
 # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
 CHUNK_KEYS = 1 << 12
+# a band's keys are views, only its backward's key gradients are copies (8 MB each at 4 heads of 32): fewer, larger calls
+BAND_CHUNK_KEYS = 1 << 14
 
 
 class _GatheredBlocks(torch.autograd.Function):
@@ -201,15 +203,22 @@ class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         rows, heads, b, _ = qb.shape
-        # laid out as the kernel lays out its own output, (rows, b, H, D) in memory: the caller's (n, H, D) view is no copy
-        out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)
-        lse = qb.new_empty(rows, heads, b)
         mask = layout.additive_mask(qb.dtype)
         keys = _key_blocks(k, v, layout)
-        for part in _chunks(layout):
-            out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+
+        def call(part):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qb[part], *keys(part), attn_mask=None if mask is None else mask[part], scale=1.0
             )
+
+        if layout.band is not None:  # the keys are views: one call, its outputs kept as they come
+            out, lse = call(slice(None))
+        else:
+            # laid out as the kernel lays out its own output, (rows, b, H, D) in memory: the caller's (n, H, D) view is no copy
+            out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)
+            lse = qb.new_empty(rows, heads, b)
+            for part in _chunks(layout):
+                out[part], lse[part] = call(part)
         ctx.save_for_backward(qb, k, v, out, lse)
         ctx.layout = layout
         return out
@@ -250,9 +259,9 @@ def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
 
 
 def _chunks(layout: Layout):
-    """Slices of query blocks whose gathered keys number about CHUNK_KEYS."""
+    """Slices of query blocks whose gathered keys number about CHUNK_KEYS (a band's, BAND_CHUNK_KEYS)."""
     rows, width = layout.key_blocks.shape[0], layout.key_blocks.shape[1] * layout.block
-    step = max(1, CHUNK_KEYS // width)
+    step = max(1, (CHUNK_KEYS if layout.band is None else BAND_CHUNK_KEYS) // width)
     return [slice(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
 
 
