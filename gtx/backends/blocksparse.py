@@ -129,7 +129,8 @@ def plan(edges: EdgeSet, block: int) -> Layout:
 
 def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
     """(first, K) when the active blocks are exactly a band: row i holds key blocks i+first ..
-    i+first+K-1 that lie in 0..n_kb-1 (every row at least one), else None."""
+    i+first+K-1 that lie in 0..n_kb-1 (every row at least one, some row all K: no wider than the
+    gathered rows), else None."""
     if not len(pairs):
         return None
     row, col = pairs // n_kb, pairs % n_kb
@@ -137,7 +138,7 @@ def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
     k_max = int((col - row).max()) - first + 1
     want = torch.arange(n_qb, device=pairs.device)[:, None] + first + torch.arange(k_max, device=pairs.device)
     inside = (want >= 0) & (want < n_kb)
-    if k_max > n_kb or not bool(inside.any(1).all()):
+    if k_max != int(torch.bincount(row).max()) or not bool(inside.any(1).all()):
         return None
     want = (torch.arange(n_qb, device=pairs.device)[:, None] * n_kb + want)[inside]
     return (first, k_max) if want.shape == pairs.shape and torch.equal(want, pairs) else None
