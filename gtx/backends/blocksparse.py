@@ -144,17 +144,27 @@ def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
     return (first, k_max) if want.shape == pairs.shape and torch.equal(want, pairs) else None
 
 
-def band_view(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(n, H, D) -> (n_qb, H, K*block, D) for a band layout: row i's key blocks i+first .. as one
-    strided view of ``x`` padded with zero blocks at both ends (blocks outside 0..n_kb-1 are
-    masked), made with one copy of ``x`` rather than one per slot."""
+def band_padded(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``x`` (n, H, D) with zero rows before and after: every block a band layout's slots name, in
+    range or not (those out of range are masked), with only the padding zeroed."""
     b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
-    before = max(-first, 0)
-    after = max(layout.n_qb + first + k_max - layout.n_kb, 0)
-    padded = F.pad(x, (0, 0, 0, 0, before * b, layout.n_kb * b - x.shape[0] + after * b))
+    before = max(-first, 0) * b
+    total = max(layout.n_kb, layout.n_qb + first + k_max) * b + before
+    out = x.new_empty(total, *x.shape[1:])
+    out[:before].zero_()
+    out[before : before + x.shape[0]].copy_(x)
+    out[before + x.shape[0] :].zero_()
+    return out
+
+
+def band_view(padded: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(n_qb, H, K*block, D): row i's key blocks i+first .. i+first+K-1 of ``band_padded``'s output,
+    one strided view (no copy per slot)."""
+    b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
     row = b * padded.stride(0)
-    start = (first + before) * row
-    return padded.as_strided((layout.n_qb, k_max * b, *x.shape[1:]), (row, *padded.stride()), start).transpose(1, 2)
+    start = (first + max(-first, 0)) * row
+    shape = (layout.n_qb, k_max * b, *padded.shape[1:])
+    return padded.as_strided(shape, (row, *padded.stride()), padded.storage_offset() + start).transpose(1, 2)
 
 
 def _band_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
@@ -199,12 +209,16 @@ class _GatheredBlocks(torch.autograd.Function):
     at a time. The backward keeps q, k, v, the output and its log-sum-exp, not the gathered blocks (a
     key is copied once per query block that reads it: three times the keys for a window of two
     blocks), and gathers them again, a chunk at a time: keeping them, or gathering all at once,
-    grew a step's peak memory with the sequence."""
+    grew a step's peak memory with the sequence. A band layout reads strided views of k and v padded
+    once (kept in their place for the backward) and runs its forward in one call."""
 
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         rows, heads, b, _ = qb.shape
+        n_keys = k.shape[0]
         mask = layout.additive_mask(qb.dtype)
+        if layout.band is not None:  # padded once, kept for the backward in place of k and v
+            k, v = band_padded(k, layout), band_padded(v, layout)
         keys = _key_blocks(k, v, layout)
 
         def call(part):
@@ -221,14 +235,14 @@ class _GatheredBlocks(torch.autograd.Function):
             for part in _chunks(layout):
                 out[part], lse[part] = call(part)
         ctx.save_for_backward(qb, k, v, out, lse)
-        ctx.layout = layout
+        ctx.layout, ctx.n_keys = layout, n_keys
         return out
 
     @staticmethod
     def backward(ctx, grad):
         qb, k, v, out, lse = ctx.saved_tensors
         layout = ctx.layout
-        grad, mask = grad.contiguous(), layout.additive_mask(qb.dtype)
+        mask = layout.additive_mask(qb.dtype)  # the kernel reads grad as it comes: no contiguous copy
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
         keys = _key_blocks(k, v, layout)
@@ -247,12 +261,12 @@ class _GatheredBlocks(torch.autograd.Function):
             )
             add(dkb, layout, part, dk)
             add(dvb, layout, part, dv)
-        return dq, dk.flatten(0, 1)[: k.shape[0]], dv.flatten(0, 1)[: v.shape[0]], None
+        return dq, dk.flatten(0, 1)[: ctx.n_keys], dv.flatten(0, 1)[: ctx.n_keys], None
 
 
 def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
-    """``part -> (keys, values)`` of the query blocks in ``part``: views of one padded copy each for a
-    band layout, else gathered per call."""
+    """``part -> (keys, values)`` of the query blocks in ``part``: for a band layout views of ``k`` and
+    ``v`` as ``band_padded`` returns them, else gathered per call."""
     if layout.band is None:
         return lambda part: (gather_blocks(k, layout, part), gather_blocks(v, layout, part))
     kb, vb = band_view(k, layout), band_view(v, layout)
