@@ -136,9 +136,11 @@ def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
     row, col = pairs // n_kb, pairs % n_kb
     first = int((col - row).min())
     k_max = int((col - row).max()) - first + 1
+    if k_max != int(torch.bincount(row).max()):  # (and before an n_qb x K tensor of a wide set)
+        return None
     want = torch.arange(n_qb, device=pairs.device)[:, None] + first + torch.arange(k_max, device=pairs.device)
     inside = (want >= 0) & (want < n_kb)
-    if k_max != int(torch.bincount(row).max()) or not bool(inside.any(1).all()):
+    if not bool(inside.any(1).all()):
         return None
     want = (torch.arange(n_qb, device=pairs.device)[:, None] * n_kb + want)[inside]
     return (first, k_max) if want.shape == pairs.shape and torch.equal(want, pairs) else None
