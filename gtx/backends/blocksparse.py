@@ -9,8 +9,9 @@ samples (a block-diagonal graph) are the same case. Work is O(active blocks * bl
 
 A layout whose block rows form a band (query block i reads key blocks i+first .. i+first+K-1, as a
 sliding window's do, whatever the pattern) keeps ``band`` = first: the CPU kernel then reads each
-row's keys as a strided view of the keys padded at both ends (no gather, no copy), and its
-backward adds the K diagonals of key gradients with K slice additions instead of an index_add.
+row's keys as a strided view of one copy of the keys padded at both ends (no gather of K copies),
+in one forward call, and its backward adds the K diagonals of key gradients with K slice
+additions instead of an index_add.
 A layout is planned once per pattern, stage and sample lengths (``EdgeSet.shared_plan``): batches
 of one shape reuse it.
 """
