@@ -132,6 +132,7 @@ def test_blocksparse_in_chunks_of_query_blocks_agrees_with_dense(monkeypatch, sp
     from gtx.backends import blocksparse
 
     monkeypatch.setattr(blocksparse, "CHUNK_KEYS", 1)
+    monkeypatch.setattr(blocksparse, "BAND_CHUNK_KEYS", 1)
     edges = build_graph(parse_pattern(spec), None, [11, 30]).edges["dd"]
     assert len(blocksparse._chunks(blocksparse.plan(edges, 4))) == -(-41 // 4)
     ref = attention_and_grads(get_backend("dense"), edges, heads=2, dim=8, dim_v=8, dtype=dtype)

@@ -6,6 +6,14 @@ runs one scaled_dot_product_attention over them, with an element mask only when 
 is partly filled (a layout whose blocks are all full runs unmasked). Exact: the same function as
 ``dense``, forward and backward, on any device; one long sequence and a batch of many short
 samples (a block-diagonal graph) are the same case. Work is O(active blocks * block^2).
+
+A layout whose block rows form a band (query block i reads key blocks i+first .. i+first+K-1, as a
+sliding window's do, whatever the pattern) keeps ``band`` = first: the CPU kernel then reads each
+row's keys as a strided view of one copy of the keys padded at both ends (no gather of K copies),
+in one forward call, and its backward adds the K diagonals of key gradients with K slice
+additions instead of an index_add.
+A layout is planned once per pattern, stage and sample lengths (``EdgeSet.shared_plan``): batches
+of one shape reuse it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class Layout:
     has_edge: torch.Tensor
     all_have_edges: bool
     cell: torch.Tensor
+    band: int | None = None
     _additive: dict = field(default_factory=dict, repr=False, compare=False)  # additive_mask's, per dtype
 
     def rows(self, keep_rows: torch.Tensor) -> Layout:
@@ -92,12 +101,20 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     src, dst, device = edges.src, edges.dst, edges.device
     n_qb = max(-(-edges.n_dst // block), 1)
     pairs, n_kb = block_pairs(edges, block)
-    row, col = pairs // n_kb, pairs % n_kb
-    counts, slot = row_slots(row, n_qb)
-    k_max = max(int(counts.max()) if len(counts) else 1, 1)
-    key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
-    key_blocks[row, slot] = col
-    edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
+    band = _band(pairs, n_qb, n_kb)
+    if band is not None:
+        first, k_max = band
+        key_blocks = (torch.arange(n_qb, device=device)[:, None] + first + torch.arange(k_max, device=device)).clamp_(
+            0, n_kb - 1
+        )
+        edge_slot = src // block - dst // block - first
+    else:
+        row, col = pairs // n_kb, pairs % n_kb
+        counts, slot = row_slots(row, n_qb)
+        k_max = max(int(counts.max()) if len(counts) else 1, 1)
+        key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
+        key_blocks[row, slot] = col
+        edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
     cell = ((dst // block) * block + dst % block) * (k_max * block) + edge_slot * block + src % block
     mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
     mask.view(-1)[cell] = True
@@ -106,7 +123,62 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
     has_edge = has_edge[: edges.n_dst]
     mask = None if bool(mask.all()) else mask
-    return Layout(block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell)
+    return Layout(
+        block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell, None if band is None else band[0]
+    )
+
+
+def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
+    """(first, K) when the active blocks are exactly a band: row i holds key blocks i+first ..
+    i+first+K-1 that lie in 0..n_kb-1 (every row at least one, some row all K: no wider than the
+    gathered rows), else None."""
+    if not len(pairs):
+        return None
+    row, col = pairs // n_kb, pairs % n_kb
+    first = int((col - row).min())
+    k_max = int((col - row).max()) - first + 1
+    if k_max != int(torch.bincount(row).max()):  # (and before an n_qb x K tensor of a wide set)
+        return None
+    want = torch.arange(n_qb, device=pairs.device)[:, None] + first + torch.arange(k_max, device=pairs.device)
+    inside = (want >= 0) & (want < n_kb)
+    if not bool(inside.any(1).all()):
+        return None
+    want = (torch.arange(n_qb, device=pairs.device)[:, None] * n_kb + want)[inside]
+    return (first, k_max) if want.shape == pairs.shape and torch.equal(want, pairs) else None
+
+
+def band_padded(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``x`` (n, H, D) with zero rows before and after: every block a band layout's slots name, in
+    range or not (those out of range are masked), with only the padding zeroed."""
+    b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
+    before = max(-first, 0) * b
+    total = max(layout.n_kb, layout.n_qb + first + k_max) * b + before
+    out = x.new_empty(total, *x.shape[1:])
+    out[:before].zero_()
+    out[before : before + x.shape[0]].copy_(x)
+    out[before + x.shape[0] :].zero_()
+    return out
+
+
+def band_view(padded: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """(n_qb, H, K*block, D): row i's key blocks i+first .. i+first+K-1 of ``band_padded``'s output,
+    one strided view (no copy per slot)."""
+    b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
+    row = b * padded.stride(0)
+    start = (first + max(-first, 0)) * row
+    shape = (layout.n_qb, k_max * b, *padded.shape[1:])
+    return padded.as_strided(shape, (row, *padded.stride()), padded.storage_offset() + start).transpose(1, 2)
+
+
+def _band_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
+    """``band_view``'s backward for the query blocks in ``part``: adds (rows, H, K*block, D) gradients
+    into ``into`` (n_kb, block, H, D), slot j of row i at key block i+first+j (those in range)."""
+    b, first, rows = layout.block, layout.band, range(layout.n_qb)[part]
+    grad = grad.transpose(1, 2).unflatten(1, (-1, b))  # (rows, K, b, H, D)
+    for j in range(grad.shape[1]):
+        lo, hi = max(rows.start + first + j, 0), min(rows.stop + first + j, layout.n_kb)
+        if lo < hi:
+            into[lo:hi] += grad[lo - (rows.start + first + j) : hi - (rows.start + first + j), j]
 
 
 def gather_blocks(x: torch.Tensor, layout: Layout, part: slice = slice(None)) -> torch.Tensor:
@@ -126,8 +198,13 @@ def _key_blocks_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torc
     )
 
 
+# layouts kept per pattern for batches of the same lengths (a window of 256 at 16384 tokens: ~60 MB)
+PLAN_CACHE_BYTES = 256 << 20
+
 # gathered key rows per call of the kernel: at 4 heads of 32, 2 MB for each copy of k, v and their gradients
 CHUNK_KEYS = 1 << 12
+# a band's keys are views, only its backward's key gradients are copies (8 MB each at 4 heads of 32): fewer, larger calls
+BAND_CHUNK_KEYS = 1 << 14
 
 
 class _GatheredBlocks(torch.autograd.Function):
@@ -135,40 +212,49 @@ class _GatheredBlocks(torch.autograd.Function):
     at a time. The backward keeps q, k, v, the output and its log-sum-exp, not the gathered blocks (a
     key is copied once per query block that reads it: three times the keys for a window of two
     blocks), and gathers them again, a chunk at a time: keeping them, or gathering all at once,
-    grew a step's peak memory with the sequence."""
+    grew a step's peak memory with the sequence. A band layout reads strided views of k and v padded
+    once (kept in their place for the backward) and runs its forward in one call."""
 
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         rows, heads, b, _ = qb.shape
-        # laid out as the kernel lays out its own output, (rows, b, H, D) in memory: the caller's (n, H, D) view is no copy
-        out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)
-        lse = qb.new_empty(rows, heads, b)
+        n_keys = k.shape[0]
         mask = layout.additive_mask(qb.dtype)
-        for part in _chunks(layout):
-            out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qb[part],
-                gather_blocks(k, layout, part),
-                gather_blocks(v, layout, part),
-                attn_mask=None if mask is None else mask[part],
-                scale=1.0,
+        if layout.band is not None:  # padded once, kept for the backward in place of k and v
+            k, v = band_padded(k, layout), band_padded(v, layout)
+        keys = _key_blocks(k, v, layout)
+
+        def call(part):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb[part], *keys(part), attn_mask=None if mask is None else mask[part], scale=1.0
             )
+
+        if layout.band is not None:  # the keys are views: one call, its outputs kept as they come
+            out, lse = call(slice(None))
+        else:
+            # laid out as the kernel lays out its own output, (rows, b, H, D) in memory: the caller's (n, H, D) view is no copy
+            out = qb.new_empty(rows, b, heads, v.shape[-1]).transpose(1, 2)
+            lse = qb.new_empty(rows, heads, b)
+            for part in _chunks(layout):
+                out[part], lse[part] = call(part)
         ctx.save_for_backward(qb, k, v, out, lse)
-        ctx.layout = layout
+        ctx.layout, ctx.n_keys = layout, n_keys
         return out
 
     @staticmethod
     def backward(ctx, grad):
         qb, k, v, out, lse = ctx.saved_tensors
         layout = ctx.layout
-        grad, mask = grad.contiguous(), layout.additive_mask(qb.dtype)
+        mask = layout.additive_mask(qb.dtype)  # the kernel reads grad as it comes: no contiguous copy
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
+        keys = _key_blocks(k, v, layout)
+        add = _key_blocks_grad if layout.band is None else _band_grad
         for part in _chunks(layout):
             dq[part], dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad[part],
                 qb[part],
-                gather_blocks(k, layout, part),
-                gather_blocks(v, layout, part),
+                *keys(part),
                 out[part],
                 lse[part],
                 0.0,
@@ -176,15 +262,24 @@ class _GatheredBlocks(torch.autograd.Function):
                 attn_mask=None if mask is None else mask[part],
                 scale=1.0,
             )
-            _key_blocks_grad(dkb, layout, part, dk)
-            _key_blocks_grad(dvb, layout, part, dv)
-        return dq, dk.flatten(0, 1)[: k.shape[0]], dv.flatten(0, 1)[: v.shape[0]], None
+            add(dkb, layout, part, dk)
+            add(dvb, layout, part, dv)
+        return dq, dk.flatten(0, 1)[: ctx.n_keys], dv.flatten(0, 1)[: ctx.n_keys], None
+
+
+def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
+    """``part -> (keys, values)`` of the query blocks in ``part``: for a band layout views of ``k`` and
+    ``v`` as ``band_padded`` returns them, else gathered per call."""
+    if layout.band is None:
+        return lambda part: (gather_blocks(k, layout, part), gather_blocks(v, layout, part))
+    kb, vb = band_view(k, layout), band_view(v, layout)
+    return lambda part: (kb[part], vb[part])
 
 
 def _chunks(layout: Layout):
-    """Slices of query blocks whose gathered keys number about CHUNK_KEYS."""
+    """Slices of query blocks whose gathered keys number about CHUNK_KEYS (a band's, BAND_CHUNK_KEYS)."""
     rows, width = layout.key_blocks.shape[0], layout.key_blocks.shape[1] * layout.block
-    step = max(1, CHUNK_KEYS // width)
+    step = max(1, (CHUNK_KEYS if layout.band is None else BAND_CHUNK_KEYS) // width)
     return [slice(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
 
 
@@ -223,6 +318,12 @@ def attend(
     return out if layout.all_have_edges else out * layout.has_edge[:, None, None].to(out.dtype)
 
 
+def _layout_bytes(layout: Layout) -> int:
+    """A layout's memory, counting the float32 additive mask it makes on first use."""
+    mask = 0 if layout.mask is None else 5 * layout.mask.numel()
+    return mask + 8 * (layout.cell.numel() + layout.key_blocks.numel()) + layout.has_edge.numel()
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
 
@@ -237,7 +338,9 @@ class BlockSparseBackend(Backend):
         self.block = block
 
     def layout(self, edges: EdgeSet) -> Layout:
-        return edges.plan(("blocksparse", self.block, edges.device), lambda: plan(edges, self.block))
+        return edges.shared_plan(
+            ("blocksparse", self.block), lambda: plan(edges, self.block), PLAN_CACHE_BYTES, _layout_bytes
+        )
 
     def __call__(self, q, k, v, edges, bias=None):
         # an ACT subset: reuse the full plan on the blocks with kept queries

@@ -103,6 +103,15 @@ class EdgeSet:
             self._plans[key] = build()
         return self._plans[key]
 
+    def shared_plan(self, key, build: Callable[[], object], size: int, weigh: Callable[[object], int]):
+        """``plan``, and for a set made by ``batch_edges`` also kept with its pattern (``Pattern.memo``,
+        at most ``size`` by ``weigh``) per stage, sample lengths and device: its edges are the same for
+        every batch of those lengths, so such batches share one plan instead of planning each step."""
+        if self.pattern is None or self.parent is not None or self.q_lens is None:
+            return self.plan(key, build)
+        shared = (key, self.stage, self.q_lens, self.k_lens, str(self.device))
+        return self.plan(key, lambda: self.pattern.memo("plans", shared, build, size, weigh))
+
     def in_degree(self) -> torch.Tensor:
         return self.plan("in_degree", lambda: torch.bincount(self.dst, minlength=self.n_dst))
 
