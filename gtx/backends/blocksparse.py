@@ -160,7 +160,10 @@ class _GatheredBlocks(torch.autograd.Function):
     def backward(ctx, grad):
         qb, k, v, out, lse = ctx.saved_tensors
         layout = ctx.layout
-        grad, mask = grad.contiguous(), layout.additive_mask(qb.dtype)
+        # in the output's own layout (as the model's gradient arrives) the kernel reads it as it is: a
+        # contiguous copy held one q-sized tensor more through the backward
+        grad = grad if grad.stride() == out.stride() else grad.contiguous()
+        mask = layout.additive_mask(qb.dtype)
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
         for part in _chunks(layout):
