@@ -190,11 +190,11 @@ class NativeSparse(Trainable):
         window = window_edges(edges, self.window, lens, q.device)
         gates = torch.sigmoid(self.gate(q.flatten(1))).view(-1, heads, 3, 1)
         # one buffer for the sum, added to in place (a sum of products made four): the selected branch's
-        # product first, whose rows are contiguous, where the compressed branch's are strided and the
-        # output projection would copy (and keep) a strided sum to make it contiguous
+        # gated output first, whose rows are contiguous, where the compressed branch's are strided and the
+        # output projection would copy (and keep) a strided sum to make it contiguous. Its gate goes into
+        # the branch, whose backward weighs its parts by it: a gated copy of the gradient held 1 q-size more
         out = (
-            attend_token_blocks(q, k, v, edges, chosen)
-            .mul(gates[:, :, 1])
+            attend_token_blocks(q, k, v, edges, chosen, gate=gates[:, :, 1])
             .addcmul_(run.attend(q, k, v, window), gates[:, :, 2])
             .add_(attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0]))
         )

@@ -427,3 +427,38 @@ def test_the_compressed_branch_backward_allocates_gradients_once_not_per_block_o
         out.backward(torch.ones_like(out))
     allocated = sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
     assert allocated < 80 * q.numel() * q.element_size()
+
+
+def test_the_gated_selected_branch_and_the_window_hold_no_gated_or_contiguous_copy_of_the_gradient(
+    monkeypatch, peak_bytes
+):
+    """Through their backward, the selected branch with its gate (the gate inside its per-part
+    weights) holds no more than without one, and the window (blocksparse) reads a gradient in its
+    output's layout as it is, where a gated copy of the gradient and a contiguous copy of it held one
+    q-sized tensor more each."""
+    from gtx.attention import selection
+    from gtx.backends import blocksparse
+
+    for module, name, value in ((selection, "BLOCK_ROWS", 4), (selection, "TILES", 4), (selection, "GATE_ROWS", 64)):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(blocksparse, "CHUNK_KEYS", 256)
+    n, heads, dim = 1024, 4, 32
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(n, heads, dim, requires_grad=True) for _ in range(3))
+    size = q.numel() * q.element_size()
+    dd = build_graph(parse_pattern("causal"), None, [n]).edges["dd"]
+    blocks = torch.stack([torch.arange(n) // 64 - 1, torch.zeros(n, dtype=torch.long)], -1)
+    sel = TokenBlockSelection(64, [n], blocks[:, None].expand(-1, heads, -1).clamp_min(0), blocks[:, None] >= 0)
+    sel.valid = sel.valid.expand(-1, heads, -1) & (torch.arange(n) >= 128)[:, None, None]
+    gate = torch.rand(n, heads, 1, requires_grad=True)
+    held = {}
+    for gated in (False, True):
+        out = attend_token_blocks(q, k, v, dd, sel, gate=gate if gated else None)
+        grad = torch.randn_like(out)
+        _, held[gated] = peak_bytes(lambda out=out, grad=grad: out.backward(grad))
+    assert held[True] < held[False] + 0.25 * size
+    window = parse_pattern("local:w=127")
+    out = get_backend("blocksparse")(q, k, v, build_graph(window, None, [n]).edges["dd"])
+    grad = torch.randn_like(out)
+    _, backward = peak_bytes(lambda: out.backward(grad))
+    assert backward < 4.9 * size  # 4.4 here; 5.4 with the contiguous copy

@@ -184,7 +184,13 @@ def choose_token_blocks(
 
 
 def attend_token_blocks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: TokenBlockSelection, masses: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    edges: EdgeSet,
+    sel: TokenBlockSelection,
+    masses: bool = False,
+    gate: torch.Tensor | None = None,
 ):
     """Attention under a token-gated block selection: (n, H, D) in and out. The own block runs as
     causal block-diagonal attention; the chosen earlier blocks as tiles of up to ``block`` queries
@@ -192,14 +198,17 @@ def attend_token_blocks(
     kernel (plain torch ops on other devices), their partial softmaxes merged by log-sum-exp (as MoBA's own kernel does). Memory
     follows the edges: no n x n matrix, and per chosen block one row of D per query. ``masses``: also
     each block's share of the attention, averaged over the heads, without gradient: (n, 1 + K), the
-    own block first, then ``sel.blocks``' slots (0 where a slot is not valid)."""
-    out, mass = _TokenBlocks.apply(q, k, v, _TokenBlockPlan(sel, q.shape[1], q.device))
+    own block first, then ``sel.blocks``' slots (0 where a slot is not valid). ``gate`` (n, H, 1) or
+    None: each output row scaled by it (NSA's gate), inside the backward's per-chunk weights: no
+    gated copy of the output's gradient."""
+    out, mass = _TokenBlocks.apply(q, k, v, gate, _TokenBlockPlan(sel, q.shape[1], q.device))
     out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
     return (out, mass.mean(1)) if masses else out
 
 
 BLOCK_ROWS = 128  # own blocks (of one sample and head) per chunk: 256 (and 256 tiles) held 14 MB more at 16k tokens
 TILES = 128  # tiles of chosen blocks per chunk
+GATE_ROWS = 1024  # query tokens per chunk of the gate's gradient: its product with the output stays small
 
 
 class _TokenBlockPlan:
@@ -222,20 +231,25 @@ class _TokenBlockPlan:
         position = torch.arange(len(sample), device=device) - (torch.cumsum(lens, 0) - lens)[sample]
         # (n, H): each (token, head)'s place in the blocks
         place = (start[sample] + (position // b)[:, None]) * b + (position % b)[:, None]
-        self.place_of = place.flatten()  # by (token, head) row of (n * H, ...) views
-        # each block place's (token, head) row, or one past them
-        self.source = torch.full((self.n_rows * b,), len(sample) * heads, dtype=torch.long, device=device).index_copy_(
-            0, self.place_of, torch.arange(len(sample) * heads, device=device)
+        place_of = place.flatten()  # by (token, head) row of (n * H, ...) views
+        # each block place's (token, head) row, or one past them. The indices the backward keeps are
+        # int32 (half of int64's bytes; rows of n * H stay far below 2^31), made int64 a chunk at a
+        # time where an op needs it
+        self.source = (
+            torch.full((self.n_rows * b,), len(sample) * heads, dtype=torch.long, device=device)
+            .index_copy_(0, place_of, torch.arange(len(sample) * heads, device=device))
+            .to(torch.int32)
         )
-        self.padded = len(self.place_of) < len(self.source)
+        self.padded = len(place_of) < len(self.source)
         token, head, slot = sel.valid.nonzero(as_tuple=True)
         # the (sample, head, block) row of the key blocks
         group = start[sample[token], head] + sel.blocks[token, head, slot]
         order = torch.argsort(group, stable=True)
         token, head, slot, group = token[order], head[order], slot[order], group[order]
         self.slots = sel.blocks.shape[-1]
-        self.pair = token * heads + head  # each pair's (token, head) row of (n * H, D) views
-        self.mass_at = self.pair * (1 + self.slots) + 1 + slot  # each pair's place in (n * H, 1 + K) masses
+        pair = token * heads + head
+        self.pair = pair.to(torch.int32)  # each pair's (token, head) row of (n * H, D) views
+        self.mass_at = (pair * (1 + self.slots) + 1 + slot).to(torch.int32)  # its place in (n * H, 1 + K) masses
         rank = torch.arange(len(group), device=device) - torch.searchsorted(group, group, side="left")
         per_group = torch.zeros(self.n_rows, dtype=torch.long, device=device).index_add_(
             0, group, torch.ones_like(group)
@@ -243,7 +257,7 @@ class _TokenBlockPlan:
         tiles = (per_group + b - 1) // b
         tile = (torch.cumsum(tiles, 0) - tiles)[group] + rank // b
         self.n_tiles = int(tiles.sum())
-        self.place = tile * b + rank % b  # each pair's query place among the tiles' n_tiles * b
+        self.place = (tile * b + rank % b).to(torch.int32)  # each pair's query place among the tiles' n_tiles * b
         self.key_rows = torch.zeros(self.n_tiles, dtype=torch.long, device=device).index_copy(0, tile, group)
 
     def blocks(self, x: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
@@ -259,7 +273,7 @@ class _TokenBlockPlan:
     def places(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """(rows * b,): the (token, head) row of each place of the given block rows, n * H for padding:
         where ``blocks``' output goes back to in an (n * H + 1, ...) buffer whose last row takes the padding."""
-        return self.source.view(self.n_rows, self.block)[rows].reshape(-1)
+        return self.source.view(self.n_rows, self.block)[rows].reshape(-1).long()
 
     def block_rows(self):
         """Slices of ``BLOCK_ROWS`` block rows: the own blocks run a chunk at a time, so that their copies
@@ -276,7 +290,7 @@ class _TokenBlockPlan:
         for t0 in range(lo, hi, TILES):
             t1 = min(t0 + TILES, hi)
             p0, p1 = (int(torch.searchsorted(tile_of_pair, t)) for t in (t0, t1))
-            yield self.key_rows[t0:t1], slice(p0, p1), self.place[p0:p1] - t0 * self.block
+            yield self.key_rows[t0:t1], slice(p0, p1), (self.place[p0:p1] - t0 * self.block).long()
 
     def tiles_of(self, keys: slice) -> tuple[int, int]:
         """The tiles [lo, hi) whose key block rows lie in ``keys``."""
@@ -339,7 +353,7 @@ class _TokenBlocks(torch.autograd.Function):
     takes padding): no buffer of every block's rows or of every chosen block's output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: _TokenBlockPlan):
+    def forward(ctx, q, k, v, gate, plan: _TokenBlockPlan):
         q, k, v = (x.contiguous() for x in (q, k, v))  # read a chunk at a time: each a view, not a copy
         pair, b, rows_n = plan.pair, plan.block, q.shape[0] * q.shape[1]
         acc, own_lse = q.new_empty(rows_n + 1, v.shape[-1]), q.new_empty(rows_n + 1)
@@ -362,7 +376,7 @@ class _TokenBlocks(torch.autograd.Function):
             part_lse[pairs] = lse
             over = lse > top[at] + _HEADROOM
             if over.any():
-                new_top = top.scatter_reduce(0, at[over], lse[over], "amax")
+                new_top = top.scatter_reduce(0, at[over].long(), lse[over], "amax")
                 risen = (new_top > top).nonzero().squeeze(1)
                 scale = torch.exp(top[risen] - new_top[risen])
                 acc.index_copy_(0, risen, acc.index_select(0, risen).mul_(scale[:, None]))
@@ -381,15 +395,25 @@ class _TokenBlocks(torch.autograd.Function):
         ctx.plan = plan
         ctx.mark_non_differentiable(mass)
         # k, v, not their blocks: the backward copies them again
-        ctx.save_for_backward(q, k, v, out, own_lse, part_lse, own_w, part_w)
-        return out, mass
+        ctx.save_for_backward(q, k, v, out, own_lse, part_lse, own_w, part_w, gate)
+        return (out if gate is None else out * gate), mass
 
     @staticmethod
     def backward(ctx, grad, _):
         plan = ctx.plan
-        q, k, v, out, own_lse, part_lse, own_w, part_w = ctx.saved_tensors
+        q, k, v, out, own_lse, part_lse, own_w, part_w, gate = ctx.saved_tensors
         grad = grad.contiguous()
         b, rows_n = plan.block, q.shape[0] * q.shape[1]
+        dgate = None
+        if gate is not None:
+            # the gated output's gradient is grad * gate: the gate joins each part's weight (per row)
+            # rather than a gated copy of grad; its own gradient a chunk of rows at a time
+            dgate = gate.new_empty(gate.shape)
+            for t0 in range(0, q.shape[0], GATE_ROWS):
+                rows = slice(t0, t0 + GATE_ROWS)
+                dgate[rows] = (grad[rows] * out[rows]).sum(-1, keepdim=True)
+            g = gate.reshape(own_w.shape)
+            own_w, part_w = own_w * g, part_w * g.reshape(-1)[plan.pair]
         dq, dk, dv = (x.new_empty(rows_n + 1, x.shape[-1]) for x in (q, k, v))
         # a chunk of block rows at a time: their own blocks' gradients, then the chosen tiles whose keys
         # are these blocks add to the same chunk's dk, dv, which go to the rows once. Last chunk first:
@@ -427,4 +451,4 @@ class _TokenBlocks(torch.autograd.Function):
                 dvo.index_add_(0, rows - r.start, dvt.view(-1, b, dvt.shape[-1]))
             dk.index_copy_(0, places, dko.view(-1, dko.shape[-1]))
             dv.index_copy_(0, places, dvo.view(-1, dvo.shape[-1]))
-        return dq[:rows_n].view_as(q), dk[:rows_n].view_as(k), dv[:rows_n].view_as(v), None
+        return dq[:rows_n].view_as(q), dk[:rows_n].view_as(k), dv[:rows_n].view_as(v), dgate, None
