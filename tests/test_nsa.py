@@ -442,6 +442,7 @@ def test_the_gated_selected_branch_and_the_window_hold_no_gated_or_contiguous_co
     for module, name, value in ((selection, "BLOCK_ROWS", 4), (selection, "TILES", 4), (selection, "GATE_ROWS", 64)):
         monkeypatch.setattr(module, name, value)
     monkeypatch.setattr(blocksparse, "CHUNK_KEYS", 256)
+    monkeypatch.setattr(blocksparse, "BAND_CHUNK_KEYS", 256)
     n, heads, dim = 1024, 4, 32
     torch.manual_seed(0)
     q, k, v = (torch.randn(n, heads, dim, requires_grad=True) for _ in range(3))
@@ -461,4 +462,5 @@ def test_the_gated_selected_branch_and_the_window_hold_no_gated_or_contiguous_co
     out = get_backend("blocksparse")(q, k, v, build_graph(window, None, [n]).edges["dd"])
     grad = torch.randn_like(out)
     _, backward = peak_bytes(lambda: out.backward(grad))
-    assert backward < 4.9 * size  # 4.4 here; 5.4 with the contiguous copy
+    # 6.4 here (dq, dk, dv and the band's k and v padded again); 7.4 with the contiguous copy
+    assert backward < 6.9 * size

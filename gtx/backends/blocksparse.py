@@ -213,15 +213,13 @@ class _GatheredBlocks(torch.autograd.Function):
     key is copied once per query block that reads it: three times the keys for a window of two
     blocks), and gathers them again, a chunk at a time: keeping them, or gathering all at once,
     grew a step's peak memory with the sequence. A band layout reads strided views of k and v padded
-    once (kept in their place for the backward) and runs its forward in one call."""
+    once per pass (the backward pads them again) and runs its forward in one call."""
 
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         rows, heads, b, _ = qb.shape
         n_keys = k.shape[0]
         mask = layout.additive_mask(qb.dtype)
-        if layout.band is not None:  # padded once, kept for the backward in place of k and v
-            k, v = band_padded(k, layout), band_padded(v, layout)
         keys = _key_blocks(k, v, layout)
 
         def call(part):
@@ -248,7 +246,9 @@ class _GatheredBlocks(torch.autograd.Function):
         mask = layout.additive_mask(qb.dtype)  # the kernel reads grad as it comes: no contiguous copy
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
-        keys = _key_blocks(k, v, layout)
+        keys = _key_blocks(
+            k, v, layout
+        )  # a band's padded again: keeping the padded copies held two more k-sized tensors
         add = _key_blocks_grad if layout.band is None else _band_grad
         for part in _chunks(layout):
             dq[part], dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -269,10 +269,10 @@ class _GatheredBlocks(torch.autograd.Function):
 
 def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
     """``part -> (keys, values)`` of the query blocks in ``part``: for a band layout views of ``k`` and
-    ``v`` as ``band_padded`` returns them, else gathered per call."""
+    ``v`` padded once (``band_padded``), else gathered per call."""
     if layout.band is None:
         return lambda part: (gather_blocks(k, layout, part), gather_blocks(v, layout, part))
-    kb, vb = band_view(k, layout), band_view(v, layout)
+    kb, vb = (band_view(band_padded(x, layout), layout) for x in (k, v))
     return lambda part: (kb[part], vb[part])
 
 
