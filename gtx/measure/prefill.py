@@ -23,7 +23,7 @@ from gtx.errors import GtxError
 from gtx.memory import peak_mb, reset_peak
 
 SDPA = "transformers sdpa"
-CEILING = "no attention"  # the same model with each query's output its own value: what no attention kernel can beat
+CEILING = "no attention"  # gtx's model with attention skipped (SkipAttention): what no gtx row can beat
 VOCAB = 256  # tokens of the random model: the embedding and the output layer stay small beside the attention
 
 
@@ -70,32 +70,37 @@ def _physical_bytes() -> int | None:
         return None
 
 
-def _gtx_model(config, pattern, backend: str = "auto"):
-    """The hf plugin's model with gtx's attention under ``pattern`` (its trainable parts built for it)."""
+def _gtx_model(config, pattern, backend="auto"):
+    """The hf plugin's model with gtx's attention under ``pattern`` (its trainable parts built for it);
+    ``backend`` a name or a Backend."""
     from gtx.attention.module import Attention
     from gtx.backends import get_backend
     from gtx.plugins.registry import MODELS
 
     torch.manual_seed(0)
-    attention = Attention.for_width(get_backend(backend), pattern, config.heads, config.dim)
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    attention = Attention.for_width(backend, pattern, config.heads, config.dim)
     return MODELS.get("hf").obj(config, _Vocab(), _Vocab(), attention).eval()
-
-
-def _no_attention(module, query, key, value, attention_mask=None, **kwargs):
-    """transformers' attention contract with no attention: each query's output is its own position's value."""
-    return value.repeat_interleave(query.shape[1] // value.shape[1], 1).transpose(1, 2), None
 
 
 def _same_weights(model, implementation: str):
     """``model``'s transformers model with its weights, under one of transformers' attention implementations."""
     import transformers
 
-    transformers.AttentionInterface.register(CEILING, _no_attention)
     other = transformers.AutoModelForCausalLM.from_config(
         copy.deepcopy(model.hf.config), attn_implementation=implementation
     ).eval()
     other.load_state_dict(model.hf.state_dict())
     return other
+
+
+def _batch(ids: torch.Tensor, pattern):
+    """One sequence of ``ids`` as gtx's models read it, its graph under ``pattern``."""
+    from gtx.data.batch import Batch
+    from gtx.graph.tokens import build_graph, positions
+
+    n = len(ids)
+    return Batch(None, None, ids, positions(torch.tensor([n])), ids, build_graph(pattern, None, [n]), "test", [0])
 
 
 def _time(repeats: int, forward: Callable, *args, **kwargs) -> tuple[float, float]:
@@ -121,12 +126,12 @@ def bench_prefill(
     backends: Sequence[str] = ("auto",),
 ) -> pd.DataFrame:
     """Rows per length: transformers' SDPA (``is_causal``: the best kernel plain torch has for a causal
-    prefill), the same model without attention (the ceiling), then gtx under each pattern and backend
+    prefill), gtx's model with attention skipped (the ceiling of the gtx rows: the same code around the
+    attention, ``SkipAttention`` over one edge per query), then gtx under each pattern and backend
     (``attention`` names a backend other than auto: "gtx flex"). Columns: family, length, attention, pattern, ms,
     tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes)."""
-    from gtx.data.batch import Batch
     from gtx.graph.spec import parse_pattern
-    from gtx.graph.tokens import build_graph, positions
+    from gtx.measure.reference import NO_EDGES, SkipAttention
 
     check_lengths(family, dict(settings or {}), lengths)
     rows = []
@@ -134,32 +139,23 @@ def bench_prefill(
         config = _config(family, dict(settings or {}), n)
         reference = _gtx_model(config, parse_pattern("full"))
         ids = torch.randint(VOCAB, (n,), generator=torch.Generator().manual_seed(n))
-        for implementation, pattern in (("sdpa", "causal"), (CEILING, "-")):
-            ms, mem = _time(repeats, _same_weights(reference, implementation), input_ids=ids[None], use_cache=False)
-            name = SDPA if implementation == "sdpa" else CEILING
-            rows.append(
-                {"family": family, "length": n, "attention": name, "pattern": pattern, "ms": ms, "peak_mem_mb": mem}
-            )
-            log(f"{family} {n:>6} {name:<24} {ms:10.1f} ms {mem:8.1f} MB")
+        skip = parse_pattern(NO_EDGES)
+        timed = [
+            (SDPA, "causal", _time(repeats, _same_weights(reference, "sdpa"), input_ids=ids[None], use_cache=False)),
+            (CEILING, "-", _time(repeats, _gtx_model(config, skip, SkipAttention()), _batch(ids, skip))),
+        ]
         for spec in patterns:
             pattern = parse_pattern(spec)
-            batch = Batch(
-                None, None, ids, positions(torch.tensor([n])), ids, build_graph(pattern, None, [n]), "test", [0]
-            )
             for backend in backends:
-                ms, mem = _time(repeats, _gtx_model(config, pattern, backend), batch)
                 name = "gtx" if backend == "auto" else f"gtx {backend}"
-                rows.append(
-                    {
-                        "family": family,
-                        "length": n,
-                        "attention": name,
-                        "pattern": pattern.spec,
-                        "ms": ms,
-                        "peak_mem_mb": mem,
-                    }
+                timed.append(
+                    (name, pattern.spec, _time(repeats, _gtx_model(config, pattern, backend), _batch(ids, pattern)))
                 )
-                log(f"{family} {n:>6} {name:<10} {pattern.spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
+        for name, spec, (ms, mem) in timed:
+            rows.append(
+                {"family": family, "length": n, "attention": name, "pattern": spec, "ms": ms, "peak_mem_mb": mem}
+            )
+            log(f"{family} {n:>6} {name:<18} {spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
     df = pd.DataFrame(rows)
     df["tokens_per_s"] = df.length / (df.ms / 1000)
     df["vs_sdpa"] = df.groupby("length").ms.transform(lambda ms: ms.iloc[0]) / df.ms
