@@ -104,9 +104,7 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     band = _band(pairs, n_qb, n_kb)
     if band is not None:
         first, k_max = band
-        key_blocks = (torch.arange(n_qb, device=device)[:, None] + first + torch.arange(k_max, device=device)).clamp_(
-            0, n_kb - 1
-        )
+        key_blocks = _band_blocks(n_qb, first, k_max, device).clamp_(0, n_kb - 1)
         edge_slot = src // block - dst // block - first
     else:
         row, col = pairs // n_kb, pairs % n_kb
@@ -139,12 +137,17 @@ def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
     k_max = int((col - row).max()) - first + 1
     if k_max != int(torch.bincount(row).max()):  # (and before an n_qb x K tensor of a wide set)
         return None
-    want = torch.arange(n_qb, device=pairs.device)[:, None] + first + torch.arange(k_max, device=pairs.device)
+    want = _band_blocks(n_qb, first, k_max, pairs.device)
     inside = (want >= 0) & (want < n_kb)
     if not bool(inside.any(1).all()):
         return None
     want = (torch.arange(n_qb, device=pairs.device)[:, None] * n_kb + want)[inside]
     return (first, k_max) if want.shape == pairs.shape and torch.equal(want, pairs) else None
+
+
+def _band_blocks(n_qb: int, first: int, k_max: int, device) -> torch.Tensor:
+    """(n_qb, K): row i's key blocks i+first .. i+first+K-1, in range or not."""
+    return torch.arange(n_qb, device=device)[:, None] + first + torch.arange(k_max, device=device)
 
 
 def band_padded(x: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -218,7 +221,6 @@ class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
         rows, heads, b, _ = qb.shape
-        n_keys = k.shape[0]
         mask = layout.additive_mask(qb.dtype)
         keys = _key_blocks(k, v, layout)
 
@@ -236,7 +238,7 @@ class _GatheredBlocks(torch.autograd.Function):
             for part in _chunks(layout):
                 out[part], lse[part] = call(part)
         ctx.save_for_backward(qb, k, v, out, lse)
-        ctx.layout, ctx.n_keys = layout, n_keys
+        ctx.layout = layout
         return out
 
     @staticmethod
@@ -246,9 +248,8 @@ class _GatheredBlocks(torch.autograd.Function):
         mask = layout.additive_mask(qb.dtype)  # the kernel reads grad as it comes: no contiguous copy
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
-        keys = _key_blocks(
-            k, v, layout
-        )  # a band's padded again: keeping the padded copies held two more k-sized tensors
+        # a band's k and v padded again: keeping the forward's padded copies held two more k-sized tensors
+        keys = _key_blocks(k, v, layout)
         add = _key_blocks_grad if layout.band is None else _band_grad
         for part in _chunks(layout):
             dq[part], dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -264,7 +265,7 @@ class _GatheredBlocks(torch.autograd.Function):
             )
             add(dkb, layout, part, dk)
             add(dvb, layout, part, dv)
-        return dq, dk.flatten(0, 1)[: ctx.n_keys], dv.flatten(0, 1)[: ctx.n_keys], None
+        return dq, dk.flatten(0, 1)[: k.shape[0]], dv.flatten(0, 1)[: v.shape[0]], None
 
 
 def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
