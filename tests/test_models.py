@@ -3,11 +3,13 @@
 import pytest
 import torch
 
+from gtx.attention import native
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.data.vocab import Vocab
 from gtx.graph.spec import parse_pattern
 from gtx.model.decode import decode
+from gtx.model.layers import HERE, KERNEL
 from gtx.plugins.registry import BACKENDS, MODELS
 
 BACKEND_NAMES = [
@@ -182,10 +184,20 @@ def test_greedy_decoding_matches_teacher_forcing_on_its_own_output(tiny_task, mo
         assert logits.argmax(-1).tolist() == h + [Vocab.eos]
 
 
+def _torch_lanes(monkeypatch):
+    """Dropout's torch path, as where the C kernel cannot be built."""
+    from gtx.model import layers
+
+    monkeypatch.setattr(layers.native, "kernel", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
+def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p, kernel, monkeypatch):
     from gtx.model.layers import Dropout
 
+    if not kernel:
+        _torch_lanes(monkeypatch)
     torch.manual_seed(0)
     drop = Dropout(p)
     x = torch.ones(200_001)  # not a multiple of the four lanes a random word gives
@@ -197,15 +209,18 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales(p):
     # lanes of one word are independent: neighbours agree as often as chance says
     agree = (kept[:-1] == kept[1:]).float().mean().item()
     assert abs(agree - (p * p + (1 - p) ** 2)) < 0.01
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)  # torch's seed reproduces it
     drop.eval()
     assert drop(x) is x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dropout_scales_by_the_kept_lanes_in_the_input_dtype(dtype):
-    """The output is x times (kept lane) / (1 - p), bit for bit, in x's dtype, with that gradient."""
+def test_dropout_scales_by_the_kept_lanes_in_the_input_dtype(dtype, monkeypatch):
+    """Without the kernel: the output is x times (kept lane) / (1 - p), bit for bit, in x's dtype, with that gradient."""
     from gtx.model.layers import Dropout
 
+    _torch_lanes(monkeypatch)
     p, x = 0.1, torch.randn(1001, dtype=dtype, requires_grad=True)
     torch.manual_seed(3)
     y = Dropout(p)(x)
@@ -215,6 +230,49 @@ def test_dropout_scales_by_the_kept_lanes_in_the_input_dtype(dtype):
     assert y.dtype == dtype and torch.equal(y, x * scale)
     y.sum().backward()
     assert torch.equal(x.grad, scale)
+
+
+def _splitmix_lanes(seed: int, n: int) -> torch.Tensor:
+    """SplitMix64's outputs for counters 1.. after ``seed``, as n unsigned 16-bit lanes (int64), little-endian,
+    in torch's wrapping int64 arithmetic: the kernel's generator written out independently."""
+
+    def shift(z, s):  # logical, where torch's >> is arithmetic
+        return (z >> s) & ((1 << (64 - s)) - 1)
+
+    def signed(c):
+        return c - (1 << 64) if c >= 1 << 63 else c
+
+    z = signed(seed % 2**64) + torch.arange(1, -(-n // 4) + 1, dtype=torch.int64) * signed(0x9E3779B97F4A7C15)
+    z = (z ^ shift(z, 30)) * signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shift(z, 27)) * signed(0x94D049BB133111EB)
+    z = z ^ shift(z, 31)
+    return torch.stack([shift(z, 16 * i) & 0xFFFF for i in range(4)], -1).flatten()[:n]
+
+
+@pytest.mark.skipif(native.load(KERNEL, HERE) is None, reason="no C compiler")
+def test_dropout_kernel_keeps_the_splitmix_lanes_and_masks_the_gradient_alike():
+    """The kernel's mask is SplitMix64's lanes of one seed drawn from torch's generator, whatever the
+    threads; the gradient is masked by the same lanes (drawn again, none kept)."""
+    from gtx.model.layers import Dropout
+
+    p, x = 0.1, torch.randn(3, 4099, requires_grad=True)  # parts end mid-word
+    torch.manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = Dropout(p)(x)
+        torch.manual_seed(5)
+        torch.set_num_threads(1)
+        assert torch.equal(Dropout(p)(x), y)
+    finally:
+        torch.set_num_threads(threads)
+    torch.manual_seed(5)
+    seed = int(torch.empty((), dtype=torch.int64).random_(-(2**63), None))
+    scale = (_splitmix_lanes(seed, x.numel()) >= round(p * 65536)).float().view_as(x) / (1 - p)
+    assert torch.equal(y, x * scale)
+    g = torch.randn_like(x)
+    y.backward(g)
+    assert torch.equal(x.grad, g * scale)
 
 
 @pytest.mark.parametrize("model, overrides", [("transformer", {}), ("ut", {}), ("ut", {"act": False})])

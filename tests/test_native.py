@@ -303,8 +303,8 @@ def test_no_compiler_on_the_path_says_so_once(fresh, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert native.library("keys_kernel") is None and native.library("index_kernel") is None
     assert fresh() == [
-        "no C compiler (no cc or gcc on the PATH): topk and dsa run on their torch path, several times slower on the CPU; "
-        "set CC to a C compiler's command"
+        "no C compiler (no cc or gcc on the PATH): topk, dsa and dropout run on their torch path, several times slower "
+        "on the CPU; set CC to a C compiler's command"
     ]
 
 
@@ -378,7 +378,7 @@ def test_a_library_that_does_not_load_gives_the_torch_path_and_one_line_naming_g
 ):
     foreign = tmp_path / "foreign.so"
     foreign.write_bytes(b"no shared object")
-    monkeypatch.setattr(native, "library", lambda name: foreign)
+    monkeypatch.setattr(native, "library", lambda name, folder: foreign)
     assert native.load.__wrapped__("keys_kernel") is None
     (line,) = fresh()
     assert line.startswith("C kernel keys_kernel does not load (") and "set GTX_CACHE to another folder, or CC" in line

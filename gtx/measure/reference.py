@@ -139,7 +139,7 @@ class TorchLM(nn.Module):
     is causal (``mask_pattern`` None: SDPA ``is_causal``) or the ``dd`` edges of ``mask_pattern``
     as a bool mask: (n, n) when a batch's samples share one length, else (B, 1, n, n).
 
-    Dropout is gtx's ``Dropout`` (plain torch, a cheaper CPU mask than ``torch.dropout``) so that
+    Dropout is gtx's ``Dropout`` (a cheaper CPU mask than ``torch.dropout``'s) so that
     this model and gtx's differ in attention alone. Parameter names are gtx's: a ``lm`` state dict
     without ``embed.src.weight`` (the same tensor as ``embed.tgt.weight``) loads into it."""
 

@@ -12,12 +12,15 @@ and ``forward(batch)`` is ``decode(encode(...))``. Decoding token by token reuse
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from gtx.attention import native
 from gtx.data.vocab import Vocab
 from gtx.model.engine import MultiHeadAttention
 
@@ -61,10 +64,15 @@ class PositionalEncoding(nn.Module):
 
 
 class Dropout(nn.Module):
-    """Dropout whose CPU mask costs a quarter of ``torch.dropout``'s: one full-range 64-bit random
-    draw gives four 16-bit uniform lanes (keep probability exact to 1/65536), compared in place
-    without a copy. The CPU generator is the cost: at the sizes of a small model, ``torch.dropout``
-    took ~18% of a training step. CUDA uses ``torch.dropout``."""
+    """Dropout with masks cheap to draw on the CPU. float32 on the CPU: the C kernel
+    ``dropout_kernel.c`` keeps element i where a 16-bit lane of a counter-based generator
+    (SplitMix64 of a seed and i / 4) is at least round(p * 65536), one seed per call drawn from
+    torch's CPU generator (``torch.manual_seed`` and a checkpoint's random state reproduce it); the
+    backward draws the mask again from the seed, so nothing is kept. Elsewhere on the CPU (other
+    dtypes, no C compiler): one full-range 64-bit draw of torch's generator gives four 16-bit lanes,
+    compared alike. Either way the keep probability is exact to 1/65536. ``torch.dropout``'s CPU
+    mask (a Bernoulli draw per element) cost ~18% of a small model's training step; the torch lanes
+    a quarter of that, the kernel a tenth of theirs. CUDA uses ``torch.dropout``."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -77,12 +85,50 @@ class Dropout(nn.Module):
             return x
         if x.is_cuda:
             return torch.dropout(x, self.p, True)
+        threshold = round(self.p * 65536)
+        if native.kernel(KERNEL, x, folder=HERE) is not None:
+            seed = int(torch.empty((), dtype=torch.int64).random_(-(2**63), None))
+            return _HashedMask.apply(x, seed, threshold, 1 / (1 - self.p))
         n = x.numel()
-        # from = int64 min, to = None: torch's full 64-bit range, every bit uniform
         words = torch.empty(-(-n // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)
         lanes = words.view(torch.int16)[:n]  # uniform on [-2^15, 2^15)
-        scale = (lanes >= round(-32768 + self.p * 65536)).to(x.dtype).mul_(1 / (1 - self.p))
+        scale = (lanes >= threshold - 32768).to(x.dtype).mul_(1 / (1 - self.p))
         return x * scale.view_as(x)
+
+
+KERNEL, HERE = "dropout_kernel", Path(__file__).parent
+
+
+def hashed_mask(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.Tensor:
+    """x (float32, CPU) times ``scale`` where the kernel's lane for (``seed``, element) is at least
+    ``threshold``, else 0 (``dropout_kernel.c``)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    parts = native.parts(x.numel() // 4096)
+    native.check(
+        native.load(KERNEL, HERE).gtx_dropout(
+            *native.ints(parts, x.numel()),
+            native.pointer(x),
+            native.pointer(out),
+            ctypes.c_uint64(seed % 2**64),
+            *native.ints(threshold),
+            ctypes.c_float(scale),
+        )
+    )
+    return out
+
+
+class _HashedMask(torch.autograd.Function):
+    """Dropout by the kernel: the gradient is masked by the same lanes, drawn again from the seed."""
+
+    @staticmethod
+    def forward(ctx, x, seed, threshold, scale):
+        ctx.mask = seed, threshold, scale
+        return hashed_mask(x, seed, threshold, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return hashed_mask(grad, *ctx.mask), None, None, None
 
 
 class FeedForward(nn.Module):
