@@ -172,6 +172,8 @@ class _DenseKL(torch.autograd.Function):
         # the widest blocks first, dealt in turn to the workers: each about the same work
         blocks.sort(key=lambda b: b[2], reverse=True)
 
+        lib = native.kernel("dense_kernel", q, k, iq, w, ik)
+
         @torch.no_grad()  # grad mode is per thread: the workers' too
         def work(part: int, parts: int):
             if parts > 1:  # one thread each: blocks side by side, not every op split (a barrier each)
@@ -180,19 +182,23 @@ class _DenseKL(torch.autograd.Function):
             for sample, r0, r1 in blocks[part::parts]:
                 start, kt, qt, at = samples[sample]
                 r = slice(start + r0, start + r1)
-                p = _attention_mean(qt[:, r0:r1], kt[..., :r1], lse is not None, own[: r1 - r0, : r1 - r0], r0)
-                if size > 1:
-                    p = per_block(p, size)
-                c0, cols = r0 // size, p.shape[1]
-                # the columns after each row's own: only among those from the block's first row's own
-                after = (
-                    own[: r1 - r0, : r1 - r0]
-                    if size == 1
-                    else torch.arange(c0, cols, device=q.device)[None, :]
-                    > (torch.arange(r0, r1, device=q.device) // size)[:, None]
-                )
-                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], ik[at][:cols], after, c0)
-                dik[at][:cols] += dk
+                s = _scores(qt[:, r0:r1], kt[..., :r1], lse is not None, own[: r1 - r0, : r1 - r0], r0)
+                keys, c0 = ik[at][: -(-r1 // size)], r0 // size
+                if lib is not None:
+                    loss, diq[r], dw[r], dk = _fit_native(lib, s, iq[r], w[r], keys, r0, size)
+                else:
+                    p = s.exp_().sum(0)
+                    if size > 1:
+                        p = per_block(p, size)
+                    # the columns after each row's own: only among those from the block's first row's own
+                    after = (
+                        own[: r1 - r0, : r1 - r0]
+                        if size == 1
+                        else torch.arange(c0, len(keys), device=q.device)[None, :]
+                        > (torch.arange(r0, r1, device=q.device) // size)[:, None]
+                    )
+                    loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], keys, after, c0)
+                dik[at][: len(keys)] += dk
                 total += loss
             return total, dik
 
@@ -216,16 +222,31 @@ class _DenseKL(torch.autograd.Function):
         return None, None, None, diq * grad, dw * grad, dik * grad, None, None, None
 
 
-def _attention_mean(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
-    """(rows, keys): the mean over heads of rows r0.. of a causal sample attending over keys ``kt``
-    (H, D + 1, keys) (their last row ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the
-    last entry each row's -(log-sum-exp + log H), else D); ``own`` (rows, rows) hides later keys."""
+def _scores(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
+    """(H, rows, keys): for rows r0.. of a causal sample, each head's q . k - log-sum-exp - log H (the
+    head-mean attention is the sum of their exps) over keys ``kt`` (H, D + 1, keys) (their last row
+    ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the last entry each row's -(log-sum-exp
+    + log H), else D); ``own`` (rows, rows) hides later keys (-inf)."""
     heads, dim = qt.shape[0], kt.shape[1] - 1
     s = qt @ kt if shifted else qt @ kt[:, :dim]
     s[..., r0:].masked_fill_(own, float("-inf"))
     if not shifted:
         s.sub_(s.logsumexp(-1, keepdim=True) + math.log(heads))
-    return s.exp_().sum(0)
+    return s
+
+
+def _fit_native(lib, s, iq, w, keys, r0: int, size: int):
+    """``_fit`` on the C kernel (``dense_kernel.c``) from the heads' ``_scores`` s (size 1), else
+    from p per block: the element-wise steps in two passes over each row, the products on torch's."""
+    if size > 1:
+        s = per_block(s.exp_().sum(0), size)
+    dots = iq @ keys.T  # (r, J, C): d loss / d dots after the kernel
+    buffers = (s.contiguous(), w.contiguous(), dots, s.new_empty(len(iq)), torch.empty_like(w))  # alive for the call
+    heads = s.shape[0] if s.dim() == 3 else 0
+    args = native.ints(len(iq), keys.shape[0], heads, iq.shape[1], r0, size)
+    native.check(lib.gtx_dense_fit(*args, *(native.pointer(x) for x in buffers)))
+    loss, dw = buffers[3:]
+    return loss.sum(), dots @ keys, dw, dots.flatten(0, 1).T @ iq.flatten(0, 1)
 
 
 def _fit(p, iq, w, keys, after, c0: int):
