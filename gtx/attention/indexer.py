@@ -5,8 +5,9 @@ token-level learned selection.
 and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
-its gradients); elsewhere the same definitions run as torch ops. The choice may score in int8
-(``top_indexed``'s ``precision``), the KL always in float32.
+its gradients), and ``dense_kernel.c`` the dense KL's element-wise steps between torch's products;
+elsewhere the same definitions run as torch ops. The choice may score in int8 (``top_indexed``'s
+``precision``), the KL always in float32.
 
 Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
 by their tokens' positions (``rotary_angles``), so the kernels score rotated vectors as any others.
@@ -240,7 +241,7 @@ def _scores(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
 
 def _fit_native(lib, s, iq, w, keys, r0: int, size: int, diq, dw, dik) -> torch.Tensor:
     """``_fit`` on the C kernel (``dense_kernel.c``) from the heads' ``_scores`` s (size 1), else from
-    p per block: the element-wise steps in two passes over each row, the products on torch's. Writes
+    p per block: the element-wise steps row by row, the products on torch's. Writes
     the gradients into diq (r, J, d) and dw (r, J), adds the keys' into dik (C, d); returns the loss."""
     if size > 1:
         s = per_block(s.exp_().sum(0), size)
