@@ -7,18 +7,18 @@
 
 #define CHUNK 512 /* columns at a time where a row's heads are summed: the chunk's rows stay in L1 */
 
-/* ln x for normal x > 0 (the caller clamps at 1e-30): x = m 2^e with m in [sqrt(1/2), sqrt(2)), then
- * Cephes' logf polynomial in m - 1 and e ln 2 in two parts; plain arithmetic, so that loops of it
- * vectorize (glibc's logf is a call per element). */
+/* ln x for normal x > 0 (the caller clamps at 1e-30): x = m 2^e with m in [sqrt(1/2), sqrt(2)), e and
+ * m from x's bits by integer steps alone (a select there has GCC evaluate the polynomial on both
+ * sides), then Cephes' logf polynomial in m - 1 and e ln 2 in two parts; plain arithmetic, so that
+ * loops of it vectorize (glibc's logf is a call per element). */
 static inline float log_approx(float x) {
     int32_t bits;
     memcpy(&bits, &x, sizeof bits);
-    float e = (float)((bits >> 23) - 127);
-    bits = (bits & 0x007fffff) | 0x3f800000;  /* the mantissa as a float in [1, 2) */
+    int32_t above = bits - 0x3f3504f3;  /* sqrt(1/2)'s bits: above >> 23 is floor(log2(x / sqrt(1/2))) */
+    float e = (float)(above >> 23);
+    bits -= above & (int32_t)0xff800000;  /* x / 2^e */
     float m;
     memcpy(&m, &bits, sizeof m);
-    int high = m > 1.41421356237f;
-    m = high ? 0.5f * m : m, e = high ? e + 1.0f : e;
     float f = m - 1.0f, z = f * f;
     float y = ((((((((7.0376836292e-2f * f - 1.1514610310e-1f) * f + 1.1676998740e-1f) * f - 1.2420140846e-1f) * f
                    + 1.4249322787e-1f) * f - 1.6668057665e-1f) * f + 2.0000714765e-1f) * f - 2.4999993993e-1f) * f
