@@ -1,6 +1,6 @@
 """The C kernels (gtx/attention/keys_kernel.c) compute what their torch paths compute: attention over
-selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL loss, values and
-gradients; they build with older compilers, and a machine that cannot build or cache them falls back
+selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL losses (sparse and
+dense), values and gradients; they build with older compilers, and a machine that cannot build or cache them falls back
 with one logged line."""
 
 import ctypes
