@@ -575,16 +575,24 @@ def dense_kl_by_softmax(q, k, iq, w, ik, lens, size):
     return total
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("size", [1, 4])
 @pytest.mark.parametrize("lens, rows", [([37], 64), ([30, 21, 5], 8), ([70, 1, 33], 16)])
 def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_kl_values_and_gradients(
-    lens, rows, size
+    lens, rows, size, kernel, monkeypatch
 ):
     """``dense_index_kl``: its loss and the indexer's gradients (computed in its one pass), given the
     log-sum-exp of the fused causal attention (unequal samples: bucketed, rows reordered) or
-    computing it itself, against the KL of softmaxes in float64, in blocks of rows of every size."""
+    computing it itself, against the KL of softmaxes in float64, in blocks of rows of every size; on
+    the C kernel (where it builds) and on torch ops."""
+    from gtx.attention import native
     from gtx.attention.indexer import dense_index_kl
     from gtx.attention.selection import block_means
+
+    if kernel and native.load("dense_kernel") is None:
+        pytest.skip("no C compiler: the torch path is all there is")
+    if not kernel:
+        monkeypatch.setattr(native, "kernel", lambda *_: None)
 
     torch.manual_seed(sum(lens) + size)
     n, heads = sum(lens), 3
@@ -612,3 +620,32 @@ def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_k
         torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
         for a, b in zip(torch.autograd.grad(got * 0.5, xs), want_grads):  # the backward scales the gradients
             torch.testing.assert_close(a.double(), 0.5 * b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_the_dense_kls_kernel_agrees_with_its_torch_path_over_long_rows(size, monkeypatch):
+    """Rows of 1100 keys, past the kernel's chunks of 512 columns and its vectors' tails, with scores so
+    spread that some of p underflows to 0 and the index scores span hundreds: the C kernel's loss and
+    gradients are the torch path's (float32 both)."""
+    from gtx.attention import native
+    from gtx.attention.indexer import dense_index_kl
+
+    if native.load("dense_kernel") is None:
+        pytest.skip("no C compiler: the torch path is all there is")
+    g = torch.Generator().manual_seed(5)
+    n, heads = 1100, 2
+    q, k = torch.randn(n, heads, 8, generator=g) * 12, torch.randn(n, heads, 8, generator=g)
+    iq, w = torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, generator=g) * 20
+    keys = torch.randn(n, 8, generator=g) if size == 1 else torch.randn(1, -(-n // size), 8, generator=g)
+    low, high = (q[:, 0] @ k[:, 0].T).aminmax()
+    assert high - low > 200  # exp(q . k - lse) underflows for some keys
+
+    def run():
+        xs = [x.clone().requires_grad_() for x in (iq, w, keys)]
+        loss = dense_index_kl(q, k, None, *xs, [n], 64, size)
+        return loss, *torch.autograd.grad(loss, xs)
+
+    got = run()
+    monkeypatch.setattr(native, "kernel", lambda *_: None)
+    for a, b in zip(got, run()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

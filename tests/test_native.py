@@ -1,6 +1,6 @@
 """The C kernels (gtx/attention/keys_kernel.c) compute what their torch paths compute: attention over
-selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL loss, values and
-gradients; they build with older compilers, and a machine that cannot build or cache them falls back
+selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL losses (sparse and
+dense), values and gradients; they build with older compilers, and a machine that cannot build or cache them falls back
 with one logged line."""
 
 import ctypes
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gtx import files
 from gtx.attention import native
 from gtx.attention.choice import top_keys
-from gtx.attention.indexer import index_kl, top_indexed
+from gtx.attention.indexer import dense_index_kl, index_kl, top_indexed
 from gtx.attention.keys import RANGE_SHIFT, KeySelection, attend_keys
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
@@ -200,8 +200,8 @@ def script(path: Path, body: str) -> str:
 
 
 def loads_and_agrees(monkeypatch):
-    """Both kernels load (from ``$GTX_CACHE``, as built now) and compute what the torch paths compute."""
-    libs = {name: native.load.__wrapped__(name) for name in ("keys_kernel", "index_kernel")}
+    """The kernels load (from ``$GTX_CACHE``, as built now) and compute what the torch paths compute."""
+    libs = {name: native.load.__wrapped__(name) for name in ("keys_kernel", "index_kernel", "dense_kernel")}
     assert all(libs.values())
     monkeypatch.setattr(native, "load", libs.get)
     check_selected_keys(30, 40, 2, 12, False, (32, 32), 0)  # the lane sums' shuffles at the unrolled size
@@ -216,6 +216,16 @@ def loads_and_agrees(monkeypatch):
     edges = build_graph(parse_pattern("causal"), None, [300]).edges["dd"]
     (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_indexed(iq, w, ik, edges, 40, "int8"))
     assert same_sets(keys, valid, want_keys, want_valid)
+    # the dense KL's element-wise steps: rows past a chunk of 512 columns
+    q, k = (torch.randn(600, 2, 8, generator=g) for _ in range(2))
+    xs = [x.requires_grad_() for x in indexer_inputs(600, 2, 8, 1)]
+
+    def dense():
+        loss = dense_index_kl(q, k, None, *xs, [600], 64)
+        return loss, *torch.autograd.grad(loss, xs)
+
+    for a, b in zip(*both_paths(dense)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def int8_kind(lib) -> str:
@@ -287,7 +297,7 @@ def test_cc_is_split_as_a_shell_would_a_wrapper_and_flags_too(fresh, tmp_path, m
     wrap = script(tmp_path / "my wrap", f'echo x >> "{calls}"; exec "$@"')  # as ccache runs the compiler it is given
     monkeypatch.setenv("CC", f"'{wrap}' {REAL_CC} -O2")
     loads_and_agrees(monkeypatch)
-    assert fresh() == [] and len(calls.read_text().split()) == 3  # --version, then one build per kernel
+    assert fresh() == [] and len(calls.read_text().split()) == 4  # --version, then one build per kernel (3)
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "gcc '-O2"])

@@ -5,8 +5,9 @@ token-level learned selection.
 and one index key per token k (N, d). Nothing here holds an n x n matrix: the choice scores a block
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
-its gradients); elsewhere the same definitions run as torch ops. The choice may score in int8
-(``top_indexed``'s ``precision``), the KL always in float32.
+its gradients), and ``dense_kernel.c`` the dense KL's element-wise steps between torch's products;
+elsewhere the same definitions run as torch ops. The choice may score in int8 (``top_indexed``'s
+``precision``), the KL always in float32.
 
 Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
 by their tokens' positions (``rotary_angles``), so the kernels score rotated vectors as any others.
@@ -155,7 +156,7 @@ class _DenseKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, lse, iq, w, ik, lens, rows, size):
         heads = q.shape[1]
-        diq, dw = torch.zeros_like(iq), torch.zeros_like(w)
+        diq, dw = iq.new_zeros(iq.shape), w.new_zeros(w.shape)  # contiguous: the kernel path writes rows of them
         own = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)  # a block's later keys
         samples, blocks, start = [], [], 0
         for sample, n in enumerate(lens):
@@ -172,27 +173,35 @@ class _DenseKL(torch.autograd.Function):
         # the widest blocks first, dealt in turn to the workers: each about the same work
         blocks.sort(key=lambda b: b[2], reverse=True)
 
+        lib = native.kernel("dense_kernel", q, k, iq, w, ik)
+
         @torch.no_grad()  # grad mode is per thread: the workers' too
         def work(part: int, parts: int):
             if parts > 1:  # one thread each: blocks side by side, not every op split (a barrier each)
                 torch.set_num_threads(1)
-            total, dik = q.new_zeros(()), torch.zeros_like(ik)
+            total, dik = q.new_zeros(()), ik.new_zeros(ik.shape)  # contiguous, as the kernel path writes
             for sample, r0, r1 in blocks[part::parts]:
                 start, kt, qt, at = samples[sample]
                 r = slice(start + r0, start + r1)
-                p = _attention_mean(qt[:, r0:r1], kt[..., :r1], lse is not None, own[: r1 - r0, : r1 - r0], r0)
+                # the kernel reads no later key (size 1): no mask where the log-sum-exp is given
+                hide = None if lib is not None and size == 1 and lse is not None else own[: r1 - r0, : r1 - r0]
+                s = _scores(qt[:, r0:r1], kt[..., :r1], lse is not None, hide, r0)
+                keys, c0 = ik[at][: -(-r1 // size)], r0 // size
+                if lib is not None:
+                    total += _fit_native(lib, s, iq[r], w[r], keys, r0, size, diq[r], dw[r], dik[at][: len(keys)])
+                    continue
+                p = s.exp_().sum(0)
                 if size > 1:
                     p = per_block(p, size)
-                c0, cols = r0 // size, p.shape[1]
                 # the columns after each row's own: only among those from the block's first row's own
                 after = (
                     own[: r1 - r0, : r1 - r0]
                     if size == 1
-                    else torch.arange(c0, cols, device=q.device)[None, :]
+                    else torch.arange(c0, len(keys), device=q.device)[None, :]
                     > (torch.arange(r0, r1, device=q.device) // size)[:, None]
                 )
-                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], ik[at][:cols], after, c0)
-                dik[at][:cols] += dk
+                loss, diq[r], dw[r], dk = _fit(p, iq[r], w[r], keys, after, c0)
+                dik[at][: len(keys)] += dk
                 total += loss
             return total, dik
 
@@ -216,16 +225,36 @@ class _DenseKL(torch.autograd.Function):
         return None, None, None, diq * grad, dw * grad, dik * grad, None, None, None
 
 
-def _attention_mean(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
-    """(rows, keys): the mean over heads of rows r0.. of a causal sample attending over keys ``kt``
-    (H, D + 1, keys) (their last row ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the
-    last entry each row's -(log-sum-exp + log H), else D); ``own`` (rows, rows) hides later keys."""
+def _scores(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
+    """(H, rows, keys): for rows r0.. of a causal sample, each head's q . k - log-sum-exp - log H (the
+    head-mean attention is the sum of their exps) over keys ``kt`` (H, D + 1, keys) (their last row
+    ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the last entry each row's -(log-sum-exp
+    + log H), else D); ``own`` (rows, rows) hides later keys (-inf), None leaves them."""
     heads, dim = qt.shape[0], kt.shape[1] - 1
     s = qt @ kt if shifted else qt @ kt[:, :dim]
-    s[..., r0:].masked_fill_(own, float("-inf"))
+    if own is not None:
+        s[..., r0:].masked_fill_(own, float("-inf"))
     if not shifted:
         s.sub_(s.logsumexp(-1, keepdim=True) + math.log(heads))
-    return s.exp_().sum(0)
+    return s
+
+
+def _fit_native(lib, s, iq, w, keys, r0: int, size: int, diq, dw, dik) -> torch.Tensor:
+    """``_fit`` on the C kernel (``dense_kernel.c``) from the heads' ``_scores`` s (size 1), else from
+    p per block: the element-wise steps row by row, the products on torch's. Writes
+    the gradients into diq (r, J, d) and dw (r, J), adds the keys' into dik (C, d); returns the loss."""
+    if size > 1:
+        s = per_block(s.exp_().sum(0), size)
+    dots = iq @ keys.T  # (r, J, C): d loss / d dots after the kernel
+    loss = s.new_empty(len(iq))
+    buffers = (s.contiguous(), w.contiguous(), dots, loss, dw)  # alive for the call
+    heads = s.shape[0] if s.dim() == 3 else 0
+    args = native.ints(len(iq), keys.shape[0], heads, iq.shape[1], r0, size)
+    native.check(lib.gtx_dense_fit(*args, *(native.pointer(x) for x in buffers)))
+    grads = dots.flatten(0, 1)
+    torch.mm(grads, keys, out=diq.view(len(grads), -1))
+    dik.addmm_(grads.T, iq.flatten(0, 1))
+    return loss.sum()
 
 
 def _fit(p, iq, w, keys, after, c0: int):
