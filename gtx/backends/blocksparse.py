@@ -32,7 +32,8 @@ class Layout:
     """A block plan. ``key_blocks`` (n_qb, K) lists each query block's key blocks (padding slots
     repeat block 0 and are masked); ``mask`` (n_qb, block, K*block) or None when every block is
     full; ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros); ``cell``
-    (E,) each edge's place in the flattened (n_qb, block, K*block) mask (where a score bias goes)."""
+    (E,) each edge's place in the flattened (n_qb, block, K*block) mask (where a score bias goes), None
+    for a band, whose places follow from the edges (``cells``): a window's kept 16 MB at 16384 tokens."""
 
     block: int
     n_qb: int
@@ -41,7 +42,7 @@ class Layout:
     mask: torch.Tensor | None
     has_edge: torch.Tensor
     all_have_edges: bool
-    cell: torch.Tensor
+    cell: torch.Tensor | None
     band: int | None = None
     _additive: dict = field(default_factory=dict, repr=False, compare=False)  # additive_mask's, per dtype
 
@@ -71,14 +72,22 @@ class Layout:
             ]
         return self._additive[dtype]
 
-    def scores(self, bias: torch.Tensor) -> torch.Tensor:
+    def cells(self, edges: EdgeSet) -> torch.Tensor:
+        """``cell``, or for a band each edge's place computed from ``edges`` (those the layout was planned from)."""
+        if self.cell is not None:
+            return self.cell
+        return _cells(
+            edges, self.block, self.key_blocks.shape[1], edges.src // self.block - edges.dst // self.block - self.band
+        )
+
+    def scores(self, bias: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
         """(n_qb, H, block, K*block) additive mask: each edge's bias, -inf off the edges (a row
-        without edges gets one 0, its output zeroed like the boolean mask's)."""
+        without edges gets one 0, its output zeroed like the boolean mask's); ``edges`` those planned."""
         k_width = self.key_blocks.shape[1] * self.block
         out = torch.full(
             (bias.shape[1], self.n_qb * self.block * k_width), float("-inf"), dtype=bias.dtype, device=bias.device
         )
-        out[:, self.cell] = bias.t()
+        out[:, self.cells(edges)] = bias.t()
         out = out.view(-1, self.n_qb, self.block, k_width).transpose(0, 1)
         empty = ~F.pad(self.has_edge, (0, self.n_qb * self.block - len(self.has_edge))).view(self.n_qb, self.block)
         return out.masked_fill(empty[:, None, :, None] & (torch.arange(k_width, device=bias.device) == 0), 0.0)
@@ -113,7 +122,7 @@ def plan(edges: EdgeSet, block: int) -> Layout:
         key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
         key_blocks[row, slot] = col
         edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
-    cell = ((dst // block) * block + dst % block) * (k_max * block) + edge_slot * block + src % block
+    cell = _cells(edges, block, k_max, edge_slot)
     mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
     mask.view(-1)[cell] = True
     has_edge = torch.zeros(n_qb * block, dtype=torch.bool, device=device)
@@ -121,9 +130,16 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
     has_edge = has_edge[: edges.n_dst]
     mask = None if bool(mask.all()) else mask
+    if band is not None:
+        cell = None  # a band's places follow from its edges: computed again where a bias needs them
     return Layout(
         block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell, None if band is None else band[0]
     )
+
+
+def _cells(edges: EdgeSet, block: int, k_max: int, edge_slot: torch.Tensor) -> torch.Tensor:
+    """(E,) each edge's place in the flattened (n_qb, block, K*block) mask, given its key block's slot in its row."""
+    return edges.dst * (k_max * block) + edge_slot * block + edges.src % block
 
 
 def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
@@ -291,9 +307,10 @@ def attend(
     layout: Layout,
     rows: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    edges: EdgeSet | None = None,
 ) -> torch.Tensor:
     """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros);
-    ``bias`` (E, H) is added to each edge's score."""
+    ``bias`` (E, H) is added to the score of each of ``edges`` (those the layout was planned from)."""
     n_dst, heads, dim = q.shape
     b = layout.block
     qp = _pad_rows(q, layout.n_qb * b).view(layout.n_qb, b, heads, dim)
@@ -305,7 +322,7 @@ def attend(
     else:  # a bias (differentiable: SDPA's kernel is not, in its mask), values of another width, a GPU: through SDPA
         mask = None if layout.mask is None else layout.mask[:, None]
         if bias is not None:
-            mask = layout.scores(bias.to(q.dtype))
+            mask = layout.scores(bias.to(q.dtype), edges)
             mask = mask if rows is None else mask.index_select(0, rows)
         out = F.scaled_dot_product_attention(
             qb, gather_blocks(k, layout), gather_blocks(v, layout), attn_mask=mask, scale=1.0
@@ -322,7 +339,8 @@ def attend(
 def _layout_bytes(layout: Layout) -> int:
     """A layout's memory, counting the float32 additive mask it makes on first use."""
     mask = 0 if layout.mask is None else 5 * layout.mask.numel()
-    return mask + 8 * (layout.cell.numel() + layout.key_blocks.numel()) + layout.has_edge.numel()
+    cell = 0 if layout.cell is None else layout.cell.numel()
+    return mask + 8 * (cell + layout.key_blocks.numel()) + layout.has_edge.numel()
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -354,4 +372,4 @@ class BlockSparseBackend(Backend):
             out = attend(q, k, v, layout.rows(rows), rows)
             return out * keep[:, None, None].to(out.dtype)
         # a biased subset: its own plan, as its bias is per its edges
-        return attend(q, k, v, self.layout(edges), bias=bias)
+        return attend(q, k, v, self.layout(edges), bias=bias, edges=edges)
