@@ -113,3 +113,19 @@ def test_a_band_keeps_no_cells_and_a_bias_over_it_still_agrees_with_dense():
         )
     for what, a, b in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=what)
+
+
+def test_the_band_backward_reads_k_and_v_themselves_not_padded_copies(monkeypatch, peak_bytes):
+    """The backward's chunks read strided views of k and v (copies only of the first chunk's span, whose
+    blocks run before the keys): it holds dq, dk, dv and a chunk's gradients, where padded copies of k and
+    v held two k-sized tensors more."""
+    monkeypatch.setattr(blocksparse, "BAND_CHUNK_KEYS", 256)
+    n, heads, dim = 2048, 4, 32
+    edges = build_graph(parse_pattern("local:w=127"), None, [n]).edges["dd"]
+    backend = blocksparse.BlockSparseBackend(64)
+    assert backend.layout(edges).band is not None
+    q, k, v = (torch.randn(n, heads, dim, requires_grad=True) for _ in range(3))
+    out = backend(q, k, v, edges)
+    grad = torch.randn_like(out)
+    _, held = peak_bytes(lambda: out.backward(grad))
+    assert held < 4.2 * q.numel() * q.element_size()  # 3.7 here; padded copies: 5.7

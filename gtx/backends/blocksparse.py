@@ -9,9 +9,10 @@ samples (a block-diagonal graph) are the same case. Work is O(active blocks * bl
 
 A layout whose block rows form a band (query block i reads key blocks i+first .. i+first+K-1, as a
 sliding window's do, whatever the pattern) keeps ``band`` = first: the CPU kernel then reads each
-row's keys as a strided view of one copy of the keys padded at both ends (no gather of K copies),
-in one forward call, and its backward adds the K diagonals of key gradients with K slice
-additions instead of an index_add.
+row's keys as a strided view (no gather of K copies): in one forward call, of one copy of the keys
+padded at both ends; in its backward, a chunk of rows at a time, of the keys themselves (a copy only
+for the chunks whose blocks run past them), and it adds the K diagonals of key gradients with K
+slice additions instead of an index_add.
 A layout is planned once per pattern, stage and sample lengths (``EdgeSet.shared_plan``): batches
 of one shape reuse it.
 """
@@ -166,31 +167,26 @@ def _band_blocks(n_qb: int, first: int, k_max: int, device) -> torch.Tensor:
     return torch.arange(n_qb, device=device)[:, None] + first + torch.arange(k_max, device=device)
 
 
-def band_padded(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """``x`` (n, H, D) with zero rows before and after: every block a band layout's slots name, in
-    range or not (those out of range are masked), with only the padding zeroed."""
+def band_keys(x: torch.Tensor, layout: Layout, part: slice = slice(None)) -> torch.Tensor:
+    """(rows, H, K*block, D): the key blocks i+first .. i+first+K-1 of each query block i in ``part``, one
+    strided view (no copy per slot) of ``x`` where every block they name lies in it, else of a copy of
+    the key rows they span, zero padded (blocks out of range are masked)."""
     b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
-    before = max(-first, 0) * b
-    total = max(layout.n_kb, layout.n_qb + first + k_max) * b + before
-    out = x.new_empty(total, *x.shape[1:])
-    out[:before].zero_()
-    out[before : before + x.shape[0]].copy_(x)
-    out[before + x.shape[0] :].zero_()
-    return out
-
-
-def band_view(padded: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(n_qb, H, K*block, D): row i's key blocks i+first .. i+first+K-1 of ``band_padded``'s output,
-    one strided view (no copy per slot)."""
-    b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
-    row = b * padded.stride(0)
-    start = (first + max(-first, 0)) * row
-    shape = (layout.n_qb, k_max * b, *padded.shape[1:])
-    return padded.as_strided(shape, (row, *padded.stride()), padded.storage_offset() + start).transpose(1, 2)
+    rows = range(layout.n_qb)[part]
+    lo, hi = (rows.start + first) * b, (rows.stop - 1 + first + k_max) * b
+    if 0 <= lo and hi <= x.shape[0]:
+        span = x[lo:hi]
+    else:
+        span = x.new_zeros(hi - lo, *x.shape[1:])
+        a, z = max(lo, 0), min(hi, x.shape[0])
+        span[a - lo : z - lo] = x[a:z]
+    step = span.stride()
+    shape = (len(rows), k_max * b, *x.shape[1:])
+    return span.as_strided(shape, (b * step[0], *step), span.storage_offset()).transpose(1, 2)
 
 
 def _band_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
-    """``band_view``'s backward for the query blocks in ``part``: adds (rows, H, K*block, D) gradients
+    """``band_keys``' backward for the query blocks in ``part``: adds (rows, H, K*block, D) gradients
     into ``into`` (n_kb, block, H, D), slot j of row i at key block i+first+j (those in range)."""
     b, first, rows = layout.block, layout.band, range(layout.n_qb)[part]
     grad = grad.transpose(1, 2).unflatten(1, (-1, b))  # (rows, K, b, H, D)
@@ -231,8 +227,9 @@ class _GatheredBlocks(torch.autograd.Function):
     at a time. The backward keeps q, k, v, the output and its log-sum-exp, not the gathered blocks (a
     key is copied once per query block that reads it: three times the keys for a window of two
     blocks), and gathers them again, a chunk at a time: keeping them, or gathering all at once,
-    grew a step's peak memory with the sequence. A band layout reads strided views of k and v padded
-    once per pass (the backward pads them again) and runs its forward in one call."""
+    grew a step's peak memory with the sequence. A band layout reads strided views of k and v
+    (``band_keys``): its forward in one call, over copies padded at both ends; its backward a chunk at a
+    time over k and v themselves."""
 
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
@@ -264,7 +261,7 @@ class _GatheredBlocks(torch.autograd.Function):
         mask = layout.additive_mask(qb.dtype)  # the kernel reads grad as it comes: no contiguous copy
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
-        # a band's k and v padded again: keeping the forward's padded copies held two more k-sized tensors
+        # a band's chunks read k and v themselves (padded copies of both held two more k-sized tensors here)
         keys = _key_blocks(k, v, layout)
         add = _key_blocks_grad if layout.band is None else _band_grad
         for part in _chunks(layout):
@@ -286,11 +283,10 @@ class _GatheredBlocks(torch.autograd.Function):
 
 def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
     """``part -> (keys, values)`` of the query blocks in ``part``: for a band layout views of ``k`` and
-    ``v`` padded once (``band_padded``), else gathered per call."""
+    ``v`` (``band_keys``: copies only for the parts whose blocks run past them), else gathered per call."""
     if layout.band is None:
         return lambda part: (gather_blocks(k, layout, part), gather_blocks(v, layout, part))
-    kb, vb = (band_view(band_padded(x, layout), layout) for x in (k, v))
-    return lambda part: (kb[part], vb[part])
+    return lambda part: (band_keys(k, layout, part), band_keys(v, layout, part))
 
 
 def _chunks(layout: Layout):
