@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
 from gtx.attention.choice import top_later_first
@@ -61,6 +62,11 @@ class Compressor(nn.Module):
         kernel = first.weight.view(-1, self.size, x.shape[-1]).transpose(1, 2)
         bias = first.bias + first.weight @ self.pos.flatten()
         hidden = _StridedConv.apply(x, lens, kernel, bias, self.stride)  # (B, m, H, 2D)
+        # the rest again in the backward (one activation and one linear map over m rows): the backward keeps
+        # the hidden rows alone, not also the activation's output and the copy the strided rows make for it
+        return checkpoint(self._tail, hidden, use_reentrant=False)
+
+    def _tail(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mlp[2](self.mlp[1](hidden))
 
 

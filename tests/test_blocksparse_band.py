@@ -90,3 +90,42 @@ def test_batches_of_one_shape_share_a_layout():
     edges = random_edges(0, 27, 27, 0.3)
     assert backend.layout(edges) is backend.layout(edges)
     assert backend.layout(random_edges(0, 27, 27, 0.3)) is not backend.layout(edges)
+
+
+def test_a_band_keeps_no_cells_and_a_bias_over_it_still_agrees_with_dense():
+    """A band's edge places follow from its edges: not kept (8 bytes an edge, 16 MB for a window of 128 at
+    16384 tokens) but computed where a bias needs them, with the same values and gradients as dense."""
+    from gtx.attention import Attention
+    from gtx.backends import get_backend
+
+    pattern = parse_pattern("local:w=5+alibi")
+    edges = build_graph(pattern, None, [45]).edges["dd"]
+    layout = blocksparse.plan(edges, 4)
+    assert layout.band is not None and layout.cell is None
+    assert blocksparse.plan(random_edges(3, 40, 40, 0.3), 4).cell is not None
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(45, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    results = []
+    for backend in (get_backend("dense"), blocksparse.BlockSparseBackend(4)):
+        out = Attention(backend, pattern, 2)(q, k, v, edges)
+        results.append(
+            (out, *torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [q, k, v]))
+        )
+    for what, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=what)
+
+
+def test_the_band_backward_reads_k_and_v_themselves_not_padded_copies(monkeypatch, peak_bytes):
+    """The backward's chunks read strided views of k and v (copies only of the first chunk's span, whose
+    blocks run before the keys): it holds dq, dk, dv and a chunk's gradients, where padded copies of k and
+    v held two k-sized tensors more."""
+    monkeypatch.setattr(blocksparse, "BAND_CHUNK_KEYS", 256)
+    n, heads, dim = 2048, 4, 32
+    edges = build_graph(parse_pattern("local:w=127"), None, [n]).edges["dd"]
+    backend = blocksparse.BlockSparseBackend(64)
+    assert backend.layout(edges).band is not None
+    q, k, v = (torch.randn(n, heads, dim, requires_grad=True) for _ in range(3))
+    out = backend(q, k, v, edges)
+    grad = torch.randn_like(out)
+    _, held = peak_bytes(lambda: out.backward(grad))
+    assert held < 4.2 * q.numel() * q.element_size()  # 3.7 here; padded copies: 5.7

@@ -216,6 +216,32 @@ def test_the_compressor_backward_lays_out_one_span_of_rows_at_a_time(monkeypatch
     assert backward < 3 * x.numel() * x.element_size()
 
 
+def test_the_compressor_keeps_its_hidden_rows_alone_for_the_backward():
+    """Beyond its input and parameters, phi's forward keeps the convolution's output (m, H, 2D) for the
+    backward and nothing else: the activation's output and the contiguous copy the linear map made of
+    it, kept too, doubled that."""
+    import sys
+
+    nsa = sys.modules[parse_pattern("nsa").trainable.__module__]
+    n, heads, dim = 1024, 2, 16
+    phi = nsa.Compressor(8, 4, dim)
+    x = torch.randn(n, heads, dim, requires_grad=True)
+    mine = {t.untyped_storage().data_ptr() for t in (x, *phi.parameters())}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in mine:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = phi(x, [n])
+    hidden = out.shape[1] * heads * 2 * dim * 4
+    assert hidden <= sum(saved.values()) < 1.5 * hidden
+    grads = torch.autograd.grad(out.sum(), [x, *phi.parameters()])
+    assert all(g is not None for g in grads)
+
+
 @pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=8,n=4,w=8,phi=mean", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
 def test_blocks_of_rows_past_a_shorter_sample_leave_it_out(monkeypatch, spec):
     """Rows in blocks of 16 (choice: 8): the later blocks hold rows of the longer samples only, and score only them."""

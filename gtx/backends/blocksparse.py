@@ -9,9 +9,10 @@ samples (a block-diagonal graph) are the same case. Work is O(active blocks * bl
 
 A layout whose block rows form a band (query block i reads key blocks i+first .. i+first+K-1, as a
 sliding window's do, whatever the pattern) keeps ``band`` = first: the CPU kernel then reads each
-row's keys as a strided view of one copy of the keys padded at both ends (no gather of K copies),
-in one forward call, and its backward adds the K diagonals of key gradients with K slice
-additions instead of an index_add.
+row's keys as a strided view (no gather of K copies): in one forward call, of one copy of the keys
+padded at both ends; in its backward, a chunk of rows at a time, of the keys themselves (a copy only
+for the chunks whose blocks run past them), and it adds the K diagonals of key gradients with K
+slice additions instead of an index_add.
 A layout is planned once per pattern, stage and sample lengths (``EdgeSet.shared_plan``): batches
 of one shape reuse it.
 """
@@ -32,7 +33,8 @@ class Layout:
     """A block plan. ``key_blocks`` (n_qb, K) lists each query block's key blocks (padding slots
     repeat block 0 and are masked); ``mask`` (n_qb, block, K*block) or None when every block is
     full; ``has_edge`` (n_dst,) marks queries with at least one edge (others output zeros); ``cell``
-    (E,) each edge's place in the flattened (n_qb, block, K*block) mask (where a score bias goes)."""
+    (E,) each edge's place in the flattened (n_qb, block, K*block) mask (where a score bias goes), None
+    for a band, whose places follow from the edges (``cells``): a window's kept 16 MB at 16384 tokens."""
 
     block: int
     n_qb: int
@@ -41,7 +43,7 @@ class Layout:
     mask: torch.Tensor | None
     has_edge: torch.Tensor
     all_have_edges: bool
-    cell: torch.Tensor
+    cell: torch.Tensor | None
     band: int | None = None
     _additive: dict = field(default_factory=dict, repr=False, compare=False)  # additive_mask's, per dtype
 
@@ -71,14 +73,22 @@ class Layout:
             ]
         return self._additive[dtype]
 
-    def scores(self, bias: torch.Tensor) -> torch.Tensor:
+    def cells(self, edges: EdgeSet) -> torch.Tensor:
+        """``cell``, or for a band each edge's place computed from ``edges`` (those the layout was planned from)."""
+        if self.cell is not None:
+            return self.cell
+        return _cells(
+            edges, self.block, self.key_blocks.shape[1], edges.src // self.block - edges.dst // self.block - self.band
+        )
+
+    def scores(self, bias: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
         """(n_qb, H, block, K*block) additive mask: each edge's bias, -inf off the edges (a row
-        without edges gets one 0, its output zeroed like the boolean mask's)."""
+        without edges gets one 0, its output zeroed like the boolean mask's); ``edges`` those planned."""
         k_width = self.key_blocks.shape[1] * self.block
         out = torch.full(
             (bias.shape[1], self.n_qb * self.block * k_width), float("-inf"), dtype=bias.dtype, device=bias.device
         )
-        out[:, self.cell] = bias.t()
+        out[:, self.cells(edges)] = bias.t()
         out = out.view(-1, self.n_qb, self.block, k_width).transpose(0, 1)
         empty = ~F.pad(self.has_edge, (0, self.n_qb * self.block - len(self.has_edge))).view(self.n_qb, self.block)
         return out.masked_fill(empty[:, None, :, None] & (torch.arange(k_width, device=bias.device) == 0), 0.0)
@@ -113,7 +123,7 @@ def plan(edges: EdgeSet, block: int) -> Layout:
         key_blocks = torch.zeros(n_qb, k_max, dtype=torch.long, device=device)
         key_blocks[row, slot] = col
         edge_slot = slot[torch.searchsorted(pairs, (dst // block) * n_kb + src // block)]
-    cell = ((dst // block) * block + dst % block) * (k_max * block) + edge_slot * block + src % block
+    cell = _cells(edges, block, k_max, edge_slot)
     mask = torch.zeros(n_qb, block, k_max * block, dtype=torch.bool, device=device)
     mask.view(-1)[cell] = True
     has_edge = torch.zeros(n_qb * block, dtype=torch.bool, device=device)
@@ -121,9 +131,16 @@ def plan(edges: EdgeSet, block: int) -> Layout:
     mask.view(n_qb * block, -1)[~has_edge, 0] = True  # SDPA needs one key per row; outputs zeroed
     has_edge = has_edge[: edges.n_dst]
     mask = None if bool(mask.all()) else mask
+    if band is not None:
+        cell = None  # a band's places follow from its edges: computed again where a bias needs them
     return Layout(
         block, n_qb, n_kb, key_blocks, mask, has_edge, bool(has_edge.all()), cell, None if band is None else band[0]
     )
+
+
+def _cells(edges: EdgeSet, block: int, k_max: int, edge_slot: torch.Tensor) -> torch.Tensor:
+    """(E,) each edge's place in the flattened (n_qb, block, K*block) mask, given its key block's slot in its row."""
+    return edges.dst * (k_max * block) + edge_slot * block + edges.src % block
 
 
 def _band(pairs: torch.Tensor, n_qb: int, n_kb: int) -> tuple[int, int] | None:
@@ -150,31 +167,26 @@ def _band_blocks(n_qb: int, first: int, k_max: int, device) -> torch.Tensor:
     return torch.arange(n_qb, device=device)[:, None] + first + torch.arange(k_max, device=device)
 
 
-def band_padded(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """``x`` (n, H, D) with zero rows before and after: every block a band layout's slots name, in
-    range or not (those out of range are masked), with only the padding zeroed."""
+def band_keys(x: torch.Tensor, layout: Layout, part: slice = slice(None)) -> torch.Tensor:
+    """(rows, H, K*block, D): the key blocks i+first .. i+first+K-1 of each query block i in ``part``, one
+    strided view (no copy per slot) of ``x`` where every block they name lies in it, else of a copy of
+    the key rows they span, zero padded (blocks out of range are masked)."""
     b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
-    before = max(-first, 0) * b
-    total = max(layout.n_kb, layout.n_qb + first + k_max) * b + before
-    out = x.new_empty(total, *x.shape[1:])
-    out[:before].zero_()
-    out[before : before + x.shape[0]].copy_(x)
-    out[before + x.shape[0] :].zero_()
-    return out
-
-
-def band_view(padded: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """(n_qb, H, K*block, D): row i's key blocks i+first .. i+first+K-1 of ``band_padded``'s output,
-    one strided view (no copy per slot)."""
-    b, k_max, first = layout.block, layout.key_blocks.shape[1], layout.band
-    row = b * padded.stride(0)
-    start = (first + max(-first, 0)) * row
-    shape = (layout.n_qb, k_max * b, *padded.shape[1:])
-    return padded.as_strided(shape, (row, *padded.stride()), padded.storage_offset() + start).transpose(1, 2)
+    rows = range(layout.n_qb)[part]
+    lo, hi = (rows.start + first) * b, (rows.stop - 1 + first + k_max) * b
+    if 0 <= lo and hi <= x.shape[0]:
+        span = x[lo:hi]
+    else:
+        span = x.new_zeros(hi - lo, *x.shape[1:])
+        a, z = max(lo, 0), min(hi, x.shape[0])
+        span[a - lo : z - lo] = x[a:z]
+    step = span.stride()
+    shape = (len(rows), k_max * b, *x.shape[1:])
+    return span.as_strided(shape, (b * step[0], *step), span.storage_offset()).transpose(1, 2)
 
 
 def _band_grad(grad: torch.Tensor, layout: Layout, part: slice, into: torch.Tensor) -> None:
-    """``band_view``'s backward for the query blocks in ``part``: adds (rows, H, K*block, D) gradients
+    """``band_keys``' backward for the query blocks in ``part``: adds (rows, H, K*block, D) gradients
     into ``into`` (n_kb, block, H, D), slot j of row i at key block i+first+j (those in range)."""
     b, first, rows = layout.block, layout.band, range(layout.n_qb)[part]
     grad = grad.transpose(1, 2).unflatten(1, (-1, b))  # (rows, K, b, H, D)
@@ -215,8 +227,9 @@ class _GatheredBlocks(torch.autograd.Function):
     at a time. The backward keeps q, k, v, the output and its log-sum-exp, not the gathered blocks (a
     key is copied once per query block that reads it: three times the keys for a window of two
     blocks), and gathers them again, a chunk at a time: keeping them, or gathering all at once,
-    grew a step's peak memory with the sequence. A band layout reads strided views of k and v padded
-    once per pass (the backward pads them again) and runs its forward in one call."""
+    grew a step's peak memory with the sequence. A band layout reads strided views of k and v
+    (``band_keys``): its forward in one call, over copies padded at both ends; its backward a chunk at a
+    time over k and v themselves."""
 
     @staticmethod
     def forward(ctx, qb, k, v, layout: Layout):
@@ -248,7 +261,7 @@ class _GatheredBlocks(torch.autograd.Function):
         mask = layout.additive_mask(qb.dtype)  # the kernel reads grad as it comes: no contiguous copy
         dq = torch.empty_like(qb)
         dk, dv = (x.new_zeros(layout.n_kb, layout.block, *x.shape[1:]) for x in (k, v))
-        # a band's k and v padded again: keeping the forward's padded copies held two more k-sized tensors
+        # a band's chunks read k and v themselves (padded copies of both held two more k-sized tensors here)
         keys = _key_blocks(k, v, layout)
         add = _key_blocks_grad if layout.band is None else _band_grad
         for part in _chunks(layout):
@@ -270,11 +283,10 @@ class _GatheredBlocks(torch.autograd.Function):
 
 def _key_blocks(k: torch.Tensor, v: torch.Tensor, layout: Layout):
     """``part -> (keys, values)`` of the query blocks in ``part``: for a band layout views of ``k`` and
-    ``v`` padded once (``band_padded``), else gathered per call."""
+    ``v`` (``band_keys``: copies only for the parts whose blocks run past them), else gathered per call."""
     if layout.band is None:
         return lambda part: (gather_blocks(k, layout, part), gather_blocks(v, layout, part))
-    kb, vb = (band_view(band_padded(x, layout), layout) for x in (k, v))
-    return lambda part: (kb[part], vb[part])
+    return lambda part: (band_keys(k, layout, part), band_keys(v, layout, part))
 
 
 def _chunks(layout: Layout):
@@ -291,9 +303,10 @@ def attend(
     layout: Layout,
     rows: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    edges: EdgeSet | None = None,
 ) -> torch.Tensor:
     """Attention under a layout; ``rows`` restricts it to some query blocks (the rest output zeros);
-    ``bias`` (E, H) is added to each edge's score."""
+    ``bias`` (E, H) is added to the score of each of ``edges`` (those the layout was planned from)."""
     n_dst, heads, dim = q.shape
     b = layout.block
     qp = _pad_rows(q, layout.n_qb * b).view(layout.n_qb, b, heads, dim)
@@ -305,7 +318,7 @@ def attend(
     else:  # a bias (differentiable: SDPA's kernel is not, in its mask), values of another width, a GPU: through SDPA
         mask = None if layout.mask is None else layout.mask[:, None]
         if bias is not None:
-            mask = layout.scores(bias.to(q.dtype))
+            mask = layout.scores(bias.to(q.dtype), edges)
             mask = mask if rows is None else mask.index_select(0, rows)
         out = F.scaled_dot_product_attention(
             qb, gather_blocks(k, layout), gather_blocks(v, layout), attn_mask=mask, scale=1.0
@@ -322,7 +335,8 @@ def attend(
 def _layout_bytes(layout: Layout) -> int:
     """A layout's memory, counting the float32 additive mask it makes on first use."""
     mask = 0 if layout.mask is None else 5 * layout.mask.numel()
-    return mask + 8 * (layout.cell.numel() + layout.key_blocks.numel()) + layout.has_edge.numel()
+    cell = 0 if layout.cell is None else layout.cell.numel()
+    return mask + 8 * (cell + layout.key_blocks.numel()) + layout.has_edge.numel()
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -354,4 +368,4 @@ class BlockSparseBackend(Backend):
             out = attend(q, k, v, layout.rows(rows), rows)
             return out * keep[:, None, None].to(out.dtype)
         # a biased subset: its own plan, as its bias is per its edges
-        return attend(q, k, v, self.layout(edges), bias=bias)
+        return attend(q, k, v, self.layout(edges), bias=bias, edges=edges)
