@@ -435,28 +435,6 @@ def test_act_subsets_of_plain_attention_match_the_reference(name):
             assert auto.reset_choices() == {"ee": {f"flash-{flash_structure(edges)}": 1}}
 
 
-def test_padded_buckets_place_every_row_once_and_a_sample_without_queries_keeps_index_select():
-    """A padded plan's ``order`` and ``k_order`` name each query's and key's own row among the buckets'
-    concatenated rows (the gather's backward reads them); keys of a sample without queries are in no
-    bucket: no ``k_order``, and the result still equals the reference."""
-    from gtx.backends import flash
-
-    edges = build_graph(parse_pattern("full"), [7, 1, 12, 7, 3], [5, 9, 1, 5, 2]).edges["ed"]
-    plan = flash.make_plan(edges, "complete", 8)
-    assert plan.order is not None and plan.k_order is not None
-    for order, rows in ((plan.order, "q"), (plan.k_order, "k")):
-        ids = torch.cat([getattr(b, f"{rows}_idx") for b in plan.buckets])
-        assert torch.equal(ids[order], torch.arange(len(order)))
-    q_lens, k_lens = (3, 0, 2), (3, 4, 2)
-    pairs = [(s, d) for d, s in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]]
-    pairs += [(s, d) for d in (3, 4) for s in (7, 8)]
-    src, dst = (torch.tensor(x) for x in zip(*pairs))
-    lone = EdgeSet(src, dst, 9, 5, "ed", q_lens, k_lens)
-    assert flash.flash_structure(lone) == "complete"
-    assert flash.make_plan(lone, "complete", 8).k_order is None
-    assert_matches_reference(get_backend("dense"), lone)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_buckets_cover_every_sample_once(causal):
     from gtx.backends.flash import buckets

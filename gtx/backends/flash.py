@@ -56,14 +56,11 @@ class Bucket:
 @dataclass
 class FlashPlan:
     """How a recognised edge set runs: its buckets, and ``order`` (n_dst,), the row of every query
-    in the buckets' concatenated outputs (and padded queries), or None when that is the identity;
-    ``k_order`` (n_src,) the row of every key in the buckets' concatenated padded keys, None where
-    the buckets are views or some key is in none (a sample without queries)."""
+    in the buckets' concatenated outputs, or None when that is the identity."""
 
     causal: bool
     buckets: list[Bucket]
     order: torch.Tensor | None
-    k_order: torch.Tensor | None = None
 
 
 def flash_structure(edges: EdgeSet) -> str | None:
@@ -135,20 +132,18 @@ def _plan(q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device:
     q_off = torch.cumsum(torch.tensor((0, *q_lens)), 0).tolist()
     k_off = torch.cumsum(torch.tensor((0, *k_lens)), 0).tolist()
     runs = buckets([(q_lens[i], k_lens[i]) for i in samples], causal, call_pairs)
-    plan, rows, k_rows, start = [], 0, 0, 0
+    plan, rows, start = [], 0, 0
     order = torch.empty(sum(q_lens), dtype=torch.long)
-    k_order = torch.full((sum(k_lens),), -1, dtype=torch.long)
     for end in runs:
         members = samples[start:end]
         n_q, n_k = max(q_lens[i] for i in members), max(k_lens[i] for i in members)
         q_idx, q_real = _padded_ids([q_off[i] for i in members], [q_lens[i] for i in members], n_q)
         k_idx, k_real = _padded_ids([k_off[i] for i in members], [k_lens[i] for i in members], n_k)
         order[q_idx[q_real]] = torch.nonzero(q_real).squeeze(1) + rows
-        k_order[k_idx[k_real]] = torch.nonzero(k_real).squeeze(1) + k_rows
         mask = None if causal or bool(k_real.all()) else k_real.view(len(members), 1, 1, n_k).to(device)
         plan.append(Bucket(len(members), n_q, n_k, q_idx.to(device), k_idx.to(device), mask))
-        rows, k_rows, start = rows + len(members) * n_q, k_rows + len(members) * n_k, end
-    return FlashPlan(causal, plan, order.to(device), None if bool((k_order < 0).any()) else k_order.to(device))
+        rows, start = rows + len(members) * n_q, end
+    return FlashPlan(causal, plan, order.to(device))
 
 
 def _padded_ids(offsets: list[int], lens: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,40 +183,14 @@ def buckets(shapes: list[tuple[int, int]], causal: bool, call_pairs: float) -> l
     return runs[::-1]
 
 
-class _PaddedRows(torch.autograd.Function):
-    """x (n, ...) -> per bucket, x's rows at its ids (padding repeats a real row), as one gather.
-    Every row of x is real in exactly one bucket, at ``order`` (n,) of the buckets' concatenated
-    rows, and a padding row's gradient is zero (a dropped query, a masked key, a causal sample's
-    keys after its last query): the backward gathers each row's own, where index_select's would add
-    every bucket's rows into zeros."""
-
-    @staticmethod
-    def forward(ctx, x, ids, order, sizes):
-        ctx.order = order
-        return x.index_select(0, ids).split(sizes)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return torch.cat(grads).index_select(0, ctx.order), None, None, None
-
-
-def _padded(x: torch.Tensor, buckets: list[Bucket], rows: str, order: torch.Tensor | None) -> list[torch.Tensor]:
-    """x's ``rows`` ("q" or "k") per bucket: views where the buckets need none padded, else gathered
-    (``_PaddedRows`` where ``order`` places every row, index_select's gradient where not)."""
-    ids = [getattr(b, f"{rows}_idx") for b in buckets]
-    if ids[0] is None:
-        return [x] * len(buckets)
-    if order is None:
-        return [x.index_select(0, i) for i in ids]
-    return list(_PaddedRows.apply(x, torch.cat(ids) if len(ids) > 1 else ids[0], order, [len(i) for i in ids]))
-
-
 def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, causal: bool, lse: bool = False):
-    """(count*n_q, H, Dv): the bucket (its padded rows, ``_padded``) as one (count, H, n, D) SDPA
-    call. Four dimensions matter: SDPA's CPU flash kernel takes only 4-D inputs (3-D ones fall back
-    to the math kernel). With ``lse``, also each query's log-sum-exp of its scores per head,
-    (count*n_q, H), from the CPU flash kernel itself (the one SDPA runs there, called directly: SDPA
-    returns no log-sum-exp); elsewhere None."""
+    """(count*n_q, H, Dv): the bucket as one (count, H, n, D) SDPA call. Four dimensions matter:
+    SDPA's CPU flash kernel takes only 4-D inputs (3-D ones fall back to the math kernel). With
+    ``lse``, also each query's log-sum-exp of its scores per head, (count*n_q, H), from the CPU
+    flash kernel itself (the one SDPA runs there, called directly: SDPA returns no log-sum-exp);
+    elsewhere None."""
+    if b.q_idx is not None:  # index_select: its backward is index_add
+        q, k, v = q.index_select(0, b.q_idx), k.index_select(0, b.k_idx), v.index_select(0, b.k_idx)
     q4 = q.view(b.count, b.n_q, *q.shape[1:]).transpose(1, 2)
     k4 = k.view(b.count, b.n_k, *k.shape[1:]).transpose(1, 2)
     v4 = v.view(b.count, b.n_k, *v.shape[1:]).transpose(1, 2)
@@ -250,11 +219,7 @@ def flash_attention(
     plan = root.plan(("flash", structure, q.device, head_dims), lambda: make_plan(root, structure, head_dims))
     if lse and edges.parent is not None:
         raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
-    qs, ks, vs = (
-        _padded(x, plan.buckets, rows, o)
-        for x, rows, o in ((q, "q", plan.order), (k, "k", plan.k_order), (v, "k", plan.k_order))
-    )
-    runs = [_run_bucket(*x, b, plan.causal, lse) for *x, b in zip(qs, ks, vs, plan.buckets)]
+    runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
     outs, sums = zip(*runs) if lse else (runs, [None])
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     sums = None if sums[0] is None else sums[0] if len(sums) == 1 else torch.cat(sums)
