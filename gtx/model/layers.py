@@ -87,16 +87,20 @@ class Dropout(nn.Module):
             return torch.dropout(x, self.p, True)
         threshold = round(self.p * 65536)
         if native.kernel(KERNEL, x, folder=HERE) is not None:
-            seed = int(torch.empty((), dtype=torch.int64).random_(-(2**63), None))
-            return _HashedMask.apply(x, seed, threshold, 1 / (1 - self.p))
+            return _HashedMask.apply(x, int(_random_words(1)[0]), threshold, 1 / (1 - self.p))
         n = x.numel()
-        words = torch.empty(-(-n // 4), dtype=torch.int64, device=x.device).random_(-(2**63), None)
-        lanes = words.view(torch.int16)[:n]  # uniform on [-2^15, 2^15)
+        lanes = _random_words(-(-n // 4), x.device).view(torch.int16)[:n]  # uniform on [-2^15, 2^15)
         scale = (lanes >= threshold - 32768).to(x.dtype).mul_(1 / (1 - self.p))
         return x * scale.view_as(x)
 
 
 KERNEL, HERE = "dropout_kernel", Path(__file__).parent
+
+
+def _random_words(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """n int64 draws of the device's torch generator, every bit uniform (from = int64 min, to = None:
+    its full 64-bit range)."""
+    return torch.empty(n, dtype=torch.int64, device=device).random_(-(2**63), None)
 
 
 def hashed_mask(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.Tensor:
