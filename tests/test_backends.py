@@ -339,14 +339,28 @@ def plain_attention_sets():
 PLAIN = plain_attention_sets()
 
 
-@pytest.mark.parametrize("call_work", [0, 2**10, 2**50])  # a bucket per shape .. everything padded into one
+# SDPA's calls: a bucket per shape .. everything padded into one; None: unequal samples on the packed kernel
+PLANS = [0, 2**10, 2**50, None]
+
+
+def use_plan(monkeypatch, call_work):
+    """``flash_attention`` on SDPA's calls at ``call_work`` (the packed kernel off), or with None on its
+    default plans (unequal short samples packed)."""
+    from gtx.backends import flash
+
+    if call_work is not None:
+        monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
+        monkeypatch.setattr(flash, "SHORT", 0)
+
+
+@pytest.mark.parametrize("call_work", PLANS)
 @pytest.mark.parametrize("name", ["dense", "auto"])
 @pytest.mark.parametrize("case", PLAIN, ids=[c[0] for c in PLAIN])
 def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_work, monkeypatch):
     from gtx.backends import flash
 
     _, edges, structure = case
-    monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
+    use_plan(monkeypatch, call_work)
     # no plans yet
     edges = EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)
     assert flash.flash_structure(edges) == structure
@@ -361,13 +375,14 @@ def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_w
     spec=st.sampled_from(["full", "causal"]),
     src_lens=st.lists(st.integers(1, 12), min_size=1, max_size=8),
     tgt_lens=st.lists(st.integers(1, 12), min_size=8, max_size=8),
-    call_work=st.sampled_from([0, 2**10, 2**18]),
+    call_work=st.sampled_from([0, 2**10, 2**18, None]),
 )
 def test_flash_matches_the_reference_on_batches(spec, src_lens, tgt_lens, call_work):
     from gtx.backends import flash
 
-    old = flash.CALL_WORK["cpu"]
-    flash.CALL_WORK["cpu"] = call_work
+    old = flash.CALL_WORK["cpu"], flash.SHORT
+    if call_work is not None:  # else the packed kernel's plans
+        flash.CALL_WORK["cpu"], flash.SHORT = call_work, 0
     try:
         g = build_graph(parse_pattern(spec), src_lens, tgt_lens[: len(src_lens)])
         for stage, edges in g.edges.items():
@@ -377,7 +392,7 @@ def test_flash_matches_the_reference_on_batches(spec, src_lens, tgt_lens, call_w
             assert flash.flash_structure(edges) == ("causal" if causal else "complete")
             assert_matches_reference(get_backend("dense"), edges, heads=2, dim=8, dim_v=8)
     finally:
-        flash.CALL_WORK["cpu"] = old
+        flash.CALL_WORK["cpu"], flash.SHORT = old
 
 
 def _without(edges, drop, add=None):
@@ -446,6 +461,68 @@ def test_buckets_cover_every_sample_once(causal):
     assert runs == sorted(runs) and runs[-1] == len(shapes) and 6 in runs  # 40 is never padded with the 9s
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,dim,dim_v", [(2, 32, 32), (1, 128, 128), (3, 12, 5)])  # unrolled, in registers, scalar
+def test_the_packed_kernel_is_attention_within_each_sample(heads, dim, dim_v, causal):
+    """``attend_samples`` against softmax attention per sample in float64: outputs, log-sum-exps and
+    q, k, v gradients, whatever the thread count (a sample is one part's alone: bitwise the same)."""
+    from gtx.attention.samples import attend_samples, available
+
+    gen = torch.Generator().manual_seed(heads * dim)
+    q_lens = [1, 7, 24, 3, 16]
+    k_lens = q_lens if causal else [5, 9, 24, 1, 30]
+    q, k, v = (
+        torch.randn(sum(lens), heads, d, generator=gen, requires_grad=True)
+        for lens, d in ((q_lens, dim), (k_lens, dim), (k_lens, dim_v))
+    )
+    q_off = torch.cumsum(torch.tensor([0, *q_lens[:-1]]), 0)
+    k_off = torch.cumsum(torch.tensor([0, *k_lens[:-1]]), 0)
+    spans = torch.stack([q_off, torch.tensor(q_lens), k_off, torch.tensor(k_lens)], 1)
+    weights = torch.randn(sum(q_lens), heads, dim_v, generator=gen)
+    if not available(q, k, v):
+        pytest.skip("no C compiler")
+    outs, sums, grads = [], [], []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, lse = attend_samples(q, k, v, spans, causal)
+            grads.append(torch.autograd.grad((out * weights).sum(), (q, k, v)))
+        finally:
+            torch.set_num_threads(before)
+        outs.append(out.detach()), sums.append(lse)
+    assert all(torch.equal(a, b) for a, b in zip((outs[0], sums[0], *grads[0]), (outs[1], sums[1], *grads[1])))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want, want_lse = [], []
+    for i0, nq, j0, nk in spans.tolist():
+        s = torch.einsum("qhd,khd->hqk", qd[i0 : i0 + nq], kd[j0 : j0 + nk])
+        if causal:
+            s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).triu(1), float("-inf"))
+        want.append(torch.einsum("hqk,khe->qhe", s.softmax(-1), vd[j0 : j0 + nk]))
+        want_lse.append(s.logsumexp(-1).t())
+    want = torch.cat(want)
+    torch.testing.assert_close(outs[0], want.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums[0], torch.cat(want_lse).float(), atol=1e-5, rtol=1e-5)
+    for got, ref in zip(grads[0], torch.autograd.grad((want * weights.double()).sum(), (qd, kd, vd))):
+        torch.testing.assert_close(got, ref.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_unequal_short_samples_plan_packed_and_the_rest_on_sdpa():
+    """The packed kernel takes unequal samples of at most ``SHORT`` keys per query on average, for
+    inputs it serves; samples of one shape stay one SDPA call on views, longer ones padded buckets."""
+    from gtx.backends import flash
+
+    full = parse_pattern("full")
+    short, equal, long = (build_graph(full, lens, lens).edges for lens in ([3, 9, 20], [8, 8], [60, 120]))
+    plan = flash.make_plan(short["ee"], "complete", 8, packed=True)
+    assert plan.spans.tolist() == [[0, 3, 0, 3], [3, 9, 3, 9], [12, 20, 12, 20]] and not plan.buckets
+    assert flash.make_plan(short["dd"], "causal", 8, packed=True).spans is not None
+    assert flash.make_plan(short["ee"], "complete", 8).spans is None  # inputs the kernel does not serve
+    assert flash.make_plan(equal["ee"], "complete", 8, packed=True).spans is None
+    assert flash.make_plan(long["ee"], "complete", 8, packed=True).spans is None  # 100 keys per query
+    assert flash.make_plan(long["dd"], "causal", 8, packed=True).spans is None  # 50
+
+
 def test_stages_over_the_same_samples_share_one_flash_plan(monkeypatch):
     """A batch's ee and ed (a copy task's sources and targets of one length each) plan once; a
     causal stage or another call cost plans afresh."""
@@ -488,16 +565,15 @@ def test_plain_attention_batches_know_their_structure_without_building_edges(spe
     assert torch.equal(lazy.src, src) and torch.equal(lazy.dst, dst)
 
 
-@pytest.mark.parametrize("call_work", [0, 2**50])  # a bucket per shape (rows reordered) .. one padded call (masked)
+# a bucket per shape (rows reordered) .. one padded call (masked), or packed
+@pytest.mark.parametrize("call_work", [0, 2**50, None])
 @pytest.mark.parametrize("name", ["dense", "auto"])
 @pytest.mark.parametrize("case", PLAIN, ids=[c[0] for c in PLAIN])
 def test_plain_attention_gives_each_querys_log_sum_exp_with_the_same_output(case, name, call_work, monkeypatch):
     """``with_lse`` on the flash path: the output and gradients of the plain call, and per query and
     head the log-sum-exp of its scores over its edges (what DSA's dense stage reads its attention from)."""
-    from gtx.backends import flash
-
     _, edges, _ = case
-    monkeypatch.setitem(flash.CALL_WORK, "cpu", call_work)
+    use_plan(monkeypatch, call_work)
     edges = EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, edges.stage, edges.q_lens, edges.k_lens)
     torch.manual_seed(0)
     q, k, v = (torch.randn(n, 2, 4, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src))

@@ -78,7 +78,7 @@ static inline v8 lane_sums(const v8 *a) {
     return SHUFFLE8(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-#define MAX_DIM 64 /* head sizes up to this (multiples of 8) keep a query's rows in registers */
+#define MAX_DIM 128 /* head sizes up to this (multiples of 8) keep a query's rows in registers */
 #define AHEAD 8 /* keys prefetched ahead: a selected key's row is a random read */
 
 /* out[h * K + j] = a_h . x(key j, h) for the H heads and slots [0, K) of one query: a (H, d) its
@@ -105,6 +105,127 @@ static inline __attribute__((always_inline)) void slot_dots(float *out, const fl
         }
     for (; j < K; j++)
         for (int64_t h = 0; h < H; h++) out[h * K + j] = dot(a + h * d, x + ((int64_t)key[h * sh + j] * H + h) * d, d);
+}
+
+/* exp_approx of 8 lanes at once (measured under the kernels' flags: at most 0.9 ulp for |x| <= 5, 4.5 up to 87). */
+static inline v8 exp8(v8 x) {
+    const v8 zero = {0};
+    v8 t = x * 1.44269504088896341f;
+    /* truncated, then rounded to nearest (masks are -1 where true); adding and subtracting 1.5 * 2^23
+     * would round in one step, but -fassociative-math folds that away */
+    v8i e = __builtin_convertvector(t, v8i);
+    v8 d = t - __builtin_convertvector(e, v8);
+    e = e - (d > 0.5f) + (d < -0.5f);
+    v8 n = __builtin_convertvector(e, v8);
+    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
+            + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    v8i floor = e < -126;
+    v8i bits = ((e & ~floor) + (-126 & floor) + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    v8i out, keep = x >= zero - 87.0f;
+    y *= scale;
+    memcpy(&out, &y, sizeof out);
+    out &= keep;  /* 0 below -87 */
+    memcpy(&y, &out, sizeof y);
+    return y;
+}
+
+/* Query i's attention over its K slots (key ids `key`, `ok` nonzero where a slot holds a key; head
+ * stride sh, 0: shared by the heads): out and lse rows i, and where mean_p (K,) is given the weights
+ * averaged over the heads. p: scratch of H x K floats. */
+static inline __attribute__((always_inline)) void query_forward(float *p, int64_t i, const int32_t *key, const uint8_t *ok,
+                                                                int64_t sh, int64_t H, int64_t K, int64_t D, int64_t E,
+                                                                const float *q, const float *k, const float *v,
+                                                                float *out, float *lse, float *mean_p) {
+    slot_dots(p, q + i * H * D, k, key, sh, H, K, D);
+    for (int64_t h = 0; h < H; h++) {  /* softmax weights (0 for an invalid slot) and lse */
+        float *ph = p + h * K, m = -INFINITY, z = 0.0f;
+        for (int64_t j = 0; j < K; j++) ph[j] = ok[h * sh + j] ? ph[j] : -INFINITY, m = ph[j] > m ? ph[j] : m;
+        for (int64_t j = 0; j < K; j++) ph[j] = m == -INFINITY ? 0.0f : exp_approx(ph[j] - m), z += ph[j];
+        for (int64_t j = 0; j < K; j++) ph[j] = z > 0.0f ? ph[j] / z : 0.0f;
+        lse[i * H + h] = m == -INFINITY ? -INFINITY : m + logf(z);
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const float *ph = p + h * K;
+        float *o = out + (i * H + h) * E;
+        if (E % 8 || E > MAX_DIM) {
+            for (int64_t e = 0; e < E; e++) o[e] = 0.0f;
+            for (int64_t j = 0; j < K; j++) axpy(o, ph[j], v + ((int64_t)key[h * sh + j] * H + h) * E, E);
+            continue;
+        }
+        v8 acc[MAX_DIM / 8];  /* the output row in registers: added to in memory, it was a chain of dependent stores */
+        for (int64_t c = 0; c < E / 8; c++) acc[c] = (v8){0};
+        for (int64_t j = 0; j < K; j++) {
+            if (h == 0 && j + AHEAD < K) prefetch_row(v + (int64_t)key[j + AHEAD] * H * E, H * E);
+            const float *row = v + ((int64_t)key[h * sh + j] * H + h) * E;
+            for (int64_t c = 0; c < E / 8; c++) acc[c] += ph[j] * load8(row + 8 * c);
+        }
+        memcpy(o, acc, sizeof(float) * E);
+    }
+    if (mean_p)
+        for (int64_t j = 0; j < K; j++) {
+            float sum = 0.0f;
+            for (int64_t h = 0; h < H; h++) sum += p[h * K + j];
+            mean_p[j] = sum / (float)H;
+        }
+}
+
+/* Query i's kept keys in one range (ks, m of them), head h: each weight recomputed from lse, dk and
+ * dv rows added to, dq's row too, once. Where D and E are multiples of 8 up to MAX_DIM the query's
+ * q, grad and dq rows stay in registers (added to in memory, a dq row was a chain of dependent
+ * stores: one per key) and 8 keys' dot products are summed lane-wise together. */
+static inline __attribute__((always_inline)) void query_keys(int64_t i, const int32_t *ks, int64_t m, int64_t h, int64_t H,
+                                                             int64_t D, int64_t E, const float *q, const float *k,
+                                                             const float *v, const float *grad, float l, float dl,
+                                                             float *dq, float *dk, float *dv) {
+    const float *qi = q + (i * H + h) * D, *gi = grad + (i * H + h) * E;
+    if (D % 8 || E % 8 || D > MAX_DIM || E > MAX_DIM) {
+        for (int64_t y = 0; y < m; y++) {
+            int64_t row = (int64_t)ks[y] * H + h;
+            float pj = exp_approx(dot(qi, k + row * D, D) - l);  /* the query has a valid key: l is finite */
+            float ds = pj * (dot(gi, v + row * E, E) - dl);
+            axpy(dq + (i * H + h) * D, ds, k + row * D, D);
+            axpy(dk + row * D, ds, qi, D);
+            axpy(dv + row * E, pj, gi, E);
+        }
+        return;
+    }
+    v8 qv[MAX_DIM / 8], gv[MAX_DIM / 8], dqa[MAX_DIM / 8];
+    for (int64_t c = 0; c < D / 8; c++) qv[c] = load8(qi + 8 * c), dqa[c] = (v8){0};
+    for (int64_t c = 0; c < E / 8; c++) gv[c] = load8(gi + 8 * c);
+    for (int64_t y0 = 0; y0 < m; y0 += 8) {
+        int64_t run = m - y0 < 8 ? m - y0 : 8;
+        v8 a[8], b[8];
+        for (int64_t y = 0; y < 8; y++) {
+            const float *ky = k + ((int64_t)ks[y0 + (y < run ? y : 0)] * H + h) * D, *vy = v + ((int64_t)ks[y0 + (y < run ? y : 0)] * H + h) * E;
+            a[y] = qv[0] * load8(ky), b[y] = gv[0] * load8(vy);
+            for (int64_t c = 1; c < D / 8; c++) a[y] += qv[c] * load8(ky + 8 * c);
+            for (int64_t c = 1; c < E / 8; c++) b[y] += gv[c] * load8(vy + 8 * c);
+        }
+        v8 p = exp8(lane_sums(a) - l), ds = p * (lane_sums(b) - dl);
+        for (int64_t y = 0; y < run; y++) {
+            int64_t row = (int64_t)ks[y0 + y] * H + h;
+            float *dky = dk + row * D, *dvy = dv + row * E;
+            const float *ky = k + row * D;
+            for (int64_t c = 0; c < D / 8; c++) {
+                v8 x = load8(dky + 8 * c) + ds[y] * qv[c];
+                dqa[c] += ds[y] * load8(ky + 8 * c);
+                memcpy(dky + 8 * c, &x, sizeof x);
+            }
+            for (int64_t c = 0; c < E / 8; c++) {
+                v8 x = load8(dvy + 8 * c) + p[y] * gv[c];
+                memcpy(dvy + 8 * c, &x, sizeof x);
+            }
+        }
+    }
+    float *dqi = dq + (i * H + h) * D;
+    for (int64_t c = 0; c < D / 8; c++) {
+        v8 x = load8(dqi + 8 * c) + dqa[c];
+        memcpy(dqi + 8 * c, &x, sizeof x);
+    }
 }
 
 #endif

@@ -7,8 +7,10 @@ sample, any q_len and k_len) or every sample *causal* (q_len == k_len and query 
 aligned, which is what q_len == k_len needs) on (B, H, n, D) tensors: samples of one shape as one
 batched call on views of q, k, v; samples of unequal lengths padded into a few buckets of similar
 lengths, one call each (a causal bucket needs no mask; a complete one masks its padded keys).
-Exact: the same function as ``dense``, forward and backward. ``dense`` and ``auto`` use it
-whenever it applies.
+On the CPU in float32, unequal samples of a few dozen keys per query (``SHORT``) run instead on a
+C kernel over the packed rows (``gtx.attention.samples``): no padding, no gathers, one call (the
+short samples of a copy task; SDPA's kernels win once each query reads more keys). Exact: the
+same function as ``dense``, forward and backward. ``dense`` and ``auto`` use it whenever it applies.
 
 An ACT subset (``EdgeSet.filter_dst``) runs its full set's plan and zeroes the dropped queries:
 a kept query keeps all its edges, so its output is the full set's; a dropped query's zeroed output
@@ -24,6 +26,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from gtx.attention import samples
 from gtx.graph.tokens import EdgeSet
 
 COMPLETE, CAUSAL = "complete", "causal"
@@ -36,6 +39,11 @@ COMPLETE, CAUSAL = "complete", "causal"
 # CUDA: estimated from launch overheads against the kernels' throughput.
 CALL_WORK = {"cpu": 2**21, "cuda": 2**30}
 MASK_COST = 1.5
+# Unequal samples whose queries read at most this many keys on average run on the packed kernel
+# (CPU, float32): measured forward + backward against the padded SDPA calls, 4 x 32 and 1 x 128
+# heads, samples of L/2..L tokens: 0.3-0.8x their time up to about 40 keys per query, parity near 48
+# (complete samples of L = 64), slower beyond (docs/benchmarks.md).
+SHORT = 40
 
 
 @dataclass
@@ -61,6 +69,7 @@ class FlashPlan:
     causal: bool
     buckets: list[Bucket]
     order: torch.Tensor | None
+    spans: torch.Tensor | None = None  # (S, 4): the samples on the packed kernel instead (``attend_samples``)
 
 
 def flash_structure(edges: EdgeSet) -> str | None:
@@ -110,22 +119,32 @@ def _edges_within_samples(edges: EdgeSet, q_lens, k_lens, causal: bool) -> bool:
     return bool(ok.all())
 
 
-def make_plan(edges: EdgeSet, structure: str, head_dims: int) -> FlashPlan:
+def make_plan(edges: EdgeSet, structure: str, head_dims: int, packed: bool = False) -> FlashPlan:
     """Samples of one shape run as views of q, k, v; others are padded into buckets (``buckets``)
-    sized for inputs of ``head_dims`` = heads * head dim. Plans are shared by every edge set of the
-    same sample lengths, structure and device (``_plan``): a batch's stages over the same samples
-    (a copy task's ``ee`` and ``ed``) plan once, and so does a batch whose lengths recur."""
+    sized for inputs of ``head_dims`` = heads * head dim, or with ``packed`` (the packed kernel
+    serves the inputs) and at most ``SHORT`` keys per query on average, run packed. Plans are shared
+    by every edge set of the same sample lengths, structure and device (``_plan``): a batch's stages
+    over the same samples (a copy task's ``ee`` and ``ed``) plan once, and so does a batch whose
+    lengths recur."""
     q_lens, k_lens = edges.sample_lens()
     call_pairs = CALL_WORK["cpu" if edges.device.type == "cpu" else "cuda"] / head_dims
-    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device)
+    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device, packed)
 
 
 @lru_cache(maxsize=16)  # a plan is a few index tensors of the batch's size: a handful per step is plenty
-def _plan(q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device: torch.device) -> FlashPlan:
+def _plan(
+    q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device: torch.device, packed: bool = False
+) -> FlashPlan:
     """``make_plan`` for samples of ``q_lens`` queries and ``k_lens`` keys; ``call_pairs``: what one
     more call costs, in query-key pairs. Read-only: callers share it."""
     if len(set(zip(q_lens, k_lens))) == 1:
         return FlashPlan(causal, [Bucket(len(q_lens), q_lens[0], k_lens[0], None, None, None)], None)
+    pairs = sum(n * (n + 1) // 2 if causal else n * m for n, m in zip(q_lens, k_lens))
+    if packed and pairs <= SHORT * sum(q_lens):
+        q_off = torch.cumsum(torch.tensor((0, *q_lens[:-1])), 0)
+        k_off = torch.cumsum(torch.tensor((0, *k_lens[:-1])), 0)
+        spans = torch.stack([q_off, torch.tensor(q_lens), k_off, torch.tensor(k_lens)], 1)
+        return FlashPlan(causal, [], None, spans)
     # Padding a causal sample at its end needs no mask: its queries never see later keys. A complete
     # sample's padded queries are dropped, its padded keys must be masked.
     samples = sorted((i for i in range(len(q_lens)) if q_lens[i]), key=lambda i: (k_lens[i], q_lens[i]))
@@ -216,13 +235,19 @@ def flash_attention(
     log-sum-exp of its scores per head, (n_dst, H), no gradient; None off the CPU)."""
     root = edges.root
     head_dims = q.shape[1] * q.shape[2]
-    plan = root.plan(("flash", structure, q.device, head_dims), lambda: make_plan(root, structure, head_dims))
+    packed = samples.available(q, k, v)
+    plan = root.plan(
+        ("flash", structure, q.device, head_dims, packed), lambda: make_plan(root, structure, head_dims, packed)
+    )
     if lse and edges.parent is not None:
         raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
-    runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
-    outs, sums = zip(*runs) if lse else (runs, [None])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    sums = None if sums[0] is None else sums[0] if len(sums) == 1 else torch.cat(sums)
+    if plan.spans is not None:
+        out, sums = samples.attend_samples(q, k, v, plan.spans, plan.causal)
+    else:
+        runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
+        outs, sums = zip(*runs) if lse else (runs, [None])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        sums = None if sums[0] is None else sums[0] if len(sums) == 1 else torch.cat(sums)
     if plan.order is not None:
         out = out.index_select(0, plan.order)
         sums = None if sums is None else sums.index_select(0, plan.order)
