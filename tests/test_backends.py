@@ -466,7 +466,7 @@ def test_buckets_cover_every_sample_once(causal):
 def test_the_packed_kernel_is_attention_within_each_sample(heads, dim, dim_v, causal):
     """``attend_samples`` against softmax attention per sample in float64: outputs, log-sum-exps and
     q, k, v gradients, whatever the thread count (a sample is one part's alone: bitwise the same)."""
-    from gtx.attention.samples import attend_samples, available
+    from gtx.backends.packed import attend_samples, available
 
     gen = torch.Generator().manual_seed(heads * dim)
     q_lens = [1, 7, 24, 3, 16]

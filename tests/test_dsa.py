@@ -527,7 +527,7 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
 def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top, seed, monkeypatch):
     """On the CPU in float32 the C kernels choose and fit the indexer; on rotated index queries and
     keys they give the torch path's choice, output, KL and gradients."""
-    from gtx.attention import native
+    from gtx import native
 
     if native.load("index_kernel") is None:
         pytest.skip("no C compiler: the torch path is all there is")
@@ -585,7 +585,7 @@ def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_k
     log-sum-exp of the fused causal attention (unequal samples: bucketed, rows reordered) or
     computing it itself, against the KL of softmaxes in float64, in blocks of rows of every size; on
     the C kernel (where it builds) and on torch ops."""
-    from gtx.attention import native
+    from gtx import native
     from gtx.attention.indexer import dense_index_kl
     from gtx.attention.selection import block_means
 
@@ -627,7 +627,7 @@ def test_the_dense_kls_kernel_agrees_with_its_torch_path_over_long_rows(size, mo
     """Rows of 1100 keys, past the kernel's chunks of 512 columns and its vectors' tails, with scores so
     spread that some of p underflows to 0 and the index scores span hundreds: the C kernel's loss and
     gradients are the torch path's (float32 both)."""
-    from gtx.attention import native
+    from gtx import native
     from gtx.attention.indexer import dense_index_kl
 
     if native.load("dense_kernel") is None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gtx.attention import native
+from gtx import native
 from gtx.attention.choice import int8_scores, quantised
 from gtx.attention.indexer import index_scores, top_indexed
 from gtx.attention.module import Attention

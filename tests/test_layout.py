@@ -8,7 +8,7 @@ import gtx
 ROOT = Path(gtx.__file__).parent
 #: bottom to top; a module may import its own layer's modules and those below, never above
 LAYERS = [
-    ("errors", "values", "files", "memory"),
+    ("errors", "values", "files", "memory", "native"),
     ("plugins",),
     ("graph",),
     ("data",),

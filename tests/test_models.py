@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from gtx.attention import native
+from gtx import native
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.data.vocab import Vocab
 from gtx.graph.spec import parse_pattern
 from gtx.model.decode import decode
-from gtx.model.layers import HERE, KERNEL
+from gtx.model.layers import KERNEL
 from gtx.plugins.registry import BACKENDS, MODELS
 
 BACKEND_NAMES = [
@@ -249,7 +249,7 @@ def _splitmix_lanes(seed: int, n: int) -> torch.Tensor:
     return torch.stack([shift(z, 16 * i) & 0xFFFF for i in range(4)], -1).flatten()[:n]
 
 
-@pytest.mark.skipif(native.load(KERNEL, HERE) is None, reason="no C compiler")
+@pytest.mark.skipif(native.load(KERNEL) is None, reason="no C compiler")
 def test_dropout_kernel_keeps_the_splitmix_lanes_and_masks_the_gradient_alike():
     """The kernel's mask is SplitMix64's lanes of one seed drawn from torch's generator, whatever the
     threads; the gradient is masked by the same lanes (drawn again, none kept)."""

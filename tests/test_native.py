@@ -1,4 +1,4 @@
-"""The C kernels (gtx/attention/keys_kernel.c) compute what their torch paths compute: attention over
+"""The C kernels (gtx/native/keys_kernel.c) compute what their torch paths compute: attention over
 selected keys, the top-k choice (the indexer's and topk's) and the indexer's KL losses (sparse and
 dense), values and gradients; they build with older compilers, and a machine that cannot build or cache them falls back
 with one logged line."""
@@ -16,17 +16,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx import files
-from gtx.attention import native
+from gtx import files, native
 from gtx.attention.choice import top_keys
 from gtx.attention.indexer import dense_index_kl, index_kl, top_indexed
 from gtx.attention.keys import RANGE_SHIFT, KeySelection, attend_keys
+from gtx.backends.flash import flash_attention
 from gtx.graph.spec import parse_pattern
-from gtx.graph.tokens import build_graph
+from gtx.graph.tokens import EdgeSet, build_graph
 
 pytestmark = pytest.mark.skipif(
     native.load("keys_kernel") is None, reason="no C compiler: the torch paths are all there is"
 )
+
+
+KERNELS = ("keys_kernel", "index_kernel", "dense_kernel", "packed_kernel")  # what ``loads_and_agrees`` builds
 
 
 def both_paths(fn):
@@ -201,7 +204,7 @@ def script(path: Path, body: str) -> str:
 
 def loads_and_agrees(monkeypatch):
     """The kernels load (from ``$GTX_CACHE``, as built now) and compute what the torch paths compute."""
-    libs = {name: native.load.__wrapped__(name) for name in ("keys_kernel", "index_kernel", "dense_kernel")}
+    libs = {name: native.load.__wrapped__(name) for name in KERNELS}
     assert all(libs.values())
     monkeypatch.setattr(native, "load", libs.get)
     check_selected_keys(30, 40, 2, 12, False, (32, 32), 0)  # the lane sums' shuffles at the unrolled size
@@ -226,6 +229,18 @@ def loads_and_agrees(monkeypatch):
 
     for a, b in zip(*both_paths(dense)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # plain attention over packed short samples (the kernel hidden: SDPA's padded calls), at the unrolled size
+    edges = build_graph(parse_pattern("full"), [3, 9, 20], [5, 1, 12]).edges["ed"]
+    qkv = [torch.randn(n, 2, 32, generator=g, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src)]
+
+    def plain():
+        out = flash_attention(
+            *qkv, EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, "ed", edges.q_lens, edges.k_lens), "complete"
+        )
+        return out, *torch.autograd.grad(out.sin().sum(), qkv)
+
+    for a, b in zip(*both_paths(plain)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def int8_kind(lib) -> str:
@@ -297,7 +312,7 @@ def test_cc_is_split_as_a_shell_would_a_wrapper_and_flags_too(fresh, tmp_path, m
     wrap = script(tmp_path / "my wrap", f'echo x >> "{calls}"; exec "$@"')  # as ccache runs the compiler it is given
     monkeypatch.setenv("CC", f"'{wrap}' {REAL_CC} -O2")
     loads_and_agrees(monkeypatch)
-    assert fresh() == [] and len(calls.read_text().split()) == 4  # --version, then one build per kernel (3)
+    assert fresh() == [] and len(calls.read_text().split()) == 1 + len(KERNELS)  # --version, then one build per kernel
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "gcc '-O2"])
@@ -388,7 +403,7 @@ def test_a_library_that_does_not_load_gives_the_torch_path_and_one_line_naming_g
 ):
     foreign = tmp_path / "foreign.so"
     foreign.write_bytes(b"no shared object")
-    monkeypatch.setattr(native, "library", lambda name, folder: foreign)
+    monkeypatch.setattr(native, "library", lambda name: foreign)
     assert native.load.__wrapped__("keys_kernel") is None
     (line,) = fresh()
     assert line.startswith("C kernel keys_kernel does not load (") and "set GTX_CACHE to another folder, or CC" in line

@@ -2,7 +2,7 @@
 biases and content-chosen selections at run time: ``module``, ``selection``), the budget account
 (``budget``), the checks of what a pattern selects (``checks``), and the selection kernels of
 token- and block-chosen methods (``keys``, ``choice``, ``indexer``, ``compressed``, ``trainable``;
-C kernels built by ``native``). Backends (the kernels of
+C kernels built by ``gtx.native``). Backends (the kernels of
 plain patterns) live in ``gtx.backends``, the model parts built on attention in ``gtx.model``."""
 
 from gtx.attention.checks import check_keep, check_selection

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention import native
+from gtx import native
 from gtx.graph.tokens import EdgeSet
 
 TILE = 128  # keys per tile of the C kernel's index keys (index_kernel.c's TILE)

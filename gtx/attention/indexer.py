@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from gtx.attention import native
+from gtx import native
 from gtx.attention.choice import PRECISIONS, int8_scores, top_native, top_scored
 from gtx.graph.tokens import EdgeSet
 

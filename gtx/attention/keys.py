@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gtx.attention import native
+from gtx import native
 from gtx.graph.tokens import EdgeSet
 
 RANGE_SHIFT = (

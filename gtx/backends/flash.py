@@ -8,7 +8,7 @@ aligned, which is what q_len == k_len needs) on (B, H, n, D) tensors: samples of
 batched call on views of q, k, v; samples of unequal lengths padded into a few buckets of similar
 lengths, one call each (a causal bucket needs no mask; a complete one masks its padded keys).
 On the CPU in float32, unequal samples of a few dozen keys per query (``SHORT``) run instead on a
-C kernel over the packed rows (``gtx.attention.samples``): no padding, no gathers, one call (the
+C kernel over the packed rows (``gtx.backends.packed``): no padding, no gathers, one call (the
 short samples of a copy task; SDPA's kernels win once each query reads more keys). Exact: the
 same function as ``dense``, forward and backward. ``dense`` and ``auto`` use it whenever it applies.
 
@@ -26,7 +26,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from gtx.attention import samples
+from gtx.backends import packed
 from gtx.graph.tokens import EdgeSet
 
 COMPLETE, CAUSAL = "complete", "causal"
@@ -235,14 +235,14 @@ def flash_attention(
     log-sum-exp of its scores per head, (n_dst, H), no gradient; None off the CPU)."""
     root = edges.root
     head_dims = q.shape[1] * q.shape[2]
-    packed = samples.available(q, k, v)
+    served = packed.available(q, k, v)
     plan = root.plan(
-        ("flash", structure, q.device, head_dims, packed), lambda: make_plan(root, structure, head_dims, packed)
+        ("flash", structure, q.device, head_dims, served), lambda: make_plan(root, structure, head_dims, served)
     )
     if lse and edges.parent is not None:
         raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
     if plan.spans is not None:
-        out, sums = samples.attend_samples(q, k, v, plan.spans, plan.causal)
+        out, sums = packed.attend_samples(q, k, v, plan.spans, plan.causal)
     else:
         runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
         outs, sums = zip(*runs) if lse else (runs, [None])

@@ -15,12 +15,11 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from gtx.attention import native
+from gtx import native
 from gtx.data.vocab import Vocab
 from gtx.model.engine import MultiHeadAttention
 
@@ -86,7 +85,7 @@ class Dropout(nn.Module):
         if x.is_cuda:
             return torch.dropout(x, self.p, True)
         threshold = round(self.p * 65536)
-        if native.kernel(KERNEL, x, folder=HERE) is not None:
+        if native.kernel(KERNEL, x) is not None:
             return _HashedMask.apply(x, int(_random_words(1)[0]), threshold, 1 / (1 - self.p))
         n = x.numel()
         lanes = _random_words(-(-n // 4), x.device).view(torch.int16)[:n]  # uniform on [-2^15, 2^15)
@@ -94,7 +93,7 @@ class Dropout(nn.Module):
         return x * scale.view_as(x)
 
 
-KERNEL, HERE = "dropout_kernel", Path(__file__).parent
+KERNEL = "dropout_kernel"
 
 
 def _random_words(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -110,7 +109,7 @@ def hashed_mask(x: torch.Tensor, seed: int, threshold: int, scale: float) -> tor
     out = torch.empty_like(x)
     parts = native.parts(x.numel() // 4096)
     native.check(
-        native.load(KERNEL, HERE).gtx_dropout(
+        native.load(KERNEL).gtx_dropout(
             *native.ints(parts, x.numel()),
             native.pointer(x),
             native.pointer(out),

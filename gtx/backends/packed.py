@@ -1,5 +1,5 @@
 """Plain attention over short packed samples on the CPU: each query reads every key of its own
-sample (or, causal, those up to its position) where they lie, on the C kernel ``samples_kernel.c``,
+sample (or, causal, those up to its position) where they lie, on the C kernel ``packed_kernel.c``,
 without padding samples to a common length. ``gtx.backends.flash`` runs batches of short samples on
 it (a copy task's); long samples stay on SDPA's blocked kernels."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention import native
+from gtx import native
 
-KERNEL = "samples_kernel"
+KERNEL = "packed_kernel"
 
 
 def attend_samples(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: torch.Tensor, causal: bool):
@@ -17,7 +17,7 @@ def attend_samples(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: tor
     sample its first query row, queries, first key row, keys (every query row in one sample, every
     sample with keys; causal: as many keys as queries) -> (out (n, H, Dv), log-sum-exp of each query's
     scores per head (n, H), without gradient). Needs the kernel (``available``)."""
-    return _SampleAttention.apply(q, k, v, spans, causal)
+    return _PackedAttention.apply(q, k, v, spans, causal)
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -25,13 +25,13 @@ def available(*tensors: torch.Tensor) -> bool:
     return native.kernel(KERNEL, *tensors) is not None
 
 
-class _SampleAttention(torch.autograd.Function):
+class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spans, causal):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         n, heads = q.shape[:2]
         out, lse = q.new_empty(n, heads, v.shape[-1]), q.new_empty(n, heads)
-        _call("gtx_samples_forward", spans, causal, q, k, v, out, lse)
+        _call("gtx_packed_forward", spans, causal, q, k, v, out, lse)
         ctx.save_for_backward(q, k, v, spans, out, lse)
         ctx.causal = causal
         ctx.mark_non_differentiable(lse)
@@ -43,7 +43,7 @@ class _SampleAttention(torch.autograd.Function):
         grad = grad.contiguous()
         delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        _call("gtx_samples_backward", spans, ctx.causal, q, k, v, grad, lse, delta, dq, dk, dv)
+        _call("gtx_packed_backward", spans, ctx.causal, q, k, v, grad, lse, delta, dq, dk, dv)
         return dq, dk, dv, None, None
 
 

@@ -1,4 +1,4 @@
-/* Plain attention over short packed samples, for the CPU (``gtx.backends.flash`` on samples of a few
+/* Plain attention over short packed samples, for the CPU (``gtx.backends.packed``: samples of a few
  * dozen tokens): each query attends to every key of its sample, or with `causal` to those up to its
  * own position, read where they lie: no padded copy, no mask. A call's samples are split into
  * `parts` runs of consecutive samples (OpenMP threads, ``ON_PARTS``); a sample's queries and keys
@@ -23,7 +23,7 @@ static void key_range(int32_t *ids, uint8_t *ok, int64_t k0, int64_t m) {
     if (ok) memset(ok, 1, (size_t)m);
 }
 
-static inline __attribute__((always_inline)) int samples_forward(int64_t s0, int64_t s1, const int64_t *spans, int64_t causal,
+static inline __attribute__((always_inline)) int packed_forward(int64_t s0, int64_t s1, const int64_t *spans, int64_t causal,
                                                                  int64_t H, int64_t D, int64_t E, const float *q,
                                                                  const float *k, const float *v, float *out, float *lse) {
     int64_t most = widest(spans, s0, s1);
@@ -41,14 +41,14 @@ static inline __attribute__((always_inline)) int samples_forward(int64_t s0, int
     return 0;
 }
 
-int gtx_samples_forward(int64_t parts, int64_t S, const int64_t *spans, int64_t causal, int64_t H, int64_t D, int64_t E,
+int gtx_packed_forward(int64_t parts, int64_t S, const int64_t *spans, int64_t causal, int64_t H, int64_t D, int64_t E,
                         const float *q, const float *k, const float *v, float *out, float *lse) {
     if (D == 32 && E == 32)  /* the common head size, its loops unrolled */
-        ON_PARTS(parts, samples_forward(S * part / parts, S * (part + 1) / parts, spans, causal, H, 32, 32, q, k, v, out, lse));
-    ON_PARTS(parts, samples_forward(S * part / parts, S * (part + 1) / parts, spans, causal, H, D, E, q, k, v, out, lse));
+        ON_PARTS(parts, packed_forward(S * part / parts, S * (part + 1) / parts, spans, causal, H, 32, 32, q, k, v, out, lse));
+    ON_PARTS(parts, packed_forward(S * part / parts, S * (part + 1) / parts, spans, causal, H, D, E, q, k, v, out, lse));
 }
 
-static inline __attribute__((always_inline)) int samples_backward(int64_t s0, int64_t s1, const int64_t *spans, int64_t causal,
+static inline __attribute__((always_inline)) int packed_backward(int64_t s0, int64_t s1, const int64_t *spans, int64_t causal,
                                                                   int64_t H, int64_t D, int64_t E, const float *q,
                                                                   const float *k, const float *v, const float *grad,
                                                                   const float *lse, const float *delta, float *dq,
@@ -68,12 +68,12 @@ static inline __attribute__((always_inline)) int samples_backward(int64_t s0, in
 }
 
 /* dq, dk, dv zeroed by the caller; delta = grad . out per query and head (the softmax backward's row term). */
-int gtx_samples_backward(int64_t parts, int64_t S, const int64_t *spans, int64_t causal, int64_t H, int64_t D, int64_t E,
+int gtx_packed_backward(int64_t parts, int64_t S, const int64_t *spans, int64_t causal, int64_t H, int64_t D, int64_t E,
                          const float *q, const float *k, const float *v, const float *grad, const float *lse,
                          const float *delta, float *dq, float *dk, float *dv) {
     if (D == 32 && E == 32)
-        ON_PARTS(parts, samples_backward(S * part / parts, S * (part + 1) / parts, spans, causal, H, 32, 32, q, k, v, grad, lse,
+        ON_PARTS(parts, packed_backward(S * part / parts, S * (part + 1) / parts, spans, causal, H, 32, 32, q, k, v, grad, lse,
                                          delta, dq, dk, dv));
-    ON_PARTS(parts, samples_backward(S * part / parts, S * (part + 1) / parts, spans, causal, H, D, E, q, k, v, grad, lse, delta,
+    ON_PARTS(parts, packed_backward(S * part / parts, S * (part + 1) / parts, spans, causal, H, D, E, q, k, v, grad, lse, delta,
                                      dq, dk, dv));
 }

@@ -1,4 +1,4 @@
-/* What the CPU kernels beside this file share (built and loaded by gtx/attention/native.py): how a
+/* What the CPU kernels beside this file share (built and loaded by gtx/native/__init__.py): how a
  * kernel's parts run on threads, vectors of 8 floats, exp, dot products over selected rows. */
 #ifndef GTX_KERNEL_H
 #define GTX_KERNEL_H

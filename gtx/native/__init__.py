@@ -1,7 +1,7 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded through ctypes.
 
-A kernel's source sits beside this module (``<name>.c``, and the headers it includes), or in the
-folder its caller names (the model's dropout: ``gtx/model``). The compiler
+Every kernel's source sits beside this module (``<name>.c``, and the headers it includes: the
+attention kernels of ``gtx.backends`` and ``gtx.attention``, the model's dropout). The compiler
 is ``$CC``, split as a shell would (``CC='ccache gcc'``), else ``cc`` or ``gcc``. Its library is
 cached under ``<cache>/native`` (``gtx.files.cache_dir``: ``$GTX_CACHE``, else ``~/.cache/gtx``)
 by the hash of the sources, the toolchain (the compiler's path and ``--version``), the flags and
@@ -171,8 +171,8 @@ def _failed_recently(marker: Path) -> str | None:
     return None
 
 
-def library(name: str, folder: Path = HERE) -> Path | None:
-    """The path of kernel ``name``'s library (its source ``folder / <name>.c``), built if this machine
+def library(name: str) -> Path | None:
+    """The path of kernel ``name``'s library (its source ``<name>.c`` beside this module), built if this machine
     has none yet and checked whole; None (logged once) where it cannot be built."""
     if os.environ.get("GTX_NATIVE", "1") == "0":
         _say(logging.WARNING, f"GTX_NATIVE=0: {SLOWER}")
@@ -182,7 +182,7 @@ def library(name: str, folder: Path = HERE) -> Path | None:
         _say(logging.WARNING, f"{tool}: {SLOWER}; set CC to a C compiler's command")
         return None
     argv, identity = tool
-    source = folder / f"{name}.c"
+    source = HERE / f"{name}.c"
     # what the sources include
     texts = [
         source.read_text(),
@@ -235,10 +235,10 @@ def library(name: str, folder: Path = HERE) -> Path | None:
 
 
 @functools.cache
-def load(name: str, folder: Path = HERE) -> ctypes.CDLL | None:
+def load(name: str) -> ctypes.CDLL | None:
     """The kernel ``name`` as a loaded library (``library``); None (logged once) where it cannot be
     built or loaded."""
-    path = library(name, folder)
+    path = library(name)
     if path is None:
         return None
     try:
@@ -253,11 +253,11 @@ def load(name: str, folder: Path = HERE) -> ctypes.CDLL | None:
         return None
 
 
-def kernel(name: str, *tensors: torch.Tensor, folder: Path = HERE) -> ctypes.CDLL | None:
+def kernel(name: str, *tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The kernel ``name`` where it serves these tensors (float32, on the CPU) and could be built."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         return None
-    return load(name, folder)
+    return load(name)
 
 
 def check_ids(keys: torch.Tensor, count: int, what: str = "key") -> None:
