@@ -433,6 +433,7 @@ def test_near_plain_attention_is_not_taken_for_it_and_stays_correct():
 @pytest.mark.parametrize("name", ["dense", "auto"])
 def test_act_subsets_of_plain_attention_match_the_reference(name):
     from gtx.backends.flash import flash_structure
+    from gtx.backends.packed import available
 
     causal = build_graph(parse_pattern("causal"), [9, 4, 9]).edges["ee"]
     complete = build_graph(parse_pattern("full"), [9, 4, 9]).edges["ee"]
@@ -447,7 +448,9 @@ def test_act_subsets_of_plain_attention_match_the_reference(name):
             auto = get_backend("auto")
             auto.reset_choices()
             attention_and_grads(auto, sub)
-            assert auto.reset_choices() == {"ee": {f"flash-{flash_structure(edges)}": 1}}
+            # unequal short samples: flash runs them on its packed kernel, and the count says so
+            kernel = "packed" if available(torch.zeros(1)) else "flash"
+            assert auto.reset_choices() == {"ee": {f"{kernel}-{flash_structure(edges)}": 1}}
 
 
 @pytest.mark.parametrize("causal", [False, True])

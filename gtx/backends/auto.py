@@ -2,7 +2,8 @@
 
 An edge set that is plain attention (every sample complete or causal) runs as SDPA's own kernels
 (``gtx.backends.flash``), chosen before any model (no candidate beats them); its choice reads
-``flash-complete`` or ``flash-causal``. Other sets choose among the candidates: ``dense`` (the
+``flash-complete`` or ``flash-causal``, counted as ``packed-complete`` or ``packed-causal`` where
+flash runs it on its packed kernel (unequal short samples on the CPU). Other sets choose among the candidates: ``dense`` (the
 masked kernel) and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
 CPU and ``torch``; ``flex`` on CUDA, and on the CPU for calls without gradients (its CPU kernel has
 no backward). The model predicts the call's time from the edge set's structure (sizes, edges,
@@ -36,7 +37,7 @@ import torch
 
 from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs
-from gtx.backends.flash import flash_attention, flash_structure
+from gtx.backends.flash import flash_attention, flash_plan, flash_structure
 from gtx.graph.tokens import EdgeSet
 
 # Seconds per unit of work and per call, float32, forward + backward ("cpu", "cuda") and forward
@@ -70,6 +71,7 @@ COSTS = {
 }
 BLOCKS = (16, 32, 64)
 FLASH = "flash-"  # choice prefix: plain attention, run by gtx.backends.flash
+PACKED = "packed-"  # ... and counted so where flash runs it on the packed kernel (short unequal samples)
 MEASURE_WITHIN = 1.5  # candidates predicted within this factor of the best are timed, once per shape class
 
 
@@ -231,7 +233,10 @@ class AutoBackend(Backend):
             ("auto", q.device, q.shape[1], q.shape[2], biased, grad),
             lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased, grad),
         )
-        self.choices[edges.stage or "?"][name] += 1
+        ran = name
+        if name.startswith(FLASH) and flash_plan(q, k, v, root, name.removeprefix(FLASH)).spans is not None:
+            ran = PACKED + name.removeprefix(FLASH)
+        self.choices[edges.stage or "?"][ran] += 1
         return name
 
     def with_lse(self, q, k, v, edges):

@@ -226,6 +226,17 @@ def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, ca
     return (out, sums) if lse else out
 
 
+def flash_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, structure: str) -> FlashPlan:
+    """The plan ``flash_attention`` runs ``edges`` (or the full set of an ACT subset) by for inputs like
+    q, k, v: SDPA's calls, or the packed kernel's ``spans``; made once per edge set."""
+    root = edges.root
+    head_dims = q.shape[1] * q.shape[2]
+    served = packed.available(q, k, v)
+    return root.plan(
+        ("flash", structure, q.device, head_dims, served), lambda: make_plan(root, structure, head_dims, served)
+    )
+
+
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, structure: str, lse: bool = False
 ):
@@ -233,12 +244,7 @@ def flash_attention(
     (n_dst, H, Dv)) for an edge set whose ``flash_structure`` is ``structure``, or an ACT subset
     of one (then ``structure`` is its full set's). ``lse`` (a full set only): (out, each query's
     log-sum-exp of its scores per head, (n_dst, H), no gradient; None off the CPU)."""
-    root = edges.root
-    head_dims = q.shape[1] * q.shape[2]
-    served = packed.available(q, k, v)
-    plan = root.plan(
-        ("flash", structure, q.device, head_dims, served), lambda: make_plan(root, structure, head_dims, served)
-    )
+    plan = flash_plan(q, k, v, edges, structure)
     if lse and edges.parent is not None:
         raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
     if plan.spans is not None:
