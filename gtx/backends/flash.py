@@ -40,9 +40,9 @@ COMPLETE, CAUSAL = "complete", "causal"
 CALL_WORK = {"cpu": 2**21, "cuda": 2**30}
 MASK_COST = 1.5
 # Unequal samples whose queries read at most this many keys on average run on the packed kernel
-# (CPU, float32): measured forward + backward against the padded SDPA calls, 4 x 32 and 1 x 128
-# heads, samples of L/2..L tokens: 0.3-0.8x their time up to about 40 keys per query, parity near 48
-# (complete samples of L = 64), slower beyond (docs/benchmarks.md).
+# (CPU, float32): forward + backward against SDPA's padded calls (``bench/packed.py``, 4 x 32 and
+# 1 x 128 heads, samples of L/2..L tokens) took 0.3-0.9x their time up to 40 keys per query, about
+# the same near 50, up to 1.4x beyond.
 SHORT = 40
 
 
@@ -128,19 +128,18 @@ def make_plan(edges: EdgeSet, structure: str, head_dims: int, packed: bool = Fal
     lengths recur."""
     q_lens, k_lens = edges.sample_lens()
     call_pairs = CALL_WORK["cpu" if edges.device.type == "cpu" else "cuda"] / head_dims
-    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device, packed)
+    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device, SHORT if packed else 0)
 
 
 @lru_cache(maxsize=16)  # a plan is a few index tensors of the batch's size: a handful per step is plenty
-def _plan(
-    q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device: torch.device, packed: bool = False
-) -> FlashPlan:
+def _plan(q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device: torch.device, short: int) -> FlashPlan:
     """``make_plan`` for samples of ``q_lens`` queries and ``k_lens`` keys; ``call_pairs``: what one
-    more call costs, in query-key pairs. Read-only: callers share it."""
+    more call costs, in query-key pairs; ``short``: the most keys per query on average that run packed
+    (0: none). Read-only: callers share it."""
     if len(set(zip(q_lens, k_lens))) == 1:
         return FlashPlan(causal, [Bucket(len(q_lens), q_lens[0], k_lens[0], None, None, None)], None)
     pairs = sum(n * (n + 1) // 2 if causal else n * m for n, m in zip(q_lens, k_lens))
-    if packed and pairs <= SHORT * sum(q_lens):
+    if pairs <= short * sum(q_lens):
         q_off = torch.cumsum(torch.tensor((0, *q_lens[:-1])), 0)
         k_off = torch.cumsum(torch.tensor((0, *k_lens[:-1])), 0)
         spans = torch.stack([q_off, torch.tensor(q_lens), k_off, torch.tensor(k_lens)], 1)
