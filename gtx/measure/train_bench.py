@@ -86,7 +86,8 @@ def bench_train(bench: TrainBench, log=lambda s: None) -> pd.DataFrame:
     ``vs_reference``: tokens/s over the first reference's; ``ceiling_share``: the part of the
     possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both or
     where the bound is not faster; ``data_ms``: the part of a step spent building batches and
-    graphs; ``attention_ms``: the step minus the bound's (rows of the bound's model);
+    graphs (edges are built when a backend first reads them, in the step; the bound reads none);
+    ``attention_ms``: the step minus the bound's (rows of the bound's model);
     ``peak_mem_mb`` (``memory``): ``gtx.measure.reference.train_cell_memory`` per variant in a
     fresh subprocess after the timed rounds (NaN without ``memory``)."""
     from gtx.measure.reference import SkipAttention, first_batches, memory_in_subprocess
