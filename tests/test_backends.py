@@ -464,50 +464,86 @@ def test_buckets_cover_every_sample_once(causal):
     assert runs == sorted(runs) and runs[-1] == len(shapes) and 6 in runs  # 40 is never padded with the 9s
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec", ["full", "causal", "local:w=3", "local:w=2&causal"])
 @pytest.mark.parametrize("heads,dim,dim_v", [(2, 32, 32), (1, 128, 128), (3, 12, 5)])  # unrolled, in registers, scalar
-def test_the_packed_kernel_is_attention_within_each_sample(heads, dim, dim_v, causal):
-    """``attend_samples`` against softmax attention per sample in float64: outputs, log-sum-exps and
-    q, k, v gradients, whatever the thread count (a sample is one part's alone: bitwise the same)."""
-    from gtx.backends.packed import attend_samples, available
+def test_the_packed_kernel_is_attention_over_each_querys_key_range(heads, dim, dim_v, spec):
+    """``attend_ranges`` against softmax attention over each query's edges in float64, for every stage
+    of a batch: outputs, log-sum-exps and q, k, v gradients, whatever the thread count (a sample is one
+    part's alone: bitwise the same)."""
+    from gtx.backends.packed import attend_ranges, available, edge_ranges
 
+    graph = build_graph(parse_pattern(spec), [5, 9, 24, 1, 30], [1, 7, 24, 3, 16])
     gen = torch.Generator().manual_seed(heads * dim)
-    q_lens = [1, 7, 24, 3, 16]
-    k_lens = q_lens if causal else [5, 9, 24, 1, 30]
-    q, k, v = (
-        torch.randn(sum(lens), heads, d, generator=gen, requires_grad=True)
-        for lens, d in ((q_lens, dim), (k_lens, dim), (k_lens, dim_v))
-    )
-    q_off = torch.cumsum(torch.tensor([0, *q_lens[:-1]]), 0)
-    k_off = torch.cumsum(torch.tensor([0, *k_lens[:-1]]), 0)
-    spans = torch.stack([q_off, torch.tensor(q_lens), k_off, torch.tensor(k_lens)], 1)
-    weights = torch.randn(sum(q_lens), heads, dim_v, generator=gen)
-    if not available(q, k, v):
+    for stage, edges in graph.edges.items():
+        q, k, v = (
+            torch.randn(n, heads, d, generator=gen, requires_grad=True)
+            for n, d in ((edges.n_dst, dim), (edges.n_src, dim), (edges.n_src, dim_v))
+        )
+        if not available(q, k, v):
+            pytest.skip("no C compiler")
+        ranges = edge_ranges(edges)
+        assert ranges is not None, f"{spec} {stage}: one run of keys per query"
+        weights = torch.randn(edges.n_dst, heads, dim_v, generator=gen)
+        outs, sums, grads = [], [], []
+        for threads in (1, 2):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                out, lse = attend_ranges(q, k, v, ranges)
+                grads.append(torch.autograd.grad((out * weights).sum(), (q, k, v)))
+            finally:
+                torch.set_num_threads(before)
+            outs.append(out.detach()), sums.append(lse)
+        assert all(torch.equal(a, b) for a, b in zip((outs[0], sums[0], *grads[0]), (outs[1], sums[1], *grads[1])))
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        adj = torch.zeros(edges.n_dst, edges.n_src, dtype=torch.bool)
+        adj[edges.dst, edges.src] = True
+        s = torch.einsum("qhd,khd->hqk", qd, kd).masked_fill(~adj, float("-inf"))
+        want = torch.einsum("hqk,khe->qhe", s.softmax(-1).nan_to_num(0.0), vd)
+        torch.testing.assert_close(outs[0], want.float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sums[0], s.logsumexp(-1).t().float(), atol=1e-5, rtol=1e-5)
+        for got, ref in zip(grads[0], torch.autograd.grad((want * weights.double()).sum(), (qd, kd, vd))):
+            torch.testing.assert_close(got, ref.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_edge_ranges_are_found_only_where_each_query_reads_one_run_of_its_samples_keys():
+    from gtx.backends.packed import edge_ranges
+
+    local = build_graph(parse_pattern("local:w=1"), [3, 4]).edges["ee"]
+    assert edge_ranges(local).ranges.tolist() == [[0, 2], [0, 3], [1, 3], [3, 5], [3, 6], [4, 7], [5, 7]]
+    assert edge_ranges(local).spans.tolist() == [[0, 3, 0, 3], [3, 4, 3, 4]]
+    gap = EdgeSet(torch.tensor([0, 2, 1]), torch.tensor([0, 0, 1]), 3, 2)  # query 0 reads keys 0 and 2
+    assert edge_ranges(gap) is None
+    across = EdgeSet(
+        torch.tensor([2, 3]), torch.tensor([1, 1]), 4, 2, "ee", (1, 1), (2, 2)
+    )  # query 1 reads sample 1's keys
+    assert edge_ranges(across).ranges.tolist() == [[0, 0], [2, 4]]
+    spill = EdgeSet(torch.tensor([1, 2]), torch.tensor([0, 0]), 4, 2, "ee", (1, 1), (2, 2))  # query 0 reads key 2
+    assert edge_ranges(spill) is None
+    assert edge_ranges(build_graph(parse_pattern("strided:l=2"), None, [9]).edges["dd"]) is None
+
+
+def test_auto_runs_windows_over_short_samples_packed_and_long_ones_in_blocks():
+    from gtx.backends.auto import AutoBackend
+    from gtx.backends.packed import available
+
+    if not available(torch.zeros(1)):
         pytest.skip("no C compiler")
-    outs, sums, grads = [], [], []
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            out, lse = attend_samples(q, k, v, spans, causal)
-            grads.append(torch.autograd.grad((out * weights).sum(), (q, k, v)))
-        finally:
-            torch.set_num_threads(before)
-        outs.append(out.detach()), sums.append(lse)
-    assert all(torch.equal(a, b) for a, b in zip((outs[0], sums[0], *grads[0]), (outs[1], sums[1], *grads[1])))
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    want, want_lse = [], []
-    for i0, nq, j0, nk in spans.tolist():
-        s = torch.einsum("qhd,khd->hqk", qd[i0 : i0 + nq], kd[j0 : j0 + nk])
-        if causal:
-            s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).triu(1), float("-inf"))
-        want.append(torch.einsum("hqk,khe->qhe", s.softmax(-1), vd[j0 : j0 + nk]))
-        want_lse.append(s.logsumexp(-1).t())
-    want = torch.cat(want)
-    torch.testing.assert_close(outs[0], want.float(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sums[0], torch.cat(want_lse).float(), atol=1e-5, rtol=1e-5)
-    for got, ref in zip(grads[0], torch.autograd.grad((want * weights.double()).sum(), (qd, kd, vd))):
-        torch.testing.assert_close(got, ref.float(), atol=1e-4, rtol=1e-4)
+    cpu, auto = torch.device("cpu"), AutoBackend()
+    short = build_graph(parse_pattern("local:w=4"), [9 + i % 16 for i in range(64)]).edges["ee"]
+    assert auto.choose(short, 4, 32, cpu) == "packed"
+    inputs = tuple(torch.zeros(short.n_dst, 4, 32, dtype=torch.float64) for _ in range(3))
+    assert auto.choose(short, 4, 32, cpu, inputs) != "packed"  # float32 only
+    long = build_graph(parse_pattern("local:w=64"), None, [4096]).edges["dd"]
+    assert auto.choose(long, 4, 32, cpu).startswith("blocksparse")
+    strided = build_graph(parse_pattern("strided:l=4"), [9 + i % 16 for i in range(64)]).edges["ee"]
+    assert auto.choose(strided, 4, 32, cpu) != "packed"  # keys in more than one run per query
+    # an ACT subset runs by its full set's ranges, dropped queries zeroed
+    sub = short.filter_dst(torch.arange(short.n_dst) % 3 != 1)
+    assert_matches_reference(auto, sub)
+    auto.reset_choices()
+    assert (attention_and_grads(auto, sub)[0][~sub.keep] == 0).all()
+    assert auto.reset_choices() == {"ee": {"packed": 1}}
 
 
 def test_unequal_short_samples_plan_packed_and_the_rest_on_sdpa():
@@ -518,12 +554,14 @@ def test_unequal_short_samples_plan_packed_and_the_rest_on_sdpa():
     full = parse_pattern("full")
     short, equal, long = (build_graph(full, lens, lens).edges for lens in ([3, 9, 20], [8, 8], [60, 120]))
     plan = flash.make_plan(short["ee"], "complete", 8, packed=True)
-    assert plan.spans.tolist() == [[0, 3, 0, 3], [3, 9, 3, 9], [12, 20, 12, 20]] and not plan.buckets
-    assert flash.make_plan(short["dd"], "causal", 8, packed=True).spans is not None
-    assert flash.make_plan(short["ee"], "complete", 8).spans is None  # inputs the kernel does not serve
-    assert flash.make_plan(equal["ee"], "complete", 8, packed=True).spans is None
-    assert flash.make_plan(long["ee"], "complete", 8, packed=True).spans is None  # 100 keys per query
-    assert flash.make_plan(long["dd"], "causal", 8, packed=True).spans is None  # 50
+    assert plan.ranges.spans.tolist() == [[0, 3, 0, 3], [3, 9, 3, 9], [12, 20, 12, 20]] and not plan.buckets
+    assert plan.ranges.ranges[:4].tolist() == [[0, 3]] * 3 + [[3, 12]]
+    causal = flash.make_plan(short["dd"], "causal", 8, packed=True)
+    assert causal.ranges.ranges[:4].tolist() == [[0, 1], [0, 2], [0, 3], [3, 4]]
+    assert flash.make_plan(short["ee"], "complete", 8).ranges is None  # inputs the kernel does not serve
+    assert flash.make_plan(equal["ee"], "complete", 8, packed=True).ranges is None
+    assert flash.make_plan(long["ee"], "complete", 8, packed=True).ranges is None  # 100 keys per query
+    assert flash.make_plan(long["dd"], "causal", 8, packed=True).ranges is None  # 50
 
 
 def test_stages_over_the_same_samples_share_one_flash_plan(monkeypatch):

@@ -57,6 +57,7 @@ def test_bench_attention_cli_writes_a_table(tmp_path):
         "blocksparse:64",
         "dgl",
         "torch",
+        "packed",
     }
 
 

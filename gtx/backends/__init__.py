@@ -34,6 +34,10 @@ class Backend:
         to calls without gradients)."""
         return True
 
+    def supports(self, edges: EdgeSet, dtype: torch.dtype) -> bool:
+        """Whether the backend runs this edge set in this dtype (``auto`` offers it only where it does)."""
+        return True
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet) -> torch.Tensor:
         raise NotImplementedError
 

@@ -5,7 +5,8 @@ An edge set that is plain attention (every sample complete or causal) runs as SD
 ``flash-complete`` or ``flash-causal``, counted as ``packed-complete`` or ``packed-causal`` where
 flash runs it on its packed kernel (unequal short samples on the CPU). Other sets choose among the candidates: ``dense`` (the
 masked kernel) and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
-CPU and ``torch``; ``flex`` on CUDA, and on the CPU for calls without gradients (its CPU kernel has
+CPU and ``torch``; ``packed`` on the CPU in float32 where each query reads one contiguous run of
+its sample's keys (``gtx.backends.packed``); ``flex`` on CUDA, and on the CPU for calls without gradients (its CPU kernel has
 no backward). The model predicts the call's time from the edge set's structure (sizes, edges,
 active blocks) with per-device constants fitted by ``gtx bench calibrate`` (see
 docs/benchmarks.md): forward + backward where the inputs need gradients, the forward alone (its own
@@ -52,6 +53,7 @@ COSTS = {
         "blocksparse:16": (1.86e-10, 0.0017),
         "blocksparse:32": (1.42e-10, 0.0008),
         "blocksparse:64": (1.18e-10, 0.00065),
+        "packed": (4.5e-10, 0.0002),
     },
     "cpu-forward": {
         "dense": (1.47e-10, 0.0),
@@ -61,6 +63,7 @@ COSTS = {
         "blocksparse:16": (4.73e-11, 0.00043),
         "blocksparse:32": (3.74e-11, 0.00034),
         "blocksparse:64": (3.33e-11, 0.00036),
+        "packed": (1.5e-10, 0.0001),
     },
     "cuda": {
         "dense": (2.0e-13, 5e-5),
@@ -103,7 +106,7 @@ def costs(table: str) -> dict[str, tuple[float, float]]:
 
 def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, float]:
     """Units of work per candidate ('dense', 'blocksparse:32', 'dgl', ...): query*key*head*dim for
-    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels, and
+    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels and packed, and
     the elements of the active blocks of 128 (``gtx.backends.flex.BLOCK``) *head*dim for flex."""
     hd = heads * dim
     out = {}
@@ -119,7 +122,7 @@ def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, flo
         from gtx.backends.flex import BLOCK
 
         out["flex"] = float(len(block_pairs(edges, BLOCK)[0]) * BLOCK * BLOCK * hd)
-    for name in ("dgl", "torch"):
+    for name in ("dgl", "torch", "packed"):
         if name in kinds:
             out[name] = float(edges.num_edges * hd)
     return out
@@ -143,7 +146,7 @@ class AutoBackend(Backend):
     """Per edge set, the kernel a calibrated cost model predicts fastest (reproducible).
 
     Plain attention (every sample complete or causal) runs as SDPA's own kernels; other sets choose
-    among dense, blocksparse, dgl, torch and flex (on the CPU: calls without gradients); with ``measure`` (``auto-tuned``) the
+    among dense, blocksparse, dgl, torch, packed and flex (on the CPU: calls without gradients); with ``measure`` (``auto-tuned``) the
     candidates predicted close to the best are timed once per shape class."""
 
     name = "auto"
@@ -166,6 +169,7 @@ class AutoBackend(Backend):
     def _usable(self, device: torch.device) -> dict[str, Backend]:
         from gtx.backends.blocksparse import BlockSparseBackend
         from gtx.backends.dense import DenseBackend
+        from gtx.backends.packed import PackedBackend
         from gtx.plugins.registry import BACKENDS
 
         key = str(device)
@@ -176,6 +180,8 @@ class AutoBackend(Backend):
                     usable[name] = BACKENDS.get(name).obj
             for b in BLOCKS:
                 usable[f"blocksparse:{b}"] = BlockSparseBackend(b)
+            if PackedBackend().available(device) is None:
+                usable["packed"] = PackedBackend()
             self._backends[key] = usable
         return self._backends[key]
 
@@ -196,7 +202,9 @@ class AutoBackend(Backend):
         if structure is not None:
             return f"{FLASH}{structure}"
         # Batches of one task differ edge by edge but not in shape: decide once per shape class
-        # (sizes and edges per query to within ~20%), not for every new batch.
+        # (sizes and edges per query to within ~20%, the candidates that cannot run it), not for every new batch.
+        dtype = torch.float32 if inputs is None else inputs[0].dtype
+        unfit = frozenset(n for n, b in self._usable(device).items() if not b.supports(edges, dtype))
         shape = (
             edges.stage,
             str(device),
@@ -207,13 +215,18 @@ class AutoBackend(Backend):
             round(4 * math.log2(edges.num_edges + 1)),
             biased,
             grad,
+            unfit,
         )
         if shape not in self._by_shape:
             self._by_shape[shape] = self._best(shape, edges, heads, dim, device, inputs, biased, grad)
         return self._by_shape[shape]
 
     def _best(self, shape, edges, heads, dim, device, inputs, biased, grad) -> str:
-        usable = {n: b for n, b in self.candidates(device, grad).items() if b.supports_bias or not biased}
+        usable = {
+            n: b
+            for n, b in self.candidates(device, grad).items()
+            if (b.supports_bias or not biased) and n not in shape[-1]
+        }
         kinds = {n.split(":")[0] for n in usable}
         predicted = {n: t for n, t in estimate(edges, heads, dim, device, kinds, grad).items() if n in usable}
         best = min(predicted.values())
@@ -234,7 +247,7 @@ class AutoBackend(Backend):
             lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased, grad),
         )
         ran = name
-        if name.startswith(FLASH) and flash_plan(q, k, v, root, name.removeprefix(FLASH)).spans is not None:
+        if name.startswith(FLASH) and flash_plan(q, k, v, root, name.removeprefix(FLASH)).ranges is not None:
             ran = PACKED + name.removeprefix(FLASH)
         self.choices[edges.stage or "?"][ran] += 1
         return name

@@ -69,7 +69,7 @@ class FlashPlan:
     causal: bool
     buckets: list[Bucket]
     order: torch.Tensor | None
-    spans: torch.Tensor | None = None  # (S, 4): the samples on the packed kernel instead (``attend_samples``)
+    ranges: packed.Ranges | None = None  # the samples on the packed kernel instead (``attend_ranges``)
 
 
 def flash_structure(edges: EdgeSet) -> str | None:
@@ -140,10 +140,7 @@ def _plan(q_lens: tuple, k_lens: tuple, causal: bool, call_pairs: float, device:
         return FlashPlan(causal, [Bucket(len(q_lens), q_lens[0], k_lens[0], None, None, None)], None)
     pairs = sum(n * (n + 1) // 2 if causal else n * m for n, m in zip(q_lens, k_lens))
     if pairs <= short * sum(q_lens):
-        q_off = torch.cumsum(torch.tensor((0, *q_lens[:-1])), 0)
-        k_off = torch.cumsum(torch.tensor((0, *k_lens[:-1])), 0)
-        spans = torch.stack([q_off, torch.tensor(q_lens), k_off, torch.tensor(k_lens)], 1)
-        return FlashPlan(causal, [], None, spans)
+        return FlashPlan(causal, [], None, packed.plain_ranges(q_lens, k_lens, causal))
     # Padding a causal sample at its end needs no mask: its queries never see later keys. A complete
     # sample's padded queries are dropped, its padded keys must be masked.
     samples = sorted((i for i in range(len(q_lens)) if q_lens[i]), key=lambda i: (k_lens[i], q_lens[i]))
@@ -227,7 +224,7 @@ def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, ca
 
 def flash_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, structure: str) -> FlashPlan:
     """The plan ``flash_attention`` runs ``edges`` (or the full set of an ACT subset) by for inputs like
-    q, k, v: SDPA's calls, or the packed kernel's ``spans``; made once per edge set."""
+    q, k, v: SDPA's calls, or the packed kernel's ranges; made once per edge set."""
     root = edges.root
     head_dims = q.shape[1] * q.shape[2]
     served = packed.available(q, k, v)
@@ -246,8 +243,8 @@ def flash_attention(
     plan = flash_plan(q, k, v, edges, structure)
     if lse and edges.parent is not None:
         raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
-    if plan.spans is not None:
-        out, sums = packed.attend_samples(q, k, v, plan.spans, plan.causal)
+    if plan.ranges is not None:
+        out, sums = packed.attend_ranges(q, k, v, plan.ranges)
     else:
         runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
         outs, sums = zip(*runs) if lse else (runs, [None])
