@@ -15,6 +15,7 @@ from gtx.backends import Backend
 from gtx.graph.tokens import EdgeSet
 
 KERNEL = "packed_kernel"
+RANGES_CACHE_BYTES = 1 << 26  # ranges kept with a pattern per batch lengths (``EdgeSet.shared_plan``)
 
 
 @dataclass
@@ -50,8 +51,13 @@ def plain_ranges(q_lens, k_lens, causal: bool) -> Ranges:
 
 def edge_ranges(edges: EdgeSet) -> Ranges | None:
     """The edge set's ranges where each query's keys are one contiguous run within its sample
-    (``EdgeSet.sample_lens``); None where not. O(edges), once per set."""
-    return edges.plan("packed-ranges", lambda: _edge_ranges(edges))
+    (``EdgeSet.sample_lens``); None where not. O(edges), once per set (per pattern and lengths for a
+    batch's set: batches of the same lengths share it)."""
+    return edges.shared_plan("packed-ranges", lambda: _edge_ranges(edges), RANGES_CACHE_BYTES, _bytes)
+
+
+def _bytes(ranges: Ranges | None) -> int:
+    return 0 if ranges is None else 8 * (ranges.spans.numel() + ranges.ranges.numel())
 
 
 def _edge_ranges(edges: EdgeSet) -> Ranges | None:
