@@ -3,11 +3,11 @@
 An edge set that is plain attention (every sample complete or causal) runs as SDPA's own kernels
 (``gtx.backends.flash``), chosen before any model (no candidate beats them); its choice reads
 ``flash-complete`` or ``flash-causal``, counted as ``packed-complete`` or ``packed-causal`` where
-flash runs it on its packed kernel (unequal short samples on the CPU). Other sets choose among the candidates: ``dense`` (the
-masked kernel) and ``blocksparse`` (blocks of 16, 32 or 64) everywhere; edge-wise ``dgl`` on
-CPU and ``torch``; ``packed`` on the CPU in float32 where each query reads one contiguous run of
-its sample's keys (``gtx.backends.packed``); ``flex`` on CUDA, and on the CPU for calls without gradients (its CPU kernel has
-no backward). The model predicts the call's time from the edge set's structure (sizes, edges,
+flash runs it on its packed kernel (unequal short samples on the CPU). Other sets choose among the
+candidates: ``dense`` (the masked kernel) and ``blocksparse`` (blocks of 16, 32 or 64)
+everywhere; edge-wise ``dgl`` on CPU and ``torch``; ``packed`` on the CPU in float32 where each
+query reads one contiguous run of its sample's keys (``gtx.backends.packed``); ``flex`` on CUDA,
+and on the CPU for calls without gradients (its CPU kernel has no backward). The model predicts the call's time from the edge set's structure (sizes, edges,
 active blocks) with per-device constants fitted by ``gtx bench calibrate`` (see
 docs/benchmarks.md): forward + backward where the inputs need gradients, the forward alone (its own
 constants, ``<device>-forward``) where they do not, as in ``gtx eval`` and a prefill. A plan is made once per edge set and kept with it; an ACT
@@ -53,7 +53,7 @@ COSTS = {
         "blocksparse:16": (1.86e-10, 0.0017),
         "blocksparse:32": (1.42e-10, 0.0008),
         "blocksparse:64": (1.18e-10, 0.00065),
-        "packed": (4.5e-10, 0.0002),
+        "packed": (4.5e-10, 0.0002),  # fitted by hand to local windows over short and long samples
     },
     "cpu-forward": {
         "dense": (1.47e-10, 0.0),
@@ -106,8 +106,8 @@ def costs(table: str) -> dict[str, tuple[float, float]]:
 
 def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, float]:
     """Units of work per candidate ('dense', 'blocksparse:32', 'dgl', ...): query*key*head*dim for
-    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels and packed, and
-    the elements of the active blocks of 128 (``gtx.backends.flex.BLOCK``) *head*dim for flex."""
+    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels and
+    packed, and the elements of the active blocks of 128 (``gtx.backends.flex.BLOCK``) *head*dim for flex."""
     hd = heads * dim
     out = {}
     if "dense" in kinds:
@@ -146,8 +146,8 @@ class AutoBackend(Backend):
     """Per edge set, the kernel a calibrated cost model predicts fastest (reproducible).
 
     Plain attention (every sample complete or causal) runs as SDPA's own kernels; other sets choose
-    among dense, blocksparse, dgl, torch, packed and flex (on the CPU: calls without gradients); with ``measure`` (``auto-tuned``) the
-    candidates predicted close to the best are timed once per shape class."""
+    among dense, blocksparse, dgl, torch, packed and flex (on the CPU: calls without gradients); with
+    ``measure`` (``auto-tuned``) the candidates predicted close to the best are timed once per shape class."""
 
     name = "auto"
 
@@ -202,7 +202,7 @@ class AutoBackend(Backend):
         if structure is not None:
             return f"{FLASH}{structure}"
         # Batches of one task differ edge by edge but not in shape: decide once per shape class
-        # (sizes and edges per query to within ~20%, the candidates that cannot run it), not for every new batch.
+        # (sizes, edges per query to within ~20%, the candidates that cannot run it), not for every batch.
         dtype = torch.float32 if inputs is None else inputs[0].dtype
         unfit = frozenset(n for n, b in self._usable(device).items() if not b.supports(edges, dtype))
         shape = (

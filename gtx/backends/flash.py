@@ -40,9 +40,9 @@ COMPLETE, CAUSAL = "complete", "causal"
 CALL_WORK = {"cpu": 2**21, "cuda": 2**30}
 MASK_COST = 1.5
 # Unequal samples whose queries read at most this many keys on average run on the packed kernel
-# (CPU, float32): forward + backward against SDPA's padded calls (``bench/packed.py``, 4 x 32 and
-# 1 x 128 heads, samples of L/2..L tokens) took 0.3-0.9x their time up to 40 keys per query, about
-# the same near 50, up to 1.4x beyond.
+# (CPU, float32): up to here ``bench/packed.py`` measures it faster than SDPA's padded calls, forward
+# and backward, at 4 x 32 and 1 x 128 heads; near 50 they are even, beyond SDPA wins
+# (docs/results.md, short samples).
 SHORT = 40
 
 
@@ -119,16 +119,16 @@ def _edges_within_samples(edges: EdgeSet, q_lens, k_lens, causal: bool) -> bool:
     return bool(ok.all())
 
 
-def make_plan(edges: EdgeSet, structure: str, head_dims: int, packed: bool = False) -> FlashPlan:
+def make_plan(edges: EdgeSet, structure: str, head_dims: int, served: bool = False) -> FlashPlan:
     """Samples of one shape run as views of q, k, v; others are padded into buckets (``buckets``)
-    sized for inputs of ``head_dims`` = heads * head dim, or with ``packed`` (the packed kernel
+    sized for inputs of ``head_dims`` = heads * head dim, or where ``served`` (the packed kernel
     serves the inputs) and at most ``SHORT`` keys per query on average, run packed. Plans are shared
     by every edge set of the same sample lengths, structure and device (``_plan``): a batch's stages
     over the same samples (a copy task's ``ee`` and ``ed``) plan once, and so does a batch whose
     lengths recur."""
     q_lens, k_lens = edges.sample_lens()
     call_pairs = CALL_WORK["cpu" if edges.device.type == "cpu" else "cuda"] / head_dims
-    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device, SHORT if packed else 0)
+    return _plan(q_lens, k_lens, structure == CAUSAL, call_pairs, edges.device, SHORT if served else 0)
 
 
 @lru_cache(maxsize=16)  # a plan is a few index tensors of the batch's size: a handful per step is plenty

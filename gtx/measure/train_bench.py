@@ -84,10 +84,12 @@ def bench_train(bench: TrainBench, log=lambda s: None) -> pd.DataFrame:
     shared machine hits all alike; a row reports its median round.
 
     ``vs_reference``: tokens/s over the first reference's; ``ceiling_share``: the part of the
-    possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both or
-    where the bound is not faster; ``data_ms``: the part of a step spent building batches and
-    graphs (edges are built when a backend first reads them, in the step; the bound reads none);
-    ``attention_ms``: the step minus the bound's (rows of the bound's model);
+    possible gain reached, (row - reference) / (bound - reference) in tokens/s, NaN without both,
+    where the bound is not faster, and for a row faster than its bound (the run's noise larger than
+    its attention's cost; logged); ``data_ms``: the part of a step spent building batches and graphs
+    (edges are built when a backend first reads them, in the step; the bound reads none);
+    ``attention_ms``: the step minus the bound's (rows of the bound's model; NaN for a row faster
+    than its bound);
     ``peak_mem_mb`` (``memory``): ``gtx.measure.reference.train_cell_memory`` per variant in a
     fresh subprocess after the timed rounds (NaN without ``memory``)."""
     from gtx.measure.reference import SkipAttention, first_batches, memory_in_subprocess
@@ -107,6 +109,16 @@ def bench_train(bench: TrainBench, log=lambda s: None) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     floor = df[df.backend == SkipAttention.name].set_index("model").step_ms
     df["attention_ms"] = df.step_ms - df.model.map(floor)
+    # a row faster than its model without attention: the run's noise exceeded that row's attention, and
+    # the ceiling was no bound; what would be derived from it is left empty, not written
+    beaten = df.attention_ms < 0
+    for row in df[beaten].itertuples():
+        log(
+            f"ceiling: {row.model} {row.pattern} {row.backend} ran faster ({row.step_ms:,.1f} ms a step) than the model "
+            f"without attention ({floor[row.model]:,.1f} ms): the run's noise exceeds its attention's cost; its "
+            "attention_ms and ceiling_share are left empty (rerun with more --steps or --rounds)"
+        )
+    df.loc[beaten, ["attention_ms", "ceiling_share"]] = float("nan")
     return df.reindex(columns=TRAIN_COLUMNS)
 
 
