@@ -2,6 +2,9 @@
 
 import json
 import random
+import subprocess
+import sys
+import time
 
 import pandas as pd
 import pytest
@@ -459,8 +462,25 @@ def test_auto_times_close_candidates_and_keeps_the_fastest(monkeypatch):
 def test_bench_warns_when_the_machine_is_busy(monkeypatch):
     from gtx.cli.bench import busy_note
 
-    assert busy_note(0.5, 2) is None and busy_note(6.0, 16) is None
+    assert busy_note(0.4, 2) is None and busy_note(3.5, 16) is None
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert busy_note(3.2, 2).startswith("load average 3.2 on 2 cores") and "set OMP_NUM_THREADS=1" in busy_note(3.2, 2)
+    assert busy_note(1.2, 2).startswith(
+        "other processes keep 1.2 of 2 cores busy"
+    ) and "set OMP_NUM_THREADS=1" in busy_note(1.2, 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert "set OMP_NUM_THREADS" not in busy_note(3.2, 2)
+    assert "set OMP_NUM_THREADS" not in busy_note(1.2, 2)
+
+
+def test_busy_cores_counts_a_process_that_spins_now_and_not_one_that_has_finished():
+    from gtx.measure.bench import busy_cores
+
+    if busy_cores(0.05) is None:
+        pytest.skip("no /proc/stat")
+    spin = "import time\nend = time.monotonic() + 2\nwhile time.monotonic() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child has started
+        assert busy_cores(0.5) >= 0.6
+    finally:
+        spinner.wait()
+    assert busy_cores(0.5) < 0.6  # the load average still counts it for a minute

@@ -18,16 +18,19 @@ def bench():
         click.echo(f"warning: {note}", err=True)
 
 
-def busy_note(load: float | None = None, cores: int | None = None) -> str | None:
-    """A warning when the machine is busy: torch's threads in several processes spin against each
-    other (measured 30-40x slower), so timings taken now do not compare with a quiet run's."""
+def busy_note(busy: float | None = None, cores: int | None = None) -> str | None:
+    """A warning when other processes keep cores busy (``busy``: how many, measured now by
+    ``gtx.measure.bench.busy_cores``): torch's threads in several processes spin against each other
+    (measured 30-40x slower), so timings taken now do not compare with a quiet run's."""
     import os
 
-    if load is None and hasattr(os, "getloadavg"):
-        load = os.getloadavg()[0]
+    from gtx.measure.bench import busy_cores
+
+    if busy is None:
+        busy = busy_cores()
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if load is None or load <= max(1.0, 0.75 * cores):
+    if busy is None or busy <= max(0.5, 0.25 * cores):
         return None
     threads = os.environ.get("OMP_NUM_THREADS")
     advice = (
@@ -35,7 +38,10 @@ def busy_note(load: float | None = None, cores: int | None = None) -> str | None
         if threads == "1"
         else "set OMP_NUM_THREADS=1 and quote only ratios measured side by side"
     )
-    return f"load average {load:.1f} on {cores} cores: other processes share this machine, so these timings do not compare with a quiet run's; {advice}"
+    return (
+        f"other processes keep {busy:.1f} of {cores} cores busy: they share this machine, so these timings do not "
+        f"compare with a quiet run's; {advice}"
+    )
 
 
 @bench.command(name="attention")
