@@ -386,14 +386,17 @@ def test_auto_offers_flex_on_cpu_only_without_gradients(monkeypatch):
         auto_module.costs.cache_clear()
 
 
-def test_auto_chooses_flash_for_plain_attention_and_blocks_for_long_local():
+def test_auto_chooses_flash_for_plain_attention_and_a_window_kernel_for_long_local():
+    from gtx.backends.packed import available
+
     auto = get_backend("auto")
     full = build_graph(parse_pattern("full"), [256]).edges["ee"]
     causal = build_graph(parse_pattern("causal"), [64] * 8).edges["ee"]
     local = build_graph(parse_pattern("local:w=32"), [8192]).edges["ee"]
     assert auto.choose(full, 4, 32, torch.device("cpu")) == "flash-complete"
     assert auto.choose(causal, 4, 32, torch.device("cpu")) == "flash-causal"
-    assert auto.choose(local, 4, 32, torch.device("cpu")).startswith("blocksparse")
+    choice = auto.choose(local, 4, 32, torch.device("cpu"))
+    assert choice == "packed" if available(torch.zeros(1)) else choice.startswith("blocksparse")
     predicted = estimate(local, 4, 32, torch.device("cpu"), {"dense", "blocksparse", "dgl", "torch"})
     assert predicted["dense"] > 10 * min(predicted.values())
     assert work(local, 1, 1, {"dgl"})["dgl"] == local.num_edges

@@ -39,6 +39,7 @@ import torch
 from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs
 from gtx.backends.flash import flash_attention, flash_plan, flash_structure
+from gtx.backends.packed import QUERY_WORK
 from gtx.graph.tokens import EdgeSet
 
 # Seconds per unit of work and per call, float32, forward + backward ("cpu", "cuda") and forward
@@ -53,9 +54,9 @@ COSTS = {
         "blocksparse:16": (1.86e-10, 0.0017),
         "blocksparse:32": (1.42e-10, 0.0008),
         "blocksparse:64": (1.18e-10, 0.00065),
-        # packed: a later calibration of this machine, scaled to this table by blocksparse:16's constants
-        # in the same calibration (the machine read 1.5x slower that day)
-        "packed": (4.5e-10, 0.0004),
+        # packed: timed side by side with blocksparse:32 (windows of 16 to 256 at 1k to 16k tokens) and
+        # scaled to this table by blocksparse:32's constants (the machine reads slower on some days)
+        "packed": (1.15e-10, 0.0002),
     },
     "cpu-forward": {
         "dense": (1.47e-10, 0.0),
@@ -65,7 +66,7 @@ COSTS = {
         "blocksparse:16": (4.73e-11, 0.00043),
         "blocksparse:32": (3.74e-11, 0.00034),
         "blocksparse:64": (3.33e-11, 0.00036),
-        "packed": (2.4e-10, 0.0001),  # as above
+        "packed": (3.4e-11, 0.0001),  # as above
     },
     "cuda": {
         "dense": (2.0e-13, 5e-5),
@@ -108,8 +109,8 @@ def costs(table: str) -> dict[str, tuple[float, float]]:
 
 def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, float]:
     """Units of work per candidate ('dense', 'blocksparse:32', 'dgl', ...): query*key*head*dim for
-    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels and
-    packed, and the elements of the active blocks of 128 (``gtx.backends.flex.BLOCK``) *head*dim for flex."""
+    dense, padded block elements*head*dim for blocksparse, edges*head*dim for edge-wise kernels,
+    (edges + QUERY_WORK * queries)*head*dim for packed, and the elements of the active blocks of 128 (``gtx.backends.flex.BLOCK``) *head*dim for flex."""
     hd = heads * dim
     out = {}
     if "dense" in kinds:
@@ -124,9 +125,11 @@ def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, flo
         from gtx.backends.flex import BLOCK
 
         out["flex"] = float(len(block_pairs(edges, BLOCK)[0]) * BLOCK * BLOCK * hd)
-    for name in ("dgl", "torch", "packed"):
+    for name in ("dgl", "torch"):
         if name in kinds:
             out[name] = float(edges.num_edges * hd)
+    if "packed" in kinds:
+        out["packed"] = float((edges.num_edges + QUERY_WORK * edges.n_dst) * hd)
     return out
 
 

@@ -1,8 +1,9 @@
 """Attention where each query reads one contiguous range of keys of its own sample, on the CPU: the
 keys read where they lie, on the C kernel ``packed_kernel.c``, without padding samples to a common
 length or blocks. Short samples, complete or causal (``gtx.backends.flash`` runs unequal ones here),
-and windows over them (``local``, ``auto``'s candidate ``packed``); long samples run faster on
-blocked kernels (SDPA's, ``blocksparse``), whose products share key blocks among queries."""
+and windows over them (``local``, ``auto``'s candidate ``packed``). Where a sample's ranges move
+forward with its queries and head sizes are multiples of 16, the kernel runs 16 queries (or keys) at
+once, one per vector lane; elsewhere query by query."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from gtx.graph.tokens import EdgeSet
 
 KERNEL = "packed_kernel"
 RANGES_CACHE_BYTES = 1 << 26  # ranges kept with a pattern per batch lengths (``EdgeSet.shared_plan``)
+# a query's work beyond its keys, in keys: its tile reads the union of 16 queries' ranges (15 keys past a
+# window's own) and moves its rows in and out of lanes (``auto``'s cost units; fit to timings)
+QUERY_WORK = 32
 
 
 @dataclass
@@ -135,7 +139,7 @@ class _PackedAttention(torch.autograd.Function):
 def _call(function: str, spans: torch.Tensor, ranges: torch.Tensor, q, k, v, *tensors) -> None:
     spans, ranges = spans.contiguous(), ranges.contiguous()
     call = getattr(native.load(KERNEL), function)
-    shape = native.ints(native.parts(len(spans)), len(spans))
+    shape = native.ints(native.parts(len(ranges)), len(spans))
     dims = native.ints(q.shape[1], q.shape[2], v.shape[2])
     tensors = [native.pointer(t) for t in (q, k, v, *tensors)]
     native.check(call(*shape, native.pointer(spans), native.pointer(ranges), *dims, *tensors))

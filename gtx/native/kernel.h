@@ -107,31 +107,39 @@ static inline __attribute__((always_inline)) void slot_dots(float *out, const fl
         for (int64_t h = 0; h < H; h++) out[h * K + j] = dot(a + h * d, x + ((int64_t)key[h * sh + j] * H + h) * d, d);
 }
 
-/* exp_approx of 8 lanes at once (measured under the kernels' flags: at most 0.9 ulp for |x| <= 5, 4.5 up to 87). */
-static inline v8 exp8(v8 x) {
-    const v8 zero = {0};
-    v8 t = x * 1.44269504088896341f;
-    /* truncated, then rounded to nearest (masks are -1 where true); adding and subtracting 1.5 * 2^23
-     * would round in one step, but -fassociative-math folds that away */
-    v8i e = __builtin_convertvector(t, v8i);
-    v8 d = t - __builtin_convertvector(e, v8);
-    e = e - (d > 0.5f) + (d < -0.5f);
-    v8 n = __builtin_convertvector(e, v8);
-    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
-            + 1.6666665459e-1f) * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    v8i floor = e < -126;
-    v8i bits = ((e & ~floor) + (-126 & floor) + 127) << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    v8i out, keep = x >= zero - 87.0f;
-    y *= scale;
-    memcpy(&out, &y, sizeof out);
-    out &= keep;  /* 0 below -87 */
-    memcpy(&y, &out, sizeof y);
-    return y;
-}
+typedef float v16 __attribute__((vector_size(64)));  /* one AVX-512 register; two AVX or four SSE ones elsewhere */
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+/* exp_approx of a vector's lanes at once, for vectors of 8 (exp8) and 16 (exp16) floats (measured under
+ * the kernels' flags: at most 0.9 ulp for |x| <= 5, 4.5 up to 87; 0 below -87, -inf included). */
+#define DEFINE_EXP(name, vf, vi)                                                                              \
+    static inline vf name(vf x) {                                                                             \
+        vf t = x * 1.44269504088896341f;                                                                      \
+        /* truncated, then rounded to nearest (masks are -1 where true); adding and subtracting 1.5 * 2^23 \
+         * would round in one step, but -fassociative-math folds that away */                                \
+        vi e = __builtin_convertvector(t, vi);                                                                \
+        vf d = t - __builtin_convertvector(e, vf);                                                            \
+        e = e - (d > 0.5f) + (d < -0.5f);                                                                     \
+        vf n = __builtin_convertvector(e, vf);                                                                \
+        vf r = x - n * 0.693359375f + n * 2.12194440e-4f;                                                     \
+        vf y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r \
+                + 1.6666665459e-1f) * r + 5.0000001201e-1f;                                                   \
+        y = y * r * r + r + 1.0f;                                                                             \
+        vi floor = e < -126;                                                                                  \
+        vi bits = ((e & ~floor) + (-126 & floor) + 127) << 23;                                                \
+        vf scale;                                                                                             \
+        memcpy(&scale, &bits, sizeof scale);                                                                  \
+        vi out, keep = x >= -87.0f;                                                                           \
+        y *= scale;                                                                                           \
+        memcpy(&out, &y, sizeof out);                                                                         \
+        out &= keep; /* 0 below -87 */                                                                        \
+        memcpy(&y, &out, sizeof y);                                                                           \
+        return y;                                                                                             \
+    }
+DEFINE_EXP(exp8, v8, v8i)
+DEFINE_EXP(exp16, v16, v16i)
 
 /* Query i's attention over its K slots (key ids `key`, `ok` nonzero where a slot holds a key; head
  * stride sh, 0: shared by the heads): out and lse rows i, and where mean_p (K,) is given the weights
