@@ -46,7 +46,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for heads, dim in ((4, 32), (1, 128)):
-        for top in (24, 32, 48, 64, 96, 128):
+        for top in (24, 48, 96, 192, 256, 384, 512):
             lens = torch.randint(top // 2, top + 1, (max(2, args.tokens // (3 * top // 4)),)).tolist()
             graph = build_graph(parse_pattern("full"), lens, lens)
             for stage in ("ee", "dd"):

@@ -7,9 +7,9 @@ sample, any q_len and k_len) or every sample *causal* (q_len == k_len and query 
 aligned, which is what q_len == k_len needs) on (B, H, n, D) tensors: samples of one shape as one
 batched call on views of q, k, v; samples of unequal lengths padded into a few buckets of similar
 lengths, one call each (a causal bucket needs no mask; a complete one masks its padded keys).
-On the CPU in float32, unequal samples of a few dozen keys per query (``SHORT``) run instead on a
-C kernel over the packed rows (``gtx.backends.packed``): no padding, no gathers, one call (the
-short samples of a copy task; SDPA's kernels win once each query reads more keys). Exact: the
+On the CPU in float32, unequal samples of up to a few hundred keys per query (``SHORT``) run instead
+on a C kernel over the packed rows (``gtx.backends.packed``): no padding, no gathers, one call (a
+copy task's short samples; SDPA's kernels win once each query reads more keys). Exact: the
 same function as ``dense``, forward and backward. ``dense`` and ``auto`` use it whenever it applies.
 
 An ACT subset (``EdgeSet.filter_dst``) runs its full set's plan and zeroes the dropped queries:
@@ -41,9 +41,9 @@ CALL_WORK = {"cpu": 2**21, "cuda": 2**30}
 MASK_COST = 1.5
 # Unequal samples whose queries read at most this many keys on average run on the packed kernel
 # (CPU, float32): up to here ``bench/packed.py`` measures it faster than SDPA's padded calls, forward
-# and backward, at 4 x 32 and 1 x 128 heads; near 50 they are even, beyond SDPA wins
-# (docs/results.md, short samples).
-SHORT = 40
+# and backward, at 4 x 32 and 1 x 128 heads; complete samples of 1 x 128 break even near 250 keys,
+# 4 x 32 near 400 (docs/results.md, short samples).
+SHORT = 200
 
 
 @dataclass
