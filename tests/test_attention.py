@@ -388,6 +388,30 @@ def test_ties_rank_the_later_index_first_on_every_device():
     assert top_later_first(score, 9)[1].shape == (2, 5)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(
+        st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e-30, -1e-30, float("inf"), float("-inf")]),
+        min_size=1,
+        max_size=24,
+    ),
+    rows=st.integers(1, 3),
+    count=st.integers(1, 30),
+    bf16=st.booleans(),
+)
+def test_top_later_first_is_a_stable_sort_of_the_reversed_scores(values, rows, count, bf16):
+    """The definition, tie-heavy: equal scores (-0 equal to +0, infinities) rank the later index first."""
+    from gtx.attention.choice import top_later_first
+
+    score = torch.stack([torch.tensor(values).roll(r) for r in range(rows)])  # rows of the same values, shifted
+    score = score.bfloat16() if bf16 else score
+    sorted_values, order = score.flip(-1).sort(dim=-1, descending=True, stable=True)
+    width = min(count, score.shape[-1])
+    values_got, indices = top_later_first(score, count)
+    assert torch.equal(indices, score.shape[-1] - 1 - order[:, :width])
+    assert torch.equal(values_got, sorted_values[:, :width])
+
+
 def test_the_key_attention_backward_takes_inputs_of_any_strides():
     """The plain-torch backward of attention over kept keys adds into flat views of its gradients:
     keys laid out (H, n, D) and transposed (as a bfloat16 autocast cast leaves them) give the same gradients."""
