@@ -72,6 +72,8 @@ def top_later_first(score: torch.Tensor, count: int) -> tuple[torch.Tensor, torc
     order within each set, are decided by ``_ordered`` keys (a stable sort of every row cost NSA's
     step half a second at 16k tokens)."""
     count = min(count, score.shape[-1])
+    if count == 0:
+        return score[..., :0], torch.zeros(score.shape[:-1] + (0,), dtype=torch.long, device=score.device)
     flat = score.reshape(-1, score.shape[-1])
     values, indices = flat.topk(count, dim=-1)
     tied = (flat >= values[:, -1:]).sum(-1) > count  # more candidates share the last place than it has
