@@ -55,6 +55,12 @@ static void transposed(float *xt, const float *x, int64_t r0, int64_t nt, int64_
         for (int64_t l = 0; l < T; l++) xt[c * T + l] = l < nt ? x[((r0 + l) * H + h) * d + c] : 0.0f;
 }
 
+/* transposed's inverse: lanes [0, nt) of xt (d, T) written to rows [r0, r0 + nt) of x (head h) */
+static void untransposed(float *x, const float *xt, int64_t r0, int64_t nt, int64_t h, int64_t H, int64_t d) {
+    for (int64_t l = 0; l < nt; l++)
+        for (int64_t c = 0; c < d; c++) x[((r0 + l) * H + h) * d + c] = xt[c * T + l];
+}
+
 /* rows r0 .. r0 + count - 1 of x (head h; those past `last` as row `last`) copied into xr (count, d):
  * contiguous, so that a tile's loops address them at fixed offsets from one register */
 static inline void rows_of(float *xr, const float *x, int64_t r0, int64_t count, int64_t last, int64_t h, int64_t H, int64_t d) {
@@ -150,8 +156,7 @@ static inline __attribute__((always_inline)) void tile_dq(int64_t i0, int64_t nt
         }
         LANE_ADD(dqt, kr, dp, D, KB, 1.0f);
     }
-    for (int64_t x = 0; x < nt; x++)
-        for (int64_t c = 0; c < D; c++) dq[((i0 + x) * H + h) * D + c] = dqt[c * T + x];
+    untransposed(dq, dqt, i0, nt, h, H, D);
 }
 
 /* keys j0 .. j0 + nt - 1 of a sample whose queries are rows [a, b) (their ranges move forward): the
@@ -198,10 +203,8 @@ static inline __attribute__((always_inline)) void tile_dkv(int64_t j0, int64_t n
         LANE_ADD(dvt, gr, p, E, KB, 1.0f);
         LANE_ADD(dkt, qr, ds, D, KB, 1.0f);
     }
-    for (int64_t x = 0; x < nt; x++) {
-        for (int64_t c = 0; c < D; c++) dk[((j0 + x) * H + h) * D + c] = dkt[c * T + x];
-        for (int64_t e = 0; e < E; e++) dv[((j0 + x) * H + h) * E + e] = dvt[e * T + x];
-    }
+    untransposed(dk, dkt, j0, nt, h, H, D);
+    untransposed(dv, dvt, j0, nt, h, H, E);
 }
 
 /* Work units are dealt to the parts in turn (unit u to part u % parts: later causal tiles cost more):
