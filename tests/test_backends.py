@@ -211,16 +211,20 @@ def test_flex_pads_to_a_ladder_of_few_sizes():
     n_q=st.integers(1, 300),
     n_k=st.integers(1, 300),
     density=st.sampled_from([0.01, 0.3, 1.0]),
+    tiles=st.booleans(),
 )
-def test_flex_block_mask_matches_dense_forward_on_cpu(seed, n_q, n_k, density):
-    """The BlockMask built from edges is checked with FlexAttention's eager forward (no grad) on CPU."""
+def test_flex_block_mask_matches_dense_forward_on_cpu(seed, n_q, n_k, density, tiles):
+    """The BlockMask built from edges is checked with FlexAttention's eager forward (no grad) on CPU,
+    its partial blocks' elements looked up in one adjacency or (past ADJACENCY_MAX) in tiles."""
     import warnings
+    from unittest import mock
 
+    from gtx.backends import flex
     from gtx.backends.flex import block_mask, flex_attention
 
     edges = random_edges(seed, n_q, n_k, density)
     q, k, v = (torch.randn(n, 2, 8) for n in (n_q, n_k, n_k))
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(flex, "ADJACENCY_MAX", 0 if tiles else 1 << 28):
         warnings.simplefilter("ignore")
         got = flex_attention(q * 8**-0.5, k, v, block_mask(edges, 16), compile=False)
     want = propagate_attention(q, k, v, edges, get_backend("dense"))
@@ -694,3 +698,18 @@ def test_attention_that_is_not_plain_gives_no_log_sum_exp():
         out, lse = get_backend(name).with_lse(q, k, v, edges)
         assert lse is None
         torch.testing.assert_close(out, get_backend("dense")(q, k, v, edges))
+
+
+def test_batches_of_one_pattern_and_lengths_share_their_edges_on_an_accelerator():
+    """Off the CPU a batch's edges are built and copied once per pattern, stage and lengths (a GPU
+    step at 16384 tokens spent more on copying a window's edges than on attending over them); a
+    batch of other lengths gets its own, and on the CPU each batch builds its own as before."""
+    from gtx.graph.tokens import batch_edges
+
+    pattern = parse_pattern("local:w=3")
+    on = [batch_edges(pattern, "ee", lens, lens).to("meta") for lens in ([5, 7], [5, 7], [7, 5])]
+    assert on[0].src is on[1].src and on[0].dst is on[1].dst and on[0].src.device.type == "meta"
+    assert on[2].src is not on[0].src and on[2].num_edges == on[0].num_edges
+    cpu = [batch_edges(pattern, "ee", [5, 7], [5, 7]) for _ in range(2)]
+    assert cpu[0].src is not cpu[1].src and torch.equal(cpu[0].src, cpu[1].src)
+    assert cpu[0].in_degree() is cpu[1].in_degree()  # planned once per lengths

@@ -31,6 +31,8 @@ BLOCK = 128
 # Distinct compiled sizes a process may hold (dynamo's default, 8, would fall back to the slow eager
 # kernel after eight sizes: a run's evaluation batches and a model's layers' stages reach that).
 RECOMPILE_LIMIT = 64
+ADJACENCY_MAX = 1 << 28  # elements of the partial blocks' element lookup as one adjacency (``block_mask``)
+PLAN_BYTES = 1 << 30  # a pattern's BlockMasks kept per stage and sample lengths (``EdgeSet.shared_plan``)
 
 
 def padded(n: int, block: int = BLOCK) -> int:
@@ -53,9 +55,8 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
     n_q, n_k = padded(edges.n_dst, block), padded(edges.n_src, block)
     n_qb, n_kb = n_q // block, -(-edges.n_src // block)
     pairs, _ = block_pairs(edges, block)
-    per_pair = torch.bincount(
-        torch.searchsorted(pairs, (edges.dst // block) * n_kb + edges.src // block), minlength=len(pairs)
-    )
+    edge_pair = torch.searchsorted(pairs, (edges.dst // block) * n_kb + edges.src // block)
+    per_pair = torch.bincount(edge_pair, minlength=len(pairs))
     row, col = pairs // n_kb, pairs % n_kb
     full = per_pair == block * block  # a block cut by the end of the keys or queries holds padding: partial
 
@@ -66,13 +67,30 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
         index[r, slot] = c.to(torch.int32)
         return counts.to(torch.int32)[None, None], index[None, None]
 
-    # Element lookup for partial blocks, by absolute positions: FlexAttention reads it only there.
-    # (Tiles of the partial blocks alone, indexed by block, measured 1.7x slower on the CPU.)
-    adjacency = torch.zeros(n_q, n_k, dtype=torch.bool, device=device)
-    adjacency[edges.dst, edges.src] = True
+    # Element lookup for partial blocks (FlexAttention reads it only there): by absolute positions in
+    # one (n_q, n_k) adjacency up to ADJACENCY_MAX elements (tiles indexed by block measured 1.7x slower
+    # on the CPU), else in one (block, block) tile per partial block: the kernel's int32 offsets
+    # overflow past 2^31 elements, and at 65536 tokens the adjacency alone would take 4 GB.
+    if n_q * n_k <= ADJACENCY_MAX:
+        adjacency = torch.zeros(n_q, n_k, dtype=torch.bool, device=device)
+        adjacency[edges.dst, edges.src] = True
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return adjacency[q_idx, kv_idx]
+        def mask_mod(b, h, q_idx, kv_idx):
+            return adjacency[q_idx, kv_idx]
+
+    else:
+        # tile 0: no edge (blocks without edges), tile 1: every edge (full blocks), then the partial
+        # blocks': exact at every element, wherever a kernel reads it
+        tile = torch.where(full, 1, torch.cumsum(~full, 0, dtype=torch.int32) + 1).to(torch.int32)
+        tile_of = torch.zeros(n_qb, n_k // block, dtype=torch.int32, device=device)
+        tile_of[row, col] = tile
+        tiles = torch.zeros(int((~full).sum()) + 2, block, block, dtype=torch.bool, device=device)
+        tiles[1] = True
+        partial = ~full[edge_pair]
+        tiles[tile[edge_pair[partial]], edges.dst[partial] % block, edges.src[partial] % block] = True
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return tiles[tile_of[q_idx // block, kv_idx // block], q_idx % block, kv_idx % block]
 
     partial_counts, partial_index = kv_blocks(~full)
     full_counts, full_index = kv_blocks(full)
@@ -106,8 +124,11 @@ def flex_attention(q, k, v, mask, compile: bool = True):
         fn = _compiled
     n_q, n_k = mask.seq_lengths
 
-    def heads_first(x, n):  # (n, H, D) -> (1, H, n padded, D), contiguous: the CPU kernel's fast layout
-        return F.pad(x.transpose(0, 1), (0, 0, 0, n - x.shape[0]))[None]
+    def heads_first(x, n):  # (n, H, D) -> (1, H, n padded, D): a view where the GPU needs no padding
+        x = x.transpose(0, 1)[None]
+        if n > x.shape[2] or x.device.type == "cpu":  # contiguous: the CPU kernel's fast layout
+            x = F.pad(x, (0, 0, 0, n - x.shape[2]))
+        return x
 
     out = fn(heads_first(q, n_q), heads_first(k, n_k), heads_first(v, n_k), block_mask=mask, scale=1.0)
     return out[0, :, : q.shape[0]].transpose(0, 1)
@@ -144,6 +165,20 @@ class FlexBackend(Backend):
                 "backend 'flex' runs on the CPU without gradients only (torch's FlexAttention has no CPU backward): "
                 "train with --backend auto or blocksparse; flex serves gtx eval, gtx bench prefill, gtx generate"
             )
-        mask = edges.plan(("flex", q.device), lambda: block_mask(edges))
+        mask, alone = edges.shared_plan("flex", lambda: _plan(edges), PLAN_BYTES, _plan_bytes)
         out = flex_attention(q, k, v, mask)
-        return torch.where((edges.in_degree() > 0)[:, None, None], out, 0.0)
+        # a query without keys gets zeros (FlexAttention leaves its row undefined)
+        return out if alone is None else torch.where(alone[:, None, None], 0.0, out)
+
+
+def _plan(edges: EdgeSet):
+    """(BlockMask, the queries without keys as a (n_dst,) bool mask or None when there are none)."""
+    alone = edges.in_degree() == 0
+    return block_mask(edges), alone if bool(alone.any()) else None
+
+
+def _plan_bytes(plan) -> int:
+    """Bytes of a plan's element lookup (``block_mask``): the adjacency, or a tile per partial block."""
+    mask, _ = plan
+    n_q, n_k = mask.seq_lengths
+    return n_q * n_k if n_q * n_k <= ADJACENCY_MAX else (int(mask.kv_num_blocks.sum()) + 2) * BLOCK**2

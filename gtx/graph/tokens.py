@@ -15,6 +15,9 @@ import torch
 from gtx.graph.pattern import STAGES, Pattern, within_window
 
 STAGE_TYPES = {"ee": ("enc", "enc"), "dd": ("dec", "dec"), "ed": ("enc", "dec")}  # (key type, query type)
+# Bytes of a pattern's batch edges kept on an accelerator per stage and sample lengths (``EdgeSet.src``):
+# copying a long sequence's edges from the host every step cost more than its attention on a GPU.
+DEVICE_EDGES_BYTES = 1 << 30
 
 
 class EdgeSet:
@@ -74,8 +77,16 @@ class EdgeSet:
 
     def _built(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._edges is None:
-            src, dst = self._build()
-            self._edges = (src.to(self._device), dst.to(self._device))
+
+            def moved():
+                src, dst = self._build()
+                return src.to(self._device), dst.to(self._device)
+
+            if self._device.type == "cpu" or self.pattern is None or self.q_lens is None:
+                self._edges = moved()
+            else:  # the same for every batch of these lengths: built and copied to the device once
+                key = (self.stage, self.q_lens, self.k_lens, str(self._device))
+                self._edges = self.pattern.memo("device edges", key, moved, DEVICE_EDGES_BYTES, _edge_bytes)
         return self._edges
 
     @property
@@ -113,7 +124,8 @@ class EdgeSet:
         return self.plan(key, lambda: self.pattern.memo("plans", shared, build, size, weigh))
 
     def in_degree(self) -> torch.Tensor:
-        return self.plan("in_degree", lambda: torch.bincount(self.dst, minlength=self.n_dst))
+        count = lambda: torch.bincount(self.dst, minlength=self.n_dst)  # noqa: E731
+        return self.shared_plan("in_degree", count, DEVICE_EDGES_BYTES, lambda t: t.numel() * t.element_size())
 
     def to(self, device) -> EdgeSet:
         device = torch.device(device)
@@ -167,6 +179,10 @@ class EdgeSet:
         adj = torch.zeros(self.n_dst, self.n_src, dtype=torch.bool, device=self.device)
         adj[self.dst, self.src] = True
         return adj
+
+
+def _edge_bytes(edges: tuple[torch.Tensor, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in edges)
 
 
 def possible_edges(edges: EdgeSet) -> int:
