@@ -2,7 +2,7 @@
 model under the sparse methods, and the CUDA memory meter. Skipped without a GPU; ``python -m
 pytest -m cuda`` selects them (``bench/gpu.sh`` runs them on a lent card).
 
-Tolerances are relative norms ``|got - want| / |want|`` against the CPU's float32 dense reference:
+Tolerances are relative norms ``|got - want| / |want|`` (``rel_error``) against the CPU's float32 dense reference:
 1e-4 in float32 (no TF32: torch's default), 2e-2 in bfloat16 (8 bits of mantissa). With
 ``GTX_CUDA_REPORT=FILE`` each comparison's error is also written to FILE (CSV).
 """
@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+ZERO_FLOOR = 1e-2  # a gradient this much smaller than the comparison's largest is judged against that share of it
 LENS = (37, 130, 200)  # a mixed batch: several blocks of 16 to 128, a sample shorter than one
 # Fixed patterns: their edges do not depend on the inputs, so every backend runs them.
 FIXED = [
@@ -60,15 +61,21 @@ _rows: list[dict] = []
 
 
 def backends_on_cuda() -> list[str]:
-    return [n for n in BACKENDS.names() if BACKENDS.get(n).obj.available(CUDA) is None]
+    """The backends that train on the suite's device (all but dgl's on a card; flex not on the CPU)."""
+    return [
+        n
+        for n in BACKENDS.names()
+        if BACKENDS.get(n).obj.available(CUDA) is None and BACKENDS.get(n).obj.trains_on(CUDA)
+    ]
 
 
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """|got - want| / |want|; a gradient that is zero in exact arithmetic (a bias that shifts every
-    score of a query alike) is judged against an RMS of 1e-4, not against its rounding noise."""
+def rel_error(got: torch.Tensor, want: torch.Tensor, scale: float = 0.0) -> float:
+    """|got - want| / max(|want|, ZERO_FLOOR * scale): a gradient that is zero in exact arithmetic
+    (NSA's last bias of phi_k shifts every compressed key alike, which no softmax sees) is judged
+    against the comparison's largest gradient (``scale``), whose float32 rounding is its whole value."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert torch.isfinite(got).all(), "non-finite values"
-    return float((got - want).norm() / want.norm().clamp_min(1e-4 * want.numel() ** 0.5))
+    return float((got - want).norm() / max(float(want.norm()), ZERO_FLOOR * scale, 1e-30))
 
 
 def report(**row) -> None:
@@ -103,7 +110,9 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
     torch.manual_seed(0)
     reference = Attention(get_backend("dense"), p, heads, dim)
     for table in reference.parameters():  # away from their start, so that their gradients are compared too
-        table.data = torch.randn(table.shape, generator=g)
+        # scaled by fan-in as at initialization: unscaled, NSA's compression MLP made scores of ~10^3,
+        # where the CPU's own float32 reference is 1e-3 off float64
+        table.data = torch.randn(table.shape, generator=g) / (table.shape[-1] ** 0.5 if table.dim() > 1 else 1.0)
     weights = torch.randn(edges.n_dst, heads, dim, generator=g)
     want = outputs_and_grads(reference, q, k, v, edges, weights, inputs)
     attention = Attention(get_backend(backend, CUDA), p, heads, dim).to(CUDA)
@@ -112,7 +121,8 @@ def compare(spec: str, stage: str, backend: str, dtype: torch.dtype, heads: int 
         attention, *(x.to(CUDA, dtype) for x in (q, k, v)), edges.to(CUDA), weights.to(CUDA), inputs.to(CUDA, dtype)
     )
     names = ["out", "dq", "dk", "dv", *(n for n, _ in reference.named_parameters())]
-    errors = {name: rel_error(a, b) for name, a, b in zip(names, got, want)}
+    scale = max(float(w.norm()) for w in want[1:])
+    errors = {name: rel_error(a, b, scale) for name, a, b in zip(names, got, want)}
     for name, err in errors.items():
         report(
             pattern=spec,
@@ -154,7 +164,7 @@ def test_content_chosen_and_trainable_patterns_equal_dense_under_the_same_choice
 
 
 def test_flex_is_offered_on_cuda_and_auto_uses_sdpa_for_plain_attention():
-    assert "flex" in backends_on_cuda()
+    assert ("flex" in backends_on_cuda()) == (CUDA.type == "cuda")  # on the CPU flex has no backward
     auto = get_backend("auto", CUDA)
     auto.reset_choices()
     compare("causal", "dd", "auto", torch.bfloat16)
