@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# gtx on one CUDA GPU, in one go: the `cuda` test suite, then `gtx bench attention` and `gtx bench
-# train` beside plain torch (SDPA is_causal, FlexAttention called directly) and the attention-free
-# ceiling. Each phase writes its logs into OUT and has a time limit, so that a phase that runs long
-# costs only itself; OUT/attention.csv and OUT/train.csv gather the tables.
+# gtx on one CUDA GPU, in one go: the `cuda` test suite, then the attention cells beside plain torch
+# (SDPA is_causal, FlexAttention called directly; bench/gpu_cells.py, one process) and `gtx bench
+# train` with the attention-free ceiling. Each phase writes its logs into OUT and has a time limit,
+# so that a phase that runs long costs only itself; OUT/train.csv gathers the training tables.
 #
-#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,attention,train;
-#                                       frontier: the recall frontier at long lengths (its own call)
+#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,cells,train;
+#                                       attention: `gtx bench attention` (a process per row, each
+#                                       compiling again: minutes); frontier: the recall frontier
+#                                       (its own call)
 #
 # Runs from a checkout without installing it (PYTHONPATH), on the machine's own torch; dgl is not
 # needed (its backends report themselves unavailable). Environment: LENGTHS (attention, default
 # 4096,16384), LONG (one more length for the sparse patterns, default 65536; empty: none), PATTERNS
 # (separated by ';'), TRAIN_RUNS (precision:length pairs, default every pair of float32 or bfloat16
 # and 4096 or 16384; the last also measures peak memory), BASELINE (train: --baseline adds the
-# plain-torch rows, default --no-baseline), FRONTIER_LENGTHS (default 1024,4096,16384),
+# plain-torch rows, default --no-baseline), FRONTIER_LENGTHS (default 1024: about 6 minutes on an H200),
 # FRONTIER_FAMILIES (separated by ';'), FRONTIER_SEEDS (default 0-2), FRONTIER_SETTINGS (the runs'
-# options), FRONTIER_JOBS (cells at once on the card, default 4), and seconds per command:
-# TESTS_LIMIT, ATTENTION_LIMIT (per pattern), TRAIN_LIMIT (per run), FRONTIER_LIMIT (per length).
+# options), FRONTIER_JOBS (cells at once on the card, default 8), and seconds per command:
+# TESTS_LIMIT, CELLS_LIMIT, ATTENTION_LIMIT (per pattern), TRAIN_LIMIT (per run), FRONTIER_LIMIT (per length).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash bench/gpu.sh OUT [PHASES]}")
-phases=${2:-tests,attention,train}
+phases=${2:-tests,cells,train}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GTX_LOAD_PLUGINS=""
@@ -39,6 +41,11 @@ if has tests; then
   rm -f "$out/cuda-errors.csv"
   GTX_CUDA_REPORT="$out/cuda-errors.csv" timeout "${TESTS_LIMIT:-240}" "$py" -m pytest -m cuda tests/test_cuda.py -p no:cacheprovider \
     -v --durations=8 2>&1 | tee "$out/cuda-tests.log" | grep -v PASSED | tail -40
+fi
+
+if has cells; then
+  stamp "attention cells"
+  timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py attention 2>&1 | grep -v Warning | tee "$out/attention-cells.log"
 fi
 
 if has attention; then
@@ -74,13 +81,13 @@ fi
 if has frontier; then
   IFS=';' read -ra families <<< "${FRONTIER_FAMILIES:-local:w=64,128,256;moba:b=64,k=2,4,8;nsa:n=4,8,16;dsa:k=64,128,256}"
   family_args=(); for f in "${families[@]}"; do family_args+=(--family "$f"); done
-  IFS=',' read -ra flengths <<< "${FRONTIER_LENGTHS:-1024,4096,16384}"
+  IFS=',' read -ra flengths <<< "${FRONTIER_LENGTHS:-1024}"
   for n in "${flengths[@]}"; do  # one frontier per length: a length that runs out of time costs only itself
     stamp "frontier: $n tokens"
     # shellcheck disable=SC2086  # FRONTIER_SETTINGS is a list of options
-    timeout "${FRONTIER_LIMIT:-150}" "$py" -m gtx.cli frontier --task recall --model lm --lengths "$n" "${family_args[@]}" \
+    timeout "${FRONTIER_LIMIT:-420}" "$py" -m gtx.cli frontier --task recall --model lm --lengths "$n" "${family_args[@]}" \
       --seeds "${FRONTIER_SEEDS:-0-2}" ${FRONTIER_SETTINGS:---set n_train=512 --epochs 2 --batch-size 4 --dim 64 --heads 4 --dim-ff 128 --set dropout=0} \
-      -j "${FRONTIER_JOBS:-4}" --format csv --results "$out/f" > "$out/frontier-$n.log" 2>&1
+      -j "${FRONTIER_JOBS:-8}" --format csv --results "$out/f" > "$out/frontier-$n.log" 2>&1
     echo "exit $?"; tail -4 "$out/frontier-$n.log"
   done
 fi

@@ -1,6 +1,7 @@
 """Benchmarks produce their tables (tiny sizes here); the auto backend's choices are sensible."""
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -487,3 +488,23 @@ def test_busy_cores_counts_a_process_that_spins_now_and_not_one_that_has_finishe
     finally:
         spinner.wait()
     assert busy_cores(0.5) < 0.6  # the load average still counts it for a minute
+
+
+def test_the_gpu_cells_script_times_training_rows_on_the_cpu():
+    """bench/gpu_cells.py (what a lent card runs) keeps working where CI can run it: a row per spec,
+    the ceiling and a window, each a step time and none failing."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "bench/gpu_cells.py", "train", "--device", "cpu", "--context", "128"]
+        + ["none/float32/-", "local:w=16/bfloat16/-"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = [line for line in out.stdout.splitlines() if line.startswith("TRAIN")]
+    assert out.returncode == 0 and len(rows) == 2, out.stdout + out.stderr
+    assert all(" step " in r and "FAIL" not in r for r in rows), rows
