@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# gtx on one CUDA GPU, in one go: the `cuda` test suite, then the attention cells beside plain torch
-# (SDPA is_causal, FlexAttention called directly; bench/gpu_cells.py, one process) and `gtx bench
-# train` with the attention-free ceiling. Each phase writes its logs into OUT and has a time limit,
-# so that a phase that runs long costs only itself; OUT/train.csv gathers the training tables.
+# gtx on one CUDA GPU, in one go: the `cuda` test suite, then attention and training cells beside
+# plain torch (SDPA is_causal, FlexAttention called directly) and the attention-free ceiling
+# (bench/gpu_cells.py, every row in one process). Each phase writes its logs into OUT and has a time
+# limit, so that a phase that runs long costs only itself.
 #
-#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,cells,train;
-#                                       attention: `gtx bench attention` (a process per row, each
-#                                       compiling again: minutes); frontier: the recall frontier
-#                                       (its own call)
+#   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,cells (about 5 minutes);
+#                                       attention, train: `gtx bench attention` and `gtx bench train`
+#                                       (a process per row, each compiling again: minutes; their CSVs
+#                                       gathered in OUT/attention.csv, OUT/train.csv); frontier: the
+#                                       recall frontier (its own call)
 #
 # Runs from a checkout without installing it (PYTHONPATH), on the machine's own torch; dgl is not
 # needed (its backends report themselves unavailable). Environment: LENGTHS (attention, default
@@ -17,10 +18,10 @@
 # plain-torch rows, default --no-baseline), FRONTIER_LENGTHS (default 1024: about 6 minutes on an H200),
 # FRONTIER_FAMILIES (separated by ';'), FRONTIER_SEEDS (default 0-2), FRONTIER_SETTINGS (the runs'
 # options), FRONTIER_JOBS (cells at once on the card, default 8), and seconds per command:
-# TESTS_LIMIT, CELLS_LIMIT, ATTENTION_LIMIT (per pattern), TRAIN_LIMIT (per run), FRONTIER_LIMIT (per length).
+# TRAIN_CELLS (bench/gpu_cells.py train's rows), TESTS_LIMIT, CELLS_LIMIT (each of two), ATTENTION_LIMIT (per pattern), TRAIN_LIMIT (per run), FRONTIER_LIMIT (per length).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash bench/gpu.sh OUT [PHASES]}")
-phases=${2:-tests,cells,train}
+phases=${2:-tests,cells}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GTX_LOAD_PLUGINS=""
@@ -46,6 +47,10 @@ fi
 if has cells; then
   stamp "attention cells"
   timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py attention 2>&1 | grep -v Warning | tee "$out/attention-cells.log"
+  stamp "training cells"  # docs/gpu.md's training table; p: a profile of that row
+  timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py train ${TRAIN_CELLS:-none/float32/- local:w=256/float32/- none/bfloat16/- \
+    local:w=256/bfloat16/- moba:b=64,k=4/bfloat16/p nsa/bfloat16/p dsa:dense=0/bfloat16/-} > "$out/train-cells.log" 2>&1
+  grep -E "^TRAIN|done" "$out/train-cells.log"
 fi
 
 if has attention; then

@@ -208,6 +208,10 @@ def attend_token_blocks(
 
 BLOCK_ROWS = 128  # own blocks (of one sample and head) per chunk: 256 (and 256 tiles) held 14 MB more at 16k tokens
 TILES = 128  # tiles of chosen blocks per chunk
+# Chunks on an accelerator are this many times larger: there a chunk costs some 20 kernel launches
+# whatever its size, and at BLOCK_ROWS and TILES a MoBA step on an H200 spent 625 ms of CPU time
+# launching 47 ms of GPU work; 32x larger chunks hold ~100 MB at 16k tokens
+ACCELERATOR_CHUNKS = 32
 GATE_ROWS = 1024  # query tokens per chunk of the gate's gradient: its product with the output stays small
 
 
@@ -219,6 +223,7 @@ class _TokenBlockPlan:
 
     def __init__(self, sel: TokenBlockSelection, heads: int, device):
         self.block, self.heads = sel.block, heads
+        self.scale = 1 if torch.device(device).type == "cpu" else ACCELERATOR_CHUNKS  # of the chunks
         b = self.block
         lens = torch.as_tensor(sel.lens, device=device)
         n_blocks = (lens + b - 1) // b  # per sample
@@ -276,19 +281,21 @@ class _TokenBlockPlan:
         return self.source.view(self.n_rows, self.block)[rows].reshape(-1).long()
 
     def block_rows(self):
-        """Slices of ``BLOCK_ROWS`` block rows: the own blocks run a chunk at a time, so that their copies
-        of q, k, v and the gradients stay small."""
-        return [slice(r0, min(r0 + BLOCK_ROWS, self.n_rows)) for r0 in range(0, self.n_rows, BLOCK_ROWS)]
+        """Slices of ``BLOCK_ROWS`` block rows (times ``scale``): the own blocks run a chunk at a time, so
+        that their copies of q, k, v and the gradients stay small."""
+        step = BLOCK_ROWS * self.scale
+        return [slice(r0, min(r0 + step, self.n_rows)) for r0 in range(0, self.n_rows, step)]
 
     def chunks(self, keys: slice = slice(None)):
-        """(key block rows, pair slice, places within the chunk) per chunk of up to ``TILES`` tiles, of
-        the tiles whose key block rows lie in ``keys`` (all by default): tiles run a chunk at a time,
-        so that their copies of q, k, v and the gradients stay small."""
+        """(key block rows, pair slice, places within the chunk) per chunk of up to ``TILES`` tiles (times
+        ``scale``), of the tiles whose key block rows lie in ``keys`` (all by default): tiles run a
+        chunk at a time, so that their copies of q, k, v and the gradients stay small."""
         tile_of_pair = self.place // self.block  # ascending: pairs are in tile order
         # ascending too: tiles are in key block row order
         lo, hi = (0, self.n_tiles) if keys == slice(None) else self.tiles_of(keys)
-        for t0 in range(lo, hi, TILES):
-            t1 = min(t0 + TILES, hi)
+        step = TILES * self.scale
+        for t0 in range(lo, hi, step):
+            t1 = min(t0 + step, hi)
             p0, p1 = (int(torch.searchsorted(tile_of_pair, t)) for t in (t0, t1))
             yield self.key_rows[t0:t1], slice(p0, p1), (self.place[p0:p1] - t0 * self.block).long()
 
