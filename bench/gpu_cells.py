@@ -98,6 +98,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=16384)
     args = parser.parse_intermixed_args()
+    for spec in args.specs:
+        parts = spec.split("/")
+        if len(parts) != 3 or parts[1] not in ("float32", "bfloat16") or parts[2] not in ("p", "-"):
+            parser.error(f"a train row is PATTERN/PRECISION/PROFILE (e.g. local:w=256/bfloat16/-), not {spec!r}")
     started = time.time()
     if args.what == "attention":
         attention(args.device)
