@@ -86,7 +86,7 @@ class EdgeSet:
                 self._edges = moved()
             else:  # the same for every batch of these lengths: built and copied to the device once
                 key = (self.stage, self.q_lens, self.k_lens, str(self._device))
-                self._edges = self.pattern.memo("device edges", key, moved, DEVICE_EDGES_BYTES, _edge_bytes)
+                self._edges = self.pattern.memo("device edges", key, moved, DEVICE_EDGES_BYTES, lambda e: _bytes(*e))
         return self._edges
 
     @property
@@ -125,7 +125,7 @@ class EdgeSet:
 
     def in_degree(self) -> torch.Tensor:
         count = lambda: torch.bincount(self.dst, minlength=self.n_dst)  # noqa: E731
-        return self.shared_plan("in_degree", count, DEVICE_EDGES_BYTES, lambda t: t.numel() * t.element_size())
+        return self.shared_plan("in_degree", count, DEVICE_EDGES_BYTES, _bytes)
 
     def to(self, device) -> EdgeSet:
         device = torch.device(device)
@@ -181,8 +181,8 @@ class EdgeSet:
         return adj
 
 
-def _edge_bytes(edges: tuple[torch.Tensor, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in edges)
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def possible_edges(edges: EdgeSet) -> int:
