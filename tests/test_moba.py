@@ -276,3 +276,22 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
     _, backward = peak_bytes(lambda: out.backward(torch.ones_like(out)))
     size = q.numel() * q.element_size()
     assert forward < 4.5 * size and backward < 6.5 * size
+
+
+def test_chunks_are_larger_on_an_accelerator(monkeypatch):
+    """Off the CPU both the own blocks' and the chosen tiles' chunks are ``ACCELERATOR_CHUNKS`` times
+    larger (a GPU pays ~20 launches a chunk whatever its size); on the CPU they keep their sizes."""
+    from gtx.attention import selection
+
+    monkeypatch.setattr(selection, "BLOCK_ROWS", 2)
+    monkeypatch.setattr(selection, "TILES", 2)
+    n, heads = 512, 2
+    q, k = (torch.randn(n, heads, 8, generator=torch.Generator().manual_seed(0)) for _ in range(2))
+    pattern = parse_pattern("moba:b=16,k=3")
+    edges = build_graph(pattern, None, [n]).edges["dd"]
+    plan = selection._TokenBlockPlan(pattern.select(q, k, edges), heads, "cpu")
+    cpu_rows, cpu_chunks = len(plan.block_rows()), len(list(plan.chunks()))
+    plan.scale = 4  # what a plan on an accelerator holds (ACCELERATOR_CHUNKS there)
+    assert plan.n_rows == 64 and cpu_rows == 32 and len(plan.block_rows()) == 8
+    assert len(list(plan.chunks())) == -(-plan.n_tiles // 8) < cpu_chunks == -(-plan.n_tiles // 2)
+    assert selection.ACCELERATOR_CHUNKS > 1
