@@ -30,6 +30,7 @@ import torch
 from gtx.measure.bench import AttentionCell, run_attention_cell
 from gtx.measure.reference import SkipAttention, TrainCell, first_batches
 from gtx.measure.train_bench import _time_steps
+from gtx.memory import peak_mb, reset_peak
 
 ATTENTION = (
     [("local:w=256", n, b) for n in (4096, 16384) for b in ("flexattention", "flex", "auto", "sdpa")]
@@ -67,11 +68,9 @@ def train(device: str, context: int, specs: list[str]) -> None:
             trainer, _ = cell.build(run)
             data = first_batches(run, 8)
             _time_steps(trainer.train_epoch, data[:2], 1, run)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() if cuda else 0
+            base = reset_peak(device)
             _, seconds, data_s = _time_steps(trainer.train_epoch, data[2:6], 0, run)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else 0
+            peak = peak_mb(device) - base
             print(
                 f"TRAIN {pattern} {precision}: step {250 * seconds:.1f} ms, data {250 * data_s:.1f} ms, "
                 f"peak over base {peak:.0f} MB ({time.time() - t:.0f} s)",

@@ -71,7 +71,7 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
     # one (n_q, n_k) adjacency up to ADJACENCY_MAX elements (tiles indexed by block measured 1.7x slower
     # on the CPU), else in one (block, block) tile per partial block: the kernel's int32 offsets
     # overflow past 2^31 elements, and at 65536 tokens the adjacency alone would take 4 GB.
-    if n_q * n_k <= ADJACENCY_MAX:
+    if _one_adjacency(n_q, n_k):
         adjacency = torch.zeros(n_q, n_k, dtype=torch.bool, device=device)
         adjacency[edges.dst, edges.src] = True
 
@@ -181,4 +181,9 @@ def _plan_bytes(plan) -> int:
     """Bytes of a plan's element lookup (``block_mask``): the adjacency, or a tile per partial block."""
     mask, _ = plan
     n_q, n_k = mask.seq_lengths
-    return n_q * n_k if n_q * n_k <= ADJACENCY_MAX else (int(mask.kv_num_blocks.sum()) + 2) * BLOCK**2
+    return n_q * n_k if _one_adjacency(n_q, n_k) else (int(mask.kv_num_blocks.sum()) + 2) * BLOCK**2
+
+
+def _one_adjacency(n_q: int, n_k: int) -> bool:
+    """Whether ``block_mask`` looks partial blocks' elements up in one (n_q, n_k) adjacency, else in tiles."""
+    return n_q * n_k <= ADJACENCY_MAX
