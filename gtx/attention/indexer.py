@@ -180,15 +180,28 @@ class _DenseKL(torch.autograd.Function):
             if parts > 1:  # one thread each: blocks side by side, not every op split (a barrier each)
                 torch.set_num_threads(1)
             total, dik = q.new_zeros(()), ik.new_zeros(ik.shape)  # contiguous, as the kernel path writes
+            buffers = _Buffers(q, heads, rows, iq.shape[1], max(lens))
             for sample, r0, r1 in blocks[part::parts]:
                 start, kt, qt, at = samples[sample]
                 r = slice(start + r0, start + r1)
                 # the kernel reads no later key (size 1): no mask where the log-sum-exp is given
                 hide = None if lib is not None and size == 1 and lse is not None else own[: r1 - r0, : r1 - r0]
-                s = _scores(qt[:, r0:r1], kt[..., :r1], lse is not None, hide, r0)
+                s = _scores(qt[:, r0:r1], kt[..., :r1], lse is not None, hide, r0, buffers.scores(r1 - r0, r1))
                 keys, c0 = ik[at][: -(-r1 // size)], r0 // size
                 if lib is not None:
-                    total += _fit_native(lib, s, iq[r], w[r], keys, r0, size, diq[r], dw[r], dik[at][: len(keys)])
+                    total += _fit_native(
+                        lib,
+                        s,
+                        iq[r],
+                        w[r],
+                        keys,
+                        r0,
+                        size,
+                        diq[r],
+                        dw[r],
+                        dik[at][: len(keys)],
+                        buffers.dots(r1 - r0, len(keys)),
+                    )
                     continue
                 p = s.exp_().sum(0)
                 if size > 1:
@@ -225,13 +238,29 @@ class _DenseKL(torch.autograd.Function):
         return None, None, None, diq * grad, dw * grad, dik * grad, None, None, None
 
 
-def _scores(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
+class _Buffers:
+    """One worker's scores and index dots, reused by each of its blocks: a fresh (heads, rows, keys)
+    buffer per block is megabytes of new pages, each zeroed by the kernel on first touch."""
+
+    def __init__(self, q, heads: int, rows: int, index_heads: int, keys: int):
+        self._scores = q.new_empty(heads * rows * keys)
+        self._dots = q.new_empty(rows * index_heads * keys)
+        self.heads, self.index_heads = heads, index_heads
+
+    def scores(self, rows: int, keys: int) -> torch.Tensor:
+        return self._scores[: self.heads * rows * keys].view(self.heads, rows, keys)
+
+    def dots(self, rows: int, keys: int) -> torch.Tensor:
+        return self._dots[: rows * self.index_heads * keys].view(rows, self.index_heads, keys)
+
+
+def _scores(qt, kt, shifted: bool, own, r0: int, out: torch.Tensor) -> torch.Tensor:
     """(H, rows, keys): for rows r0.. of a causal sample, each head's q . k - log-sum-exp - log H (the
     head-mean attention is the sum of their exps) over keys ``kt`` (H, D + 1, keys) (their last row
     ones) from queries ``qt`` (H, rows, D + 1 where ``shifted``: the last entry each row's -(log-sum-exp
     + log H), else D); ``own`` (rows, rows) hides later keys (-inf), None leaves them."""
     heads, dim = qt.shape[0], kt.shape[1] - 1
-    s = qt @ kt if shifted else qt @ kt[:, :dim]
+    s = torch.bmm(qt, kt if shifted else kt[:, :dim], out=out)
     if own is not None:
         s[..., r0:].masked_fill_(own, float("-inf"))
     if not shifted:
@@ -239,13 +268,13 @@ def _scores(qt, kt, shifted: bool, own, r0: int) -> torch.Tensor:
     return s
 
 
-def _fit_native(lib, s, iq, w, keys, r0: int, size: int, diq, dw, dik) -> torch.Tensor:
+def _fit_native(lib, s, iq, w, keys, r0: int, size: int, diq, dw, dik, dots) -> torch.Tensor:
     """``_fit`` on the C kernel (``dense_kernel.c``) from the heads' ``_scores`` s (size 1), else from
     p per block: the element-wise steps row by row, the products on torch's. Writes
     the gradients into diq (r, J, d) and dw (r, J), adds the keys' into dik (C, d); returns the loss."""
     if size > 1:
         s = per_block(s.exp_().sum(0), size)
-    dots = iq @ keys.T  # (r, J, C): d loss / d dots after the kernel
+    torch.mm(iq.flatten(0, 1), keys.T, out=dots.view(-1, len(keys)))  # (r, J, C): d loss / d dots after the kernel
     loss = s.new_empty(len(iq))
     buffers = (s.contiguous(), w.contiguous(), dots, loss, dw)  # alive for the call
     heads = s.shape[0] if s.dim() == 3 else 0
