@@ -290,6 +290,22 @@ def test_declared_structures_are_what_the_edges_say(name):
             assert declared.structure(stage, n_q, n_k) == counted.structure(stage, n_q, n_k), (stage, n_q, n_k)
 
 
+@pytest.mark.parametrize("spec", ["full", "causal", "local:w=3", "strided:l=3"])
+def test_most_keys_is_the_largest_in_degree_and_builds_no_edges_where_declared(spec):
+    from dataclasses import replace
+
+    pattern = parse_pattern(spec)
+    for stage in STAGES:
+        for n_q in range(1, 9):
+            n_k = n_q if stage != "ed" else n_q + 3
+            dst = replace(pattern, structures={}, _cache={}).edges(stage, n_q, n_k)[1]
+            assert pattern.most_keys(stage, n_q, n_k) == int(torch.bincount(dst).max()), (stage, n_q, n_k)
+    if pattern.structures:  # a causal sample of 2^20 tokens: 5.5e11 edges, if they were built
+        fresh = replace(pattern, _cache={})
+        assert fresh.most_keys("dd", 2**20, 2**20) == 2**20
+        assert not fresh._cache
+
+
 @pytest.mark.parametrize(
     "spec",
     [

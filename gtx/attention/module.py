@@ -372,7 +372,7 @@ def full_budget(pattern, stages, length: int) -> str | None:
             if why:
                 return why
         elif p.budget:
-            most = max(int(torch.bincount(p.edges(stage, length, length)[1]).max()) for stage in stages)
+            most = max(p.most_keys(stage, length, length) for stage in stages)
             if p.budget >= most:
                 return (
                     f"pattern {p.spec!r} keeps up to {p.budget} keys per query, but its candidates have at most {most} at this "
