@@ -11,6 +11,8 @@ Both functions run a block of query rows at a time: (rows x blocks) scores, neve
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -103,7 +105,8 @@ class _Samples:
 
     def __init__(self, lens: list[int], r0: int, device):
         self.every = min(lens) > r0
-        self.samples = torch.tensor([i for i, n in enumerate(lens) if n > r0], device=device)
+        # made only where needed: a tensor from the host is a sync on a GPU
+        self.samples = None if self.every else torch.tensor([i for i, n in enumerate(lens) if n > r0], device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.every else x.index_select(0, self.samples)
@@ -122,9 +125,10 @@ def _row_blocks(lens: list[int], ends: torch.Tensor, rows: int):
     see the most blocks), so each later block's fit in memory an earlier one freed, where in
     ascending order each needs more than any hole left (glibc keeps freed heap memory resident)."""
     length = max(lens)
+    ends_at = ends.tolist()  # once on the host: a count per block of rows was a sync each on a GPU
     for r0 in reversed(range(0, length, rows)):
         r1 = min(r0 + rows, length)
-        yield r0, r1, _Samples(lens, r0, ends.device), int((ends <= r1 - 1).sum())
+        yield r0, r1, _Samples(lens, r0, ends.device), bisect.bisect_right(ends_at, r1 - 1)
 
 
 def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends: torch.Tensor):

@@ -293,10 +293,12 @@ class _TokenBlockPlan:
         tile_of_pair = self.place // self.block  # ascending: pairs are in tile order
         # ascending too: tiles are in key block row order
         lo, hi = (0, self.n_tiles) if keys == slice(None) else self.tiles_of(keys)
-        step = TILES * self.scale
-        for t0 in range(lo, hi, step):
-            t1 = min(t0 + step, hi)
-            p0, p1 = (int(torch.searchsorted(tile_of_pair, t)) for t in (t0, t1))
+        bounds = [*range(lo, hi, TILES * self.scale), hi]
+        # every chunk's first pair in one search and one copy to the host (a sync each on a GPU)
+        firsts = torch.searchsorted(
+            tile_of_pair, torch.tensor(bounds, dtype=tile_of_pair.dtype, device=tile_of_pair.device)
+        ).tolist()
+        for t0, t1, p0, p1 in zip(bounds, bounds[1:], firsts, firsts[1:]):
             yield self.key_rows[t0:t1], slice(p0, p1), (self.place[p0:p1] - t0 * self.block).long()
 
     def tiles_of(self, keys: slice) -> tuple[int, int]:
