@@ -264,20 +264,24 @@ def choose_blocks(
         (ends - c.l + 1) // c.s,
         ends // c.s,
     )
-    spans = [(first + o, first + o <= last) for o in range(int((last - first).max()) + 1 if len(ends) else 0)]
+    # the o-th selection block each compressed block overlaps, or n_sel (a column dropped after) where it
+    # overlaps fewer: an index_add of all the weights into it, where picking the real ones copied them
+    spans = [
+        (first + o).masked_fill_(first + o > last, n_sel)
+        for o in range(int((last - first).max()) + 1 if len(ends) else 0)
+    ]
     width = min(c.n - 1, n_sel)
     blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
     valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
     for r0, r1, take, weights in compressed_weights(q, kc, lens, ends):
         # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
-        score = weights.new_zeros(*weights.shape[:-1], n_sel)
+        score = weights.new_zeros(*weights.shape[:-1], n_sel + 1)
         seen = weights.shape[-1]  # the compressed blocks that end before r1
         for (
-            target,
-            real,
+            target
         ) in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
-            real = real[:seen]
-            score.index_add_(-1, target[:seen][real], weights[..., real])
+            score.index_add_(-1, target[:seen], weights)
+        score = score[..., :n_sel]
         if c.g > 1:
             score = (
                 score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
@@ -285,7 +289,7 @@ def choose_blocks(
         own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]
         earlier = j[None, :] < own
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
-        score = score.masked_fill(forced, float("inf")).masked_fill(~earlier, float("-inf"))
+        score = score.masked_fill(forced, float("inf")).masked_fill_(~earlier, float("-inf"))
         values, indices = top_later_first(score, width)
         blocks[take.rows, r0:r1] = indices.transpose(1, 2)
         valid[take.rows, r0:r1] = values.transpose(1, 2) > float("-inf")
