@@ -277,9 +277,8 @@ def choose_blocks(
         # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
         score = weights.new_zeros(*weights.shape[:-1], n_sel + 1)
         seen = weights.shape[-1]  # the compressed blocks that end before r1
-        for (
-            target
-        ) in spans:  # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
+        # a compressed block spans at most ceil(l / s) + 1 selection blocks: a few index_adds, not a matmul
+        for target in spans:
             score.index_add_(-1, target[:seen], weights)
         score = score[..., :n_sel]
         if c.g > 1:

@@ -189,19 +189,8 @@ class _DenseKL(torch.autograd.Function):
                 s = _scores(qt[:, r0:r1], kt[..., :r1], lse is not None, hide, r0, buffers.scores(r1 - r0, r1))
                 keys, c0 = ik[at][: -(-r1 // size)], r0 // size
                 if lib is not None:
-                    total += _fit_native(
-                        lib,
-                        s,
-                        iq[r],
-                        w[r],
-                        keys,
-                        r0,
-                        size,
-                        diq[r],
-                        dw[r],
-                        dik[at][: len(keys)],
-                        buffers.dots(r1 - r0, len(keys)),
-                    )
+                    dots = buffers.dots(r1 - r0, len(keys))
+                    total += _fit_native(lib, s, iq[r], w[r], keys, r0, size, diq[r], dw[r], dik[at][: len(keys)], dots)
                     continue
                 p = s.exp_().sum(0)
                 if size > 1:
