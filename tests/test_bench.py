@@ -73,6 +73,33 @@ def test_bench_attention_measures_each_cells_own_peak_memory():
     assert df.peak_mem_mb["auto"] > 0 and df.peak_mem_mb["dense"] > 128 + df.peak_mem_mb["auto"]
 
 
+def test_attention_cells_hold_plain_attention_as_training_does_without_its_edges():
+    """A causal or complete cell is an edge set by its structure, as a training batch is: planning from
+    8.4 M edges at 4096 tokens (their keys and checks) took 140 MB inside the steps' peak that no
+    training step or plain torch row pays."""
+    from dataclasses import replace
+
+    from gtx.graph.spec import parse_pattern
+    from gtx.graph.tokens import EdgeSet, batch_edges
+
+    for spec, n, choice, count in (
+        ("causal", 300, "flash-causal", 300 * 301 // 2),
+        ("full", 200, "flash-complete", 200**2),
+    ):
+        cell = bench.AttentionCell(spec, n, "auto", repeats=1, warmup=0)
+        bench.run_attention_cell(cell)  # plugins loaded: the pattern below is the one the cell runs
+        pattern = parse_pattern(spec)
+        pattern._cache.clear()
+        row = bench.run_attention_cell(cell)
+        assert parse_pattern(spec) is pattern and (row["edges"], row["choice"]) == (count, choice)
+        assert not pattern._cache.get(("memo", "edges")), "the cell built its edges"
+        # plain torch's mode from the declared structure, as from the edges themselves
+        counted = replace(pattern, structures={}, _cache={})
+        assert bench.sdpa_mode(batch_edges(pattern, "ee", [n], [n])) == bench.sdpa_mode(
+            EdgeSet(*counted.edges("ee", n, n), n, n, "ee")
+        )
+
+
 def test_bench_attention_has_a_plain_torch_sdpa_row():
     df = bench.bench_attention(["causal", "full", "local:w=2"], [48], [bench.SDPA], repeats=1)
     assert list(df.backend) == ["sdpa"] * 3 and df.ms.notna().all()

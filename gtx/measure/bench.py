@@ -98,6 +98,8 @@ FLEXATTENTION = "flexattention"  # ... and FlexAttention called directly with fl
 def sdpa_mode(edges) -> str:
     """How plain torch runs a one-sequence edge set (unique edges, as patterns give): "is_causal"
     when it is exactly causal (key <= query), "unmasked" when complete, else "bool mask"."""
+    if edges.structure is not None:  # declared by the pattern: no edges read
+        return {"causal": "is_causal", "complete": "unmasked"}[edges.structure]
     n_q, n_k, e = edges.n_dst, edges.n_src, edges.num_edges
     if e == n_q * n_k:
         return "unmasked"
@@ -196,7 +198,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     one sequence of n tokens; backends ``sdpa`` and ``flexattention`` (``REFERENCE_CELLS``) are plain
     torch for reference."""
     from gtx.graph.spec import parse_pattern
-    from gtx.graph.tokens import EdgeSet
+    from gtx.graph.tokens import batch_edges
     from gtx.plugins.registry import load_plugins
 
     load_plugins(dirs=cell.plugins_dirs)
@@ -209,10 +211,12 @@ def run_attention_cell(cell: AttentionCell) -> dict:
 
         step, choice, read = method_cell(cell, pattern, device, gen)
     else:
-        src, dst = pattern.edges("ee", cell.n, cell.n)
-        edges = EdgeSet(src.to(device), dst.to(device), cell.n, cell.n, "ee")
+        # as a batch of training holds them: complete and causal sets by their structure, without edges;
+        # others' edges built here, once per lengths as in training, not in the steps' memory
+        edges = batch_edges(pattern, "ee", [cell.n], [cell.n]).to(device)
+        count = edges.num_edges
         step, choice = REFERENCE_CELLS.get(cell.backend, _gtx_cell)(cell, edges, device, gen)
-        read = lambda: (src.numel(), cell.n, cell.n**2)  # noqa: E731 -- the edges are what runs
+        read = lambda: (count, cell.n, cell.n**2)  # noqa: E731 -- the edges are what runs
         if cell.backend in REFERENCE_CELLS and not pattern.plain:
             mode = choice()
             choice = lambda: f"{mode}, its candidates: {cell.backend} chooses nothing"  # noqa: E731
