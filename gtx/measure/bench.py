@@ -198,7 +198,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     one sequence of n tokens; backends ``sdpa`` and ``flexattention`` (``REFERENCE_CELLS``) are plain
     torch for reference."""
     from gtx.graph.spec import parse_pattern
-    from gtx.graph.tokens import batch_edges
+    from gtx.measure.method import method_cell, method_edges
     from gtx.plugins.registry import load_plugins
 
     load_plugins(dirs=cell.plugins_dirs)
@@ -207,13 +207,11 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(0)
     method = cell.backend not in REFERENCE_CELLS and (pattern.select is not None or pattern.trainable is not None)
     if method:
-        from gtx.measure.method import method_cell
-
         step, choice, read = method_cell(cell, pattern, device, gen)
     else:
         # as a batch of training holds them: complete and causal sets by their structure, without edges;
         # others' edges built here, once per lengths as in training, not in the steps' memory
-        edges = batch_edges(pattern, "ee", [cell.n], [cell.n]).to(device)
+        edges = method_edges(pattern, "ee", cell.n, device)
         count = edges.num_edges
         step, choice = REFERENCE_CELLS.get(cell.backend, _gtx_cell)(cell, edges, device, gen)
         read = lambda: (count, cell.n, cell.n**2)  # noqa: E731 -- the edges are what runs

@@ -19,6 +19,7 @@ def method_stage(pattern) -> str:
 
 
 def method_edges(pattern, stage: str, n: int, device: torch.device):
+    """One sequence of n tokens' ``stage`` edge set on ``device``, held as a training batch holds it."""
     from gtx.graph.tokens import batch_edges
 
     return batch_edges(pattern, stage, [n], [n]).to(device)
