@@ -67,3 +67,24 @@ def peak_bytes():
         return result, peak
 
     return measure
+
+
+@pytest.fixture
+def value_reads():
+    """f -> (f(), how many values f read back from tensors: ``item``, ``int``/``bool`` of one, a mask's
+    ``nonzero``), each a sync with the device on a GPU. ``.tolist()`` on the CPU reads without an op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func._overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "item")
+            return func(*args, **(kwargs or {}))
+
+    def measure(f):
+        with Reads() as reads:
+            result = f()
+        return result, reads.count
+
+    return measure

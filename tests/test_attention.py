@@ -398,18 +398,35 @@ def test_ties_rank_the_later_index_first_on_every_device():
     rows=st.integers(1, 3),
     count=st.integers(1, 30),
     bf16=st.booleans(),
+    every_row=st.booleans(),
 )
-def test_top_later_first_is_a_stable_sort_of_the_reversed_scores(values, rows, count, bf16):
-    """The definition, tie-heavy: equal scores (-0 equal to +0, infinities) rank the later index first."""
+def test_top_later_first_is_a_stable_sort_of_the_reversed_scores(values, rows, count, bf16, every_row):
+    """The definition, tie-heavy: equal scores (-0 equal to +0, infinities) rank the later index first;
+    alike where tied rows are picked out (the CPU's default) or every row is decided (elsewhere)."""
     from gtx.attention.choice import top_later_first
 
     score = torch.stack([torch.tensor(values).roll(r) for r in range(rows)])  # rows of the same values, shifted
     score = score.bfloat16() if bf16 else score
     sorted_values, order = score.flip(-1).sort(dim=-1, descending=True, stable=True)
     width = min(count, score.shape[-1])
-    values_got, indices = top_later_first(score, count)
+    values_got, indices = top_later_first(score, count, every_row)
     assert torch.equal(indices, score.shape[-1] - 1 - order[:, :width])
     assert torch.equal(values_got, sorted_values[:, :width])
+
+
+def test_top_later_first_deciding_every_row_reads_no_value_back(value_reads):
+    """Off the CPU every row is decided by its keys: tied rows are not picked out by a mask, which reads
+    the mask back (bfloat16 scores tie often on a GPU)."""
+    from gtx.attention.choice import top_later_first
+
+    score = torch.tensor(
+        [[0.0, 1.0, 1.0, 1.0, 0.5], [3.0, 2.0, 1.0, 0.0, -1.0]]
+    ).bfloat16()  # row 0 tied at its last place
+    (every, reads), (picked, picked_reads) = (
+        value_reads(lambda f=f: top_later_first(score, 2, f)) for f in (True, False)
+    )
+    assert reads == 0 and picked_reads > 0
+    assert all(torch.equal(a, b) for a, b in zip(every, picked)) and every[1].tolist() == [[3, 2], [0, 1]]
 
 
 def test_the_key_attention_backward_takes_inputs_of_any_strides():

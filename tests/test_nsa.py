@@ -492,20 +492,11 @@ def test_the_gated_selected_branch_and_the_window_hold_no_gated_or_contiguous_co
     assert backward < 6.9 * size
 
 
-def test_blocks_of_rows_and_chunks_of_tiles_read_no_value_back_per_block(monkeypatch):
+def test_blocks_of_rows_and_chunks_of_tiles_read_no_value_back_per_block(monkeypatch, value_reads):
     """A value read from a tensor (``int``, ``bool``, ``.item()``) waits for a GPU's queue: the compressed
     branch's blocks of rows and the chosen tiles' chunks are laid out from host lists, not a read each
     (a read per block would be 438 of them in an NSA step of 2 layers at 16384 tokens)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from gtx.attention import selection
-
-    class Reads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Reads.count += func._overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "item")
-            return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(selection, "TILES", 2)
     n, heads = 512, 2
@@ -513,10 +504,11 @@ def test_blocks_of_rows_and_chunks_of_tiles_read_no_value_back_per_block(monkeyp
     pattern = parse_pattern("moba:b=16,k=3")
     plan = selection._TokenBlockPlan(pattern.select(q, k, build_graph(pattern, None, [n]).edges["dd"]), heads, "cpu")
     ends = compressed.block_ends((n - 8) // 4 + 1, 8, 4, "cpu")
-    with Reads():
-        chunks, blocks = list(plan.chunks()), list(compressed._row_blocks([n, 300], ends, 16))
+    (chunks, blocks), reads = value_reads(
+        lambda: (list(plan.chunks()), list(compressed._row_blocks([n, 300], ends, 16)))
+    )
     assert len(chunks) > 30 and len(blocks) == 32
-    assert Reads.count == 0
+    assert reads == 0
     # the same layout as counting per block
     assert [seen for *_, seen in blocks] == [int((ends <= r1 - 1).sum()) for _, r1, *_ in blocks]
     tile_of_pair = plan.place // plan.block

@@ -64,26 +64,36 @@ def top_scored(
     return keys.masked_fill(~valid, 0), valid
 
 
-def top_later_first(score: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_later_first(
+    score: torch.Tensor, count: int, every_row: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``score.topk(count)`` over the last dimension, equal scores ranking the later index first:
     the same choice on every device (``topk`` breaks ties differently on the CPU and on CUDA, and
     ties are common: blocks no compressed key has scored yet, index scores that ReLU made 0).
     ``topk`` picks the set wherever no tie reaches its last place; rows where one does, and the
     order within each set, are decided by ``_ordered`` keys (a stable sort of every row cost NSA's
-    step half a second at 16k tokens)."""
+    step half a second at 16k tokens). ``every_row`` (default: off the CPU) decides every row by the
+    keys and keeps them where a tie reaches the last place: no rows picked out by a mask, whose
+    indexing reads the mask back (a sync on a GPU, where bfloat16 scores tie often)."""
     count = min(count, score.shape[-1])
     if count == 0:
         return score[..., :0], torch.zeros(score.shape[:-1] + (0,), dtype=torch.long, device=score.device)
     flat = score.reshape(-1, score.shape[-1])
     values, indices = flat.topk(count, dim=-1)
     tied = (flat >= values[:, -1:]).sum(-1) > count  # more candidates share the last place than it has
-    if bool(tied.any()):
-        rows = flat[tied]
-        whole = torch.arange(rows.shape[-1], device=rows.device).expand_as(rows)
-        indices[tied] = _ordered(rows, whole).topk(count, dim=-1).values & 0xFFFFFFFF
+    if flat.device.type != "cpu" if every_row is None else every_row:
+        indices = torch.where(tied[:, None], _later_first(flat, count), indices)
+    elif bool(tied.any()):
+        indices[tied] = _later_first(flat[tied], count)
     indices = indices.gather(-1, _ordered(flat.gather(-1, indices), indices).argsort(-1, descending=True))
     shape = (*score.shape[:-1], count)
     return flat.gather(-1, indices).view(shape), indices.view(shape)
+
+
+def _later_first(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """Each row's ``count`` best positions by (score, position), in no particular order."""
+    whole = torch.arange(rows.shape[-1], device=rows.device).expand_as(rows)
+    return _ordered(rows, whole).topk(count, dim=-1).values & 0xFFFFFFFF
 
 
 def _ordered(score: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
