@@ -81,7 +81,9 @@ def top_later_first(
     flat = score.reshape(-1, score.shape[-1])
     values, indices = flat.topk(count, dim=-1)
     tied = (flat >= values[:, -1:]).sum(-1) > count  # more candidates share the last place than it has
-    if flat.device.type != "cpu" if every_row is None else every_row:
+    if every_row is None:
+        every_row = flat.device.type != "cpu"
+    if every_row:
         indices = torch.where(tied[:, None], _later_first(flat, count), indices)
     elif bool(tied.any()):
         indices[tied] = _later_first(flat[tied], count)
