@@ -168,11 +168,10 @@ class Pattern:
         return value
 
     def most_keys(self, stage: str, n_q: int, n_k: int) -> int:
-        """The most keys any query of one (n_q, n_k) sample has: n_k or n_q where the stage's structure
-        is declared complete or causal (no edges built: a causal sample of 16384 tokens holds 134 M),
-        else its edges' largest in-degree."""
-        declared = self.structures.get(stage)
-        if declared == "complete" or (declared == "causal" and n_q == n_k):
+        """The most keys any query of one (n_q, n_k) sample has: n_k where the sample is complete or
+        causal (``structure``: no edges built where it is declared, and a causal sample of 16384 tokens
+        holds 134 M), else its edges' largest in-degree."""
+        if self.structure(stage, n_q, n_k) is not None:  # complete, or causal with n_q == n_k: the last query's
             return n_k if n_q else 0
         dst = self.edges(stage, n_q, n_k)[1]
         return int(torch.bincount(dst).max()) if dst.numel() else 0
