@@ -290,22 +290,18 @@ class _TokenBlockPlan:
         """(key block rows, pair slice, places within the chunk) per chunk of up to ``TILES`` tiles (times
         ``scale``), of the tiles whose key block rows lie in ``keys`` (all by default): tiles run a
         chunk at a time, so that their copies of q, k, v and the gradients stay small."""
-        tile_of_pair = self.place // self.block  # ascending: pairs are in tile order
-        # ascending too: tiles are in key block row order
-        lo, hi = (0, self.n_tiles) if keys == slice(None) else self.tiles_of(keys)
+        # the tiles whose key block rows lie in ``keys`` (tiles are in key block row order)
+        lo, hi = (0, self.n_tiles) if keys == slice(None) else _found(self.key_rows, [keys.start, keys.stop])
         bounds = [*range(lo, hi, TILES * self.scale), hi]
-        # every chunk's first pair in one search and one copy to the host (a sync each on a GPU)
-        firsts = torch.searchsorted(
-            tile_of_pair, torch.tensor(bounds, dtype=tile_of_pair.dtype, device=tile_of_pair.device)
-        ).tolist()
+        firsts = _found(self.place // self.block, bounds)  # each chunk's first pair: pairs are in tile order
         for t0, t1, p0, p1 in zip(bounds, bounds[1:], firsts, firsts[1:]):
             yield self.key_rows[t0:t1], slice(p0, p1), (self.place[p0:p1] - t0 * self.block).long()
 
-    def tiles_of(self, keys: slice) -> tuple[int, int]:
-        """The tiles [lo, hi) whose key block rows lie in ``keys``."""
-        bounds = torch.tensor([keys.start, keys.stop], device=self.key_rows.device)
-        lo, hi = torch.searchsorted(self.key_rows, bounds).tolist()
-        return lo, hi
+
+def _found(ascending: torch.Tensor, values: list[int]) -> list[int]:
+    """Where each of ``values`` goes in ``ascending`` (searchsorted), in one search and one copy to the
+    host: a read per value would be a sync each on a GPU."""
+    return torch.searchsorted(ascending, torch.tensor(values, dtype=ascending.dtype, device=ascending.device)).tolist()
 
 
 def _tiles(pairs: torch.Tensor, places: torch.Tensor, n_tiles: int, block: int) -> torch.Tensor:
