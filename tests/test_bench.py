@@ -153,6 +153,26 @@ def test_bench_train_compares_backends_and_torch_transformer():
     assert (ut.attention_ms.iloc[[1, 3]] == 0).all()  # each bound belongs to its own model variant
 
 
+TINY_COPY = {"n_train": "16", "n_valid": "4", "n_test": "4", "layers": "1", "dim": "16", "heads": "2", "dim_ff": "16"}
+
+
+@pytest.mark.parametrize("walls, median", [((1.0, 3.0), 2.0), ((1.0, 5.0, 2.0), 2.0), ((4.0,), 4.0)])
+def test_a_row_reports_the_median_of_its_rounds(monkeypatch, walls, median):
+    """Of an even number of rounds, the mean of the middle two: not the slower one, which would charge
+    a row for whichever round a slow spell of the machine hit."""
+    from gtx.measure import train_bench
+
+    def rounds(bench, variants, data, log):  # tokens, seconds, data seconds per round
+        return [[(1000, wall, wall / 10) for wall in walls] for _ in variants], [{} for _ in variants]
+
+    monkeypatch.setattr(train_bench, "_time_rounds", rounds)
+    bench = TrainBench("copy", "transformer", "full", ["auto"], steps=1, warmup_steps=1, settings=TINY_COPY)
+    df = bench_train(bench)
+    assert df.step_ms.tolist() == [pytest.approx(1000 * median)] * 3
+    assert df.data_ms.tolist() == [pytest.approx(100 * median)] * 3
+    assert df.tokens_per_s.tolist() == [pytest.approx(1000 / median)] * 3
+
+
 def test_a_row_faster_than_its_ceiling_gets_no_attention_ms_or_ceiling_share(monkeypatch):
     """Timings where gtx's row beats the model without attention (noise): what would be derived from
     that ceiling is left empty and the run says so, rather than a negative attention time."""
@@ -164,17 +184,8 @@ def test_a_row_faster_than_its_ceiling_gets_no_attention_ms_or_ceiling_share(mon
 
     monkeypatch.setattr(train_bench, "_time_rounds", rounds)
     lines = []
-    settings = {
-        "n_train": "16",
-        "n_valid": "4",
-        "n_test": "4",
-        "layers": "1",
-        "dim": "16",
-        "heads": "2",
-        "dim_ff": "16",
-    }
     df = bench_train(
-        TrainBench("copy", "transformer", "full", ["auto"], steps=1, warmup_steps=1, settings=settings), lines.append
+        TrainBench("copy", "transformer", "full", ["auto"], steps=1, warmup_steps=1, settings=TINY_COPY), lines.append
     )
     assert list(df.backend) == ["auto", "(no attention)", "torch.nn"]
     assert df.attention_ms.isna().iloc[0] and df.ceiling_share.isna().iloc[0]

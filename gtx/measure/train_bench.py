@@ -4,6 +4,7 @@ model's plain-torch references and its attention-free ceiling."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -183,7 +184,7 @@ def _rows(bench: TrainBench, variants: list[_Variant], timings: list, choices: l
     """Each variant's median round as a row, with its ratios to its group's reference and bound."""
     rows = []
     for v, times, chosen in zip(variants, timings, choices):
-        tokens, wall, data_s = sorted(times, key=lambda t: t[1])[len(times) // 2]
+        tokens, wall, data_s = times[0][0], *(statistics.median(t[i] for t in times) for i in (1, 2))
         rows.append(
             {
                 "task": bench.task,
