@@ -151,6 +151,8 @@ def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp
         (lambda d: None, "does not exist"),
         (lambda d: (d / "x.pt").write_bytes(b"not a checkpoint"), "truncated or not a gtx checkpoint"),
         (lambda d: torch.save({"weights": torch.zeros(2)}, d / "x.pt"), "not a gtx checkpoint"),
+        (lambda d: (d / "x.pt").write_text("hi"), "truncated or not a gtx checkpoint"),  # a KeyError in the unpickler
+        (lambda d: checkpoint.save(d / "x.pt", {"epoch": 1}), "lacks run_config, common, rows"),
     ],
 )
 def test_eval_of_a_bad_checkpoint_is_one_line(tmp_path, make, message):
@@ -247,6 +249,29 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
     assert result.exit_code == 2, result.output
     assert (
         "training loss is nan at epoch 2, step 10" in result.output
+        and "epochs up to 1 and their checkpoint are kept" in result.output
+    )
+    df = load(tmp_path)
+    assert sorted(df.epoch) == [1, 1]
+    assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
+
+
+def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """The last steps of an epoch can leave the weights non-finite with a finite training loss: the
+    valid loss then reads NaN, and neither that epoch's rows nor its weights are written."""
+    from gtx.experiments import runner
+
+    real = runner.result_row
+
+    def nan_valid_in_epoch_2(common, epoch, split, *a, **kw):
+        row = real(common, epoch, split, *a, **kw)
+        return {**row, "loss": float("nan")} if (epoch, split) == (2, "valid") else row
+
+    monkeypatch.setattr(runner, "result_row", nan_valid_in_epoch_2)
+    result = gtx("run", "--epochs", 3, "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert (
+        "valid loss is nan after epoch 2, step 16" in result.output
         and "epochs up to 1 and their checkpoint are kept" in result.output
     )
     df = load(tmp_path)

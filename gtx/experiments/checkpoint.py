@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import re
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from gtx.errors import GtxError
 from gtx.files import atomic_write
 
 FORMAT = "gtx-checkpoint/1"
+REQUIRED = ("run_config", "common", "epoch", "rows")  # what every reader of a checkpoint takes from it
 LAST, BEST = "last.pt", "best.pt"
 
 
@@ -50,7 +49,7 @@ def load(path: str | Path, mmap: bool = False) -> dict:
         with warnings.catch_warnings():  # torch warns before some of the errors below; the one line says it all
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
+    except Exception as e:  # arbitrary bytes fail the unpickler in many ways (a KeyError for "hi")
         raise GtxError(
             f"checkpoint {path} is truncated or not a gtx checkpoint ({type(e).__name__}); use a file written by gtx run"
         ) from None
@@ -58,6 +57,9 @@ def load(path: str | Path, mmap: bool = False) -> dict:
         raise GtxError(
             f"checkpoint {path} is not a gtx checkpoint (no {FORMAT!r} marker); use a file written by gtx run"
         )
+    missing = [key for key in REQUIRED if key not in state]
+    if missing:
+        raise GtxError(f"checkpoint {path} lacks {', '.join(missing)}; use a file written by gtx run")
     return state
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -115,5 +116,9 @@ def evaluate_checkpoint(
         **versions(),
     }
     rows = [result_row(common, state["epoch"], split, stats, attention, setup["attention_stage"])]
+    if not math.isfinite(rows[0]["loss"]):
+        raise GtxError(
+            f"{path}: its {split} loss is {rows[0]['loss']}: the checkpoint's weights are not finite; nothing written"
+        )
     write_run(checked_results_dir(results_dir), run_id, rows)
     return pd.DataFrame(rows)

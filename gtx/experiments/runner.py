@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -235,11 +236,19 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
     )
     run.judge(valid, epoch)
     new.append(result_row(run.common, epoch, "valid", valid, run.attention, stages_of(run.model)))
+    _finite(run, new[-1])
     run.say(
         f"epoch {epoch}: valid loss {new[-1]['loss']:.4f} acc {new[-1]['token_acc']:.4f} "
         + " ".join(f"{k} {v:.4f}" for k, v in scalar_metrics(valid.extra).items())
     )
     return new
+
+
+def _finite(run: _Run, row: dict) -> None:
+    """Refuse an evaluation's NaN or infinite loss (the last steps left the weights non-finite)
+    before its row or a checkpoint of those weights is written over the last good ones."""
+    if not math.isfinite(row["loss"]):
+        raise NonFiniteLoss(run.trainer.step, row["loss"], row["split"])
 
 
 def _save_epoch(run: _Run, epoch: int, new: list[dict], loggers: Loggers) -> None:
@@ -283,6 +292,7 @@ def _test(run: _Run, last: int) -> None:
         on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
     )
     run.rows.append(result_row(run.common, last, "test", test, run.attention, stages_of(run.model)))
+    _finite(run, run.rows[-1])
     if run.world.main:  # the results first: a run killed between the two is complete to a sweep, never 'finished' yet missing its test rows
         write_run(run.results_dir, run.common["run_id"], run.rows)
         if run.snapshot is not None:
@@ -323,9 +333,9 @@ def run(
             if epoch > run.start
             else "nothing new was written"
         )
+        what = f"training loss is {e.value} at" if e.split == "train" else f"{e.split} loss is {e.value} after"
         raise GtxError(
-            f"run {run_id} stopped: training loss is {e.value} at epoch {epoch}, step {e.step}; {kept}; "
-            "lower --set lr_factor, or raise --set warmup"
+            f"run {run_id} stopped: {what} epoch {epoch}, step {e.step}; {kept}; lower --set lr_factor, or raise --set warmup"
         ) from None
     except KeyboardInterrupt:
         status = "interrupted"

@@ -200,11 +200,13 @@ class Meter:
 
 
 class NonFiniteLoss(GtxError):
-    """The training loss became NaN or infinite at optimizer step ``step`` (the runner adds the epoch)."""
+    """A split's loss became NaN or infinite: training's at optimizer step ``step``, or an evaluation's
+    after ``step`` steps (its weights no longer finite; the runner adds the epoch)."""
 
-    def __init__(self, step: int, value: float):
-        self.step, self.value = step, value
-        super().__init__(f"training loss is {value} at step {step}")
+    def __init__(self, step: int, value: float, split: str = "train"):
+        self.step, self.value, self.split = step, value, split
+        at = f"at step {step}" if split == "train" else f"after step {step}"
+        super().__init__(f"{'training' if split == 'train' else split} loss is {value} {at}")
 
 
 class Trainer:
