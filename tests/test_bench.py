@@ -17,6 +17,7 @@ from gtx.backends.auto import estimate, work
 from gtx.cli import cli
 from gtx.data.batch import make_batch
 from gtx.data.task import SPLITS, Task
+from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.measure import bench, reference
@@ -402,6 +403,20 @@ def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     for table in tables:
         auto.costs_path(table).unlink()
     auto.costs.cache_clear()
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]", '{"dense": "abc"}', '{"dense": [1, "x"]}'])
+def test_a_broken_calibration_file_is_one_line_naming_it(tmp_path, monkeypatch, text):
+    from gtx.backends import auto
+
+    (tmp_path / "costs-cpu.json").write_text(text)
+    monkeypatch.setattr(auto, "costs_path", lambda table: tmp_path / f"costs-{table}.json")
+    auto.costs.cache_clear()
+    try:
+        with pytest.raises(GtxError, match="costs-cpu.json is not a calibration table .* gtx bench calibrate"):
+            auto.costs("cpu")
+    finally:
+        auto.costs.cache_clear()
 
 
 def test_auto_offers_flex_on_cpu_only_without_gradients(monkeypatch):

@@ -40,6 +40,7 @@ from gtx.backends import Backend
 from gtx.backends.blocksparse import block_pairs
 from gtx.backends.flash import flash_attention, flash_plan, flash_structure
 from gtx.backends.packed import QUERY_WORK
+from gtx.errors import GtxError
 from gtx.graph.tokens import EdgeSet
 
 # Seconds per unit of work and per call, float32, forward + backward ("cpu", "cuda") and forward
@@ -103,8 +104,20 @@ def costs(table: str) -> dict[str, tuple[float, float]]:
         return costs(table.removesuffix("-forward"))
     table = dict(COSTS.get(table, {}))
     if path.exists():
-        table.update({k: tuple(v) for k, v in json.loads(path.read_text()).items()})
+        table.update(_calibrated(path))
     return table
+
+
+def _calibrated(path: Path) -> dict[str, tuple[float, float]]:
+    """A calibration file's constants: per candidate, two finite numbers; anything else is one line."""
+    try:
+        found = json.loads(path.read_text())
+        pairs = {str(k): (float(a), float(b)) for k, (a, b) in found.items()}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
+        raise GtxError(
+            f"{path} is not a calibration table ({type(e).__name__}): delete it, or write it again with gtx bench calibrate"
+        ) from None
+    return pairs
 
 
 def work(edges: EdgeSet, heads: int, dim: int, kinds: set[str]) -> dict[str, float]:
