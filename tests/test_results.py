@@ -25,6 +25,24 @@ def test_schema_is_enforced():
         validate(pd.DataFrame([row(acc=None)]))
     with pytest.raises(ValueError, match="dtypes"):
         validate(pd.DataFrame([row(epoch="one")]))
+    with pytest.raises(ValueError, match="column config of row 1 is not JSON"):
+        validate(pd.DataFrame([row(config="{}"), row(config='{"a": ')]))
+
+
+def test_load_skips_a_file_with_broken_json_and_a_folder_named_like_a_run(tmp_path):
+    """A hand-edited ``config`` or ``metrics`` cell, or a folder ``x.csv``, is skipped with a warning:
+    every command that reads runs (runs, compare, show, report, plot) goes on with the others."""
+    write_run(tmp_path, "good", [row(run_id="good")])
+    (tmp_path / "runs" / "x.csv").mkdir()
+    broken = tmp_path / "runs" / "edited.csv"
+    pd.DataFrame([row(run_id="edited")]).assign(metrics="{oops").to_csv(broken, index=False)
+    with pytest.warns(UserWarning) as caught:
+        df = load(tmp_path)
+    assert list(df.run_id) == ["good"]
+    assert sorted(str(w.message).split(":")[0] for w in caught) == [
+        f"skipping {broken}",
+        f"skipping {tmp_path / 'runs' / 'x.csv'}",
+    ]
 
 
 def test_write_and_load_round_trip(tmp_path):

@@ -109,7 +109,22 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     nulls = [c for c in REQUIRED if df[c].isna().any()]
     if nulls:
         raise ValueError(f"results: required columns hold missing values: {nulls}")
+    for column in JSON_COLUMNS:
+        broken = [i for i, text in df[column].dropna().items() if _not_json(text)]
+        if broken:
+            raise ValueError(f"results: column {column} of row {broken[0]} is not JSON")
     return df
+
+
+JSON_COLUMNS = ("metrics", "backend_plan", "config")
+
+
+def _not_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    return False
 
 
 def identity_keys(
@@ -179,7 +194,7 @@ def load(results_dir: str | Path) -> pd.DataFrame:
             check_known_schema(f, df.get("schema_version", []))
             df = validate(df.assign(**{c: v for c, v in ADDED.items() if c not in df.columns}))
             frames.append(validate(_rekey(df)) if len(df) and df.schema_version.iloc[0] < KEYED_SINCE else df)
-        except (ValueError, pd.errors.ParserError) as e:
+        except (OSError, ValueError, pd.errors.ParserError) as e:  # OSError: a folder named *.csv, unreadable
             warnings.warn(f"skipping {f}: {e}", stacklevel=2)
     if not frames:
         return validate(pd.DataFrame({c: pd.Series(dtype=t) for c, t in COLUMNS.items()}))
