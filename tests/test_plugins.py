@@ -116,6 +116,36 @@ def test_pattern_raising_while_building_edges_is_named(plugin_dir):
         parse_pattern("bad").edges("ee", 2, 2)
 
 
+def test_a_backend_whose_available_raises_or_takes_no_device_is_named(plugin_dir):
+    from click.testing import CliRunner
+
+    from gtx.backends import get_backend
+    from gtx.cli import cli
+
+    folder = plugin_dir(
+        old_style="""
+        from gtx import hookimpl
+        from gtx.backends import Backend
+
+        class Mine(Backend):
+            name = "mine"
+
+            def available(self):  # written before available took the device
+                return None
+
+        @hookimpl
+        def register_backends(register):
+            register("mine", Mine())
+        """
+    )
+    plugins.load_plugins(dirs=[folder])
+    with pytest.raises(PluginError, match=r"backend 'mine' of .*old_style.py raised in available\(device\): TypeError"):
+        get_backend("mine")
+    listed = CliRunner().invoke(cli, ["backends", "--plugins-dir", str(folder)])
+    assert listed.exit_code == 2 and "old_style.py raised in available(device)" in listed.output
+    assert "Traceback" not in listed.output
+
+
 def test_missing_folder_is_an_error(tmp_path):
     with pytest.raises(PluginError, match="does not exist; pass an existing folder"):
         plugins.load_plugins(dirs=[tmp_path / "nope"])

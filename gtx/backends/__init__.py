@@ -15,7 +15,7 @@ import functools
 import torch
 
 from gtx import hookimpl
-from gtx.errors import GtxError
+from gtx.errors import GtxError, plugin_code
 from gtx.graph.tokens import EdgeSet
 
 
@@ -71,12 +71,21 @@ def float32_sums(call):
     return wrapper
 
 
+def unavailable(entry, device: torch.device | str = "cpu") -> str | None:
+    """Why the registered backend ``entry`` (a registry Entry) cannot run on ``device``, or None; a
+    plugin's ``available`` that raises (or takes no device) is one line naming the plugin."""
+    from gtx.plugins.registry import label_of
+
+    with plugin_code(f"backend {entry.name!r} of {label_of(entry.plugin)}", "in available(device)"):
+        return entry.obj.available(device)
+
+
 def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
     """The registered backend ``name``, checked to be usable on ``device``."""
     from gtx.plugins.registry import BACKENDS
 
-    backend = BACKENDS.get(name).obj
-    reason = backend.available(device)
+    entry = BACKENDS.get(name)
+    backend, reason = entry.obj, unavailable(entry, device)
     if reason:
         raise GtxError(
             f"backend {name!r} is unavailable on {device}: {reason}; choose another with --backend ({', '.join(BACKENDS.names())})"

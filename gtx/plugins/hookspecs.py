@@ -42,7 +42,8 @@ def register_backends(register):
     """Register attention backends: ``register(name, backend)``.
 
     ``backend`` is a ``gtx.backends.Backend``: ``backend(q, k, v, edges)`` computes softmax attention
-    of each query over its incoming edges; ``backend.available()`` returns ``None`` or why not.
+    of each query over its incoming edges; ``backend.available(device)`` returns ``None`` where it runs on
+    ``device`` (a ``torch.device`` or its name), else why not.
     """
 
 
