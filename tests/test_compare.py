@@ -70,6 +70,8 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
     )
     with pytest.raises(Exception, match="cannot group by"):
         compare(validate(pd.DataFrame(rows)), ["nope"])
+    with pytest.raises(Exception, match="--by names task more than once"):
+        compare(validate(pd.DataFrame(rows)), ["task,task"])
 
 
 def test_compare_summarises_seeds_tests_against_full_and_marks_the_front():

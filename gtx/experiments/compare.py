@@ -50,6 +50,9 @@ def check_by(by: Iterable[str], columns: Iterable[str] = COLUMNS) -> list[str]:
     unknown = [c for c in by if c not in columns]
     if unknown:
         raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(columns)}")
+    repeated = sorted({c for c in by if by.count(c) > 1})
+    if repeated:
+        raise GtxError(f"--by names {', '.join(repeated)} more than once; name each column once")
     return by
 
 
