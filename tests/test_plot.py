@@ -378,6 +378,16 @@ def test_report_is_one_self_contained_page(tmp_path):
     assert write_report(tmp_path, tmp_path / "sub" / "r.html").exists()
 
 
+def test_report_and_plots_never_write_over_a_results_table(tmp_path):
+    fake_results(tmp_path)
+    table = next((tmp_path / "runs").glob("*.csv"))
+    before = table.read_bytes()
+    for args in (["report", "-o", table], ["plot", "results", "--format", "png", "-o", table]):
+        result = gtx(*args[:-2], "--results", tmp_path, *args[-2:])
+        assert result.exit_code == 2 and "holds data (.csv file); it is not replaced" in result.output, result.output
+    assert table.read_bytes() == before
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

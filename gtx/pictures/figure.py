@@ -43,7 +43,7 @@ def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
         raise GtxError(
             f"cannot tell the format of {path}: name it .png, .svg or .pdf, or give the format (--format png, svg or pdf)"
         )
-    ensure_parent(path)
+    ready_to_write(path)
     try:
         fig.savefig(path, format=fmt, dpi=100)
     except OSError as e:
@@ -51,8 +51,16 @@ def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
     return path
 
 
-def ensure_parent(path: Path) -> None:
-    """Create the folders above ``path``; GtxError if one of them is a file or cannot be made."""
+# files a figure or report never replaces: results tables, checkpoints, settings, code
+KEPT_SUFFIXES = (".csv", ".pt", ".json", ".toml", ".py", ".safetensors")
+
+
+def ready_to_write(path: Path) -> None:
+    """Create the folders above ``path``; GtxError if one of them is a file or cannot be made, or if
+    ``path`` is an existing file that holds data (``KEPT_SUFFIXES``: a typo in ``-o`` must not
+    replace a results table with a picture)."""
+    if path.suffix.lower() in KEPT_SUFFIXES and path.is_file():
+        raise GtxError(f"{path} exists and holds data ({path.suffix} file); it is not replaced: choose another -o path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -21,7 +21,7 @@ from gtx.experiments.frontier_tables import format_frontier, load_frontiers
 from gtx.experiments.results import load, training_runs
 from gtx.graph.pattern import STAGES
 from gtx.pictures import plot
-from gtx.pictures.figure import ensure_parent, png_bytes
+from gtx.pictures.figure import png_bytes, ready_to_write
 
 DEFAULT_LEN = 64  # pattern pictures of runs without a recorded context_len
 MAX_LEN = 4096  # longer contexts are drawn at this length: building the edges of a longer one takes long
@@ -188,7 +188,7 @@ def write_report(results_dir: str | Path, path: str | Path | None = None, **kw) 
         raise GtxError(f"no runs under {results_dir / 'runs'}; run `gtx run` first, or pass --results DIR")
     path = Path(path) if path is not None else results_dir / "report.html"
     text = report(df, source=str(results_dir), frontiers=load_frontiers(results_dir), **kw)
-    ensure_parent(path)
+    ready_to_write(path)
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:
