@@ -141,3 +141,22 @@ def test_batches_are_flat_and_graphs_match(tiny_task):
     assert batch.tgt_in[0] == Vocab.sos and batch.targets[int(batch.graph.tgt_lens[0]) - 1] == Vocab.eos
     assert batch.graph.edges["ed"].n_src == batch.src.numel()
     assert (batch.src_pos[: int(lens[0])] == __import__("torch").arange(int(lens[0]))).all()
+
+
+@pytest.mark.parametrize("task, model", [("copy", "transformer"), ("sort", "ut")])
+def test_letter_lengths_past_the_models_positions_are_refused_before_the_data(task, model, monkeypatch, tmp_path):
+    """mean_len=1e9 once generated gigabytes of letters first; the transformer and the UT have a
+    table of 4096 positions and no max_len setting to raise."""
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+
+    made = []
+    monkeypatch.setattr(TASKS.get(task).obj, "generate", lambda self: made.append(1))
+    args = ["run", "--task", task, "--model", model, "--set", "mean_len=1e9", "--results", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and not made and not any(tmp_path.iterdir())
+    assert result.output.strip().endswith(
+        f"task {task!r} has sequences of 1000000001 tokens but model {model!r} has positions for 4096; "
+        "shorten the task's sequences"
+    )

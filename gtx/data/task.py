@@ -120,8 +120,9 @@ class Task:
         return (src, src) if self.form == "lm" else (src, Vocab(sorted({t for _, y in train for t in y})))
 
     def declared_len(self) -> int | None:
-        """``context_len`` as the task's settings state it, known before any data is made (None: the
-        data alone tells). gtx checks it against the model's positions before generating the data."""
+        """A length the task's settings say its sequences reach (``context_len`` or less), known before
+        any data is made (None: the data alone tells). gtx checks it against the model's positions
+        before generating the data."""
         return None
 
     def context_len(self) -> int:

@@ -210,11 +210,12 @@ def check_positions(config: RunConfig, model_config, max_len: int | None, length
     """One line when the task's sequences (``length`` tokens) are longer than the model has positions for."""
     if max_len is None or length is None or length <= max_len:
         return
-    fix = (
-        f"they are the pretrained model's (path={model_config.path}): shorten the task's sequences"
-        if getattr(model_config, "path", "")
-        else f"raise --set max_len={length} or shorten the task's sequences"
-    )
+    if getattr(model_config, "path", ""):
+        fix = f"they are the pretrained model's (path={model_config.path}): shorten the task's sequences"
+    elif hasattr(model_config, "max_len"):
+        fix = f"raise --set max_len={length} or shorten the task's sequences"
+    else:
+        fix = "shorten the task's sequences"
     raise GtxError(
         f"task {config.task!r} has sequences of {length} tokens but model {config.model!r} has positions for {max_len}; {fix}"
     )
@@ -234,7 +235,7 @@ def resolve(config: RunConfig) -> Resolved:
         raise GtxError(
             f"model {config.model!r} does not serve {task.form} tasks such as {config.task!r}; models that do: {', '.join(fit) or '(none)'}"
         )
-    max_len = getattr(c.model, "max_len", None)
+    max_len = getattr(c.model, "max_len", None) or getattr(c.model_entry.obj, "positions", None)
     task.check_tokenizer()
     # before the data: a length past the model's is made for nothing
     check_positions(config, c.model, max_len, task.declared_len())

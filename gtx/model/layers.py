@@ -44,10 +44,13 @@ class Output:
     steps: list[torch.Tensor] = field(default_factory=list)
 
 
+POSITIONS = 4096  # rows of the sinusoidal table of a model whose config sets no max_len
+
+
 class PositionalEncoding(nn.Module):
     """Sinusoidal table, indexed by position (or ACT step): (n,) int64 -> (n, d)."""
 
-    def __init__(self, dim: int, max_len: int = 4096):
+    def __init__(self, dim: int, max_len: int = POSITIONS):
         super().__init__()
         pos = torch.arange(max_len, dtype=torch.float32)[:, None]
         div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
@@ -160,7 +163,7 @@ class Embeddings(nn.Module):
         dropout: float,
         share: bool,
         scale: float,
-        max_len: int = 4096,
+        max_len: int = POSITIONS,
     ):
         super().__init__()
         self.dim, self.scale = dim, scale

@@ -11,7 +11,16 @@ from torch import nn
 from gtx import hookimpl
 from gtx.attention.module import layer_attention
 from gtx.model.engine import propagate_attention, update_graph
-from gtx.model.layers import DecoderLayer, Embeddings, Encoded, EncoderLayer, Output, Seq2SeqModel, append_keys
+from gtx.model.layers import (
+    POSITIONS,
+    DecoderLayer,
+    Embeddings,
+    Encoded,
+    EncoderLayer,
+    Output,
+    Seq2SeqModel,
+    append_keys,
+)
 from gtx.values import setting
 
 
@@ -32,6 +41,7 @@ class Transformer(Seq2SeqModel):
     """Transformer encoder-decoder (Vaswani et al.) as message passing over ee, dd and ed edges."""
 
     torch_references = ("torch.nn",)  # torch.nn.Transformer of the same sizes
+    positions = POSITIONS  # its embeddings' table: the longest sequence it reads
 
     def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, attention):
         super().__init__(attention)

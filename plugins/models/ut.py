@@ -13,6 +13,7 @@ from gtx.attention.module import layer_attention
 from gtx.model.act import AdaptiveComputation, Halting
 from gtx.model.engine import apply_nodes, propagate_attention, update_graph
 from gtx.model.layers import (
+    POSITIONS,
     DecoderLayer,
     Embeddings,
     Encoded,
@@ -42,6 +43,7 @@ class UTConfig:
 class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
     """Universal Transformer with ACT: shared layers repeated per node until it halts."""
 
+    positions = POSITIONS  # its embeddings' table: the longest sequence it reads
     bench_variants = {"[act=false]": {"act": "false"}}  # every node runs max_depth steps: what halting saves
 
     def __init__(self, config: UTConfig, src_vocab, tgt_vocab, attention):

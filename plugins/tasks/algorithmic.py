@@ -42,6 +42,9 @@ class LetterTask(Task):
     def max_decode_len(self, src_len):
         return src_len + 1
 
+    def declared_len(self) -> int:
+        return int(self.config.mean_len) + 1  # about half the sequences are this long or longer (with <eos>)
+
 
 class Copy(LetterTask):
     """Copy: the target is the source (letters a-z, lengths ~ N(15, 3))."""
