@@ -20,6 +20,7 @@ from gtx import plugins
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
 from gtx.cli import cli
+from gtx.errors import GtxError
 from gtx.experiments.checkpoint import checkpoint_dir
 from gtx.experiments.results import load
 from gtx.graph.spec import parse_pattern
@@ -238,3 +239,16 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
     assert again.exit_code == 2 and "is not empty" in again.output and again.output.count("\n") == 1
     unknown = CliRunner().invoke(cli, ["generate", "zzzzzz", "--results", str(results), *prompt])
     assert unknown.exit_code == 2 and "no run 'zzzzzz'" in unknown.output and unknown.output.count("\n") == 1
+
+
+def test_prefill_lengths_are_checked_against_memory_with_their_logits(monkeypatch):
+    """Hidden states of 10^8 tokens x 16 (12 GiB) fit a 16 GiB machine; with their logits over the
+    random model's 256 tokens they do not: refused before a model is built (it was killed for memory)."""
+    from gtx.measure import prefill
+
+    monkeypatch.setattr(prefill, "_physical_bytes", lambda: 16 * 2**30)
+    with pytest.raises(
+        GtxError, match=r"at least 107.3 GiB \(hidden states of 99,999,999 tokens x 16, twice, and their logits"
+    ):
+        prefill.check_lengths("llama", {"dim": "16"}, [99_999_999])
+    prefill.check_lengths("llama", {"dim": "16"}, [4096])

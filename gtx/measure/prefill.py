@@ -44,8 +44,8 @@ def _config(family: str, settings: dict[str, str], length: int):
 
 def check_lengths(family: str, settings: dict[str, str], lengths: Sequence[int]) -> None:
     """Before any model or data is made: each length within the model's positions (a folder's, or
-    ``--set max_len``; a random model is otherwise built with as many as the length), and its hidden
-    states (the least one forward holds: a layer's input and output) within this machine's memory."""
+    ``--set max_len``; a random model is otherwise built with as many as the length), and the least
+    one forward holds (a layer's input and output, the logits) within this machine's memory."""
     memory = _physical_bytes()
     for n in lengths:
         config = _config(family, settings, n)
@@ -55,11 +55,12 @@ def check_lengths(family: str, settings: dict[str, str], lengths: Sequence[int])
                 f"bench prefill --lengths {n}: past the model's {config.max_len} positions ({whose}); give lengths up to "
                 f"{config.max_len}{'' if config.path else ', or raise max_len'}"
             )
-        least = 2 * n * config.dim * 4  # float32
+        least = n * (2 * config.dim + VOCAB) * 4  # float32
         if memory and least > memory:
             raise GtxError(
                 f"bench prefill --lengths {n}: one forward pass holds at least {least / 2**30:,.1f} GiB (hidden states of "
-                f"{n:,} tokens x {config.dim}, twice), more than this machine's {memory / 2**30:,.1f} GiB; give shorter lengths"
+                f"{n:,} tokens x {config.dim}, twice, and their logits over {VOCAB} tokens), more than this machine's "
+                f"{memory / 2**30:,.1f} GiB; give shorter lengths"
             )
 
 
