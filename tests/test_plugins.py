@@ -146,6 +146,43 @@ def test_a_backend_whose_available_raises_or_takes_no_device_is_named(plugin_dir
     assert "Traceback" not in listed.output
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("raise RuntimeError('kaput')", r"raised computing ee attention: RuntimeError: kaput"),
+        ("return v[:1]", r"returned \(1, 2, 8\) for ee attention, not \(n_dst, H, Dv\) = \(\d+, 2, 8\)"),
+    ],
+)
+def test_a_plugin_backend_failing_in_a_run_is_one_line_naming_it(plugin_dir, tmp_path, body, message):
+    import re
+
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+
+    folder = plugin_dir(
+        failing=f"""
+        from gtx import hookimpl
+        from gtx.backends import Backend
+
+        class Failing(Backend):
+            name = "failing"
+
+            def __call__(self, q, k, v, edges):
+                {body}
+
+        @hookimpl
+        def register_backends(register):
+            register("failing", Failing())
+        """
+    )
+    sizes = ["--set", "n_train=16", "--set", "n_valid=4", "--set", "n_test=4", "--layers", "1", "--dim", "16"]
+    args = ["run", "--backend", "failing", "--plugins-dir", str(folder), "--results", str(tmp_path), *sizes]
+    result = CliRunner().invoke(cli, [*args, "--heads", "2", "--dim-ff", "16", "--epochs", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert re.search(r"backend 'failing' of .*failing.py " + message, result.output), result.output
+
+
 def test_missing_folder_is_an_error(tmp_path):
     with pytest.raises(PluginError, match="does not exist; pass an existing folder"):
         plugins.load_plugins(dirs=[tmp_path / "nope"])

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from gtx import hookimpl
-from gtx.errors import GtxError, plugin_code
+from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.graph.tokens import EdgeSet
 
 
@@ -81,16 +81,53 @@ def unavailable(entry, device: torch.device | str = "cpu") -> str | None:
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
-    """The registered backend ``name``, checked to be usable on ``device``."""
-    from gtx.plugins.registry import BACKENDS
+    """The registered backend ``name``, checked to be usable on ``device``; a plugin's runs as
+    ``PluginBackend``."""
+    from gtx.plugins.registry import BACKENDS, DEFAULT_PLUGINS
 
     entry = BACKENDS.get(name)
-    backend, reason = entry.obj, unavailable(entry, device)
+    reason = unavailable(entry, device)
     if reason:
         raise GtxError(
             f"backend {name!r} is unavailable on {device}: {reason}; choose another with --backend ({', '.join(BACKENDS.names())})"
         )
-    return backend
+    return entry.obj if entry.plugin in DEFAULT_PLUGINS else PluginBackend(entry)
+
+
+class PluginBackend(Backend):
+    """A plugin's backend, run so that what it raises is one line naming it (``plugin_code``) and an
+    output of the wrong shape is caught where it is made, not as a shape error in the next layer."""
+
+    def __init__(self, entry):
+        from gtx.plugins.registry import label_of
+
+        self.inner, self.who = entry.obj, f"backend {entry.name!r} of {label_of(entry.plugin)}"
+        self.name, self.supports_bias = self.inner.name, getattr(self.inner, "supports_bias", False)
+
+    def available(self, device="cpu"):
+        with plugin_code(self.who, "in available(device)"):
+            return self.inner.available(device)
+
+    def trains_on(self, device="cpu"):
+        with plugin_code(self.who, "in trains_on(device)"):
+            return self.inner.trains_on(device)
+
+    def supports(self, edges, dtype):
+        with plugin_code(self.who, "in supports(edges, dtype)"):
+            return self.inner.supports(edges, dtype)
+
+    def __call__(self, q, k, v, edges, **kw):
+        with plugin_code(self.who, f"computing {edges.stage} attention"):
+            out = self.inner(q, k, v, edges, **kw)
+        want = (q.shape[0], q.shape[1], v.shape[-1])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PluginError(f"{self.who} returned {got} for {edges.stage} attention, not (n_dst, H, Dv) = {want}")
+        return out
+
+    def reset_choices(self):
+        with plugin_code(self.who, "in reset_choices()"):
+            return self.inner.reset_choices()
 
 
 @hookimpl
