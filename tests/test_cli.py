@@ -157,6 +157,10 @@ def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
         (["bench", "prefill", "--lengths", "100000000000"], "one forward pass holds at least 143,051.1 GiB"),
         (["bench", "attention", "--lengths", "64,64"], "a length named twice"),
         (["bench", "attention", "--lengths", "0"], "'0' is not a length"),
+        (["bench", "attention", "--lengths", ""], "--lengths '': '' is not a length"),
+        (["bench", "attention", "--lengths", "16,,32"], "--lengths '16,,32': '' is not a length"),
+        (["bench", "attention", "--backends", ""], "--backends '' names none; give at least one"),
+        (["bench", "train", "--backends", " , "], "--backends ' , ' names none"),
         (
             ["generate", "--set", "path=x", "--prompt", "caf\udce9"],
             "--prompt is not UTF-8 text (byte b'\\xe9' at position 3)",

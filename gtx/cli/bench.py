@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gtx.cli.common import GtxGroup, csv_list, key_value, lengths_option
+from gtx.cli.common import GtxGroup, key_value, lengths_option, names_option
 from gtx.experiments.results import format_table
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import BACKENDS, load_plugins
@@ -59,6 +59,7 @@ def busy_note(busy: float | None = None, cores: int | None = None) -> str | None
     "--backends",
     default="dense,dgl,blocksparse,auto",
     show_default=True,
+    callback=names_option,
     help="Backends, comma-separated; for reference, sdpa is plain torch's SDPA (is_causal, unmasked or a boolean mask) "
     "and flexattention FlexAttention called directly with the flex backend's BlockMask.",
 )
@@ -90,16 +91,15 @@ def bench_attention(
     from gtx.measure import bench as gtx_bench
 
     load_plugins(dirs=plugins_dirs)
-    names = csv_list(backends)
     dev = resolve_device(device)
-    for name in names:
+    for name in backends:
         if name not in gtx_bench.REFERENCE_CELLS:  # plain torch, for reference: not a gtx backend
             BACKENDS.get(name)
     specs = [parse_pattern(p).spec for p in patterns]
     df = gtx_bench.bench_attention(
         specs,
         lengths,
-        names,
+        backends,
         heads,
         head_dim,
         repeats,
@@ -151,7 +151,13 @@ def bench_calibrate(device, heads, head_dim, forward):
     show_default=True,
     help="Pattern spec (repeatable: one table).",
 )
-@click.option("--backends", default="auto,dgl,dgl-seed", show_default=True, help="Backends, comma-separated.")
+@click.option(
+    "--backends",
+    default="auto,dgl,dgl-seed",
+    show_default=True,
+    callback=names_option,
+    help="Backends, comma-separated.",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
 @click.option(
     "--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Model, task or training setting."
@@ -216,7 +222,7 @@ def bench_train(
         task,
         model,
         patterns,
-        csv_list(backends),
+        backends,
         steps,
         settings=settings,
         device=device,
@@ -264,6 +270,7 @@ def bench_train(
     "--backends",
     default="auto",
     show_default=True,
+    callback=names_option,
     help="gtx backends, comma-separated: a row per pattern and backend (e.g. auto,flex,blocksparse).",
 )
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
@@ -279,10 +286,9 @@ def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, r
     from gtx.measure.prefill import bench_prefill as run
 
     load_plugins()
-    names = csv_list(backends)
-    for name in names:
+    for name in backends:
         BACKENDS.get(name)  # an unknown name is one line before the model is built
-    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True), backends=names)
+    df = run(family, patterns, lengths, settings, repeats, log=lambda s: click.echo(s, err=True), backends=backends)
     path = gtx_bench.save(df, results_dir, "prefill")
     click.echo(format_table(df, fmt))
     click.echo(f"table: {path}", err=True)

@@ -76,13 +76,21 @@ def csv_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def names_option(ctx, param, value: str) -> list[str]:
+    """A click callback: comma-separated names, at least one."""
+    names = csv_list(value)
+    if not names:
+        raise CliError(f"--{param.name} {value!r} names none; give at least one, comma-separated")
+    return names
+
+
 def lengths_option(ctx, param, value: str) -> list[int]:
     """A click callback: comma-separated sequence lengths, each a positive integer, none twice."""
-    items = csv_list(value)
+    items = [v.strip() for v in value.split(",")]  # an empty item ("", "16,,32") is no length either
     bad = next((v for v in items if not v.isdigit() or int(v) < 1), None)
-    if bad is not None or not items:
+    if bad is not None:
         raise CliError(
-            f"--lengths {value}: {bad!r} is not a length; give positive integers separated by commas, e.g. 4096,16384"
+            f"--lengths {value!r}: {bad!r} is not a length; give positive integers separated by commas, e.g. 4096,16384"
         )
     if len(set(map(int, items))) < len(items):
         raise CliError(f"--lengths {value}: a length named twice; give each once")
