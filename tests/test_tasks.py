@@ -132,6 +132,16 @@ def test_data_is_cached_on_disk(monkeypatch):
     assert again.splits() == first
 
 
+@pytest.mark.parametrize("text", ["{bad", "[]", '{"train": 1}'])
+def test_an_unreadable_cached_file_is_made_again_with_a_warning(text):
+    first = make("copy", n_train=20, n_valid=5, n_test=5, seed=124).splits()
+    (path,) = [f for f in (cache_dir() / "data" / "copy").glob("*.json") if '"seed": 124' in f.read_text()]
+    path.write_text(text)
+    with pytest.warns(UserWarning, match=f"cached data {path} is unreadable .*; making it again"):
+        again = make("copy", n_train=20, n_valid=5, n_test=5, seed=124).splits()
+    assert again == first and json.loads(path.read_text())["config"]["seed"] == 124
+
+
 def test_batches_are_flat_and_graphs_match(tiny_task):
     batch = next(batches(tiny_task, "train", parse_pattern("local:w=1"), 5))
     lens = batch.graph.src_lens

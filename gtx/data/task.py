@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
 
 from gtx.data.vocab import Vocab
@@ -107,8 +108,11 @@ class Task:
         key = json.dumps(dataclasses.asdict(self.config), sort_keys=True)
         path = cache_dir() / "data" / self.name / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
         if path.exists():
-            data = json.loads(path.read_text())
-            return {s: [tuple(e) for e in data[s]] for s in SPLITS}
+            try:
+                data = json.loads(path.read_text())
+                return {s: [tuple(e) for e in data[s]] for s in SPLITS}
+            except (OSError, ValueError, KeyError, TypeError) as e:  # a cache: made again, never a settings error
+                warnings.warn(f"cached data {path} is unreadable ({type(e).__name__}); making it again", stacklevel=2)
         data = self.generate()
         atomic_write(path, json.dumps({"config": json.loads(key), **data}))
         return data
