@@ -115,6 +115,13 @@ def test_translation_reads_its_folder_and_scores_bleu(tmp_path):
     assert task.metrics([["the", "cat", "sat", "on", "the", "mat"]], [["the", "cat", "sat", "on", "the", "mat"]])[
         "bleu"
     ] == pytest.approx(100)
+    (tmp_path / "val.src").write_bytes(b"caf\xe9\n")
+    with pytest.raises(GtxError, match=r"val.src is not UTF-8 text \(byte b'\\xe9' at 3\)"):
+        make("translation", data_dir=str(tmp_path)).splits()
+    (tmp_path / "val.src").write_text("\n")
+    with pytest.raises(GtxError, match=r"val.src and .*val.tgt hold no pair of non-empty lines"):
+        make("translation", data_dir=str(tmp_path)).splits()
+    (tmp_path / "val.src").write_text("a b\n")
     (tmp_path / "test.tgt").unlink()
     with pytest.raises(GtxError, match=r"missing .*test.tgt; data_dir needs train, val and test"):
         make("translation", data_dir=str(tmp_path)).splits()

@@ -56,11 +56,13 @@ class Translation(Task):
                 raise GtxError(
                     f"task translation: missing {', '.join(missing)}; data_dir needs train, val and test .src/.tgt files"
                 )
-            src, tgt = (p.read_text(encoding="utf-8").splitlines() for p in paths)
+            src, tgt = (_lines(p) for p in paths)
             if len(src) != len(tgt):
                 raise GtxError(f"task translation: {paths[0]} has {len(src)} lines but {paths[1]} has {len(tgt)}")
             pairs = [(self.tokenize(s), self.tokenize(t)) for s, t in zip(src, tgt)]
             pairs = [(s, t) for s, t in pairs if s and t]
+            if not pairs:
+                raise GtxError(f"task translation: {paths[0]} and {paths[1]} hold no pair of non-empty lines")
             if split == "train":
                 pairs = [(s, t) for s, t in pairs if len(s) <= c.max_len and len(t) <= c.max_len]
             out[split] = pairs
@@ -88,3 +90,12 @@ class Translation(Task):
 @hookimpl
 def register_tasks(register):
     register("translation", Translation, config=TranslationConfig)
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise GtxError(
+            f"task translation: {path} is not UTF-8 text (byte {e.object[e.start : e.start + 1]!r} at {e.start})"
+        ) from None
