@@ -25,10 +25,14 @@ def check_writable(path: str | Path, what: str = "--results") -> Path:
     existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
     if not existing.is_dir():
         reason = "it is a file" if existing == path else f"{existing} is not a folder"
-        raise GtxError(f"{what} {path}: cannot create the folder ({reason}); choose another --results folder")
+        raise GtxError(f"{what} {path}: cannot create the folder ({reason}); {_another(what)}")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise GtxError(f"{what} {path}: not writable; choose another --results folder")
+        raise GtxError(f"{what} {path}: not writable; {_another(what)}")
     return path
+
+
+def _another(what: str) -> str:
+    return f"choose another {what} folder" if what.startswith("--") else f"choose another {what}"
 
 
 def writable_dir(path: str | Path, what: str = "--results") -> Path:
@@ -37,9 +41,7 @@ def writable_dir(path: str | Path, what: str = "--results") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise GtxError(
-            f"{what} {path}: cannot create the folder ({e.strerror}); choose another --results folder"
-        ) from None
+        raise GtxError(f"{what} {path}: cannot create the folder ({e.strerror}); {_another(what)}") from None
     return path
 
 

@@ -237,6 +237,10 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
     assert from_folder.output.splitlines()[0] == from_run.output.splitlines()[0]
     again = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
     assert again.exit_code == 2 and "is not empty" in again.output and again.output.count("\n") == 1
+    under_a_file = CliRunner().invoke(
+        cli, ["export", tail, str(out / "config.json" / "sub"), "--results", str(results)]
+    )
+    assert under_a_file.exit_code == 2 and "is not a folder); choose another export folder" in under_a_file.output
     unknown = CliRunner().invoke(cli, ["generate", "zzzzzz", "--results", str(results), *prompt])
     assert unknown.exit_code == 2 and "no run 'zzzzzz'" in unknown.output and unknown.output.count("\n") == 1
 

@@ -186,8 +186,13 @@ def export_folder(model, r, folder: Path) -> list[str]:
 
     from safetensors.torch import save_file
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError as e:  # where os.access said yes but the file system says no (/sys as root)
+        raise GtxError(
+            f"export folder {folder}: cannot write there ({e.strerror}); choose another export folder"
+        ) from None
     try:
         implementation = model.hf.config._attn_implementation
         model.hf.config._attn_implementation = (
