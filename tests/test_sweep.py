@@ -18,7 +18,7 @@ from gtx.errors import GtxError
 from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
 from gtx.experiments.config import RunConfig, resolve_configs
-from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.experiments.results import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, load, write_run
 
 TINY = [
     "--set",
@@ -78,7 +78,7 @@ def fake_run(results, run_id, cell, splits, started, eval_of=None, **kw):
     """A run file with the given splits, without training anything."""
     base = {
         c: 0 if t == "int64" else 0.0 if t == "float64" else None if t == "Int64" else "x" for c, t in COLUMNS.items()
-    }
+    } | dict.fromkeys(JSON_COLUMNS, "{}")
     write_run(
         results,
         run_id,
