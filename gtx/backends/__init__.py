@@ -71,26 +71,23 @@ def float32_sums(call):
     return wrapper
 
 
-def unavailable(entry, device: torch.device | str = "cpu") -> str | None:
-    """Why the registered backend ``entry`` (a registry Entry) cannot run on ``device``, or None; a
-    plugin's ``available`` that raises (or takes no device) is one line naming the plugin."""
-    from gtx.plugins.registry import label_of
-
-    with plugin_code(f"backend {entry.name!r} of {label_of(entry.plugin)}", "in available(device)"):
-        return entry.obj.available(device)
-
-
 def get_backend(name: str, device: torch.device | str = "cpu") -> Backend:
-    """The registered backend ``name``, checked to be usable on ``device``; a plugin's runs as
-    ``PluginBackend``."""
-    from gtx.plugins.registry import BACKENDS, DEFAULT_PLUGINS
+    """The registered backend ``name``, checked to be usable on ``device``."""
+    from gtx.plugins.registry import BACKENDS
 
-    entry = BACKENDS.get(name)
-    reason = unavailable(entry, device)
+    backend = as_backend(BACKENDS.get(name))
+    reason = backend.available(device)
     if reason:
         raise GtxError(
             f"backend {name!r} is unavailable on {device}: {reason}; choose another with --backend ({', '.join(BACKENDS.names())})"
         )
+    return backend
+
+
+def as_backend(entry) -> Backend:
+    """A registry Entry's backend: gtx's own as it is, a plugin's as ``PluginBackend``."""
+    from gtx.plugins.registry import DEFAULT_PLUGINS
+
     return entry.obj if entry.plugin in DEFAULT_PLUGINS else PluginBackend(entry)
 
 

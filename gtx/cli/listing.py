@@ -8,7 +8,7 @@ import json
 
 import click
 
-from gtx.backends import unavailable
+from gtx.backends import as_backend
 from gtx.cli.common import plugins_dir_option
 from gtx.graph.pattern import STAGE_NAMES, STAGES
 from gtx.graph.spec import describe_params, is_modifier, parse_pattern
@@ -48,7 +48,7 @@ def backends():
     """List attention backends and whether each is available here."""
     rows = [("NAME", "AVAILABLE", "DESCRIPTION")]
     for name, entry in sorted(BACKENDS.entries().items()):
-        reason = unavailable(entry, "cpu")
+        reason = as_backend(entry).available("cpu")
         rows.append((name, "yes" if reason is None else f"no: {reason}", entry.description))
     click.echo(_table(rows))
 
