@@ -328,9 +328,10 @@ def run(
         _test(run, last)
         status = "finished"
     except NonFiniteLoss as e:
+        done = last if e.split == "test" else epoch - 1  # the test split runs after the last epoch is written
         kept = (
-            f"epochs up to {epoch - 1} and their checkpoint are kept under {run.results_dir}"
-            if epoch > run.start
+            f"epochs up to {done} and their checkpoint are kept under {run.results_dir}"
+            if done >= run.start
             else "nothing new was written"
         )
         what = f"training loss is {e.value} at" if e.split == "train" else f"{e.split} loss is {e.value} after"
