@@ -245,15 +245,9 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
         return out
 
     monkeypatch.setattr(train.F, "cross_entropy", nan_from_step_10)
-    result = gtx("run", "--epochs", 3, "--results", tmp_path, *TINY)  # 8 steps per epoch: step 10 is in epoch 2
-    assert result.exit_code == 2, result.output
-    assert (
-        "training loss is nan at epoch 2, step 10" in result.output
-        and "epochs up to 1 and their checkpoint are kept" in result.output
-    )
-    df = load(tmp_path)
-    assert sorted(df.epoch) == [1, 1]
-    assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
+    stops_keeping_epoch_1(
+        tmp_path, "training loss is nan at epoch 2, step 10"
+    )  # 8 steps an epoch: step 10 is in epoch 2
 
 
 def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpoint(tmp_path, monkeypatch):
@@ -268,12 +262,14 @@ def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpo
         return {**row, "loss": float("nan")} if (epoch, split) == (2, "valid") else row
 
     monkeypatch.setattr(runner, "result_row", nan_valid_in_epoch_2)
+    stops_keeping_epoch_1(tmp_path, "valid loss is nan after epoch 2, step 16")
+
+
+def stops_keeping_epoch_1(tmp_path, message):
+    """A 3-epoch run stops with one line holding ``message``; epoch 1's rows and checkpoint stay."""
     result = gtx("run", "--epochs", 3, "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert (
-        "valid loss is nan after epoch 2, step 16" in result.output
-        and "epochs up to 1 and their checkpoint are kept" in result.output
-    )
+    assert message in result.output and "epochs up to 1 and their checkpoint are kept" in result.output
     df = load(tmp_path)
     assert sorted(df.epoch) == [1, 1]
     assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
