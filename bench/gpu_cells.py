@@ -5,13 +5,13 @@
 
 ``gtx bench attention`` and ``gtx bench train`` run every row in a fresh process (so that each
 row's peak memory is its own); on a GPU each such process compiles FlexAttention again, 5-15 s a
-row. This script calls the same measurements (``run_attention_cell``, the training bench's
-``_time_steps``) for every row in one process, so a row costs its own time, and prints a line per row.
+row. This script sets up the same cells (``prepare_attention_cell``, the training bench's
+``_time_steps``) in one process, so a row costs its own time, and prints a line per row.
 
-``attention``: forward + backward of one sequence (4 heads of 32, float32; median of 10 after 2
-warm-up calls) of ``local:w=256`` at 4096, 16384 and 65536 tokens, ``bigbird`` at 16384 and 65536,
-and ``causal`` at 16384, each on FlexAttention called directly with flex's BlockMask, ``flex``,
-``auto`` and SDPA (the masked SDPA up to 16384 tokens).
+``attention``: forward + backward of one sequence (4 heads of 32, float32) of ``causal``,
+``local:w=256``, ``bigbird`` and a union (``UNION``) at 4096, 16384 and 65536 tokens (``ATTENTION``),
+on FlexAttention called directly with flex's BlockMask, ``flex``, ``auto`` and SDPA; the backends of
+one (pattern, n) are timed in turns (``attention``).
 
 ``train``: the CPU tables' model (``lm``: 2 layers, 4 heads, dim 128, dim_ff 512, one sequence of
 ``--context`` tokens of ``text``), per SPEC ``PATTERN/PRECISION/PROFILE``: ``PATTERN`` (``none``: the
@@ -23,36 +23,63 @@ the peak memory over what the model held before the steps.
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import time
 
 import torch
 
-from gtx.measure.bench import AttentionCell, run_attention_cell
+from gtx.measure.bench import AttentionCell, prepare_attention_cell
 from gtx.measure.reference import SkipAttention, TrainCell, first_batches
 from gtx.measure.train_bench import _time_steps
 from gtx.memory import peak_mb, reset_peak
 
+UNION = "local:w=128|strided:l=128"
+# (pattern, n, backends), the reference first; the masked SDPA up to 16384 tokens (an (n, n) mask),
+# causal up to 16384 (its edges at 65536 would be 2^31 pairs)
 ATTENTION = (
-    [("local:w=256", n, b) for n in (4096, 16384) for b in ("flexattention", "flex", "auto", "sdpa")]
-    + [("local:w=256", 65536, b) for b in ("flexattention", "flex", "auto")]
-    + [("bigbird", n, b) for n in (16384, 65536) for b in ("flexattention", "flex", "auto")]
-    + [("causal", 16384, b) for b in ("sdpa", "auto")]
+    [("causal", n, ("sdpa", "auto")) for n in (4096, 16384)]
+    + [("local:w=256", n, ("flexattention", "flex", "auto", "sdpa")) for n in (4096, 16384)]
+    + [(p, n, ("flexattention", "flex", "auto")) for p, n in [("local:w=256", 65536)]]
+    + [(p, n, ("flexattention", "flex", "auto")) for p in ("bigbird", UNION) for n in (4096, 16384, 65536)]
 )
+ROUNDS, REPEATS = 3, 10
 MODEL = {"layers": "2", "heads": "4", "dim": "128", "dim_ff": "512", "batch_size": "1"}
 
 
 def attention(device: str) -> None:
-    for pattern, n, backend in ATTENTION:
-        t = time.time()
-        try:
-            r = run_attention_cell(AttentionCell(pattern, n, backend, device=device, repeats=10, warmup=2))
+    """Per (pattern, n), every backend's cell set up once, then ``ROUNDS`` rounds of ``REPEATS`` calls
+    each, the backends in turn (their order rotated each round), so that a slow spell of the machine
+    hits every row alike; a row's time is the median of its calls, its ratio the reference's time over it."""
+    for pattern, n, backends in ATTENTION:
+        prepared, times = {}, {}
+        for backend in backends:
+            t = time.time()
+            try:
+                cell = prepare_attention_cell(AttentionCell(pattern, n, backend, device=device))
+                first = cell.timed()
+                cell.timed(), cell.timed()  # warm-up
+                prepared[backend], times[backend] = cell, []
+                print(
+                    f"ATT {pattern} {n} {backend}: set up, first call {1000 * first:.0f} ms ({time.time() - t:.0f} s)"
+                )
+            except Exception as e:  # a row that fails is reported, and the others still run
+                print(f"ATT {pattern} {n} {backend}: FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for r in range(ROUNDS):
+            order = list(prepared)[r % len(prepared) :] + list(prepared)[: r % len(prepared)] if prepared else []
+            for backend in order:
+                times[backend] += [prepared[backend].timed() for _ in range(REPEATS)]
+        reference = statistics.median(times[backends[0]]) if backends[0] in prepared else math.nan
+        for backend, cell in prepared.items():
+            ms = 1000 * statistics.median(times[backend])
             print(
-                f"ATT {pattern} {n} {backend}: {r['ms']:.3f} ms first {r['first_ms']:.0f} ms "
-                f"peak {r['peak_mem_mb']:.0f} MB {r['choice']} ({time.time() - t:.0f} s)",
+                f"ATT {pattern} {n} {backend}: {ms:.3f} ms, {1000 * reference / ms:.2f}x {backends[0]} "
+                f"[{cell.choice()}] (rounds: {' '.join(f'{1000 * statistics.median(times[backend][i : i + REPEATS]):.3f}' for i in range(0, len(times[backend]), REPEATS))})",
                 flush=True,
             )
-        except Exception as e:  # a row that fails is reported, and the others still run
-            print(f"ATT {pattern} {n} {backend}: FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del prepared
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def train(device: str, context: int, specs: list[str]) -> None:

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -177,7 +178,6 @@ def _flexattention_cell(cell: AttentionCell, edges, device: torch.device, gen: t
     from gtx.backends.flex import block_mask
 
     mask = block_mask(edges)
-    shape = (1, cell.heads, cell.n, cell.head_dim)
     shape = (1, cell.heads, mask.seq_lengths[0], cell.head_dim)  # the mask's padded size
     q, k, v = (torch.randn(shape, generator=gen).to(device).requires_grad_(not cell.forward) for _ in range(3))
     grad = torch.randn(shape, generator=gen).to(device)
@@ -197,6 +197,54 @@ def run_attention_cell(cell: AttentionCell) -> dict:
     """Time one (pattern, n, backend) in this process: forward + backward of ``ee`` attention over
     one sequence of n tokens; backends ``sdpa`` and ``flexattention`` (``REFERENCE_CELLS``) are plain
     torch for reference."""
+    prepared = prepare_attention_cell(cell)
+    base = reset_peak(prepared.device)  # after the set-up's warm-up call: the peak is the steps' own
+    first = prepared.timed()
+    for _ in range(cell.warmup):
+        prepared.timed()
+    times = [prepared.timed() for _ in range(cell.repeats)]
+    keys, queries, allowed = prepared.read()
+    return {
+        "pattern": prepared.spec,
+        "n": cell.n,
+        "backend": cell.backend,
+        "edges": round(keys),
+        "keys_per_query": keys / queries,
+        "density": keys / allowed,
+        "ms": 1000 * statistics.median(times),
+        "first_ms": 1000 * first,
+        "peak_mem_mb": peak_mb(prepared.device) - base,
+        "choice": prepared.choice(),
+        "device": str(prepared.device),
+        "heads": cell.heads,
+        "head_dim": cell.head_dim,
+        "mode": cell.mode,
+    }
+
+
+@dataclass
+class PreparedCell:
+    """An attention cell ready to time: ``step()`` runs one call (forward + backward, or forward);
+    ``read()`` is (keys read, queries, pairs allowed) of the calls so far; ``choice()`` what the
+    backend chose (read after the steps)."""
+
+    spec: str
+    device: torch.device
+    step: Callable[[], None]
+    choice: Callable[[], str]
+    read: Callable[[], tuple[float, int, int]]
+
+    def timed(self) -> float:
+        """Seconds of one ``step``, the device's queue drained."""
+        t0 = time.perf_counter()
+        self.step()
+        sync_device(self.device)
+        return time.perf_counter() - t0
+
+
+def prepare_attention_cell(cell: AttentionCell) -> PreparedCell:
+    """The cell's inputs, edges and backend, set up (``run_attention_cell`` times it; a script can
+    interleave the calls of several cells)."""
     from gtx.graph.spec import parse_pattern
     from gtx.measure.method import method_cell, method_edges
     from gtx.plugins.registry import load_plugins
@@ -218,35 +266,7 @@ def run_attention_cell(cell: AttentionCell) -> dict:
         if cell.backend in REFERENCE_CELLS and not pattern.plain:
             mode = choice()
             choice = lambda: f"{mode}, its candidates: {cell.backend} chooses nothing"  # noqa: E731
-    base = reset_peak(device)  # after the set-up's warm-up call: the peak is the steps' own
-
-    def timed():
-        t0 = time.perf_counter()
-        step()
-        sync_device(device)
-        return time.perf_counter() - t0
-
-    first = timed()
-    for _ in range(cell.warmup):
-        timed()
-    times = [timed() for _ in range(cell.repeats)]
-    keys, queries, allowed = read()
-    return {
-        "pattern": pattern.spec,
-        "n": cell.n,
-        "backend": cell.backend,
-        "edges": round(keys),
-        "keys_per_query": keys / queries,
-        "density": keys / allowed,
-        "ms": 1000 * statistics.median(times),
-        "first_ms": 1000 * first,
-        "peak_mem_mb": peak_mb(device) - base,
-        "choice": choice(),
-        "device": str(device),
-        "heads": cell.heads,
-        "head_dim": cell.head_dim,
-        "mode": cell.mode,
-    }
+    return PreparedCell(pattern.spec, device, step, choice, read)
 
 
 def bench_attention(
