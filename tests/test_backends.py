@@ -196,6 +196,33 @@ def test_flex_compiled_forward_on_cpu_matches_dense(spec, lens):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_flex_compiled_forward_with_bit_tiles_on_cpu():
+    """Past ADJACENCY_MAX the partial blocks' elements are bits of int32 words, read by the compiled
+    kernel (a union of a window and a stride: partial blocks everywhere, bit 31 of a word included)."""
+    from unittest import mock
+
+    from gtx.backends import flex
+
+    edges = build_graph(parse_pattern("local:w=2|strided:l=33"), [300]).edges["ee"]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(edges.n_dst, 2, 8, generator=gen) for _ in range(3))
+    with torch.no_grad(), mock.patch.object(flex, "ADJACENCY_MAX", 0):
+        got = flex.flex_attention(q, k, v, flex.block_mask(edges))
+    want = get_backend("dense")(q, k, v, edges)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_refuses_a_lookup_past_int32_offsets_in_one_line():
+    from unittest import mock
+
+    from gtx.backends import flex
+
+    edges = build_graph(parse_pattern("local:w=2|strided:l=33"), [300]).edges["ee"]
+    with mock.patch.object(flex, "ADJACENCY_MAX", 0), mock.patch.object(flex, "OFFSETS_MAX", 1024):
+        with pytest.raises(GtxError, match=r"^backend 'flex': 9 partial blocks .* use --backend blocksparse or torch"):
+            flex.block_mask(edges)
+
+
 def test_flex_pads_to_a_ladder_of_few_sizes():
     from gtx.backends.flex import padded
 

@@ -32,6 +32,7 @@ BLOCK = 128
 # kernel after eight sizes: a run's evaluation batches and a model's layers' stages reach that).
 RECOMPILE_LIMIT = 64
 ADJACENCY_MAX = 1 << 28  # elements of the partial blocks' element lookup as one adjacency (``block_mask``)
+OFFSETS_MAX = 1 << 31  # elements a tensor read by FlexAttention's kernels may hold (their offsets are int32)
 PLAN_BYTES = 1 << 30  # a pattern's BlockMasks kept per stage and sample lengths (``EdgeSet.shared_plan``)
 
 
@@ -69,8 +70,9 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
 
     # Element lookup for partial blocks (FlexAttention reads it only there): by absolute positions in
     # one (n_q, n_k) adjacency up to ADJACENCY_MAX elements (tiles indexed by block measured 1.7x slower
-    # on the CPU), else in one (block, block) tile per partial block: the kernel's int32 offsets
-    # overflow past 2^31 elements, and at 65536 tokens the adjacency alone would take 4 GB.
+    # on the CPU), else in one bit tile per partial block: the kernel's int32 offsets overflow past
+    # 2^31 elements (a union of a window and a stride at 65536 tokens has 2^31 elements of bool tiles),
+    # and at 65536 tokens the adjacency alone would take 4 GB.
     if _one_adjacency(n_q, n_k):
         adjacency = torch.zeros(n_q, n_k, dtype=torch.bool, device=device)
         adjacency[edges.dst, edges.src] = True
@@ -80,17 +82,29 @@ def block_mask(edges: EdgeSet, block: int = BLOCK):
 
     else:
         # tile 0: no edge (blocks without edges), tile 1: every edge (full blocks), then the partial
-        # blocks': exact at every element, wherever a kernel reads it
+        # blocks': exact at every element, wherever a kernel reads it. A tile row holds its keys as the
+        # bits of int32 words (bit 31 is the sign: the words are summed, unique edges set distinct bits).
+        words = -(-block // 32)
+        count = int((~full).sum()) + 2
+        if count * block * words >= OFFSETS_MAX:
+            raise GtxError(
+                f"backend 'flex': {count - 2:,} partial blocks of {block} x {block} exceed FlexAttention's int32 "
+                "offsets; use --backend blocksparse or torch for this pattern at this length"
+            )
         tile = torch.where(full, 1, torch.cumsum(~full, 0, dtype=torch.int32) + 1).to(torch.int32)
         tile_of = torch.zeros(n_qb, n_k // block, dtype=torch.int32, device=device)
         tile_of[row, col] = tile
-        tiles = torch.zeros(int((~full).sum()) + 2, block, block, dtype=torch.bool, device=device)
-        tiles[1] = True
+        tiles = torch.zeros(count, block, words, dtype=torch.int32, device=device)
+        tiles[1] = -1
         partial = ~full[edge_pair]
-        tiles[tile[edge_pair[partial]], edges.dst[partial] % block, edges.src[partial] % block] = True
+        key = edges.src[partial] % block
+        bit = torch.ones_like(key, dtype=torch.int32).bitwise_left_shift((key % 32).to(torch.int32))
+        tiles.index_put_((tile[edge_pair[partial]], edges.dst[partial] % block, key // 32), bit, accumulate=True)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return tiles[tile_of[q_idx // block, kv_idx // block], q_idx % block, kv_idx % block]
+            key = kv_idx % block
+            word = tiles[tile_of[q_idx // block, kv_idx // block], q_idx % block, key // 32]
+            return (word >> (key % 32)) & 1 != 0
 
     partial_counts, partial_index = kv_blocks(~full)
     full_counts, full_index = kv_blocks(full)
@@ -178,10 +192,10 @@ def _plan(edges: EdgeSet):
 
 
 def _plan_bytes(plan) -> int:
-    """Bytes of a plan's element lookup (``block_mask``): the adjacency, or a tile per partial block."""
+    """Bytes of a plan's element lookup (``block_mask``): the adjacency, or a bit tile per partial block."""
     mask, _ = plan
     n_q, n_k = mask.seq_lengths
-    return n_q * n_k if _one_adjacency(n_q, n_k) else (int(mask.kv_num_blocks.sum()) + 2) * BLOCK**2
+    return n_q * n_k if _one_adjacency(n_q, n_k) else (int(mask.kv_num_blocks.sum()) + 2) * BLOCK**2 // 8
 
 
 def _one_adjacency(n_q: int, n_k: int) -> bool:
