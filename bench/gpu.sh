@@ -46,9 +46,9 @@ fi
 
 if has cells; then
   stamp "attention cells"
-  timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py attention 2>&1 | grep -v Warning | tee "$out/attention-cells.log"
+  timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py attention --csv "$out/attention-cells.csv" 2>&1 | grep -v Warning | tee "$out/attention-cells.log"
   stamp "training cells"  # docs/gpu.md's training table; p: a profile of that row
-  timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py train ${TRAIN_CELLS:-none/float32/- local:w=256/float32/- none/bfloat16/- \
+  timeout "${CELLS_LIMIT:-150}" "$py" bench/gpu_cells.py train --csv "$out/train-cells.csv" ${TRAIN_CELLS:-none/float32/- local:w=256/float32/- none/bfloat16/- \
     local:w=256/bfloat16/- moba:b=64,k=4/bfloat16/p nsa/bfloat16/p dsa:dense=0/bfloat16/-} > "$out/train-cells.log" 2>&1
   grep -E "^TRAIN|done" "$out/train-cells.log"
 fi

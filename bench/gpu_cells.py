@@ -6,7 +6,8 @@
 ``gtx bench attention`` and ``gtx bench train`` run every row in a fresh process (so that each
 row's peak memory is its own); on a GPU each such process compiles FlexAttention again, 5-15 s a
 row. This script sets up the same cells (``prepare_attention_cell``, the training bench's
-``_time_steps``) in one process, so a row costs its own time, and prints a line per row.
+``_time_steps``) in one process, so a row costs its own time, and prints a line per row (with
+``--csv FILE``, also writes the rows there).
 
 ``attention``: forward + backward of one sequence (4 heads of 32, float32) of ``causal``,
 ``local:w=256``, ``bigbird`` and a union (``UNION``) at 4096, 16384 and 65536 tokens (``ATTENTION``),
@@ -27,6 +28,7 @@ import math
 import statistics
 import time
 
+import pandas as pd
 import torch
 
 from gtx.measure.bench import AttentionCell, prepare_attention_cell
@@ -47,10 +49,11 @@ ROUNDS, REPEATS = 3, 10
 MODEL = {"layers": "2", "heads": "4", "dim": "128", "dim_ff": "512", "batch_size": "1"}
 
 
-def attention(device: str) -> None:
+def attention(device: str) -> list[dict]:
     """Per (pattern, n), every backend's cell set up once, then ``ROUNDS`` rounds of ``REPEATS`` calls
     each, the backends in turn (their order rotated each round), so that a slow spell of the machine
     hits every row alike; a row's time is the median of its calls, its ratio the reference's time over it."""
+    rows = []
     for pattern, n, backends in ATTENTION:
         prepared, times = {}, {}
         for backend in backends:
@@ -72,18 +75,31 @@ def attention(device: str) -> None:
         reference = statistics.median(times[backends[0]]) if backends[0] in prepared else math.nan
         for backend, cell in prepared.items():
             ms = 1000 * statistics.median(times[backend])
+            rounds = [
+                1000 * statistics.median(times[backend][i : i + REPEATS]) for i in range(0, ROUNDS * REPEATS, REPEATS)
+            ]
+            rows.append(
+                {"pattern": pattern, "n": n, "backend": backend, "ms": ms, "reference": backends[0]}
+                | {
+                    "ratio": 1000 * reference / ms,
+                    "choice": cell.choice(),
+                    "rounds_ms": " ".join(f"{r:.3f}" for r in rounds),
+                }
+            )
             print(
-                f"ATT {pattern} {n} {backend}: {ms:.3f} ms, {1000 * reference / ms:.2f}x {backends[0]} "
-                f"[{cell.choice()}] (rounds: {' '.join(f'{1000 * statistics.median(times[backend][i : i + REPEATS]):.3f}' for i in range(0, len(times[backend]), REPEATS))})",
+                f"ATT {pattern} {n} {backend}: {ms:.3f} ms, {rows[-1]['ratio']:.2f}x {backends[0]} [{rows[-1]['choice']}] "
+                f"(rounds: {rows[-1]['rounds_ms']})",
                 flush=True,
             )
         del prepared
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+    return rows
 
 
-def train(device: str, context: int, specs: list[str]) -> None:
+def train(device: str, context: int, specs: list[str]) -> list[dict]:
     cuda = torch.device(device).type == "cuda"
+    rows = []
     for spec in specs:
         pattern, precision, profile = spec.split("/")
         backend = SkipAttention.name if pattern == "none" else "auto"
@@ -98,6 +114,10 @@ def train(device: str, context: int, specs: list[str]) -> None:
             base = reset_peak(device)
             _, seconds, data_s = _time_steps(trainer.train_epoch, data[2:6], 0, run)
             peak = peak_mb(device) - base
+            rows.append(
+                {"pattern": pattern, "precision": precision, "context": context, "step_ms": 250 * seconds}
+                | {"data_ms": 250 * data_s, "peak_over_base_mb": peak}
+            )
             print(
                 f"TRAIN {pattern} {precision}: step {250 * seconds:.1f} ms, data {250 * data_s:.1f} ms, "
                 f"peak over base {peak:.0f} MB ({time.time() - t:.0f} s)",
@@ -115,6 +135,7 @@ def train(device: str, context: int, specs: list[str]) -> None:
                     print(table.table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
         except Exception as e:
             print(f"TRAIN {pattern} {precision}: FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -123,16 +144,18 @@ def main() -> None:
     parser.add_argument("specs", nargs="*", help="train: PATTERN/PRECISION/PROFILE per row")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_intermixed_args()
     for spec in args.specs:
         parts = spec.split("/")
         if len(parts) != 3 or parts[1] not in ("float32", "bfloat16") or parts[2] not in ("p", "-"):
             parser.error(f"a train row is PATTERN/PRECISION/PROFILE (e.g. local:w=256/bfloat16/-), not {spec!r}")
     started = time.time()
-    if args.what == "attention":
-        attention(args.device)
-    else:
-        train(args.device, args.context, args.specs)
+    rows = attention(args.device) if args.what == "attention" else train(args.device, args.context, args.specs)
+    if args.csv:
+        pd.DataFrame(rows).assign(device=torch.cuda.get_device_name() if "cuda" in args.device else args.device).to_csv(
+            args.csv, index=False
+        )
     print(f"{args.what} done in {time.time() - started:.0f} s")
 
 

@@ -1,6 +1,7 @@
 """Benchmarks produce their tables (tiny sizes here); the auto backend's choices are sensible."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -543,14 +544,24 @@ def test_busy_cores_counts_a_process_that_spins_now_and_not_one_that_has_finishe
     assert busy_cores(0.5) < 0.6  # the load average still counts it for a minute
 
 
-def test_the_gpu_cells_script_times_training_rows_on_the_cpu():
+def test_the_gpu_cells_script_times_training_rows_on_the_cpu(tmp_path):
     """bench/gpu_cells.py (what a lent card runs) keeps working where CI can run it: a row per spec,
     the ceiling and a window, each a step time and none failing."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "bench/gpu_cells.py", "train", "--device", "cpu", "--context", "128"]
+        [
+            sys.executable,
+            "bench/gpu_cells.py",
+            "train",
+            "--device",
+            "cpu",
+            "--context",
+            "128",
+            "--csv",
+            str(tmp_path / "t.csv"),
+        ]
         + ["none/float32/-", "local:w=16/bfloat16/-"],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
@@ -561,3 +572,33 @@ def test_the_gpu_cells_script_times_training_rows_on_the_cpu():
     rows = [line for line in out.stdout.splitlines() if line.startswith("TRAIN")]
     assert out.returncode == 0 and len(rows) == 2, out.stdout + out.stderr
     assert all(" step " in r and "FAIL" not in r for r in rows), rows
+    table = pd.read_csv(tmp_path / "t.csv")
+    assert list(table.pattern) == ["none", "local:w=16"] and (table.step_ms > 0).all()
+
+
+def test_the_gpu_cells_script_times_a_cells_backends_in_turns(monkeypatch):
+    """Every backend of a (pattern, n) timed in ROUNDS rounds, its ratio against the first; a row that
+    cannot run (FlexAttention's backward on the CPU) is reported and left out."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_cells.py"
+    spec = importlib.util.spec_from_file_location("gpu_cells", path)
+    cells = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cells)
+    monkeypatch.setattr(
+        cells, "ATTENTION", [("causal", 64, ("sdpa", "auto")), ("local:w=8", 256, ("flexattention", "auto"))]
+    )
+    monkeypatch.setattr(cells, "REPEATS", 2)
+    rows = cells.attention("cpu")
+    assert [(r["pattern"], r["backend"]) for r in rows] == [
+        ("causal", "sdpa"),
+        ("causal", "auto"),
+        ("local:w=8", "auto"),
+    ]
+    assert (
+        rows[0]["ratio"] == 1
+        and rows[1]["choice"] == "flash-causal"
+        and len(rows[1]["rounds_ms"].split()) == cells.ROUNDS
+    )
+    assert math.isnan(rows[2]["ratio"])  # its reference could not run
