@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gtx on one CUDA GPU, in one go: the `cuda` test suite, then attention and training cells beside
 # plain torch (SDPA is_causal, FlexAttention called directly) and the attention-free ceiling
-# (bench/gpu_cells.py, every row in one process). Each phase writes its logs into OUT and has a time
+# (bench/gpu_cells.py, every row in one process). Each phase writes its logs and CSVs into OUT and has a time
 # limit, so that a phase that runs long costs only itself.
 #
 #   bash bench/gpu.sh OUT [PHASES]      PHASES: comma-separated, default tests,cells (about 5 minutes);
