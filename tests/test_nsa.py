@@ -157,6 +157,19 @@ def nsa_by_definition(module, q, k, v, lens):
     return out
 
 
+def test_blocks_of_rows_are_larger_on_an_accelerator_and_still_agree(monkeypatch):
+    """Off the CPU the compressed branch's blocks of rows are ``chunk_scale`` times larger (a GPU pays
+    its launches per block, whatever its size): here 3x blocks of 16 (choice: 8) rows, a shorter sample
+    among them."""
+    from gtx.attention import selection
+
+    assert selection.chunk_scale("cpu") == 1 and selection.chunk_scale("meta") == selection.ACCELERATOR_CHUNKS > 1
+    monkeypatch.setattr(compressed, "ROWS", 16)
+    monkeypatch.setattr(compressed, "CHOICE_ROWS", 8)
+    monkeypatch.setattr(compressed, "chunk_scale", lambda device: 3)
+    test_nsa_equals_its_definition_on_values_and_every_gradient("nsa:l=6,d=3,s=8,n=5,w=12,g=2", [70, 23, 41], 4)
+
+
 @pytest.mark.parametrize(
     "spec, lens, heads",
     [

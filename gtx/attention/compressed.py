@@ -6,7 +6,8 @@ pattern compresses each block to one key and one value. Block i holds positions
 blocks that end at or before it (``ends[i] <= t``), so no future key leaks through a compressed
 one. A query that sees none gets zeros.
 
-Both functions run a block of query rows at a time: (rows x blocks) scores, never n x n.
+Both functions run a block of query rows at a time: (rows x blocks) scores, never n x n; on an
+accelerator the blocks of rows are ``chunk_scale`` times larger.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gtx.attention.choice import softmax_
-from gtx.attention.selection import pad_samples, unpad_samples
+from gtx.attention.selection import chunk_scale, pad_samples, unpad_samples
 
 ROWS = 512  # query rows attended at once
 # query rows weighed at once for a choice: its scores are rows x compressed blocks, so smaller
@@ -64,16 +65,17 @@ def attend_compressed(
     wp = None if weight is None else pad_samples(weight[..., None], lens, max(lens)).transpose(1, 2)  # (B, H, L, 1)
     # the blocks of rows by one split, not a slice each: a slice's backward is a zeroed tensor the size
     # of all rows, one per block, summed into q's gradient; the split's is one of that size, once
-    q_blocks = qp.split(ROWS, 2)
-    w_blocks = None if wp is None else wp.split(ROWS, 2)
+    step = ROWS * chunk_scale(q.device)
+    q_blocks = qp.split(step, 2)
+    w_blocks = None if wp is None else wp.split(step, 2)
     parts = []
-    for r0, r1, take, seen in _row_blocks(lens, ends, ROWS):
+    for r0, r1, take, seen in _row_blocks(lens, ends, step):
         part = qp.new_zeros(*qp.shape[:2], r1 - r0, vt.shape[-1])
         if seen:
-            w = None if wp is None else take(w_blocks[r0 // ROWS])
+            w = None if wp is None else take(w_blocks[r0 // step])
             rows = checkpoint(
                 _attend_rows,
-                take(q_blocks[r0 // ROWS]),
+                take(q_blocks[r0 // step]),
                 take(kt[:, :, :seen]),
                 take(vt[:, :, :seen]),
                 ends[:seen],
@@ -138,7 +140,7 @@ def compressed_weights(q: torch.Tensor, kc: torch.Tensor, lens: list[int], ends:
     later blocks have weight 0), zero where a block is unseen."""
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)
     kt = kc.transpose(1, 2)
-    for r0, r1, take, seen in _row_blocks(lens, ends, CHOICE_ROWS):
+    for r0, r1, take, seen in _row_blocks(lens, ends, CHOICE_ROWS * chunk_scale(q.device)):
         score = take(qp[:, :, r0:r1]) @ take(kt[:, :, :seen]).transpose(-1, -2)
         yield (
             r0,

@@ -215,6 +215,12 @@ ACCELERATOR_CHUNKS = 32
 GATE_ROWS = 1024  # query tokens per chunk of the gate's gradient: its product with the output stays small
 
 
+def chunk_scale(device) -> int:
+    """How many times larger a chunk of rows is on ``device``: 1 on the CPU, whose chunks are sized for
+    its caches; ``ACCELERATOR_CHUNKS`` elsewhere, where a chunk costs its kernel launches."""
+    return 1 if torch.device(device).type == "cpu" else ACCELERATOR_CHUNKS
+
+
 class _TokenBlockPlan:
     """Where each (token, head, chosen block) pair sits among the tiles: tiles of ``block`` query
     places, one tile group per (sample, head, block), filled in token order. The blocks of q, k, v
@@ -223,7 +229,7 @@ class _TokenBlockPlan:
 
     def __init__(self, sel: TokenBlockSelection, heads: int, device):
         self.block, self.heads = sel.block, heads
-        self.scale = 1 if torch.device(device).type == "cpu" else ACCELERATOR_CHUNKS  # of the chunks
+        self.scale = chunk_scale(device)
         b = self.block
         lens = torch.as_tensor(sel.lens, device=device)
         n_blocks = (lens + b - 1) // b  # per sample
