@@ -429,6 +429,30 @@ def test_top_later_first_deciding_every_row_reads_no_value_back(value_reads):
     assert all(torch.equal(a, b) for a, b in zip(every, picked)) and every[1].tolist() == [[3, 2], [0, 1]]
 
 
+def test_the_key_attention_blocks_are_larger_off_the_cpu_and_any_block_agrees(monkeypatch):
+    """The torch path runs blocks of query rows of ``_CHUNK`` gathered elements on the CPU and 8x that
+    elsewhere (a GPU pays its launches per block); one row a block or all rows in one give the same
+    output, log-sum-exp and gradients."""
+    from gtx.attention import keys
+
+    blocks = [len(list(keys._blocks(4096, 4, 64, 32, torch.device(d)))) for d in ("cpu", "meta")]
+    assert blocks == [16, 2]  # 256 rows a block on the CPU, 2048 elsewhere
+    g = torch.Generator().manual_seed(0)
+    n, heads, dim, count = 40, 2, 8, 5
+    q, k, v, grad = (torch.randn(n, heads, dim, generator=g) for _ in range(4))
+    ids = torch.randint(0, n, (n, heads, count), generator=g)
+    valid = torch.rand(n, heads, count, generator=g) > 0.2
+
+    def run():
+        out, lse, mean_p = keys._forward_torch(q, k, v, ids, valid)
+        return out, lse, mean_p, *keys._backward_torch(q, k, v, ids, valid, grad, out, lse)
+
+    whole = run()
+    monkeypatch.setattr(keys, "_CHUNK", 1)  # one row a block
+    for a, b in zip(whole, run()):
+        torch.testing.assert_close(a, b)
+
+
 def test_the_key_attention_backward_takes_inputs_of_any_strides():
     """The plain-torch backward of attention over kept keys adds into flat views of its gradients:
     keys laid out (H, n, D) and transposed (as a bfloat16 autocast cast leaves them) give the same gradients."""

@@ -18,7 +18,11 @@ from gtx.graph.tokens import EdgeSet
 RANGE_SHIFT = (
     8  # 2^8 keys per range of the C backward: their k, v, dk and dv rows (H x 64 dims: 512 KB) stay in a core's cache
 )
-_CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block of query rows
+_CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block of query rows, on the CPU
+# ... and off it, where a block costs its ~20 kernel launches whatever its size: 8x the CPU's blocks
+# (64 MB a gathered tensor in float32); at 16384 tokens and 2048 keys a query, the CPU's blocks of
+# 8 rows made two thirds of a DSA step's 30,000 ops
+ACCELERATOR_CHUNK = 1 << 24
 
 
 @dataclass
@@ -54,8 +58,9 @@ def attend_keys(
     return (out, mean_p) if probs else out
 
 
-def _blocks(n: int, heads: int, count: int, width: int):
-    rows = max(1, _CHUNK // max(1, heads * count * width))
+def _blocks(n: int, heads: int, count: int, width: int, device: torch.device):
+    chunk = _CHUNK if device.type == "cpu" else ACCELERATOR_CHUNK
+    rows = max(1, chunk // max(1, heads * count * width))
     for r0 in range(0, n, rows):
         yield slice(r0, min(r0 + rows, n))
 
@@ -156,7 +161,7 @@ def _forward_torch(q, k, v, keys, valid):
     out = q.new_zeros(n, heads, v.shape[-1])
     lse = q.new_full((n, heads), float("-inf"))
     mean_p = q.new_zeros(n, count)
-    for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
+    for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1]), q.device):
         gather = _Gather(keys[r], heads)
         score = _scores(q[r], gather(k), valid[r])
         lse[r] = torch.logsumexp(score, -1)
@@ -171,7 +176,7 @@ def _backward_torch(q, k, v, keys, valid, grad, out, lse):
     dq, dk, dv = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     delta = (grad * out).sum(-1)  # (n, H): the softmax backward's row term
     n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
-    for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1])):
+    for r in _blocks(n, heads, count, max(q.shape[-1], v.shape[-1]), q.device):
         gather = _Gather(keys[r], heads)
         ks, vs = gather(k), gather(v)
         p = torch.exp(_scores(q[r], ks, valid[r]) - lse[r, :, None]).nan_to_num_(0.0)
