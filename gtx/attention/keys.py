@@ -22,7 +22,7 @@ _CHUNK = 1 << 21  # gathered key elements (rows x heads x keys x dims) per block
 # ... and off it, where a block costs its ~20 kernel launches whatever its size: 8x the CPU's blocks
 # (64 MB a gathered tensor in float32); at 16384 tokens and 2048 keys a query, the CPU's blocks of
 # 8 rows made two thirds of a DSA step's 30,000 ops
-ACCELERATOR_CHUNK = 1 << 24
+_ACCELERATOR_CHUNK = 1 << 24
 
 
 @dataclass
@@ -59,7 +59,7 @@ def attend_keys(
 
 
 def _blocks(n: int, heads: int, count: int, width: int, device: torch.device):
-    chunk = _CHUNK if device.type == "cpu" else ACCELERATOR_CHUNK
+    chunk = _CHUNK if device.type == "cpu" else _ACCELERATOR_CHUNK
     rows = max(1, chunk // max(1, heads * count * width))
     for r0 in range(0, n, rows):
         yield slice(r0, min(r0 + rows, n))
