@@ -12,7 +12,8 @@ row. This script sets up the same cells (``prepare_attention_cell``, the trainin
 ``attention``: forward + backward of one sequence (4 heads of 32, float32) of ``causal``,
 ``local:w=256``, ``bigbird`` and a union (``UNION``) at 4096, 16384 and 65536 tokens (``ATTENTION``),
 on FlexAttention called directly with flex's BlockMask, ``flex``, ``auto`` and SDPA; the backends of
-one (pattern, n) are timed in turns (``attention``).
+one (pattern, n) are timed in turns (``attention``). A reference with ``-rows`` (``rows_cell``) is
+called on gtx's layout, to tell what gtx's rows lose to the layout from what they lose to gtx.
 
 ``train``: the CPU tables' model (``lm``: 2 layers, 4 heads, dim 128, dim_ff 512, one sequence of
 ``--context`` tokens of ``text``), per SPEC ``PATTERN/PRECISION/PROFILE``: ``PATTERN`` (``none``: the
@@ -30,8 +31,9 @@ import time
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
-from gtx.measure.bench import AttentionCell, prepare_attention_cell
+from gtx.measure.bench import AttentionCell, PreparedCell, prepare_attention_cell
 from gtx.measure.reference import SkipAttention, TrainCell, first_batches
 from gtx.measure.train_bench import _time_steps
 from gtx.memory import peak_mb, reset_peak
@@ -40,12 +42,13 @@ UNION = "local:w=128|strided:l=128"
 # (pattern, n, backends), the reference first; the masked SDPA up to 16384 tokens (an (n, n) mask),
 # causal up to 16384 (its edges at 65536 would be 2^31 pairs)
 ATTENTION = (
-    [("causal", n, ("sdpa", "auto")) for n in (4096, 16384)]
-    + [("local:w=256", n, ("flexattention", "flex", "auto", "sdpa")) for n in (4096, 16384)]
+    [("causal", n, ("sdpa", "auto", "sdpa-rows")) for n in (4096, 16384)]
+    + [("local:w=256", n, ("flexattention", "flex", "auto", "sdpa", "flexattention-rows")) for n in (4096, 16384)]
     + [(p, n, ("flexattention", "flex", "auto")) for p, n in [("local:w=256", 65536)]]
     + [(p, n, ("flexattention", "flex", "auto")) for p in ("bigbird", UNION) for n in (4096, 16384, 65536)]
 )
 ROUNDS, REPEATS = 3, 10
+ROWS_LAYOUT = "-rows"  # a reference called as gtx calls it: on (1, H, n, D) views of (n, H, D) rows, q scaled first
 MODEL = {"layers": "2", "heads": "4", "dim": "128", "dim_ff": "512", "batch_size": "1"}
 
 
@@ -59,7 +62,11 @@ def attention(device: str) -> list[dict]:
         for backend in backends:
             t = time.time()
             try:
-                cell = prepare_attention_cell(AttentionCell(pattern, n, backend, device=device))
+                cell = (
+                    rows_cell(backend.removesuffix(ROWS_LAYOUT), pattern, n, device)
+                    if backend.endswith(ROWS_LAYOUT)
+                    else prepare_attention_cell(AttentionCell(pattern, n, backend, device=device))
+                )
                 first = cell.timed()
                 cell.timed(), cell.timed()  # warm-up
                 prepared[backend], times[backend] = cell, []
@@ -95,6 +102,34 @@ def attention(device: str) -> list[dict]:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
+
+
+def rows_cell(reference: str, pattern: str, n: int, device: str) -> PreparedCell:
+    """SDPA ``is_causal`` or FlexAttention (with flex's BlockMask), forward + backward, on the layout
+    gtx hands its kernels: what separates a reference row from gtx's row beside it, the layout and
+    the scaling, or gtx's own work."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from gtx.backends.flex import block_mask
+    from gtx.graph.spec import parse_pattern
+    from gtx.measure.method import method_edges
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 4, 32, generator=gen).to(device).requires_grad_() for _ in range(3))
+    grad = torch.randn(n, 4, 32, generator=gen).to(device)
+    if reference == "sdpa":
+        call = lambda q4, k4, v4: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=1.0)  # noqa: E731
+    else:
+        mask = block_mask(method_edges(parse_pattern(pattern), "ee", n, torch.device(device)))
+        compiled = torch.compile(flex_attention, dynamic=False)
+        call = lambda q4, k4, v4: compiled(q4, k4, v4, block_mask=mask, scale=1.0)  # noqa: E731
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        heads_first = [x.transpose(0, 1)[None] for x in (q * 32**-0.5, k, v)]
+        call(*heads_first)[0].transpose(0, 1).backward(grad)
+
+    return PreparedCell(pattern, torch.device(device), step, lambda: f"{reference} on rows", lambda: (0, 1, 1))
 
 
 def train(device: str, context: int, specs: list[str]) -> list[dict]:

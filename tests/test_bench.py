@@ -587,18 +587,18 @@ def test_the_gpu_cells_script_times_a_cells_backends_in_turns(monkeypatch):
     cells = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cells)
     monkeypatch.setattr(
-        cells, "ATTENTION", [("causal", 64, ("sdpa", "auto")), ("local:w=8", 256, ("flexattention", "auto"))]
+        cells,
+        "ATTENTION",
+        [("causal", 64, ("sdpa", "auto", "sdpa-rows")), ("local:w=8", 256, ("flexattention", "auto"))],
     )
     monkeypatch.setattr(cells, "REPEATS", 2)
     rows = cells.attention("cpu")
     assert [(r["pattern"], r["backend"]) for r in rows] == [
         ("causal", "sdpa"),
         ("causal", "auto"),
+        ("causal", "sdpa-rows"),  # SDPA on gtx's layout
         ("local:w=8", "auto"),
     ]
-    assert (
-        rows[0]["ratio"] == 1
-        and rows[1]["choice"] == "flash-causal"
-        and len(rows[1]["rounds_ms"].split()) == cells.ROUNDS
-    )
-    assert math.isnan(rows[2]["ratio"])  # its reference could not run
+    assert rows[0]["ratio"] == 1 and rows[1]["choice"] == "flash-causal"
+    assert len(rows[1]["rounds_ms"].split()) == cells.ROUNDS and rows[2]["choice"] == "sdpa on rows"
+    assert math.isnan(rows[3]["ratio"])  # the window's reference could not run
