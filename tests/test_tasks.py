@@ -160,20 +160,55 @@ def test_batches_are_flat_and_graphs_match(tiny_task):
     assert (batch.src_pos[: int(lens[0])] == __import__("torch").arange(int(lens[0]))).all()
 
 
-@pytest.mark.parametrize("task, model", [("copy", "transformer"), ("sort", "ut")])
-def test_letter_lengths_past_the_models_positions_are_refused_before_the_data(task, model, monkeypatch, tmp_path):
-    """mean_len=1e9 once generated gigabytes of letters first; the transformer and the UT have a
-    table of 4096 positions and no max_len setting to raise."""
+@pytest.mark.parametrize(
+    "task, model, settings, length",
+    [
+        ("copy", "transformer", ["mean_len=1e9"], 1000000001),
+        ("sort", "ut", ["mean_len=1e9"], 1000000001),
+        ("reverse", "transformer", ["test_len=1000000000"], 500000011),
+        ("listops", "ut", ["min_len=5000", "max_len=6000"], 5002),
+    ],
+)
+def test_lengths_past_the_models_positions_are_refused_before_the_data(
+    task, model, settings, length, monkeypatch, tmp_path
+):
+    """mean_len=1e9 once generated gigabytes of letters first, and listops drew trees for hours; the
+    transformer and the UT have a table of 4096 positions and no max_len setting to raise."""
     from click.testing import CliRunner
 
     from gtx.cli import cli
 
     made = []
     monkeypatch.setattr(TASKS.get(task).obj, "generate", lambda self: made.append(1))
-    args = ["run", "--task", task, "--model", model, "--set", "mean_len=1e9", "--results", str(tmp_path)]
-    result = CliRunner().invoke(cli, args)
+    args = ["run", "--task", task, "--model", model, *(a for s in settings for a in ("--set", s))]
+    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path)])
     assert result.exit_code == 2 and not made and not any(tmp_path.iterdir())
     assert result.output.strip().endswith(
-        f"task {task!r} has sequences of 1000000001 tokens but model {model!r} has positions for 4096; "
+        f"task {task!r} has sequences of {length} tokens but model {model!r} has positions for 4096; "
         "shorten the task's sequences"
     )
+
+
+def test_listops_refuses_a_length_window_few_trees_reach(monkeypatch):
+    """Trees of 5000..6000 tokens come 1 in ~10^4 draws at depth 10: 12,000 of them would take hours;
+    the rate is checked as trees are drawn and the settings refused in one line."""
+    import sys
+
+    task = make("listops", min_len=5000, max_len=6000)
+    monkeypatch.setattr(sys.modules[type(task).__module__], "CHECK_EVERY", 2000)
+    with pytest.raises(ValueError, match=r"^0 of 2,000 trees drawn .* widen min_len..max_len"):
+        task.generate()
+
+
+@pytest.mark.parametrize(
+    "name, settings, length",
+    [
+        ("listops", dict(min_len=5000, max_len=6000, form="classify"), 5001),  # every tree is longer than min_len
+        ("reverse", dict(train_len=20, test_len=40), 31),  # about half the test lengths reach it, then <eos>
+        ("addition", dict(train_len=8, generalise=False), 5),
+    ],
+)
+def test_tasks_declare_a_length_before_any_data_is_made(name, settings, length):
+    """What the position check reads before generating: a length past a model's positions is refused
+    before hours of drawing or gigabytes of digits are made."""
+    assert make(name, **settings).declared_len() == length

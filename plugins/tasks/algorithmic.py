@@ -95,6 +95,11 @@ class DigitTask(Task):
     def max_decode_len(self, src_len):
         return src_len + 2
 
+    def declared_len(self) -> int:
+        c = self.config
+        lo, hi = (c.train_len + 1, c.test_len) if c.generalise else (1, c.train_len)
+        return (lo + hi) // 2 + 1  # about half the test sequences are this long or longer (with <eos>)
+
 
 class Reverse(DigitTask):
     """Reverse: the target is the source reversed (digits; test on longer sequences)."""

@@ -48,6 +48,11 @@ class ListOpsConfig:
                     setattr(self, name, value)
 
 
+# Trees are drawn until enough fall within min_len..max_len: a window that few trees reach (1 in 10^4
+# for 5000..6000 tokens at depth 10) would take hours, so the rate is checked every CHECK_EVERY draws
+# and a projection past DRAWS_MAX (about half an hour here) is refused. The LRA preset needs ~1.2M.
+CHECK_EVERY, DRAWS_MAX = 100_000, 20_000_000
+
 #: the LRA generator's defaults (paper_tables.md 1.5)
 LRA = {"n_train": 96000, "n_valid": 2000, "n_test": 2000, "min_len": 500, "max_len": 2000}
 
@@ -106,10 +111,18 @@ class ListOps(Task):
         rng = random.Random(c.seed)
         total = c.n_train + c.n_valid + c.n_test
         trees = {}  # insertion-ordered set: deduplicates identical trees, reproducible order
+        draws = 0
         while len(trees) < total:
             tree, n = sample_tree(rng, 1, c.max_depth, c.max_args)
             if c.min_len < n < c.max_len:
                 trees.setdefault(tree, None)
+            draws += 1
+            if draws % CHECK_EVERY == 0 and draws * total > DRAWS_MAX * max(len(trees), 1):
+                raise ValueError(
+                    f"{len(trees):,} of {draws:,} trees drawn (max_depth={c.max_depth}, max_args={c.max_args}) have "
+                    f"{c.min_len} < length < {c.max_len}: {total:,} would take more than {DRAWS_MAX:,} draws; "
+                    "widen min_len..max_len, or change max_depth or max_args"
+                )
         examples = [(tokens(t), [str(evaluate(t))]) for t in trees]
         rng.shuffle(examples)
         return {
@@ -123,6 +136,9 @@ class ListOps(Task):
 
     def max_decode_len(self, src_len):
         return 1
+
+    def declared_len(self) -> int:
+        return self.config.min_len + 1 + (self.form == "seq2seq")  # every tree is longer than min_len
 
 
 @hookimpl
