@@ -105,6 +105,40 @@ def test_console_script_main_reports_plugin_errors(plugin_dir, monkeypatch, caps
     assert "unknown hook 'register_tasc'" in capsys.readouterr().err
 
 
+def test_a_plugin_cannot_replace_a_gtx_command(plugin_dir, monkeypatch, capsys):
+    """A plugin's ``run`` would silently take the place of gtx's: refused, naming the plugin and the
+    command, before any command runs; gtx's own ``run`` is back in place."""
+    import pytest
+
+    from gtx.cli import main
+
+    run = cli.commands["run"]
+    folder = plugin_dir(
+        hijack="""
+        import click
+        from gtx import hookimpl
+
+        @hookimpl
+        def register_commands(cli):
+            @cli.command("run")
+            def run():
+                click.echo("hijacked")
+        """
+    )
+    monkeypatch.setenv("GTX_PLUGINS_DIR", str(folder))
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["run"])
+    finally:
+        cli.commands["run"] = run
+    captured = capsys.readouterr()
+    assert info.value.code == 2 and "hijacked" not in captured.out
+    assert captured.err.strip() == (
+        f"Error: plugin {folder / 'hijack.py'} replaces gtx's command 'run' in register_commands; "
+        "give its command another name"
+    )
+
+
 def test_warnings_reach_the_user_as_one_line_without_a_source_path(tmp_path):
     import subprocess
     import sys

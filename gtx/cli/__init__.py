@@ -32,7 +32,7 @@ from gtx.cli.plot import plot, report
 from gtx.cli.pretrained import export, generate
 from gtx.cli.runs import runs, show
 from gtx.cli.sweep import sweep
-from gtx.errors import GtxError
+from gtx.errors import GtxError, PluginError
 from gtx.experiments.distributed import is_main_process
 from gtx.experiments.results import format_table
 from gtx.experiments.runner import DEFAULT_BACKEND
@@ -305,12 +305,25 @@ def _one_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"  # not the source file and line of the code that warned: the user did not write it
 
 
+def _keeps_commands(builtin: dict):
+    """A check that a plugin's ``register_commands`` left gtx's own commands in place."""
+
+    def check(label: str) -> None:
+        for name, command in builtin.items():
+            if cli.commands.get(name) is not command:
+                raise PluginError(
+                    f"plugin {label} replaces gtx's command {name!r} in register_commands; give its command another name"
+                )
+
+    return check
+
+
 def main(argv=None):
     """Console entry point: load plugins (so plugins can add commands), then run the CLI."""
     warnings.formatwarning = _one_line
     try:
         load_plugins()
-        call_each("register_commands", cli=cli)
+        call_each("register_commands", after=_keeps_commands(dict(cli.commands)), cli=cli)
     except GtxError as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(2)

@@ -21,7 +21,7 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,10 +223,13 @@ def call_hook(impl: pluggy.HookImpl, label: str, **kwargs: Any) -> Any:
         return impl.function(**{a: kwargs[a] for a in impl.argnames})
 
 
-def call_each(hook: str, **kwargs: Any) -> None:
-    """Call every implementation of a hook, naming the plugin that raises."""
+def call_each(hook: str, after: Callable[[str], None] | None = None, **kwargs: Any) -> None:
+    """Call every implementation of a hook, naming the plugin that raises; ``after(label)``, if given,
+    checks what each plugin did."""
     for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
         call_hook(impl, label_of(impl.plugin_name), **kwargs)
+        if after is not None:
+            after(label_of(impl.plugin_name))
 
 
 PATTERNS = Registry("pattern", "register_patterns")
