@@ -7,6 +7,7 @@ attention features transformers hands each layer, refused where gtx does not com
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -97,6 +98,8 @@ def pretrained_sizes(folder: Path, t) -> dict:
 def load_folder(t, path: str):
     """The folder's causal LM under gtx's attention; one line naming the weights where the folder's
     weights do not fit the model its config builds (missing, unexpected, another shape)."""
+    from safetensors import SafetensorError  # transformers' own dependency
+
     verbosity = t.utils.logging.get_verbosity()
     t.utils.logging.set_verbosity_error()  # transformers' table of the weights that did not load: gtx's refusal says it in one line
     try:
@@ -106,6 +109,11 @@ def load_folder(t, path: str):
     except ValueError as e:  # transformers' words for a family that is no causal LM, or whose attention is its own code
         raise GtxError(
             f"path={path}: transformers cannot load it as a causal LM with gtx's attention: {str(e).splitlines()[0]}"
+        ) from None
+    except (SafetensorError, OSError, EOFError, pickle.UnpicklingError, RuntimeError) as e:  # the weights' files
+        raise GtxError(
+            f"path={path}: its weights cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "give the folder save_pretrained wrote, whole"
         ) from None
     finally:
         t.utils.logging.set_verbosity(verbosity)
