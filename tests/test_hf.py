@@ -221,6 +221,25 @@ def test_without_transformers_one_line_says_how_to_install(monkeypatch):
         module.transformers()
 
 
+def test_bench_prefill_of_a_folder_with_fewer_tokens_than_its_random_ids(tmp_path):
+    """prefill's ids are drawn below the model's vocabulary: a folder of 100 tokens once raised
+    IndexError from the embedding."""
+    import tokenizers
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=100, max_position_embeddings=64, hidden_size=32, intermediate_size=64
+    )
+    config.update(dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(tmp_path / "m")
+    args = ["bench", "prefill", "--set", f"path={tmp_path / 'm'}", "--lengths", "32", "--repeats", "1"]
+    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+
+
 def test_bench_prefill_rows(tmp_path):
     result = CliRunner().invoke(
         cli,

@@ -139,7 +139,8 @@ def bench_prefill(
     for n in lengths:
         config = _config(family, dict(settings or {}), n)
         reference = _gtx_model(config, parse_pattern("full"))
-        ids = torch.randint(VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+        tokens = min(VOCAB, reference.hf.get_input_embeddings().num_embeddings)  # a folder's may be smaller
+        ids = torch.randint(tokens, (n,), generator=torch.Generator().manual_seed(n))
         skip = parse_pattern(NO_EDGES)
         timed = [
             (SDPA, "causal", _time(repeats, _same_weights(reference, "sdpa"), input_ids=ids[None], use_cache=False)),
