@@ -122,6 +122,7 @@ def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
         (["-o", "no-suffix"], "cannot tell the format of no-suffix: name it .png, .svg or .pdf"),  # no .png appended
         (["-o", "a-folder"], "a-folder is a folder; give a file name"),
         (["-o", "a-folder", "--format", "png"], "a-folder is a folder"),
+        (["-o", "x.png", "--format", "pdf"], "x.png is named .png but --format is pdf; name it .pdf"),
     ],
 )
 def test_bad_plot_input_is_one_line_exit_2(tmp_path, monkeypatch, args, message):

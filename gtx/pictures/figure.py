@@ -32,12 +32,16 @@ def save(fig: Figure, path: str | Path, fmt: str | None = None) -> Path:
     """Write ``fig`` to ``path`` exactly as given and return it. ``fmt``: png, svg or pdf; by default
     the path's suffix (a path without one needs ``fmt``: nothing is appended, so ``-o /dev/full`` or
     ``-o some_folder`` never becomes another file). Missing parent folders are created. GtxError (one
-    line) for an unknown format, a folder, or a path that cannot be written."""
+    line) for an unknown format, one that contradicts the path's suffix, a folder, or a path that
+    cannot be written."""
     path = Path(path)
     if path.is_dir():
         raise GtxError(f"{path} is a folder; give a file name, e.g. {path / 'figure.png'}")
     if fmt and fmt.lower() not in FORMATS:
         raise GtxError(f"unknown format {fmt!r}; use png, svg or pdf")
+    said = path.suffix[1:].lower()
+    if fmt and said in FORMATS and said != fmt.lower():  # a PDF named .png opens as nothing
+        raise GtxError(f"{path} is named .{said} but --format is {fmt}; name it .{fmt.lower()}, or leave --format out")
     fmt = fmt.lower() if fmt else path.suffix[1:].lower()
     if fmt not in FORMATS:
         raise GtxError(
