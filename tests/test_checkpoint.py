@@ -250,6 +250,21 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
     )  # 8 steps an epoch: step 10 is in epoch 2
 
 
+def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_rate(tmp_path, monkeypatch):
+    """A first step's NaN (a plugin backend's NaN output, say) comes from the initial weights' forward:
+    no learning rate makes it finite."""
+    from gtx.experiments import train
+
+    real = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    result = gtx("run", "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.strip().endswith(
+        "training loss is nan at epoch 1, step 1; nothing new was written; no update has run yet, so the "
+        "learning rate is not the cause: check the attention (try --backend dense)"
+    )
+
+
 def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpoint(tmp_path, monkeypatch):
     """The last steps of an epoch can leave the weights non-finite with a finite training loss: the
     valid loss then reads NaN, and neither that epoch's rows nor its weights are written."""
