@@ -38,6 +38,14 @@ def test_bad_input_is_one_line_and_exit_code_2():
         (["show-pattern", "local:w=-1"], "Error: bad parameters for pattern 'local': w must be >= 0, got -1"),
         (["show-pattern", "local:x=3"], "Error: pattern 'local' has no parameter 'x'; its parameters: w: int = 4"),
         (["show-pattern", "lokal"], "Error: unknown pattern 'lokal'; known patterns: act, bigbird"),
+        # one setting said twice, two ways: neither silently wins
+        (["run", "--dim", "8", "--set", "dim=16"], "Error: --dim 8 and --set dim=16 disagree; give one of them"),
+        (["run", "--set", "dim=8", "--set", "dim=16"], "Error: --set dim=8 and --set dim=16 disagree; give dim once"),
+        (
+            ["sweep", "--dim", "8,16", "--set", "dim=16"],
+            "Error: --dim 8,16 and --set dim=16 disagree; give one of them",
+        ),
+        (["sweep", "--set", "dim=8", "--set", "dim=16"], "Error: --set dim=8 and --set dim=16 disagree; give dim once"),
     ]:
         result = invoke(*args)
         assert result.exit_code == 2, result.output

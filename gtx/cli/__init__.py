@@ -25,7 +25,7 @@ import pandas as pd
 
 from gtx import __version__
 from gtx.cli.bench import bench
-from gtx.cli.common import CliError, GtxGroup, key_value, plugins_dir_option, progress_lines
+from gtx.cli.common import CliError, GtxGroup, check_shortcuts, key_value, plugins_dir_option, progress_lines
 from gtx.cli.frontier import frontier
 from gtx.cli.listing import backends, models, patterns, plugins_list, show_pattern, tasks
 from gtx.cli.plot import plot, report
@@ -153,6 +153,7 @@ def run(
         "dim": dim,
         "dim_ff": dim_ff,
     }
+    check_shortcuts(shortcuts, settings)
     settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
     config = RunConfig(
         task=task,

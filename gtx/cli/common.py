@@ -68,8 +68,25 @@ def key_value(ctx, param, values):
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise click.BadParameter(f"{item!r}: write key=value, e.g. --set dim=64", ctx=ctx, param=param)
-        out[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if out.get(key, value) != value:
+            raise CliError(f"--set {key}={out[key]} and --set {key}={value} disagree; give {key} once")
+        out[key] = value
     return out
+
+
+def check_shortcuts(shortcuts: dict, settings: dict) -> None:
+    """A shortcut option (``--dim 64``: ``--set dim=64``) and ``--set`` naming the same setting must agree
+    (values as given, or lists of them, as a sweep parses both)."""
+
+    def said(value) -> str:
+        return ",".join(value) if isinstance(value, list) else str(value)
+
+    for key, value in shortcuts.items():
+        value = value if value is None or isinstance(value, list) else str(value)
+        if value is not None and settings.get(key, value) != value:
+            option = f"--{key.replace('_', '-')}"
+            raise CliError(f"{option} {said(value)} and --set {key}={said(settings[key])} disagree; give one of them")
 
 
 def csv_list(value: str) -> list[str]:

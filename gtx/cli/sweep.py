@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import cli_error
+from gtx.cli.common import CliError, check_shortcuts, cli_error
 from gtx.errors import GtxError, Interrupted
 from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
@@ -29,9 +29,14 @@ def _settings(ctx, param, values) -> dict[str, list[str]]:
         if not value.strip():
             raise click.BadParameter(f"{item!r}: no values after '='", ctx=ctx, param=param)
         try:
-            out[key.strip()] = gr.split_list(value, f"--set {key.strip()}=")
+            values = gr.split_list(value, f"--set {key.strip()}=")
         except GtxError as e:
             raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+        if out.get(key.strip(), values) != values:
+            raise CliError(
+                f"--set {key.strip()}={','.join(out[key.strip()])} and --set {item.strip()} disagree; give {key.strip()} once"
+            )
+        out[key.strip()] = values
     return out
 
 
@@ -177,6 +182,7 @@ def read_grid(
     if patterns:
         given["pattern"] = [spec for text in patterns for spec in gr.split_patterns(text, PATTERNS.names())]
     lists = {k: gr.split_list(v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
+    check_shortcuts(lists, settings)
     given["settings"] = {**given.get("settings", {}), **lists, **settings}
     file_results, file_jobs = given.pop("results", None), given.pop("jobs", None)
     grid = gr.make_grid(
