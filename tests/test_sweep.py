@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from gtx.cli import cli
@@ -336,6 +337,17 @@ def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
     # click's own: usage too
     assert (
         message in lines[-1] and lines[-1].startswith("Error: ") and (len(lines) == 1 or lines[0].startswith("Usage:"))
+    )
+    assert not res.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has the GPU the sweep asks for")
+def test_a_sweep_on_a_device_this_machine_lacks_fails_before_any_cell_runs(tmp_path):
+    """Each cell failed on its own, one per seed, with exit status 2 in its log."""
+    res = tmp_path / "res"
+    result = gtx("--device", "cuda", "--seeds", "0-1", "--results", res)
+    assert result.exit_code == 2 and result.output.strip() == (
+        "Error: --device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)"
     )
     assert not res.exists()
 

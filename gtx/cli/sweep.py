@@ -12,6 +12,7 @@ from gtx.cli.common import CliError, check_shortcuts, cli_error
 from gtx.errors import GtxError, Interrupted
 from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
+from gtx.experiments.config import resolve_device
 from gtx.files import writable_dir
 
 # gtx run's shortcut options, here as comma lists: each is the --set key of the same name
@@ -258,7 +259,9 @@ def run_cells(
                 cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc
             )
         else:
-            # checked before any cell starts
+            # checked before any cell starts: the devices (here, where they run) and the log folder
+            for device in sorted({c.config.device for c in cells if c.action != "skip"}):
+                resolve_device(device)
             log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")
             on_change(counts)
             failures = sw.execute(
