@@ -202,6 +202,10 @@ REFUSED = {
     ),
     "a truncated tokenizer.json": ({"edit": _cut("tokenizer.json", 100)}, "its tokenizer cannot be loaded"),
     "a truncated config.json": ({"edit": _cut("config.json", 50)}, "config.json cannot be read"),
+    "a size beside the folder, other than its own": (
+        {"args": ["--set", "layers=5"]},
+        "layers=5 beside path=",
+    ),
     "a truncated model.safetensors": (
         {"edit": _cut("model.safetensors", 1000)},
         "its weights cannot be read (SafetensorError: Error while deserializing header",

@@ -40,6 +40,9 @@ FAMILIES = ("llama", "qwen2", "gpt2")
 INSTALL = "pip install -e '.[hf]' (transformers)"
 
 
+SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff")  # what a folder's config.json fixes (and positions)
+
+
 @dataclass
 class HFConfig:
     family: str = setting("llama", "a small random model of this transformers family: llama, qwen2 or gpt2")
@@ -83,7 +86,15 @@ class HFConfig:
                     f"family={self.family!r} beside path={self.path}: the folder's config.json gives the family; "
                     f"leave family out (or choose {', '.join(FAMILIES)})"
                 )
-            for name, value in pretrained_sizes(Path(self.path), transformers()).items():
+            sizes = pretrained_sizes(Path(self.path), transformers())
+            for name in SIZES:  # one given beside the folder, other than the folder's, would be silently replaced
+                given, default = getattr(self, name), type(self).__dataclass_fields__[name].default
+                if given not in (default, sizes[name]):
+                    raise ValueError(
+                        f"{name}={given} beside path={self.path}: the folder's config.json gives {name}={sizes[name]}; "
+                        f"leave {name} out"
+                    )
+            for name, value in sizes.items():
                 setattr(self, name, value)
             return
         if self.family not in FAMILIES:
