@@ -59,7 +59,7 @@ class HFConfig:
     path: str = setting(
         "",
         "a save_pretrained folder (config.json, weights, tokenizer): that model, its weights and its tokenizer "
-        "instead of a random one of family (whose sizes are then unused)",
+        "instead of a random one of family (the folder gives the sizes; one given beside it must agree)",
     )
     train_params: str = setting(
         "",
