@@ -351,6 +351,27 @@ def test_ambiguous_parameters_are_refused(spec, message):
         parse_pattern(spec)
 
 
+def test_an_unannotated_parameter_takes_its_defaults_type():
+    """A plugin's ``def window(w=4)`` got w as the string "2" from ``window:w=2``; it is the int 2,
+    and the listing of its parameters says int."""
+    import inspect
+
+    from gtx.graph.spec import _kwargs, describe_params, param_type
+
+    def window(w=4, scale=1.0, on=False, name="x", other=None):
+        return parse_pattern(f"local:w={w}")
+
+    got = _kwargs("pattern", "window", window, {"w": "2", "scale": "0.5", "on": "true", "name": "y", "other": "z"})
+    assert got == {"w": 2, "scale": 0.5, "on": True, "name": "y", "other": "z"} and type(got["w"]) is int
+    assert (
+        describe_params(window)
+        == "w: int = 4, scale: float = 1.0, on: bool = False, name: str = 'x', other: str = None"
+    )
+    with pytest.raises(PatternError, match="parameter w of pattern 'window' must be int, got 'x'"):
+        _kwargs("pattern", "window", window, {"w": "x"})
+    assert param_type(inspect.signature(lambda k: k).parameters["k"]) is str  # neither annotated nor defaulted
+
+
 def test_a_pattern_within_a_sliding_window_keeps_its_run_time_parts():
     """A pretrained model's sliding window of 3 keys: the query's own and the two before it, intersected
     with the pattern; head groups, bias and selection kept, the selection among the windowed candidates."""

@@ -183,13 +183,21 @@ def is_modifier(factory: Callable) -> bool:
 def describe_params(factory: Callable, skip: str = "inner") -> str:
     parts = []
     for n, p in pattern_params(factory, skip).items():
-        typ = getattr(p.annotation, "__name__", p.annotation)
+        typ = param_type(p).__name__ if p.annotation is p.empty else getattr(p.annotation, "__name__", p.annotation)
         parts.append(f"{n}: {typ} = {p.default!r}" if p.default is not p.empty else f"{n}: {typ}")
     return ", ".join(parts)
 
 
-def _convert(name: str, key: str, value: str, annotation) -> object:
-    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(getattr(annotation, "__name__", annotation), str)
+def param_type(p: inspect.Parameter) -> type:
+    """What a parameter's text from the command line becomes: its annotation (int, float, bool or str),
+    else, unannotated, its default's type (``w=4``: int), else str."""
+    named = getattr(p.annotation, "__name__", p.annotation)  # a string under ``from __future__ import annotations``
+    if p.annotation is p.empty and p.default is not p.empty and p.default is not None:
+        named = type(p.default).__name__
+    return {"int": int, "float": float, "bool": bool, "str": str}.get(named, str)
+
+
+def _convert(name: str, key: str, value: str, typ: type) -> object:
     try:
         parsed = parse_scalar(value, typ)
     except ValueError:
@@ -214,7 +222,7 @@ def _kwargs(kind: str, name: str, factory: Callable, raw: Mapping[str, str], ski
         if key not in known:
             listing = describe_params(factory, skip) or "none"
             raise PatternError(f"{kind} {name!r} has no parameter {key!r}; its parameters: {listing}")
-    return {k: _convert(name, k, v, known[k].annotation) for k, v in raw.items()}
+    return {k: _convert(name, k, v, param_type(known[k])) for k, v in raw.items()}
 
 
 def add_bias(pattern: Pattern, name: str, raw: Mapping[str, str]) -> Pattern:
