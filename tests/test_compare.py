@@ -72,6 +72,10 @@ def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
         compare(validate(pd.DataFrame(rows)), ["nope"])
     with pytest.raises(Exception, match="--by names task more than once"):
         compare(validate(pd.DataFrame(rows)), ["task,task"])
+    # a run has a split per row, not one of its own: every run grouped as its first row, "train"
+    with pytest.raises(Exception, match=r"cannot group runs by split, loss: a run's rows differ there .* task, model"):
+        compare(validate(pd.DataFrame(rows)), ["task,split,loss"])
+    assert list(compare(validate(pd.DataFrame(rows)), ["task,context_len"]).columns[:2]) == ["task", "context_len"]
 
 
 def test_compare_summarises_seeds_tests_against_full_and_marks_the_front():

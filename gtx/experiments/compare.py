@@ -42,14 +42,31 @@ DEFAULT_BY = ("task", "model", "pattern", "backend")
 FALLBACK_METRIC = "token_acc"  # a task without a declared metric, or whose metric these runs lack
 
 
+# results columns a run has a value of per epoch and split, not one of its own: --by refuses them. (context_len
+# is a run's too: its first row's, the training phase's longest sequence, the length it trains at.)
+PHASE_COLUMNS = (
+    *("epoch", "split", "loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "peak_mem_mb", "flops", "attn_flops"),
+    *("density", "edges_per_query_ee", "edges_per_query_dd", "edges_per_query_ed", "act_mean_steps", "metrics"),
+    "backend_plan",
+)
+
+
 def check_by(by: Iterable[str], columns: Iterable[str] = COLUMNS) -> list[str]:
-    """``--by``'s columns (items may hold several, comma-separated), checked: at least one, each a results column."""
+    """``--by``'s columns (items may hold several, comma-separated), checked: at least one, each a results
+    column that a run holds once (not a ``PHASE_COLUMNS`` one), none twice."""
     by, columns = [c.strip() for item in by for c in item.split(",") if c.strip()], list(columns)
     if not by:
         raise GtxError(f"--by names no column; give some of: {', '.join(columns)}")
     unknown = [c for c in by if c not in columns]
     if unknown:
         raise GtxError(f"cannot group by {unknown}; columns are: {', '.join(columns)}")
+    phases = [c for c in by if c in PHASE_COLUMNS]
+    if phases:
+        runs = ", ".join(c for c in columns if c not in PHASE_COLUMNS)
+        raise GtxError(
+            f"cannot group runs by {', '.join(phases)}: a run's rows differ there (one per epoch and split); group by "
+            f"what a run holds once: {runs}"
+        )
     repeated = sorted({c for c in by if by.count(c) > 1})
     if repeated:
         raise GtxError(f"--by names {', '.join(repeated)} more than once; name each column once")
