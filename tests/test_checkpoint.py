@@ -246,7 +246,7 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
 
     monkeypatch.setattr(train.F, "cross_entropy", nan_from_step_10)
     stops_keeping_epoch_1(
-        tmp_path, "training loss is nan at epoch 2, step 10"
+        tmp_path, "stopped in epoch 2: training loss is nan at step 10"
     )  # 8 steps an epoch: step 10 is in epoch 2
 
 
@@ -260,7 +260,7 @@ def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_r
     result = gtx("run", "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.strip().endswith(
-        "training loss is nan at epoch 1, step 1; nothing new was written; no update has run yet, so the "
+        "stopped in epoch 1: training loss is nan at step 1; nothing new was written; no update has run yet, so the "
         "learning rate is not the cause: check the attention (try --backend dense)"
     )
 
@@ -277,7 +277,7 @@ def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpo
         return {**row, "loss": float("nan")} if (epoch, split) == (2, "valid") else row
 
     monkeypatch.setattr(runner, "result_row", nan_valid_in_epoch_2)
-    stops_keeping_epoch_1(tmp_path, "valid loss is nan after epoch 2, step 16")
+    stops_keeping_epoch_1(tmp_path, "stopped in epoch 2: valid loss is nan after step 16")
 
 
 def stops_keeping_epoch_1(tmp_path, message):

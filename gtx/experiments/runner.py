@@ -334,13 +334,12 @@ def run(
             if done >= run.start
             else "nothing new was written"
         )
-        what = f"training loss is {e.value} at" if e.split == "train" else f"{e.split} loss is {e.value} after"
         fix = (
             "no update has run yet, so the learning rate is not the cause: check the attention (try --backend dense)"
             if e.split == "train" and e.step == 1
             else "lower --set lr_factor, or raise --set warmup"
         )
-        raise GtxError(f"run {run_id} stopped: {what} epoch {epoch}, step {e.step}; {kept}; {fix}") from None
+        raise GtxError(f"run {run_id} stopped in epoch {epoch}: {e}; {kept}; {fix}") from None
     except KeyboardInterrupt:
         status = "interrupted"
         raise RunInterrupted(
