@@ -290,6 +290,22 @@ def stops_keeping_epoch_1(tmp_path, message):
     assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, df.run_id.iloc[0]) / checkpoint.LAST)["epoch"] == 1
 
 
+def test_eval_under_a_learned_bias_the_run_lacks_names_the_pattern_and_the_reverse_runs(reference, tmp_path):
+    """A learned bias's table is the pattern's own parameter, as nsa's and dsa's are: a run trained
+    without it is refused under it in one line naming both patterns (it read "parameter ... missing
+    from the checkpoint"), and a run trained with it evaluates under a pattern without it."""
+    run_id = load(reference).run_id.iloc[0]
+    refused = gtx("eval", run_id, "--results", reference, "--pattern", "full+relbias")
+    assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert (
+        "attends with learned parameters that checkpoint" in refused.output
+        and "(trained under 'full')" in refused.output
+    )
+    trained = gtx("run", "--pattern", "full+relbias", "--results", tmp_path, *TINY)
+    assert trained.exit_code == 0, trained.output
+    assert gtx("eval", load(tmp_path).run_id.iloc[0], "--results", tmp_path, "--pattern", "full").exit_code == 0
+
+
 def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
     """gtx eval, gtx run --resume, gtx plot attention and gtx show all resolve the 6-hex tail `gtx runs` prints."""
     run_id = load(reference).run_id.iloc[0]

@@ -79,8 +79,9 @@ def check_vocab(state: dict, task, path: Path) -> None:
 
 
 def trainable_key(key: str) -> bool:
-    """A parameter of a pattern's own (nsa, dsa: ``gtx.attention.trainable``), not of the model."""
-    return key.startswith("trainable.") or ".trainable." in key
+    """A parameter of a pattern's own (nsa, dsa: ``gtx.attention.trainable``; a learned bias's table,
+    ``relbias``), not of the model."""
+    return any(key.startswith(f"{part}.") or f".{part}." in key for part in ("trainable", "biases"))
 
 
 def check_shapes(model: torch.nn.Module, state: dict, path: Path, model_name: str, spec: str) -> None:
