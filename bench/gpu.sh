@@ -17,7 +17,8 @@
 # and 4096 or 16384; the last also measures peak memory), BASELINE (train: --baseline adds the
 # plain-torch rows, default --no-baseline), FRONTIER_LENGTHS (default 1024: about 6 minutes on an H200),
 # FRONTIER_FAMILIES (separated by ';'), FRONTIER_SEEDS (default 0-2), FRONTIER_SETTINGS (the runs'
-# options), FRONTIER_JOBS (cells at once on the card, default 8), and seconds per command:
+# options), FRONTIER_JOBS (cells at once on the card, default 8), FRONTIER_FROM (a results folder of an
+# earlier frontier's runs, copied into OUT/f first: its finished cells are kept, the rest run), and seconds per command:
 # TRAIN_CELLS (bench/gpu_cells.py train's rows), TESTS_LIMIT, CELLS_LIMIT (each of two), ATTENTION_LIMIT (per pattern), TRAIN_LIMIT (per run), FRONTIER_LIMIT (per length).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: bash bench/gpu.sh OUT [PHASES]}")
@@ -84,6 +85,7 @@ if has train; then
 fi
 
 if has frontier; then
+  [[ -n ${FRONTIER_FROM:-} ]] && mkdir -p "$out/f" && cp -r "$FRONTIER_FROM"/. "$out/f"/
   IFS=';' read -ra families <<< "${FRONTIER_FAMILIES:-local:w=64,128,256;moba:b=64,k=2,4,8;nsa:n=4,8,16;dsa:k=64,128,256}"
   family_args=(); for f in "${families[@]}"; do family_args+=(--family "$f"); done
   IFS=',' read -ra flengths <<< "${FRONTIER_LENGTHS:-1024}"
