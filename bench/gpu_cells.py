@@ -85,17 +85,20 @@ def attention(device: str) -> list[dict]:
             rounds = [
                 1000 * statistics.median(times[backend][i : i + REPEATS]) for i in range(0, ROUNDS * REPEATS, REPEATS)
             ]
-            rows.append(
-                {"pattern": pattern, "n": n, "backend": backend, "ms": ms, "reference": backends[0]}
-                | {
-                    "ratio": 1000 * reference / ms,
-                    "choice": cell.choice(),
-                    "rounds_ms": " ".join(f"{r:.3f}" for r in rounds),
-                }
-            )
+            row = {
+                "pattern": pattern,
+                "n": n,
+                "backend": backend,
+                "ms": ms,
+                "reference": backends[0],
+                "ratio": 1000 * reference / ms,
+                "choice": cell.choice(),
+                "rounds_ms": " ".join(f"{r:.3f}" for r in rounds),
+            }
+            rows.append(row)
             print(
-                f"ATT {pattern} {n} {backend}: {ms:.3f} ms, {rows[-1]['ratio']:.2f}x {backends[0]} [{rows[-1]['choice']}] "
-                f"(rounds: {rows[-1]['rounds_ms']})",
+                f"ATT {pattern} {n} {backend}: {ms:.3f} ms, {row['ratio']:.2f}x {backends[0]} [{row['choice']}] "
+                f"(rounds: {row['rounds_ms']})",
                 flush=True,
             )
         del prepared

@@ -153,8 +153,9 @@ def run(
         "dim": dim,
         "dim_ff": dim_ff,
     }
-    check_shortcuts(shortcuts, settings)
-    settings = {**{k: str(v) for k, v in shortcuts.items() if v is not None}, **settings}
+    given = {k: str(v) for k, v in shortcuts.items() if v is not None}
+    check_shortcuts(given, settings)
+    settings = {**given, **settings}
     config = RunConfig(
         task=task,
         model=model,

@@ -68,25 +68,29 @@ def key_value(ctx, param, values):
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise click.BadParameter(f"{item!r}: write key=value, e.g. --set dim=64", ctx=ctx, param=param)
-        key, value = key.strip(), value.strip()
-        if out.get(key, value) != value:
-            raise CliError(f"--set {key}={out[key]} and --set {key}={value} disagree; give {key} once")
-        out[key] = value
+        set_once(out, key.strip(), value.strip())
     return out
 
 
+def _said(value: str | list[str]) -> str:
+    return ",".join(value) if isinstance(value, list) else value
+
+
+def set_once(settings: dict, key: str, value: str | list[str]) -> None:
+    """``settings[key] = value`` for one ``--set`` (a value, or a sweep's list of them); a key given
+    twice with two values is refused, where the last one would silently win."""
+    if settings.get(key, value) != value:
+        raise CliError(f"--set {key}={_said(settings[key])} and --set {key}={_said(value)} disagree; give {key} once")
+    settings[key] = value
+
+
 def check_shortcuts(shortcuts: dict, settings: dict) -> None:
-    """A shortcut option (``--dim 64``: ``--set dim=64``) and ``--set`` naming the same setting must agree
-    (values as given, or lists of them, as a sweep parses both)."""
-
-    def said(value) -> str:
-        return ",".join(value) if isinstance(value, list) else str(value)
-
+    """A shortcut option given (``--dim 64``: ``--set dim=64``) and ``--set`` naming the same setting
+    must agree; values as ``set_once`` takes them."""
     for key, value in shortcuts.items():
-        value = value if value is None or isinstance(value, list) else str(value)
-        if value is not None and settings.get(key, value) != value:
+        if settings.get(key, value) != value:
             option = f"--{key.replace('_', '-')}"
-            raise CliError(f"{option} {said(value)} and --set {key}={said(settings[key])} disagree; give one of them")
+            raise CliError(f"{option} {_said(value)} and --set {key}={_said(settings[key])} disagree; give one of them")
 
 
 def csv_list(value: str) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import CliError, check_shortcuts, cli_error
+from gtx.cli.common import check_shortcuts, cli_error, set_once
 from gtx.errors import GtxError, Interrupted
 from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
@@ -33,11 +33,7 @@ def _settings(ctx, param, values) -> dict[str, list[str]]:
             values = gr.split_list(value, f"--set {key.strip()}=")
         except GtxError as e:
             raise click.BadParameter(str(e), ctx=ctx, param=param) from None
-        if out.get(key.strip(), values) != values:
-            raise CliError(
-                f"--set {key.strip()}={','.join(out[key.strip()])} and --set {item.strip()} disagree; give {key.strip()} once"
-            )
-        out[key.strip()] = values
+        set_once(out, key.strip(), values)
     return out
 
 
