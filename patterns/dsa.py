@@ -24,8 +24,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import GtxError, hookimpl, parse_pattern
-from gtx.attention.choice import PRECISIONS, int8_scores, top_later_first
-from gtx.attention.indexer import (
+from gtx.attention.selection.blocks import (
+    TokenBlockSelection,
+    attend_token_blocks,
+    block_means,
+    pad_samples,
+    unpad_samples,
+)
+from gtx.attention.selection.choice import PRECISIONS, int8_scores, top_later_first
+from gtx.attention.selection.indexer import (
     ROWS,
     dense_index_kl,
     index_kl,
@@ -35,8 +42,7 @@ from gtx.attention.indexer import (
     rotate,
     top_indexed,
 )
-from gtx.attention.keys import KeySelection, attend_keys
-from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, block_means, pad_samples, unpad_samples
+from gtx.attention.selection.keys import KeySelection, attend_keys
 from gtx.attention.trainable import Trainable, causal_lens
 
 # query rows per block of the dense stage's KL: a block's buffers are a few rows x keys (its scores
@@ -62,7 +68,7 @@ class Indexer(nn.Module):
     rotation, which leaves dot products as they are): index keys (LayerNorm-ed) and head weights
     from the layer's input, index queries from the attention's queries (gtx's models have no query
     latent); the first ``rope`` dimensions of each index query and key turned by the token's
-    position (``gtx.attention.indexer.rotate``), the rest as they are."""
+    position (``gtx.attention.selection.indexer.rotate``), the rest as they are."""
 
     def __init__(self, query_dim: int, input_dim: int, heads: int, dim: int, rope: int):
         super().__init__()

@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from gtx import Pattern, hookimpl, parse_pattern
-from gtx.attention.selection import BlockSelection, block_means, choose_token_blocks
+from gtx.attention.selection.blocks import BlockSelection, block_means, choose_token_blocks
 
 GATES = ("token", "block")
 

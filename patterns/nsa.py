@@ -15,15 +15,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gtx import hookimpl, parse_pattern
-from gtx.attention.choice import top_later_first
-from gtx.attention.compressed import (
+from gtx.attention.selection.blocks import TokenBlockSelection, attend_token_blocks, pad_samples, unpad_samples
+from gtx.attention.selection.choice import top_later_first
+from gtx.attention.selection.compressed import (
     attend_compressed,
     block_ends,
     compressed_keys_seen,
     compressed_weights,
     sliding_blocks,
 )
-from gtx.attention.selection import TokenBlockSelection, attend_token_blocks, pad_samples, unpad_samples
 from gtx.attention.trainable import Trainable, causal_lens
 from gtx.errors import GtxError
 from gtx.graph.tokens import batch_edges

@@ -3,9 +3,9 @@
 from dataclasses import replace
 
 from gtx import hookimpl
-from gtx.attention.choice import top_keys
-from gtx.attention.keys import KeySelection
-from gtx.attention.selection import top_per_query
+from gtx.attention.selection.blocks import top_per_query
+from gtx.attention.selection.choice import top_keys
+from gtx.attention.selection.keys import KeySelection
 from gtx.errors import PatternError
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gtx import native
-from gtx.attention.choice import int8_scores, quantised
-from gtx.attention.indexer import index_scores, top_indexed
 from gtx.attention.module import Attention
+from gtx.attention.selection.choice import int8_scores, quantised
+from gtx.attention.selection.indexer import index_scores, top_indexed
 from gtx.backends import get_backend
 from gtx.errors import PatternError
 from gtx.graph.spec import parse_pattern

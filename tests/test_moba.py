@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtx.attention.module import Attention
-from gtx.attention.selection import TokenBlockSelection, attend_token_blocks
+from gtx.attention.selection.blocks import TokenBlockSelection, attend_token_blocks
 from gtx.backends import get_backend
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
@@ -152,7 +152,7 @@ def test_many_tiles_run_in_chunks_and_still_agree():
 
 def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     # SDPA's fused kernel that returns the log-sum-exp exists on the CPU only; other devices run the tiles in torch ops
-    monkeypatch.setattr("gtx.attention.selection._FUSED_DEVICES", ())
+    monkeypatch.setattr("gtx.attention.selection.blocks._FUSED_DEVICES", ())
     lens, block, top = [150, 61], 16, 3
     assert_agrees_with_definition(lens, block, top, 2)
 
@@ -253,9 +253,9 @@ def test_small_chunks_of_blocks_and_tiles_still_agree(monkeypatch, headroom):
     # the backward runs the own blocks' chunks last first and adds the chosen tiles of each chunk's keys
     # to it: several chunks of each, over samples and heads, check the order; headroom 0 rescales the
     # merged rows at every new maximum, where the default rarely does
-    monkeypatch.setattr("gtx.attention.selection._HEADROOM", headroom)
-    monkeypatch.setattr("gtx.attention.selection.BLOCK_ROWS", 5)
-    monkeypatch.setattr("gtx.attention.selection.TILES", 7)
+    monkeypatch.setattr("gtx.attention.selection.blocks._HEADROOM", headroom)
+    monkeypatch.setattr("gtx.attention.selection.blocks.BLOCK_ROWS", 5)
+    monkeypatch.setattr("gtx.attention.selection.blocks.TILES", 7)
     assert_agrees_with_definition([130, 45, 61], 8, 3, 3)
 
 
@@ -264,8 +264,8 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
     chunk's partial outputs merge into the output as they come and the gradients go straight to their
     rows, where a buffer of every chosen block's output (4 q-sized here) and block-layout copies of
     the gradients held 6.5 and 7.3 q-sized tensors."""
-    monkeypatch.setattr("gtx.attention.selection.BLOCK_ROWS", 16)
-    monkeypatch.setattr("gtx.attention.selection.TILES", 16)
+    monkeypatch.setattr("gtx.attention.selection.blocks.BLOCK_ROWS", 16)
+    monkeypatch.setattr("gtx.attention.selection.blocks.TILES", 16)
     n, heads, dim = 2048, 2, 32
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for _ in range(3))
@@ -281,7 +281,7 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
 def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     """Off the CPU both the own blocks' and the chosen tiles' chunks are ``ACCELERATOR_CHUNKS`` times
     larger (a GPU pays ~20 launches a chunk whatever its size); on the CPU they keep their sizes."""
-    from gtx.attention import selection
+    from gtx.attention.selection import blocks as selection
 
     monkeypatch.setattr(selection, "BLOCK_ROWS", 2)
     monkeypatch.setattr(selection, "TILES", 2)

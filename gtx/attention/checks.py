@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention.keys import KeySelection
-from gtx.attention.selection import BlockSelection, TokenBlockSelection
+from gtx.attention.selection.blocks import BlockSelection, TokenBlockSelection
+from gtx.attention.selection.keys import KeySelection
 from gtx.errors import PluginError
 from gtx.graph.tokens import EdgeSet
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gtx import native
-from gtx.attention.choice import PRECISIONS, int8_scores, top_native, top_scored
+from gtx.attention.selection.choice import PRECISIONS, int8_scores, top_native, top_scored
 from gtx.graph.tokens import EdgeSet
 
 ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
@@ -83,7 +83,7 @@ def top_indexed(iq, w, ik, edges: EdgeSet, count: int, precision: str = "float32
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
     highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
     kernel) and valid (n, K) (invalid slots hold key 0). No gradient. ``precision`` "int8": ranked by
-    the scores of queries and keys quantised per token (``gtx.attention.choice.int8_scores``), as
+    the scores of queries and keys quantised per token (``gtx.attention.selection.choice.int8_scores``), as
     DeepSeek's indexer runs in FP8; on the CPU on int8 dot products."""
     if precision not in PRECISIONS:
         raise ValueError(f"index precision {precision!r}: one of {', '.join(PRECISIONS)}")

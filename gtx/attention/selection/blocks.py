@@ -4,7 +4,7 @@ The forms of a selection (``Pattern.select(q, k, edges)``, see ``gtx.attention``
 
 - a bool mask (E, H) over the candidate edges: any chooser (``topk``, ``lsh``); the attention then
   runs per head over the kept edges, on any backend;
-- a ``gtx.attention.keys.KeySelection``: per query and head, the keys it reads (``topk``, ``dsa``);
+- a ``gtx.attention.selection.keys.KeySelection``: per query and head, the keys it reads (``topk``, ``dsa``);
   ``attend_keys``;
 - a ``TokenBlockSelection``: per query token and head, the earlier blocks it reads besides its own
   (``moba``, MoBA's gate); ``attend_token_blocks`` merges the blocks' partial softmaxes;

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gtx.attention.choice import softmax_
-from gtx.attention.selection import chunk_scale, pad_samples, unpad_samples
+from gtx.attention.selection.blocks import chunk_scale, pad_samples, unpad_samples
+from gtx.attention.selection.choice import softmax_
 
 ROWS = 512  # query rows attended at once
 # query rows weighed at once for a choice: its scores are rows x compressed blocks, so smaller

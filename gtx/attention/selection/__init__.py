@@ -1,0 +1,1 @@
+"""The selection contract: how a method that chooses keys from the content hands its choice to the kernels."""
