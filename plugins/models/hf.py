@@ -28,13 +28,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gtx import GtxError, hookimpl, setting
-from gtx.attention.module import layer_attention
-from gtx.data.vocab import ModelVocab, Tokenizer
-from gtx.graph.pattern import Pattern
-from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, window_edges
-from gtx.model.layers import GraphModel, Output
-from gtx.model.pretrained import CHECKED, check_features, check_vocab, load_folder, pretrained_sizes
+from gtx import (
+    EdgeSet,
+    GraphModel,
+    GtxError,
+    ModelVocab,
+    Output,
+    Pattern,
+    Tokenizer,
+    batch_edges,
+    build_graph,
+    hookimpl,
+    layer_attention,
+    pretrained,
+    setting,
+    window_edges,
+)
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 INSTALL = "pip install -e '.[hf]' (transformers)"
@@ -80,13 +89,13 @@ class HFConfig:
         if self.path:
             if self.family not in (
                 *FAMILIES,
-                *CHECKED,
+                *pretrained.CHECKED,
             ):  # the folder's model_type replaces it: a stored run's is one of these
                 raise ValueError(
                     f"family={self.family!r} beside path={self.path}: the folder's config.json gives the family; "
                     f"leave family out (or choose {', '.join(FAMILIES)})"
                 )
-            sizes = pretrained_sizes(Path(self.path), transformers())
+            sizes = pretrained.pretrained_sizes(Path(self.path), transformers())
             for name in SIZES:  # one given beside the folder, other than the folder's, would be silently replaced
                 given, default = getattr(self, name), type(self).__dataclass_fields__[name].default
                 if given not in (default, sizes[name]):
@@ -119,7 +128,7 @@ class HFTokenizer(Tokenizer):
             raise GtxError(
                 f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
             ) from None
-        check_vocab(self.hf, folder)
+        pretrained.check_vocab(self.hf, folder)
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
         self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
 
@@ -177,7 +186,7 @@ def gtx_attention(
     edges; ``sliding_window``: the layer reads those edges within a window of that many keys;
     ``holder.inputs``, the layer's hidden states (its input, as ``_hold_inputs`` took it), go with them."""
     attention, holder = module.gtx
-    if holder.seen is not None:  # check_features' probe: what the layer is handed, no attention
+    if holder.seen is not None:  # pretrained.check_features' probe: what the layer is handed, no attention
         holder.seen[module] = {"sliding_window": sliding_window, "attention_mask": attention_mask, **kwargs}
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if query.shape[0] != 1 or holder.edges is None:
@@ -243,7 +252,7 @@ class HFModel(GraphModel):
         t = transformers()
         self.config = config
         if config.path:
-            self.hf = load_folder(t, config.path)
+            self.hf = pretrained.load_folder(t, config.path)
         else:
             self.hf = t.AutoModelForCausalLM.from_config(hf_config(config, len(tgt_vocab)), attn_implementation="gtx")
         if config.train_params:
@@ -265,7 +274,7 @@ class HFModel(GraphModel):
             object.__setattr__(module, "gtx", (own, self._holder))  # not a submodule: layer_attention holds it
             module.register_forward_pre_hook(_hold_inputs(self._holder), with_kwargs=True)
         where = f"path={config.path}" if config.path else f"family={config.family}"
-        self.windows = check_features(self, layers, getattr(attention, "pattern", None), where)
+        self.windows = pretrained.check_features(self, layers, getattr(attention, "pattern", None), where)
 
     def forward(self, batch) -> Output:
         return Output(self._logits(batch.tgt_in, batch.tgt_pos, batch.graph.edges["dd"]))
