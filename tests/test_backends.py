@@ -102,7 +102,7 @@ def test_large_scores_are_stable():
     v = torch.randn(6, 1, 2)
     for name in ["dense", *BACKEND_NAMES]:
         out = propagate_attention(q, k, v, edges, get_backend(name))
-        # dgl-seed keeps the seeds' unshifted exp (minus their clamp) as a speed baseline: it overflows
+        # dgl-seed keeps the DGL tutorial's unshifted exp (minus their clamp) as a speed baseline: it overflows
         assert torch.isfinite(out).all() != (name == "dgl-seed"), name
 
 

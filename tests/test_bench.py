@@ -492,7 +492,7 @@ def test_runs_record_the_auto_plan(tmp_path):
 
 @pytest.mark.slow
 def test_targets_attention_local_8192():
-    """The issue's CPU targets, side by side in one process (run with -m slow)."""
+    """The CPU speed bars, side by side in one process (run with -m slow)."""
     df = bench.bench_attention(["local:w=32"], [8192], ["dense", "dgl", "auto"], repeats=3)
     ms = df.set_index("backend").ms
     assert ms["dense"] / ms["auto"] >= 10 and ms["dgl"] / ms["auto"] >= 2

@@ -163,18 +163,16 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
 
 
 def test_the_cli_reference_is_current():
-    """docs/cli.md is every command's --help as the code prints it: regenerate it with
-    ``python -m gtx.cli.reference > docs/cli.md``."""
+    """docs/cli.md is every command's --help as the code prints it: regenerate it (and docs/methods.md)
+    with ``make docs``."""
     from gtx.cli.reference import markdown
 
-    assert (DOCS / "cli.md").read_text() == markdown(), (
-        "docs/cli.md is stale: python -m gtx.cli.reference > docs/cli.md"
-    )
+    assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: make docs"
 
 
 def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry():
     """docs/methods.md holds every registered pattern and bias as their docstrings say (regenerate:
-    ``python -m gtx.cli.reference methods > docs/methods.md``); ``gtx patterns NAME`` prints the same entry."""
+    ``make docs``); ``gtx patterns NAME`` prints the same entry."""
     from click.testing import CliRunner
 
     from gtx.cli import cli
@@ -182,7 +180,7 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
     from gtx.plugins.registry import BIASES, PATTERNS
 
     text = (DOCS / "methods.md").read_text()
-    assert text == methods(), "docs/methods.md is stale: python -m gtx.cli.reference methods > docs/methods.md"
+    assert text == methods(), "docs/methods.md is stale: make docs"
     for name in PATTERNS.names():
         assert re.search(rf"^## {re.escape(name)}(\(PATTERN\))?$", text, re.M), f"docs/methods.md misses pattern {name}"
     for name in BIASES.names():
@@ -211,7 +209,7 @@ NARRATION = {
     "a development log": r"\b(?:later|earlier) session\b|\bperf\b showed",
 }
 ROOT = DOCS.parent
-PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
 
 
 def narration(text: str) -> list[tuple[int, str]]:
@@ -249,6 +247,22 @@ def test_docs_narrate_no_development_history_and_link_nothing_outside_the_reposi
         name = page.relative_to(ROOT)
         problems += [f"{name}:{n}: narrates {what}" for n, what in narration(page.read_text())]
         problems += [f"{name}:{n}: link outside the repository: {target}" for n, target in links_outside(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_code_and_tests_narrate_no_development_history():
+    """What the code says (docstrings, --help text, messages, comments) and what the tests say is read
+    by users and contributors too: the DGL tutorial is named as such, not as "the seeds"."""
+    here = Path(__file__).resolve()
+    files = [
+        path
+        for folder in ("gtx", "patterns", "plugins", "tests", "bench")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != here  # this file holds the phrases it looks for
+    ]
+    problems = [
+        f"{path.relative_to(ROOT)}:{n}: narrates {what}" for path in files for n, what in narration(path.read_text())
+    ]
     assert not problems, "\n".join(problems)
 
 

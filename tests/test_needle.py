@@ -121,7 +121,7 @@ def test_written_with_a_models_tokenizer(tmp_path):
         assert tokenizer.detokenize(answer(tokens, groups)).strip() == value and value.isdigit()
         tail = tokenizer.tokenize(text.rsplit(" What is", 1)[1])  # question and answer, written whole
         assert tokens[-len(tail) :] == tail
-    # the brief's context=64 holds no filler at this tokenizer's ~1 token per character: the needle alone is ~30 tokens
+    # context=64 holds no filler at this tokenizer's ~1 token per character: the needle alone is ~30 tokens
     result = CliRunner().invoke(
         cli,
         [

@@ -69,7 +69,7 @@ def executor_options(items: Iterable[str]) -> dict[str, object]:
 def make_executor(folder: Path, options: dict[str, object]):
     """submitit's AutoExecutor in ``folder`` (``options["cluster"]``: slurm, local or debug; default:
     slurm where there is one, else local), its other options checked by submitit: one GtxError line.
-    submitit makes its folder at once, so the options are tried in a scratch folder first: refused
+    submitit makes its folder at once, so the options are tried in a temporary folder first: refused
     ones leave nothing under ``folder``, which is then made (``writable_dir``)."""
     submitit = _submitit()
     options = dict(options)

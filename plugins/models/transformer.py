@@ -1,4 +1,4 @@
-"""transformer: the encoder-decoder of the seeds, written as update_graph calls.
+"""transformer: the encoder-decoder of the DGL tutorial, written as update_graph calls.
 
 Pre-norm sub-layers as in the DGL tutorial (and the Annotated Transformer): ``x + dropout(sublayer(LN(x)))``,
 a final LayerNorm on each stack, sinusoidal positions, optional shared embeddings.
@@ -21,7 +21,9 @@ class TransformerConfig:
     share_embeddings: bool = field(
         default=True, metadata={"help": "tie source/target embeddings and the output projection"}
     )
-    embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
+    embed_scale: float = setting(
+        4.0, "token embeddings are multiplied by this (the DGL tutorial: sqrt(dim))", "(0, inf)"
+    )
 
 
 class Transformer(Seq2SeqModel):

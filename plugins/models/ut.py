@@ -1,4 +1,4 @@
-"""ut: the Universal Transformer with adaptive computation time (ACT), as in the seeds.
+"""ut: the Universal Transformer with adaptive computation time (ACT), as in the DGL tutorial.
 
 One shared encoder layer and one shared decoder layer applied repeatedly, each node until it halts
 (``gtx.act`` has the halting rule, the ponder loss and how attention follows the active nodes).
@@ -34,7 +34,9 @@ class UTConfig:
     act_loss_weight: float = setting(0.01, range="[0, inf)")
     act: bool = field(default=True, metadata={"help": "False: no halting, every node runs max_depth steps"})
     share_embeddings: bool = True
-    embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
+    embed_scale: float = setting(
+        4.0, "token embeddings are multiplied by this (the DGL tutorial: sqrt(dim))", "(0, inf)"
+    )
 
 
 class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):

@@ -22,7 +22,7 @@ class LetterConfig:
 
 
 class LetterTask(Task):
-    """Sequences of letters a-z with lengths int(N(15, 3)) clipped to >= 1 (the seeds' data)."""
+    """Sequences of letters a-z with lengths int(N(15, 3)) clipped to >= 1 (the DGL tutorial's data)."""
 
     def transform(self, seq: list[str]) -> list[str]:
         raise NotImplementedError
