@@ -215,9 +215,13 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
     out = tmp_path / "exported"
     exported = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
     assert exported.exit_code == 0, exported.output
-    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors"} <= {
+    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors", "README.md"} <= {
         p.name for p in out.iterdir()
     }
+    # a plain loader runs full attention over weights trained under dsa: said on export and in the folder
+    said = "a plain transformers loader runs full causal attention over these weights, which computes something else"
+    assert said in exported.output and "--pattern 'dsa:k=8" in exported.output
+    assert said in (out / "README.md").read_text()
     trained = torch.load(checkpoint_dir(results, run_id) / "best.pt", weights_only=False)["model"]
     # transformers' own attention: the folder names no gtx
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
@@ -256,3 +260,13 @@ def test_prefill_lengths_are_checked_against_memory_with_their_logits(monkeypatc
     ):
         prefill.check_lengths("llama", {"dim": "16"}, [99_999_999])
     prefill.check_lengths("llama", {"dim": "16"}, [4096])
+
+
+@pytest.mark.parametrize(
+    "spec, same", [("full", True), ("causal", True), ("local:w=16", False), ("full+alibi", False), ("topk:k=4", False)]
+)
+def test_an_export_says_when_a_plain_loader_runs_something_else(spec, same):
+    """transformers' own attention is full causal attention: an export under anything else says so."""
+    from gtx.cli.pretrained import runs_as_transformers
+
+    assert runs_as_transformers(parse_pattern(spec)) is same

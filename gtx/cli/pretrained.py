@@ -143,7 +143,9 @@ def export(run, folder, results_dir):
     RUN: its id, a unique prefix or its 6-hex tail (its best checkpoint). FOLDER must be new or
     empty. It holds config.json and the weights, the tokenizer where the run read text with one
     (else gtx_vocab.json: the task's symbols by id), and, where the run's pattern has trained
-    parameters of its own (nsa's gates, dsa's indexer), gtx_pattern.safetensors beside them.
+    parameters of its own (nsa's gates, dsa's indexer), gtx_pattern.safetensors beside them; its
+    README.md says what a plain transformers loader runs: under a pattern transformers cannot express
+    (a window, a selection), full causal attention, which the export also says in one line.
     """
     from gtx.files import check_writable
 
@@ -157,7 +159,24 @@ def export(run, folder, results_dir):
         f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it",
         err=True,
     )
+    if not runs_as_transformers(r.chosen):
+        click.echo(f"note: {plain_loader_note(r.chosen.spec, folder)}", err=True)
     click.echo(folder)
+
+
+def runs_as_transformers(pattern) -> bool:
+    """Whether transformers' own attention computes what ``pattern`` does on a causal LM: every earlier
+    key, no bias, no choice, no parameters of its own (``full``, ``causal``)."""
+    return pattern.plain and pattern.structures.get("dd") == "causal"
+
+
+def plain_loader_note(spec: str, folder: Path) -> str:
+    """What a plain loader of an export trained under ``spec`` runs, and how to run what was trained."""
+    return (
+        f"trained under {spec}, which transformers cannot express: a plain transformers loader runs full causal "
+        f"attention over these weights, which computes something else; gtx runs what was trained: "
+        f"--model hf --set path={folder.resolve()} --pattern {spec!r}"
+    )
 
 
 def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
@@ -177,10 +196,23 @@ def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
     return model, r
 
 
+def export_readme(r, folder: Path) -> str:
+    """The exported folder's README: where it comes from and what a loader computes with it."""
+    spec = r.chosen.spec
+    runs = (
+        f"Trained under `{spec}`, which is what transformers' own attention computes: "
+        "`transformers.AutoModelForCausalLM.from_pretrained(FOLDER)` runs what was trained."
+        if runs_as_transformers(r.chosen)
+        else f"Note: {plain_loader_note(spec, folder)}."
+    )
+    own = " `gtx_pattern.safetensors` holds the pattern's own trained parameters." if r.chosen.trainable else ""
+    return f"# {folder.name}\n\nA `gtx run --model hf` fine-tuned on task `{r.config.task}`, exported by `gtx export`.\n\n{runs}{own}\n"
+
+
 def export_folder(model, r, folder: Path) -> list[str]:
     """Write ``model`` (a trained ``HFModel``) to ``folder`` as transformers' ``save_pretrained`` does,
-    its tokenizer (or ``gtx_vocab.json``) and its pattern's own parameters (``gtx_pattern.safetensors``,
-    with the pattern's spec in its metadata); built in a sibling folder and renamed, so a failure leaves none."""
+    its tokenizer (or ``gtx_vocab.json``), its pattern's own parameters (``gtx_pattern.safetensors``,
+    with the pattern's spec in its metadata) and a README saying what a plain loader runs; built in a sibling folder and renamed, so a failure leaves none."""
     import shutil
     import tempfile
 
@@ -211,6 +243,7 @@ def export_folder(model, r, folder: Path) -> list[str]:
             save_file(
                 own, work / "gtx_pattern.safetensors", metadata={"pattern": r.chosen.spec, "format": "gtx-pattern/1"}
             )
+        (work / "README.md").write_text(export_readme(r, folder))
         if folder.exists():
             folder.rmdir()  # empty: checked by the caller
         work.rename(folder)
