@@ -25,7 +25,16 @@ import pandas as pd
 
 from gtx import __version__
 from gtx.cli.bench import bench
-from gtx.cli.common import CliError, GtxGroup, check_shortcuts, key_value, plugins_dir_option, progress_lines
+from gtx.cli.common import (
+    CliError,
+    GtxGroup,
+    check_shortcuts,
+    device_option,
+    key_value,
+    plugins_dir_option,
+    progress_lines,
+    results_option,
+)
 from gtx.cli.frontier import frontier
 from gtx.cli.listing import backends, models, patterns, plugins_list, show_pattern, tasks
 from gtx.cli.plot import plot, report
@@ -70,15 +79,8 @@ def cli():
 @click.option("--dim", type=click.IntRange(min=1), help="Model width d_model (model setting).")
 @click.option("--dim-ff", type=click.IntRange(min=1), help="Feed-forward width (model setting).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder for the results tables.",
-)
+@device_option()
+@results_option()
 @click.option(
     "--set",
     "settings",
@@ -196,13 +198,8 @@ def _summary(rows: pd.DataFrame, results_dir: str) -> None:
 @click.option("--beam", type=click.IntRange(min=1), help="Beam width for decoding (seq2seq) [default: the task's].")
 @click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
 @click.option("--backend", help="Attention backend [default: the run's].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--results",
-    "results_dir",
-    type=click.Path(file_okay=False),
-    help="Folder to append to [default: the checkpoint's].",
-)
+@device_option()
+@results_option("Folder to append to [default: the checkpoint's].", default=None)
 @plugins_dir_option
 def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_dir):
     """Evaluate a trained model: CHECKPOINT is a .pt file or a run under --results (its best.pt): its id,
@@ -224,14 +221,7 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
 
 
 @cli.command()
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder of results tables.",
-)
+@results_option()
 @click.option(
     "--by",
     default="task,model,pattern,backend",

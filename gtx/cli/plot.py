@@ -8,13 +8,12 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import GtxGroup, csv_list, plugins_dir_option
+from gtx.cli.common import GtxGroup, csv_list, plugins_dir_option, results_option
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.pictures import plot as gtx_plot
 
-RESULTS_HELP = "Folder of results tables (gtx run --results)."
 FORMAT_HELP = "png, svg or pdf [default: the suffix of -o, else png]."
 
 
@@ -64,9 +63,7 @@ def plot_pattern(spec, src_len, tgt_len, stages, max_cells, output, fmt):
 
 
 @plot.command(name="results")
-@click.option(
-    "--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP
-)
+@results_option(path=True)
 @click.option(
     "--by", default="task,model", show_default=True, help="Columns that split the runs into panels (comma-separated)."
 )
@@ -100,14 +97,7 @@ CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/
     help="Layer to draw, 0-based (ACT models: step) [default: the last; ACT: the step with the most queries active].",
 )
 @click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(path_type=Path),
-    help=CHECKPOINT_HELP,
-)
+@results_option(CHECKPOINT_HELP, path=True)
 @click.option(
     "-o",
     "--output",
@@ -151,14 +141,7 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     help="Example index in --split (repeatable).",
 )
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(path_type=Path),
-    help=CHECKPOINT_HELP,
-)
+@results_option(CHECKPOINT_HELP, path=True)
 @click.option(
     "-o",
     "--output",
@@ -193,9 +176,7 @@ def _run_name(ref: str, results_dir: Path) -> str:
 
 
 @click.command()
-@click.option(
-    "--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP
-)
+@results_option(path=True)
 @click.option("--by", default="task,model", show_default=True, help="Panels of the results plot (comma-separated).")
 @click.option("--metric", help="Metric of the results plot (as in gtx plot results) [default: each task's own].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/report.html].")

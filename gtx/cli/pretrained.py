@@ -11,7 +11,7 @@ import click
 from gtx.attention.module import Attention, check_pattern
 from gtx.attention.trainable import check_untrained, stages_of, starts_trained
 from gtx.backends import get_backend
-from gtx.cli.common import key_value
+from gtx.cli.common import device_option, key_value, results_option
 from gtx.errors import GtxError
 from gtx.experiments.config import build_configs, resolve_device
 from gtx.graph.spec import parse_pattern
@@ -29,14 +29,7 @@ def hf_entry():
 
 @click.command()
 @click.argument("run", required=False)
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Where RUN is looked up.",
-)
+@results_option("Where RUN is looked up.")
 @click.option("--prompt", required=True, help="The text to continue.")
 @click.option(
     "--set",
@@ -54,7 +47,7 @@ def hf_entry():
     show_default=True,
     help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.",
 )
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@device_option()
 def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
     """Continue a text greedily with a transformers model (--model hf) under a pattern: a
     save_pretrained folder (--set path=DIR), or RUN, a fine-tuned `gtx run --model hf` (its id, a
@@ -129,14 +122,7 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
 @click.command()
 @click.argument("run")
 @click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Where RUN is looked up.",
-)
+@results_option("Where RUN is looked up.")
 def export(run, folder, results_dir):
     """Write a fine-tuned `gtx run --model hf` as a save_pretrained FOLDER that transformers loads.
 

@@ -7,19 +7,10 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import CliError, plugins_dir_option
+from gtx.cli.common import CliError, plugins_dir_option, results_option
 from gtx.experiments import results
 from gtx.experiments import runs as runlist
 from gtx.plugins.registry import task_metrics
-
-results_option = click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder of results tables.",
-)
 
 
 def _load(results_dir: str):
@@ -30,7 +21,7 @@ def _load(results_dir: str):
 
 
 @click.command()
-@results_option
+@results_option()
 @click.option("--task", help="Only runs of this task.")
 @click.option("--model", help="Only runs of this model.")
 @click.option("--pattern", help="Only runs of this pattern (its canonical spec, as listed).")
@@ -59,7 +50,7 @@ def runs(results_dir, task, model, pattern, fmt):
 
 @click.command()
 @click.argument("run")
-@results_option
+@results_option()
 @click.option(
     "--format",
     "fmt",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import check_shortcuts, cli_error, set_once
+from gtx.cli.common import check_shortcuts, cli_error, device_option, plugins_dir_option, results_option, set_once
 from gtx.errors import GtxError, Interrupted
 from gtx.experiments import grid as gr
 from gtx.experiments import sweep as sw
@@ -67,15 +67,8 @@ def grid_options(f):
             metavar="KEY=V1[,V2...]",
             help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable).",
         ),
-        click.option(
-            "--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto]."
-        ),
-        click.option(
-            "--results",
-            "results_dir",
-            type=click.Path(file_okay=False),
-            help="Results folder shared by the runs [default: results].",
-        ),
+        device_option(default=None, help="Device of every run [default: auto]."),
+        results_option("Results folder shared by the runs [default: results].", default=None),
         click.option(
             "-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1]."
         ),
@@ -107,13 +100,7 @@ def grid_options(f):
             help="Processes per cell: above 1, each cell is one data-parallel run under torchrun (rank 0 writes).",
         ),
         click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print."),
-        click.option(
-            "--plugins-dir",
-            "plugins_dirs",
-            multiple=True,
-            type=click.Path(file_okay=False),
-            help="Plugin folders (also passed to every run).",
-        ),
+        plugins_dir_option(passed="Folder of plugin .py files to load, also in every run (repeatable)."),
     ]
     for option in reversed(options):
         f = option(f)
