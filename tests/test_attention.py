@@ -26,6 +26,10 @@ SPECS = [
     "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16",
     "moba:b=4,k=2",
     "moba:b=4,k=2,gate=block",
+    "sinks:s=1,w=2",
+    "vslash:v=2,sl=2,last=4,sink=1,local=1",
+    "blocktopk:b=2,k=3",
+    "quest:p=2,k=1",
 ]
 BACKENDS = ["torch", "dgl", "auto", "blocksparse"]
 

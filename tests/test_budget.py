@@ -41,6 +41,10 @@ SPECS = {
     "topk": ["topk:k=3", "topk(local:w=5):k=2"],
     "lsh": ["lsh:buckets=4"],
     "moba": ["moba:b=3,k=2", "moba:b=3,k=2,gate=block"],
+    "sinks": ["sinks:s=1,w=3"],
+    "vslash": ["vslash:v=2,sl=3,last=4,sink=1,local=1"],
+    "blocktopk": ["blocktopk:b=2,k=3"],
+    "quest": ["quest:p=2,k=2"],
     "nsa": ["nsa:l=4,d=2,s=4,n=4,w=3", "nsa:l=4,d=4,s=2,n=4,w=2,phi=mean"],
     "dsa": ["dsa:k=3,dense=0", "dsa:k=3", "dsa:k=6,b=3,dense=0"],
 }

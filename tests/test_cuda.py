@@ -41,6 +41,7 @@ FIXED = [
     "fixed:l=16,c=2",
     "bigbird:b=16,r=1",
     "longformer:w=4,g=2",
+    "sinks:s=4,w=16",
     "local:w=8|strided:l=16",
     "heads(local:w=4,full)",
     "local:w=8+alibi",
@@ -56,6 +57,9 @@ CHOSEN = [
     "dsa:k=8,dense=0",
     "dsa:k=32,dense=0,b=16",
     "topk(local:w=32):k=4",
+    "vslash:v=8,sl=16,last=32,sink=2,local=4",
+    "blocktopk:b=16,k=3",
+    "quest:p=16,k=2",
 ]
 _rows: list[dict] = []
 
@@ -157,7 +161,7 @@ def test_every_backend_equals_dense_on_fixed_patterns(spec, dtype):
 
 @pytest.mark.parametrize("spec", CHOSEN)
 def test_content_chosen_and_trainable_patterns_equal_dense_under_the_same_choice(spec):
-    stages = ("dd",) if spec.startswith(("moba", "nsa", "dsa")) else ("ee", "dd")
+    stages = ("dd",) if spec.startswith(("moba", "nsa", "dsa", "vslash", "blocktopk", "quest")) else ("ee", "dd")
     for stage in stages:
         for backend in ("auto", "dense"):
             compare(spec, stage, backend, torch.float32)

@@ -34,6 +34,9 @@ CASES = {
     "dilated": st.tuples(st.integers(0, 4), st.integers(1, 4)).map(
         lambda a: (f"dilated:w={a[0]},d={a[1]}", oracles.dilated(*a))
     ),
+    "sinks": st.tuples(st.integers(0, 4), st.integers(1, 6)).map(
+        lambda a: (f"sinks:s={a[0]},w={a[1]}", oracles.sinks(*a))
+    ),
     "act": st.integers(0, 4).map(lambda w: (f"act(local:w={w})", oracles.local(w))),
     # head groups: the set's own edges are the union of its groups' (each group is attended to alone: test_attention.py)
     "heads": st.tuples(st.integers(0, 4), st.integers(1, 5)).map(
@@ -45,6 +48,11 @@ CASES = {
         lambda a: (f"moba:b={a[0]},k={a[1]},gate={a[2]}", oracles.full())
     ),
     "lsh": st.sampled_from([2, 4, 8]).map(lambda b: (f"lsh:buckets={b}", oracles.full())),
+    "vslash": st.integers(1, 4).map(lambda v: (f"vslash:v={v},sl=2,last=4,sink=1,local=1", oracles.full())),
+    "blocktopk": st.integers(1, 8).map(lambda b: (f"blocktopk:b={b},k=3", oracles.full())),
+    "quest": st.tuples(st.integers(1, 8), st.integers(1, 4)).map(
+        lambda a: (f"quest:p={a[0]},k={a[1]}", oracles.full())
+    ),
     # trainable attention: its candidates are full (causal in dd); what it attends to: test_nsa.py, test_dsa.py
     "nsa": st.tuples(st.integers(1, 8), st.integers(1, 8)).map(
         lambda a: (f"nsa:l={a[0]},d={min(a)},s={a[1]}", oracles.full())
@@ -123,6 +131,7 @@ ALL_SPECS = [
     "longformer:w=2,g=2",
     "bigbird:b=3,r=1",
     "dilated:w=2,d=3",
+    "sinks:s=2,w=3",
     "local:w=1|strided:l=5",
     "(local:w=2|full)&causal",
 ]
@@ -313,6 +322,9 @@ def test_most_keys_is_the_largest_in_degree_and_builds_no_edges_where_declared(s
         "topk:k=2",
         "moba:b=4,k=2",
         "moba:b=4,k=2,gate=block",
+        "vslash:v=2,sl=2,last=4,sink=1,local=1",
+        "blocktopk:b=2,k=3",
+        "quest:p=2,k=2",
         "nsa:l=4,d=2,s=4,w=2",
         "dsa:k=2,dense=0",
         "heads(local:w=1,strided:l=3)+alibi",
