@@ -4,6 +4,7 @@ writes, the data cache."""
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import logging
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 from gtx.errors import GtxError
 
 log = logging.getLogger(__name__)
+#: what a write refused for want of room sets as its errno: a full device, a user's quota spent
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 CACHE_VARIABLE = "GTX_CACHE"
 OLD_CACHE_VARIABLE = "GTX_CACHE_DIR"  # its earlier name, still read where GTX_CACHE is unset
 
@@ -105,9 +108,41 @@ def replace_durably(tmp: str | Path, path: Path) -> None:
         os.close(fd)
 
 
+class NoSpace(GtxError):
+    """A write the device refused for want of room (``NO_SPACE``): ``folder`` is where it went; the
+    file it would have replaced is whole (``atomic_write``)."""
+
+    def __init__(self, path: Path):
+        self.folder = path.parent
+        super().__init__(
+            f"no space left on the device of {self.folder} (writing {path.name}; any earlier {path.name} is kept whole); "
+            "free space there, or choose another folder"
+        )
+
+
+def check_space(folder: Path, need: int, what: str = "--results") -> None:
+    """One GtxError line, before any work, where the device of ``folder`` (an existing folder) has
+    fewer than ``need`` bytes free: what the work would write first would not fit."""
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise GtxError(
+            f"{what} {folder}: {free / 2**20:,.1f} MiB free on its device, and the run writes about "
+            f"{need / 2**20:,.1f} MiB a checkpoint; free space, or {_another(what)}"
+        )
+
+
 def atomic_write(path: Path, data: str | bytes) -> None:
     """Write through a temporary file in the same folder, synced, and rename: readers never see a
-    partial file, and a kill or a crash leaves the previous one whole."""
+    partial file, and a kill or a crash leaves the previous one whole. A full device is ``NoSpace``."""
+    try:
+        _write_then_rename(path, data)
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            raise NoSpace(path) from None
+        raise
+
+
+def _write_then_rename(path: Path, data: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

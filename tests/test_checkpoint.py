@@ -326,3 +326,64 @@ def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
         and "is ambiguous: it matches" in ambiguous.output
     )
     assert run_id in ambiguous.output  # the candidates are listed
+
+
+def no_space_for(name: str, nth: int):
+    """A ``replace_durably`` whose ``nth`` write of a file called ``name`` (or ending in it) finds the device full."""
+    import errno
+
+    from gtx import files
+
+    real, seen = files.replace_durably, {"n": 0}
+
+    def replace(tmp, path):
+        if path.name.endswith(name):
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(tmp, path)
+
+    return replace
+
+
+def test_a_full_device_mid_run_is_one_line_and_resume_reproduces_the_run(reference, tmp_path, monkeypatch):
+    """Epoch 2's checkpoint meets a full device: one line naming the folder and the epochs kept, every
+    file whole, and --resume (once there is room) gives the uninterrupted run's figures."""
+    from gtx import files
+
+    kept = 1
+    monkeypatch.setattr(files, "replace_durably", no_space_for(checkpoint.LAST, 2))
+    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    run_id = load(tmp_path).run_id.iloc[0]
+    assert f"run {run_id} stopped in epoch 2: no space left on the device of {tmp_path}" in result.output
+    assert f"epochs up to {kept} are kept in its checkpoint" in result.output
+    assert f"continue with: gtx run --resume {run_id} --results {tmp_path}" in result.output
+    assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, run_id) / checkpoint.LAST)["epoch"] == kept
+    assert not list(tmp_path.rglob(".*.tmp"))
+    monkeypatch.undo()
+    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    assert result.exit_code == 0, result.output
+    trained = load(reference).query("eval_of.isna()").run_id.iloc[0]  # other tests add eval runs beside it
+    pd.testing.assert_frame_equal(figures(tmp_path), figures(reference, trained), rtol=1e-5)
+
+
+def test_a_full_device_before_anything_is_kept_says_so(tmp_path, monkeypatch):
+    from gtx import files
+
+    monkeypatch.setattr(files, "replace_durably", no_space_for(".pt", 1))
+    result = gtx("run", "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "stopped in epoch 1: no space left" in result.output and "nothing of it is kept" in result.output
+
+
+def test_a_results_folder_on_a_full_device_is_refused_before_training(tmp_path, monkeypatch):
+    import shutil
+
+    from gtx import files
+
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 100))
+    result = gtx("run", "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--results {tmp_path}: 0.0 MiB free on its device" in result.output and "epoch 1" not in result.output
+    assert not (tmp_path / "runs").exists()

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from gtx.data.vocab import Vocab
 from gtx.errors import GtxError, plugin_code
-from gtx.files import atomic_write, cache_dir
+from gtx.files import NoSpace, atomic_write, cache_dir
 from gtx.plugins import checks
 
 # Vocab: task plugins import it here
@@ -114,7 +114,10 @@ class Task:
             except (OSError, ValueError, KeyError, TypeError) as e:  # a cache: made again, never a settings error
                 warnings.warn(f"cached data {path} is unreadable ({type(e).__name__}); making it again", stacklevel=2)
         data = self.generate()
-        atomic_write(path, json.dumps({"config": json.loads(key), **data}))
+        try:
+            atomic_write(path, json.dumps({"config": json.loads(key), **data}))
+        except NoSpace as e:  # a cache: the run goes on without it
+            warnings.warn(f"task data not cached: no space left on the device of {e.folder}", stacklevel=2)
         return data
 
     def vocabularies(self, train: list[Example]) -> tuple[Vocab, Vocab]:
