@@ -387,3 +387,54 @@ def test_a_results_folder_on_a_full_device_is_refused_before_training(tmp_path, 
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"--results {tmp_path}: 0.0 MiB free on its device" in result.output and "epoch 1" not in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def _without(key):
+    def drop(state):
+        del state[key]
+
+    return drop
+
+
+DAMAGED = {  # a checkpoint field damaged, or written by a later gtx: what the one line says of it
+    "a run_config field a newer gtx adds": (
+        lambda s: s["run_config"].update(future=1),
+        "its run_config holds 'future', a field gtx",
+    ),
+    "a common field a newer gtx adds": (
+        lambda s: s.update(common=json.dumps({**json.loads(s["common"]), "future": 1})),
+        "its common holds 'future', a field gtx",
+    ),
+    "common not JSON": (lambda s: s.update(common="{not json"), "its common is not JSON"),
+    "rows not JSON": (lambda s: s.update(rows="[{"), "its rows is not JSON"),
+    "epoch as text": (lambda s: s.update(epoch="2"), "its epoch is '2', not a count"),
+    "a None config": (lambda s: s.update(run_config=None), "its run_config is a NoneType, not a mapping"),
+    "no vocab": (_without("vocab"), "lacks vocab"),
+    "no rng": (_without("rng"), "lacks rng"),
+}
+
+
+@pytest.mark.parametrize("command", ["eval", "resume"])
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_checkpoint_with_a_damaged_or_newer_field_is_one_line_naming_it(reference, tmp_path, damage, command):
+    """gtx eval and gtx run --resume read a checkpoint's fields: each damaged one (or one a newer gtx
+    wrote, named as such) is one line naming the checkpoint and the field, before anything is written."""
+    state = checkpoint.load(checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST)
+    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])  # resumable
+    run_id = json.loads(state["common"])["run_id"]
+    change, message = DAMAGED[damage]
+    change(state)
+    path = checkpoint.checkpoint_dir(tmp_path, run_id) / checkpoint.LAST
+    checkpoint.save(path, state)
+    if command == "eval":
+        result = gtx("eval", path, "--results", tmp_path)
+    else:
+        result = gtx("run", "--resume", run_id, "--results", tmp_path)
+    if (damage, command) == ("no rng", "eval"):  # evaluating needs no random state
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"checkpoint {path}" in result.output and message in result.output
+    if "newer" in damage:
+        assert "(written by a newer gtx); read it with the gtx that wrote it" in result.output
+    assert not (tmp_path / "runs").exists()

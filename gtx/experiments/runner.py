@@ -77,6 +77,7 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
             f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}"
         )
     state = checkpoint.load(path)
+    checkpoint.require(state, path, checkpoint.RESUMABLE)
     owner = json.loads(state["common"])["run_id"]
     if owner != run_id:
         raise GtxError(
@@ -86,7 +87,7 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
         raise GtxError(
             f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}"
         )
-    return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
+    return state, dataclasses.replace(checkpoint.run_config(state), results_dir=results_dir)
 
 
 @dataclasses.dataclass
