@@ -280,3 +280,15 @@ def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp
     assert df[["split", "epoch"]].values.tolist() == [["train", 1], ["valid", 1], ["test", 1]]
     summary = result.output[result.output.index("split") :].splitlines()
     assert [line.split()[0] for line in summary[1:4]] == ["train", "valid", "test"]
+
+
+@pytest.mark.parametrize("given", [["--batch-size", "100000000"], ["--set", "batch_size=41"]])
+def test_a_batch_larger_than_the_training_data_is_refused_before_training(tmp_path, given):
+    small = [a for a in TINY if a not in ("--batch-size", "8")]  # 40 training examples
+    result = gtx("run", "--layers", "1", *given, "--results", str(tmp_path), *small)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "task 'copy' has 40 training examples, fewer than one batch; give at most 40" in result.output
+    assert not (tmp_path / "runs").exists()
+    if given[0] == "--batch-size":  # one batch of all of them is allowed
+        whole = gtx("run", "--layers", "1", "--batch-size", "40", "--epochs", "1", "--results", str(tmp_path), *small)
+        assert whole.exit_code == 0, whole.output

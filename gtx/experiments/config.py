@@ -221,6 +221,17 @@ def check_positions(config: RunConfig, model_config, max_len: int | None, length
     )
 
 
+def check_batch_size(config: RunConfig, train: TrainConfig, examples: int) -> None:
+    """One line when a batch size the user gave is larger than the training split: a number that
+    cannot be meant (the task's own default may be, for a small split: one batch an epoch)."""
+    given = any(key.rpartition(".")[2] == "batch_size" for key in config.settings)
+    if given and train.epochs and train.batch_size > examples:
+        raise GtxError(
+            f"--batch-size {train.batch_size}: task {config.task!r} has {examples:,} training examples, fewer than one "
+            f"batch; give at most {examples:,} (one batch an epoch), or more examples"
+        )
+
+
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
@@ -240,6 +251,7 @@ def resolve(config: RunConfig) -> Resolved:
     # before the data: a length past the model's is made for nothing
     check_positions(config, c.model, max_len, task.declared_len())
     task.splits()  # generates or loads the data: a missing data_dir fails here
+    check_batch_size(config, c.train, len(task.splits()["train"]))
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     # builds and checks the pattern's edges: a leak fails here
