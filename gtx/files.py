@@ -54,27 +54,55 @@ def cache_dir() -> Path:
     ``~/.cache/gtx``; created if missing. A folder that cannot be used (an empty value, a file, below
     a file, not writable) gives this process a temporary folder instead, with one warning line naming
     the variable."""
+    return _usable_cache(*_cache_variable())
+
+
+def lasting_cache(command: str) -> Path:
+    """``cache_dir()`` for a command whose product is what it saves there (``gtx bench calibrate``),
+    checked before its work: one GtxError line where the folder cannot be used or written in (the
+    temporary stand-in ``cache_dir`` would take is deleted when the process ends)."""
+    path, what, reason = _cache_place(*_cache_variable())
+    if reason is None:
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:  # what os.access cannot tell: a read-only file system under root, a full device
+            reason = f"cannot write in it: {e.strerror or e}"
+    if reason:
+        raise GtxError(
+            f"{command} saves into gtx's cache, and {what} cannot be used ({reason}); set {CACHE_VARIABLE} to a writable folder"
+        )
+    return path
+
+
+def _cache_variable() -> tuple[str | None, str | None]:
     name = next((v for v in (CACHE_VARIABLE, OLD_CACHE_VARIABLE) if v in os.environ), None)
-    return _usable_cache(name, os.environ.get(name) if name else None)
+    return name, os.environ.get(name) if name else None
+
+
+def _cache_place(name: str | None, value: str | None) -> tuple[Path, str, str | None]:
+    """(the cache folder, how to name it, why it cannot be used or None), created where it can be."""
+    path = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "gtx"
+    what = f"{name}={value}" if name else f"the default cache {path} (no {CACHE_VARIABLE} set)"
+    if name and not value:
+        return path, what, "it is empty"
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+        if not existing.is_dir():
+            return path, what, "it is not a folder" if existing == path else f"{existing} is not a folder"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return path, what, "it is not writable"
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return path, what, f"cannot create it: {e.strerror or e}"
+    return path, what, None
 
 
 @functools.cache
 def _usable_cache(name: str | None, value: str | None) -> Path:
-    path = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "gtx"
-    what = f"{name}={value}" if name else f"the default cache {path} (no {CACHE_VARIABLE} set)"
-    reason = "it is empty" if name and not value else None
-    try:
-        if reason is None:
-            existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
-            if not existing.is_dir():
-                reason = "it is not a folder" if existing == path else f"{existing} is not a folder"
-            elif not os.access(existing, os.W_OK | os.X_OK):
-                reason = "it is not writable"
-        if reason is None:
-            path.mkdir(parents=True, exist_ok=True)
-            return path
-    except OSError as e:
-        reason = f"cannot create it: {e.strerror or e}"
+    path, what, reason = _cache_place(name, value)
+    if reason is None:
+        return path
     tmp = Path(tempfile.mkdtemp(prefix="gtx-cache-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     log.warning(
