@@ -215,10 +215,12 @@ def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_
     state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])
     checkpoint.save(checkpoint.checkpoint_dir(tmp_path, "other-run") / checkpoint.LAST, state)
     result = gtx("run", "--resume", "other-run", "--results", tmp_path)
-    assert (
-        result.exit_code == 2
-        and f"is a checkpoint of run {json.loads(state['common'])['run_id']}, not of other-run" in result.output
-    )
+    claimed = json.loads(state["common"])["run_id"]
+    assert result.exit_code == 2 and f"is a checkpoint of run {claimed}, not of other-run" in result.output
+    # gtx eval would file its rows as an evaluation of the run the checkpoint claims, not of the one asked for
+    result = gtx("eval", "other-run", "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"is a checkpoint of run {claimed}, not of other-run whose folder holds it" in result.output
     assert not (tmp_path / "runs").exists()
 
 

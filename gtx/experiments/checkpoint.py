@@ -91,6 +91,20 @@ def run_config(state: dict) -> RunConfig:
     return RunConfig(**state["run_config"])
 
 
+def owner(state: dict, path: Path) -> str:
+    """The run a checkpoint belongs to (its ``common``'s run id); one line where it sits in another
+    run's folder (``<results>/checkpoints/<run_id>/``): read as that run's, its rows would be filed
+    under a run it is not."""
+    run_id = json.loads(state["common"])["run_id"]
+    folder = Path(path).parent
+    if folder.parent.name == "checkpoints" and folder.name != run_id:
+        raise GtxError(
+            f"{path} is a checkpoint of run {run_id}, not of {folder.name} whose folder holds it; "
+            f"use run {run_id}'s own checkpoints, or move it back to {folder.parent / run_id}"
+        )
+    return run_id
+
+
 def rows_of(state: dict) -> list[dict]:
     return json.loads(state["rows"])
 

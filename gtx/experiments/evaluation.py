@@ -73,6 +73,7 @@ def evaluate_checkpoint(
         raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
     path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
+    checkpoint.owner(state, path)  # its rows name the run it claims: the run asked for
     trained = checkpoint.run_config(state)
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
     config = dataclasses.replace(

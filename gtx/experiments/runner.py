@@ -78,11 +78,10 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
         )
     state = checkpoint.load(path)
     checkpoint.require(state, path, checkpoint.RESUMABLE)
-    owner = json.loads(state["common"])["run_id"]
-    if owner != run_id:
-        raise GtxError(
-            f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder"
-        )
+    try:
+        checkpoint.owner(state, path)
+    except GtxError as e:
+        raise GtxError(f"--resume {run_id}: {e}") from None
     if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
         raise GtxError(
             f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}"
