@@ -431,7 +431,18 @@ def test_calibrate_checks_that_it_can_save_before_it_measures(tmp_path, monkeypa
     assert len(errors) == 1 and errors[0].startswith("Error: "), result.output
 
 
-@pytest.mark.parametrize("text", ["{bad", "[1, 2]", '{"dense": "abc"}', '{"dense": [1, "x"]}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{bad",
+        "[1, 2]",
+        '{"dense": "abc"}',
+        '{"dense": [1, "x"]}',
+        '{"dense": [NaN, 0.001]}',  # an IndexError at the first sparse forward
+        '{"dense": [1e-9, -0.001]}',
+        '{"dense": [Infinity, 0]}',
+    ],
+)
 def test_a_broken_calibration_file_is_one_line_naming_it(tmp_path, monkeypatch, text):
     from gtx.backends import auto
 
