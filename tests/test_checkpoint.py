@@ -440,3 +440,17 @@ def test_a_checkpoint_with_a_damaged_or_newer_field_is_one_line_naming_it(refere
     if "newer" in damage:
         assert "(written by a newer gtx); read it with the gtx that wrote it" in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_beam_wider_than_the_target_vocabulary_is_refused_before_decoding(reference, tmp_path):
+    """--beam 100000 held 100,000 hypotheses per sample and ran out of memory (std::bad_alloc)."""
+    run_id = load(reference).query("eval_of.isna()").run_id.iloc[0]
+    best = checkpoint.checkpoint_dir(reference, run_id) / checkpoint.BEST
+    vocab = len(checkpoint.load(best)["vocab"]["tgt"])
+    result = gtx("eval", best, "--beam", 100_000, "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert (
+        f"--beam 100000: task 'copy' decodes from {vocab} target tokens; give a beam of at most {vocab}"
+        in result.output
+    )
+    assert not (tmp_path / "runs").exists()

@@ -248,6 +248,20 @@ def test_translation_end_to_end_with_beam_and_bleu(tmp_path):
     assert metrics["beam"] == 3 and 0 <= metrics["bleu"] <= 100
 
 
+def test_a_task_beam_wider_than_its_target_vocabulary_is_refused_before_training(tmp_path):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    for stem in ("train", "val", "test"):
+        (data / f"{stem}.src").write_text("a b\nb c\n")
+        (data / f"{stem}.tgt").write_text("x y\ny z\n")
+    result = gtx(
+        "run", "--task", "translation", "--set", f"data_dir={data}", "--set", "beam=100000", "--results", str(tmp_path)
+    )
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "--set beam=100000: task 'translation' decodes from" in result.output and "epoch" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     from gtx.experiments.runner import RunConfig, cell_key
 

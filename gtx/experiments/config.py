@@ -232,6 +232,17 @@ def check_batch_size(config: RunConfig, train: TrainConfig, examples: int) -> No
         )
 
 
+def check_beam(beam: int, task: Task, given: str) -> None:
+    """One line when a beam (``given``: the option that set it, with its value) is wider than the target vocabulary: its
+    hypotheses per sample times the batch are held at once (a beam of 100,000 ran out of memory),
+    and a wider beam than the tokens a step chooses from is not what anyone means."""
+    if task.form == "seq2seq" and beam > len(task.tgt_vocab):
+        raise GtxError(
+            f"{given}: task {task.name!r} decodes from {len(task.tgt_vocab)} target tokens; "
+            f"give a beam of at most {len(task.tgt_vocab)}"
+        )
+
+
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
@@ -252,6 +263,7 @@ def resolve(config: RunConfig) -> Resolved:
     check_positions(config, c.model, max_len, task.declared_len())
     task.splits()  # generates or loads the data: a missing data_dir fails here
     check_batch_size(config, c.train, len(task.splits()["train"]))
+    check_beam(getattr(c.task, "beam", 1), task, f"--set beam={getattr(c.task, 'beam', 1)}")
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     # builds and checks the pattern's edges: a leak fails here
