@@ -101,4 +101,5 @@ def methods() -> str:
 
 
 if __name__ == "__main__":
-    print({"cli": markdown, "methods": methods}[sys.argv[1]](), end="")
+    # no argument: docs/cli.md, as tests/test_docs.py says to regenerate it
+    print({"cli": markdown, "methods": methods}[sys.argv[1] if len(sys.argv) > 1 else "cli"](), end="")
