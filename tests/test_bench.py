@@ -406,7 +406,43 @@ def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     auto.costs.cache_clear()
 
 
-@pytest.mark.parametrize("text", ["{bad", "[1, 2]", '{"dense": "abc"}', '{"dense": [1, "x"]}'])
+@pytest.mark.parametrize("blocked", ["cache", "table"])
+def test_calibrate_checks_that_it_can_save_before_it_measures(tmp_path, monkeypatch, blocked):
+    """A cache it cannot save into (GTX_CACHE a file: this process would cache in a temporary folder,
+    deleted at its end), or a folder where the table goes: one line before any measuring (it measured
+    for minutes first)."""
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+    from gtx.measure import calibrate
+
+    monkeypatch.setattr(calibrate, "_samples", lambda *a: pytest.fail("measured before checking the cache"))
+    if blocked == "cache":
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("GTX_CACHE", str(tmp_path / "file"))
+        message = f"gtx bench calibrate saves into gtx's cache, and GTX_CACHE={tmp_path / 'file'} cannot be used"
+    else:
+        monkeypatch.setenv("GTX_CACHE", str(tmp_path))
+        (tmp_path / "costs-cpu.json").mkdir()
+        message = "costs-cpu.json is not a file, so no calibration can be saved there: move it away"
+    result = CliRunner().invoke(cli, ["bench", "calibrate", "--device", "cpu"])
+    assert result.exit_code == 2 and message in result.output, result.output
+    errors = [line for line in result.output.splitlines() if not line.startswith("warning: ")]  # a busy machine's
+    assert len(errors) == 1 and errors[0].startswith("Error: "), result.output
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{bad",
+        "[1, 2]",
+        '{"dense": "abc"}',
+        '{"dense": [1, "x"]}',
+        '{"dense": [NaN, 0.001]}',  # an IndexError at the first sparse forward
+        '{"dense": [1e-9, -0.001]}',
+        '{"dense": [Infinity, 0]}',
+    ],
+)
 def test_a_broken_calibration_file_is_one_line_naming_it(tmp_path, monkeypatch, text):
     from gtx.backends import auto
 

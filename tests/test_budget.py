@@ -280,3 +280,13 @@ def test_a_full_sets_allowed_keys_total_is_the_per_query_counts_summed(stage, q_
         torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), n_src, n_dst, stage, q_lens, k_lens
     )
     assert allowed_total(edges) == float(allowed_keys(edges).sum())
+
+
+@pytest.mark.parametrize("spec, stage", [("dsa:k=8", "dense stage"), ("dsa:k=8,dense=0", "sparse stage")])
+def test_bench_attention_names_the_stage_a_method_with_stages_is_timed_in(spec, stage):
+    """dsa's default dense=100 times its dense stage (density 1.0) under the spec's label: the row says so."""
+    from gtx.measure.bench import AttentionCell, run_attention_cell
+
+    row = run_attention_cell(AttentionCell(spec, 64, "auto", repeats=1, warmup=0))
+    assert f"({stage}, indexer trained 0 steps" in row["choice"], row["choice"]
+    assert (row["density"] == 1.0) == (stage == "dense stage")

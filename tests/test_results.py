@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -43,6 +44,29 @@ def test_load_skips_a_file_with_broken_json_and_a_folder_named_like_a_run(tmp_pa
         f"skipping {broken}",
         f"skipping {tmp_path / 'runs' / 'x.csv'}",
     ]
+
+
+@pytest.mark.parametrize(
+    "kw, column, said",
+    [
+        ({"acc": 7.5}, "token_acc", "holds 7.5, which it cannot: a finite number in [0, 1]"),
+        ({"seq": -0.5}, "seq_acc", "holds -0.5, which it cannot: a finite number in [0, 1]"),
+        ({"tps": np.inf}, "tokens_per_s", "holds inf, which it cannot: a finite number in [0, inf)"),
+        ({"density": 2.0}, "density", "holds 2.0"),
+        ({"loss": -np.inf}, "loss", "holds -inf"),
+    ],
+)
+def test_a_number_a_column_cannot_hold_is_refused_on_write_and_skipped_on_load(tmp_path, kw, column, said):
+    """An accuracy past 1, an infinite speed (a hand-edited or foreign file): never written, and a
+    file holding one is skipped with a warning naming it and the column (runs, compare, show printed it)."""
+    with pytest.raises(ValueError, match=re.escape(f"column {column} of row 1 {said}")):
+        write_run(tmp_path, "r1", [row(), row(**kw)])
+    write_run(tmp_path, "good", [row(run_id="good")])
+    bad = tmp_path / "runs" / "edited.csv"
+    pd.DataFrame([row(run_id="edited"), row(run_id="edited", **kw)]).to_csv(bad, index=False)
+    with pytest.warns(UserWarning, match=f"skipping {bad}: results: column {column} of row 1 holds"):
+        df = load(tmp_path)
+    assert list(df.run_id) == ["good"]
 
 
 def test_write_and_load_round_trip(tmp_path):

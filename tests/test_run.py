@@ -248,6 +248,20 @@ def test_translation_end_to_end_with_beam_and_bleu(tmp_path):
     assert metrics["beam"] == 3 and 0 <= metrics["bleu"] <= 100
 
 
+def test_a_task_beam_wider_than_its_target_vocabulary_is_refused_before_training(tmp_path):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    for stem in ("train", "val", "test"):
+        (data / f"{stem}.src").write_text("a b\nb c\n")
+        (data / f"{stem}.tgt").write_text("x y\ny z\n")
+    result = gtx(
+        "run", "--task", "translation", "--set", f"data_dir={data}", "--set", "beam=100000", "--results", str(tmp_path)
+    )
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "--set beam=100000: task 'translation' decodes from" in result.output and "epoch" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     from gtx.experiments.runner import RunConfig, cell_key
 
@@ -280,3 +294,15 @@ def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp
     assert df[["split", "epoch"]].values.tolist() == [["train", 1], ["valid", 1], ["test", 1]]
     summary = result.output[result.output.index("split") :].splitlines()
     assert [line.split()[0] for line in summary[1:4]] == ["train", "valid", "test"]
+
+
+@pytest.mark.parametrize("given", [["--batch-size", "100000000"], ["--set", "batch_size=41"]])
+def test_a_batch_larger_than_the_training_data_is_refused_before_training(tmp_path, given):
+    small = [a for a in TINY if a not in ("--batch-size", "8")]  # 40 training examples
+    result = gtx("run", "--layers", "1", *given, "--results", str(tmp_path), *small)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "task 'copy' has 40 training examples, fewer than one batch; give at most 40" in result.output
+    assert not (tmp_path / "runs").exists()
+    if given[0] == "--batch-size":  # one batch of all of them is allowed
+        whole = gtx("run", "--layers", "1", "--batch-size", "40", "--epochs", "1", "--results", str(tmp_path), *small)
+        assert whole.exit_code == 0, whole.output

@@ -1,6 +1,7 @@
 """Task generators: determinism, disjoint splits, vocabularies, caching, metrics."""
 
 import json
+import warnings
 
 import pytest
 
@@ -147,6 +148,31 @@ def test_an_unreadable_cached_file_is_made_again_with_a_warning(text):
     with pytest.warns(UserWarning, match=f"cached data {path} is unreadable .*; making it again"):
         again = make("copy", n_train=20, n_valid=5, n_test=5, seed=124).splits()
     assert again == first and json.loads(path.read_text())["config"]["seed"] == 124
+
+
+@pytest.mark.parametrize("edit", ["settings", "examples", "no checksum"])
+def test_a_cached_file_other_than_its_settings_make_is_made_again_with_a_warning(edit):
+    """A cached file that parses but holds other data (another settings' file copied over it, an edited
+    example, one without the checksum): trained on as it was; now made again from the settings."""
+    first = make("copy", n_train=20, n_valid=5, n_test=5, seed=125).splits()
+    (path,) = [f for f in (cache_dir() / "data" / "copy").glob("*.json") if '"seed": 125' in f.read_text()]
+    data = json.loads(path.read_text())
+    if edit == "settings":
+        data["config"]["seed"] = 7
+        why = "it holds the data of other settings"
+    elif edit == "examples":
+        data["train"][0] = [["z"], ["z"]]
+        why = "its examples are not those it was written with"
+    else:
+        del data["sha256"]
+        why = "its examples are not those it was written with"
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=f"cached data {path}: {why}"):
+        again = make("copy", n_train=20, n_valid=5, n_test=5, seed=125).splits()
+    assert again == first
+    with warnings.catch_warnings():  # the file made again is whole: read without a word
+        warnings.simplefilter("error")
+        assert make("copy", n_train=20, n_valid=5, n_test=5, seed=125).splits() == first
 
 
 def test_batches_are_flat_and_graphs_match(tiny_task):

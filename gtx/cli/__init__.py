@@ -195,7 +195,11 @@ def _summary(rows: pd.DataFrame, results_dir: str) -> None:
 @cli.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--split", type=click.Choice(["train", "valid", "test"]), default="test", show_default=True)
-@click.option("--beam", type=click.IntRange(min=1), help="Beam width for decoding (seq2seq) [default: the task's].")
+@click.option(
+    "--beam",
+    type=click.IntRange(min=1),
+    help="Beam width for decoding (seq2seq), at most the target vocabulary's size [default: the task's].",
+)
 @click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
 @click.option("--backend", help="Attention backend [default: the run's].")
 @device_option()

@@ -139,7 +139,8 @@ def export(run, folder, results_dir):
         raise GtxError(f"{folder} is not empty; export into a new folder (nothing there is overwritten)")
     check_writable(folder, "export folder")
     model, r = trained_run(run, results_dir, None, "cpu")
-    written = export_folder(model, r, folder)
+    # a link's folder is what is written, the link left in place (the rename would meet the link itself)
+    written = export_folder(model, r, folder.resolve() if folder.is_symlink() else folder)
     click.echo(
         f"run {run} ({r.config.task}, {r.chosen.spec}): {', '.join(written)} in {folder}; "
         f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it",

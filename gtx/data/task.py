@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from gtx.data.vocab import Vocab
 from gtx.errors import GtxError, plugin_code
-from gtx.files import atomic_write, cache_dir
+from gtx.files import NoSpace, atomic_write, cache_dir
 from gtx.plugins import checks
 
 # Vocab: task plugins import it here
@@ -110,11 +110,28 @@ class Task:
         if path.exists():
             try:
                 data = json.loads(path.read_text())
-                return {s: [tuple(e) for e in data[s]] for s in SPLITS}
-            except (OSError, ValueError, KeyError, TypeError) as e:  # a cache: made again, never a settings error
+                splits = {s: [tuple(e) for e in data[s]] for s in SPLITS}
+                # a file named by other settings' hash, or edited: what these settings make is made again
+                if data.get("config") != json.loads(key):
+                    why = "it holds the data of other settings"
+                elif data.get("sha256") != _digest(splits):
+                    why = "its examples are not those it was written with (or an older gtx wrote it)"
+                else:
+                    return splits
+                warnings.warn(f"cached data {path}: {why}; making it again", stacklevel=2)
+            except (
+                OSError,
+                ValueError,
+                KeyError,
+                TypeError,
+                AttributeError,
+            ) as e:  # a cache: made again, never a settings error
                 warnings.warn(f"cached data {path} is unreadable ({type(e).__name__}); making it again", stacklevel=2)
         data = self.generate()
-        atomic_write(path, json.dumps({"config": json.loads(key), **data}))
+        try:
+            atomic_write(path, json.dumps({"config": json.loads(key), "sha256": _digest(data), **data}))
+        except NoSpace as e:  # a cache: the run goes on without it
+            warnings.warn(f"task data not cached: no space left on the device of {e.folder}", stacklevel=2)
         return data
 
     def vocabularies(self, train: list[Example]) -> tuple[Vocab, Vocab]:
@@ -150,6 +167,11 @@ class Task:
 
     def seq_acc(self, hypotheses, references) -> float:
         return sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
+
+
+def _digest(splits: dict[str, list[Example]]) -> str:
+    """A checksum of a task's examples, as the cache writes them (tuples as lists)."""
+    return hashlib.sha256(json.dumps([splits[s] for s in SPLITS]).encode()).hexdigest()
 
 
 def grouped_accuracy(groups: dict[str, tuple[int, int]], metric: str, by: str, counted: str) -> dict:

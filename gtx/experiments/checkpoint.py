@@ -10,19 +10,33 @@ run's configuration, its result rows so far (JSON) and both vocabularies.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+import gtx
+from gtx.data.task import SPLITS
 from gtx.errors import GtxError
+from gtx.experiments.config import RunConfig
+from gtx.experiments.results import COLUMNS
 from gtx.files import atomic_write
 
 FORMAT = "gtx-checkpoint/1"
-REQUIRED = ("run_config", "common", "epoch", "rows")  # what every reader of a checkpoint takes from it
+REQUIRED = (
+    "run_config",
+    "common",
+    "epoch",
+    "rows",
+    "model",
+    "vocab",
+)  # what every reader of a checkpoint takes from it
+RESUMABLE = ("optimizer", "step", "rng", "best_valid_loss")  # what --resume takes besides
 LAST, BEST = "last.pt", "best.pt"
 
 
@@ -38,7 +52,8 @@ def save(path: Path, state: dict) -> None:
 
 
 def load(path: str | Path, mmap: bool = False) -> dict:
-    """Read a checkpoint on the CPU; a missing, truncated or foreign file is one GtxError line.
+    """Read a checkpoint on the CPU; a missing, truncated or foreign file, or a field damaged or
+    written by a newer gtx (one this gtx does not know), is one GtxError line naming the field.
     ``mmap``: map the tensors instead of reading them, for a cheap look at the rest (its epoch, rows)."""
     path = Path(path)
     if not path.is_file():
@@ -57,14 +72,154 @@ def load(path: str | Path, mmap: bool = False) -> dict:
         raise GtxError(
             f"checkpoint {path} is not a gtx checkpoint (no {FORMAT!r} marker); use a file written by gtx run"
         )
-    missing = [key for key in REQUIRED if key not in state]
+    require(state, path, REQUIRED)
+    for key, check in _CHECKS.items():
+        if key in state:
+            check(state, key, path)
+    return state
+
+
+def require(state: dict, path: Path, keys: tuple[str, ...]) -> None:
+    """One line naming the fields of ``keys`` that a checkpoint lacks."""
+    missing = [key for key in keys if key not in state]
     if missing:
         raise GtxError(f"checkpoint {path} lacks {', '.join(missing)}; use a file written by gtx run")
-    return state
+
+
+def run_config(state: dict) -> RunConfig:
+    """The run's configuration, from a checkpoint ``load`` checked."""
+    return RunConfig(**state["run_config"])
+
+
+def owner(state: dict, path: Path) -> str:
+    """The run a checkpoint belongs to (its ``common``'s run id); one line where it sits in another
+    run's folder (``<results>/checkpoints/<run_id>/``): read as that run's, its rows would be filed
+    under a run it is not."""
+    run_id = json.loads(state["common"])["run_id"]
+    folder = Path(path).parent
+    if folder.parent.name == "checkpoints" and folder.name != run_id:
+        raise GtxError(
+            f"{path} is a checkpoint of run {run_id}, not of {folder.name} whose folder holds it; "
+            f"use run {run_id}'s own checkpoints, or move it back to {folder.parent / run_id}"
+        )
+    return run_id
 
 
 def rows_of(state: dict) -> list[dict]:
     return json.loads(state["rows"])
+
+
+def _damaged(path: Path, key: str, what: str) -> GtxError:
+    return GtxError(f"checkpoint {path}: its {key} {what}, damaged; use a file written by gtx run")
+
+
+def _newer(state: dict, path: Path, key: str, unknown: list[str]) -> GtxError:
+    """Fields this gtx does not know: a later gtx added them, and what they mean is that gtx's to say."""
+    try:
+        wrote = json.loads(state["common"]).get("gtx_version")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        wrote = None
+    by = f"gtx {wrote}" if isinstance(wrote, str) and wrote != gtx.__version__ else "a newer gtx"
+    return GtxError(
+        f"checkpoint {path}: its {key} holds {', '.join(map(repr, unknown))}, a field gtx {gtx.__version__} does not know "
+        f"(written by {by}); read it with the gtx that wrote it"
+    )
+
+
+_RUN_FIELDS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+_TYPES = {"str": str, "int": int, "dict[str, str]": dict, "list[str]": list}
+
+
+def _check_run_config(state: dict, key: str, path: Path) -> None:
+    value = state[key]
+    if not isinstance(value, Mapping):
+        raise _damaged(path, key, f"is a {type(value).__name__}, not a mapping")
+    if unknown := [k for k in value if k not in _RUN_FIELDS]:
+        raise _newer(state, path, key, unknown)
+    for name, v in value.items():
+        kind = _TYPES[_RUN_FIELDS[name]]
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise _damaged(path, f"{key} field {name!r}", f"is a {type(v).__name__}, not a {kind.__name__}")
+
+
+def _json(state: dict, key: str, path: Path, kind: type):
+    try:
+        value = json.loads(state[key])
+    except (TypeError, ValueError):
+        raise _damaged(path, key, "is not JSON") from None
+    if not isinstance(value, kind):
+        raise _damaged(path, key, f"is JSON of a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
+def _check_common(state: dict, key: str, path: Path) -> None:
+    common = _json(state, key, path, dict)
+    if unknown := [k for k in common if k not in COLUMNS]:
+        raise _newer(state, path, key, unknown)
+    if bad := [k for k in ("run_id", "pattern") if not isinstance(common.get(k), str)]:
+        raise _damaged(path, key, f"has no {bad[0]}")
+
+
+def _check_rows(state: dict, key: str, path: Path) -> None:
+    rows = _json(state, key, path, list)
+    if any(not isinstance(row, dict) or row.get("split") not in SPLITS for row in rows):
+        raise _damaged(path, key, "holds a row without a split")
+    if unknown := sorted({k for row in rows for k in row if k not in COLUMNS}):
+        raise _newer(state, path, key, unknown)
+
+
+def _check_count(state: dict, key: str, path: Path) -> None:
+    value = state[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _damaged(path, key, f"is {value!r}, not a count")
+
+
+def _check_vocab(state: dict, key: str, path: Path) -> None:
+    vocab = state[key]
+    sides = [vocab.get(side) for side in ("src", "tgt")] if isinstance(vocab, Mapping) else [None]
+    if not all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in sides):
+        raise _damaged(path, key, "is not a src and a tgt list of tokens")
+
+
+def _check_tensors(state: dict, key: str, path: Path) -> None:
+    if not isinstance(state[key], Mapping) or not all(isinstance(v, torch.Tensor) for v in state[key].values()):
+        raise _damaged(path, key, "is not a mapping of tensors")
+
+
+def _check_optimizer(state: dict, key: str, path: Path) -> None:
+    if not isinstance(state[key], Mapping) or not {"state", "param_groups"} <= set(state[key]):
+        raise _damaged(path, key, "is not an optimiser's state")
+
+
+def _check_rng(state: dict, key: str, path: Path) -> None:
+    shape = torch.get_rng_state().shape
+    rng = state[key]
+    if not (
+        isinstance(rng, (list, tuple))
+        and rng
+        and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == shape for t in rng)
+    ):
+        raise _damaged(path, key, "is not a random state per process")
+
+
+def _check_loss(state: dict, key: str, path: Path) -> None:
+    if not isinstance(state[key], (int, float)) or isinstance(state[key], bool):
+        raise _damaged(path, key, f"is {state[key]!r}, not a loss")
+
+
+#: each field's check: it is what gtx writes, or one line naming the checkpoint and the field
+_CHECKS = {
+    "run_config": _check_run_config,
+    "common": _check_common,
+    "epoch": _check_count,
+    "rows": _check_rows,
+    "model": _check_tensors,
+    "vocab": _check_vocab,
+    "optimizer": _check_optimizer,
+    "step": _check_count,
+    "rng": _check_rng,
+    "best_valid_loss": _check_loss,
+}
 
 
 def check_vocab(state: dict, task, path: Path) -> None:

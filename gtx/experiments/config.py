@@ -221,6 +221,28 @@ def check_positions(config: RunConfig, model_config, max_len: int | None, length
     )
 
 
+def check_batch_size(config: RunConfig, train: TrainConfig, examples: int) -> None:
+    """One line when a batch size the user gave is larger than the training split: a number that
+    cannot be meant (the task's own default may be, for a small split: one batch an epoch)."""
+    given = any(key.rpartition(".")[2] == "batch_size" for key in config.settings)
+    if given and train.epochs and train.batch_size > examples:
+        raise GtxError(
+            f"--batch-size {train.batch_size}: task {config.task!r} has {examples:,} training examples, fewer than one "
+            f"batch; give at most {examples:,} (one batch an epoch), or more examples"
+        )
+
+
+def check_beam(beam: int, task: Task, given: str) -> None:
+    """One line when a beam (``given``: the option that set it, with its value) is wider than the target vocabulary: its
+    hypotheses per sample times the batch are held at once (a beam of 100,000 ran out of memory),
+    and a wider beam than the tokens a step chooses from is not what anyone means."""
+    if task.form == "seq2seq" and beam > len(task.tgt_vocab):
+        raise GtxError(
+            f"{given}: task {task.name!r} decodes from {len(task.tgt_vocab)} target tokens; "
+            f"give a beam of at most {len(task.tgt_vocab)}"
+        )
+
+
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
@@ -240,6 +262,8 @@ def resolve(config: RunConfig) -> Resolved:
     # before the data: a length past the model's is made for nothing
     check_positions(config, c.model, max_len, task.declared_len())
     task.splits()  # generates or loads the data: a missing data_dir fails here
+    check_batch_size(config, c.train, len(task.splits()["train"]))
+    check_beam(getattr(c.task, "beam", 1), task, f"--set beam={getattr(c.task, 'beam', 1)}")
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     # builds and checks the pattern's edges: a leak fails here

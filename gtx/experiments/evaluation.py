@@ -18,7 +18,7 @@ from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.experiments import checkpoint
 from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
-from gtx.experiments.config import Resolved, RunConfig, resolve
+from gtx.experiments.config import Resolved, RunConfig, check_beam, resolve
 from gtx.experiments.results import SCHEMA_VERSION, write_run
 from gtx.experiments.runref import find_checkpoint
 from gtx.experiments.train import evaluate
@@ -73,7 +73,8 @@ def evaluate_checkpoint(
         raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
     path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
-    trained = RunConfig(**state["run_config"])
+    checkpoint.owner(state, path)  # its rows name the run it claims: the run asked for
+    trained = checkpoint.run_config(state)
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
     config = dataclasses.replace(
         trained,
@@ -84,6 +85,8 @@ def evaluate_checkpoint(
         loggers=[],
     )
     model, resolved, attention = trained_model(path, state, config)
+    beam = beam or getattr(resolved.task_config, "beam", 1)
+    check_beam(beam, resolved.task, f"--beam {beam}")
     source = json.loads(state["common"])
     stats = evaluate(
         model,
@@ -91,7 +94,7 @@ def evaluate_checkpoint(
         batches(resolved.task, split, resolved.pattern, resolved.train.eval_batch_size),
         resolved.pattern,
         resolved.device,
-        beam=beam or getattr(resolved.task_config, "beam", 1),
+        beam=beam,
         precision=resolved.train.precision,
     )
     run_id, started = new_run_id(config.task, config.model, "-eval")

@@ -113,10 +113,46 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
         broken = [i for i, text in df[column].dropna().items() if _not_json(text)]
         if broken:
             raise ValueError(f"results: column {column} of row {broken[0]} is not JSON")
+    for column, (low, high) in RANGES.items():
+        values = df[column].astype("float64")
+        # a share summed in floats (keys read, mean over heads) may pass 1 by a rounding error
+        outside = values.notna() & ~(values.between(low, high * (1 + 1e-9)) & np.isfinite(values))
+        if outside.any():
+            i = outside.idxmax()
+            interval = f"[{low:g}, {high:g}]" if np.isfinite(high) else f"[{low:g}, inf)"
+            raise ValueError(
+                f"results: column {column} of row {i} holds {values[i]}, which it cannot: a finite number in {interval}"
+            )
     return df
 
 
 JSON_COLUMNS = ("metrics", "backend_plan", "config")
+#: the values a numeric column can hold (NaN aside where the column allows it); never infinite.
+#: Accuracies and density are shares (density: keys read over keys allowed, never above 1); the rest
+#: counts, sizes, times and losses.
+RANGES: dict[str, tuple[float, float]] = {
+    **{c: (0.0, 1.0) for c in ("token_acc", "seq_acc", "density")},
+    **{
+        c: (0.0, np.inf)
+        for c in (
+            "schema_version",
+            "seed",
+            "epoch",
+            "loss",
+            "tokens_per_s",
+            "wall_s",
+            "peak_mem_mb",
+            "flops",
+            "attn_flops",
+            "context_len",
+            "edges_per_query_ee",
+            "edges_per_query_dd",
+            "edges_per_query_ed",
+            "act_mean_steps",
+            "n_params",
+        )
+    },
+}
 
 
 def _not_json(text: str) -> bool:

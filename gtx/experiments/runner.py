@@ -41,6 +41,7 @@ from gtx.experiments.loggers import Loggers
 from gtx.experiments.results import SCHEMA_VERSION, scalar_metrics, write_run
 from gtx.experiments.runref import resolve_run
 from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
+from gtx.files import NoSpace, check_space
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -76,16 +77,16 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
             f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}"
         )
     state = checkpoint.load(path)
-    owner = json.loads(state["common"])["run_id"]
-    if owner != run_id:
-        raise GtxError(
-            f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder"
-        )
+    checkpoint.require(state, path, checkpoint.RESUMABLE)
+    try:
+        checkpoint.owner(state, path)
+    except GtxError as e:
+        raise GtxError(f"--resume {run_id}: {e}") from None
     if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
         raise GtxError(
             f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}"
         )
-    return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
+    return state, dataclasses.replace(checkpoint.run_config(state), results_dir=results_dir)
 
 
 @dataclasses.dataclass
@@ -107,6 +108,7 @@ class _Run:
     say: Callable[[str], None]
     progress: Progress | None
     note: str | None = None  # the full-attention note, said at most once
+    kept: int = 0  # the epoch its last.pt holds (0: none), what --resume continues after
 
     @property
     def checkpoints(self) -> Path:
@@ -198,6 +200,9 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     run = _Run(
         config, resolved, world, attention, model, trainer, common, rows, start, best, state, results_dir, say, progress
     )
+    run.kept = start - 1
+    if resolved.train.epochs and world.main:  # a full device is refused before an epoch is trained for nothing
+        check_space(results_dir, 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
     run.note = complete_note(resolved)
     if run.note:
         say(run.note)
@@ -252,8 +257,9 @@ def _finite(run: _Run, row: dict) -> None:
 
 
 def _save_epoch(run: _Run, epoch: int, new: list[dict], loggers: Loggers) -> None:
-    """Checkpoint (last, and best on a new lowest validation loss), then the rows: on disk, a
-    checkpoint always holds at least the rows written."""
+    """Checkpoint (best on a new lowest validation loss, then last), then the rows: on disk, a
+    checkpoint always holds at least the rows written, and best.pt is never older than the
+    best_valid_loss last.pt records (a run stopped between the two redoes the epoch on resume)."""
     run.rows += new
     best_now = new[-1]["loss"] < run.best
     run.best = min(run.best, new[-1]["loss"])
@@ -271,9 +277,10 @@ def _save_epoch(run: _Run, epoch: int, new: list[dict], loggers: Loggers) -> Non
         "rng": rng,
         "vocab": {"src": task.src_vocab.itos, "tgt": task.tgt_vocab.itos},
     }
-    checkpoint.save(run.checkpoints / checkpoint.LAST, run.snapshot)
     if best_now:
         checkpoint.save(run.checkpoints / checkpoint.BEST, run.snapshot)
+    checkpoint.save(run.checkpoints / checkpoint.LAST, run.snapshot)
+    run.kept = epoch
     write_run(run.results_dir, run.common["run_id"], run.rows)
     loggers.call("epoch_end", epoch, new)
 
@@ -317,14 +324,17 @@ def run(
     loggers.call("start", json.loads(run.common["config"]))
     # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     epoch = last = run.start - 1
+    where = f"in epoch {run.start}"
     status = "failed"
     run.attention.reset_choices(), run.attention.take_reads(), run.attention.reset_stats()
     try:
         for epoch in range(run.start, epochs + 1) if epochs else [0]:
             if run.trainer.done:
                 break
+            where = f"in epoch {epoch}"
             _save_epoch(run, epoch, _epoch(run, epoch), loggers)
             last = epoch
+        where = "in its test phase"
         _test(run, last)
         status = "finished"
     except NonFiniteLoss as e:
@@ -340,6 +350,14 @@ def run(
             else "lower --set lr_factor, or raise --set warmup"
         )
         raise GtxError(f"run {run_id} stopped in epoch {epoch}: {e}; {kept}; {fix}") from None
+    except NoSpace as e:
+        kept = (
+            f"epochs up to {run.kept} are kept in its checkpoint; free space there, then continue with: "
+            f"gtx run --resume {run_id} --results {run.results_dir}"
+            if run.kept
+            else "nothing of it is kept; free space there, then run it again"
+        )
+        raise GtxError(f"run {run_id} stopped {where}: no space left on the device of {e.folder}; {kept}") from None
     except KeyboardInterrupt:
         status = "interrupted"
         raise RunInterrupted(

@@ -26,7 +26,7 @@ from gtx.data.batch import Batch, batches, make_batch
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.experiments import checkpoint
-from gtx.experiments.config import RunConfig, resolve_device
+from gtx.experiments.config import resolve_device
 from gtx.experiments.runref import find_checkpoint
 from gtx.graph.pattern import STAGES
 from gtx.graph.tokens import EdgeSet
@@ -50,7 +50,7 @@ def load_model(
 
     path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
-    trained = RunConfig(**state["run_config"])
+    trained = checkpoint.run_config(state)
     if backend is None:
         usable = BACKENDS.get(trained.backend).obj.available(resolve_device(device)) is None
         backend = trained.backend if usable else FALLBACK_BACKEND
