@@ -53,8 +53,8 @@ def test_every_hook_is_documented_with_its_signature():
 
 
 def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "content"
@@ -105,8 +105,8 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
 
     import torch
 
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "trainable"

@@ -13,12 +13,12 @@ from gtx.backends import get_backend
 from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
-from gtx.experiments.results import identity_keys
-from gtx.experiments.train import PhaseStats, TrainConfig, check_precision
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
+from gtx.records.results import identity_keys
+from gtx.run.train import PhaseStats, TrainConfig, check_precision
 from gtx.values import out_of_range, parse_scalar
 
 DEFAULT_BACKEND = "auto"
