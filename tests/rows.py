@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, validate
+from gtx.records.results import COLUMNS, SCHEMA_VERSION, validate
 
 
 def row(run_id="r1", pattern="full", split="valid", epoch=1, acc=0.5, seq=0.25, tps=1000.0, **kw):

@@ -273,8 +273,8 @@ def test_specs_round_trip_and_list_their_groups():
 
 
 def test_lm_trains_with_groups_biases_and_selection_and_checkpoints_the_learned_bias(tmp_path):
-    from gtx.experiments import checkpoint
-    from gtx.experiments.results import load
+    from gtx.records import checkpoint
+    from gtx.records.results import load
 
     spec = "heads(local:w=4,topk:k=4)+relbias:buckets=8,max_distance=32"
     result = CliRunner().invoke(

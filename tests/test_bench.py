@@ -494,7 +494,7 @@ def test_auto_chooses_flash_for_plain_attention_and_a_window_kernel_for_long_loc
 
 
 def test_runs_record_the_auto_plan(tmp_path):
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     args = [
         "run",

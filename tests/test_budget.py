@@ -18,10 +18,10 @@ import torch
 from gtx.attention.module import Attention
 from gtx.data.batch import make_batch
 from gtx.errors import GtxError
-from gtx.experiments.build import build_attention, build_model
-from gtx.experiments.runner import RunConfig, resolve
 from gtx.graph.tokens import positions
 from gtx.plugins.registry import PATTERNS, load_plugins
+from gtx.run.build import build_attention, build_model
+from gtx.run.runner import RunConfig, resolve
 
 load_plugins()
 
@@ -193,7 +193,7 @@ def _run(tmp_path, *args):
 
 @pytest.mark.parametrize("universal", [False, True])
 def test_topk_rows_record_at_most_k_keys_per_query_in_plain_and_universal_models(tmp_path, universal):
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     _run(tmp_path, "--pattern", "topk:k=4", *(["--set", "universal=true"] if universal else []))
     rows = load(tmp_path)
@@ -204,7 +204,7 @@ def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_sta
     from click.testing import CliRunner
 
     from gtx.cli import cli
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     sparse = _run(tmp_path, "--pattern", "dsa:k=8,dense=0")
     assert "full attention" not in sparse.output and "note:" not in sparse.output, sparse.output
@@ -224,7 +224,7 @@ def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_sta
 
 
 def test_nsa_counts_a_key_both_branches_read_once(tmp_path):
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     _run(tmp_path, "--pattern", "nsa:l=8,d=4,s=8,n=4,w=8")
     rows = load(tmp_path)

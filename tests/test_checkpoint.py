@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.experiments import checkpoint
-from gtx.experiments.results import load
+from gtx.records import checkpoint
+from gtx.records.results import load
 
 TINY = [
     "--set",
@@ -72,7 +72,7 @@ def test_every_epoch_writes_last_and_best_checkpoints(reference):
 
 
 def test_ctrl_c_keeps_what_is_done_and_resume_reproduces_the_uninterrupted_run(reference, tmp_path, monkeypatch):
-    from gtx.experiments import train
+    from gtx.run import train
 
     calls = {"n": 0}
     real = train.Trainer.train_epoch
@@ -233,7 +233,7 @@ def test_an_unwritable_output_place_fails_before_training(tmp_path, blocked):
 
 
 def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_path, monkeypatch):
-    from gtx.experiments import train
+    from gtx.run import train
 
     real = torch.nn.functional.cross_entropy
     calls = {"n": 0}
@@ -255,7 +255,7 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
 def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_rate(tmp_path, monkeypatch):
     """A first step's NaN (a plugin backend's NaN output, say) comes from the initial weights' forward:
     no learning rate makes it finite."""
-    from gtx.experiments import train
+    from gtx.run import train
 
     real = torch.nn.functional.cross_entropy
     monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **kw: real(*a, **kw) * float("nan"))
@@ -270,7 +270,7 @@ def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_r
 def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpoint(tmp_path, monkeypatch):
     """The last steps of an epoch can leave the weights non-finite with a finite training loss: the
     valid loss then reads NaN, and neither that epoch's rows nor its weights are written."""
-    from gtx.experiments import runner
+    from gtx.run import runner
 
     real = runner.result_row
 

@@ -12,10 +12,10 @@ from test_frontier import RECALL, science
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import cluster
-from gtx.experiments import grid as gr
-from gtx.experiments import sweep as sw
-from gtx.experiments.results import load
+from gtx.records.results import load
+from gtx.sweeps import cluster
+from gtx.sweeps import grid as gr
+from gtx.sweeps import sweep as sw
 
 submitit = pytest.importorskip("submitit")  # the test extra installs it; CI always runs these
 

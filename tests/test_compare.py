@@ -11,9 +11,9 @@ from rows import row, seeds, three_seeds
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import results
-from gtx.experiments.compare import compare, compare_evals, format_compare
-from gtx.experiments.results import validate
+from gtx.records import results
+from gtx.records.compare import compare, compare_evals, format_compare
+from gtx.records.results import validate
 
 
 def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):

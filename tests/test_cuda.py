@@ -261,8 +261,8 @@ def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precis
 def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     """The lm's loss and every parameter's gradient on one batch: CUDA against the CPU, float32."""
     from gtx.data.batch import IGNORE, batches
-    from gtx.experiments.build import build_attention, build_model
-    from gtx.experiments.runner import RunConfig, resolve
+    from gtx.run.build import build_attention, build_model
+    from gtx.run.runner import RunConfig, resolve
 
     settings = {
         "seq_len": "160",

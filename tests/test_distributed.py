@@ -7,9 +7,9 @@ import sys
 import pandas as pd
 import pytest
 
-from gtx.experiments.distributed import World
-from gtx.experiments.results import load
-from gtx.experiments.train import PhaseStats
+from gtx.records.results import load
+from gtx.run.distributed import World
+from gtx.run.train import PhaseStats
 
 ARGS = [
     "run",

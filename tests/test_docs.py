@@ -53,8 +53,8 @@ def test_every_hook_is_documented_with_its_signature():
 
 
 def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "content"
@@ -105,8 +105,8 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
 
     import torch
 
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "trainable"
@@ -192,8 +192,8 @@ def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_t
     from gtx.attention.module import Attention
     from gtx.attention.selection import keys as key_kernels
     from gtx.backends import get_backend
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "published"

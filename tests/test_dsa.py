@@ -218,9 +218,9 @@ def test_freeze_follows_the_runs_start_unless_given_and_the_stage_says_which(fre
 def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_knows_its_stage(tmp_path, freeze, frozen):
     """Asked to, the dense stage trains the indexer alone; by default a run from scratch trains the model too."""
     from gtx.data.batch import batches
-    from gtx.experiments.build import build_attention, build_model
-    from gtx.experiments.runner import RunConfig, resolve
-    from gtx.experiments.train import Trainer
+    from gtx.run.build import build_attention, build_model
+    from gtx.run.runner import RunConfig, resolve
+    from gtx.run.train import Trainer
 
     config = RunConfig(
         task="recall",
@@ -287,7 +287,7 @@ def test_the_results_hold_both_losses_and_a_checkpoint_without_the_indexer_is_re
         cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,dense=2,freeze=false"]
     )
     assert result.exit_code == 0, result.output
-    from gtx.experiments import results
+    from gtx.records import results
 
     rows = results.load(tmp_path)
     train = [json.loads(m) for m in rows[rows.split == "train"].metrics]
@@ -338,7 +338,7 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
     ]
     result = CliRunner().invoke(cli, ["run", *base, "--pattern", "dsa:k=8,index_heads=2,index_dim=4,dense=0"])
     assert result.exit_code == 0, result.output
-    from gtx.experiments import results
+    from gtx.records import results
 
     rows = results.load(tmp_path)
     assert set(rows.pattern) == {
@@ -474,8 +474,8 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
     layer's normalised input (gtx's layers' norm before self-attention; the hidden states
     transformers hands its attention module; ut: every decoder node's, as its keys are)."""
     from gtx.data.batch import batches
-    from gtx.experiments.build import build_attention, build_model
-    from gtx.experiments.runner import RunConfig, resolve
+    from gtx.run.build import build_attention, build_model
+    from gtx.run.runner import RunConfig, resolve
 
     if model == "hf":
         pytest.importorskip("transformers")

@@ -13,13 +13,13 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.cost import FlopCount
-from gtx.experiments.frontier_tables import load_frontiers
-from gtx.experiments.results import load
-from gtx.experiments.stats import tost_p
-from gtx.experiments.study import parse_family
 from gtx.pictures import plot
 from gtx.pictures.report import write_report
+from gtx.records.results import load
+from gtx.records.stats import tost_p
+from gtx.run.cost import FlopCount
+from gtx.sweeps.frontier_tables import load_frontiers
+from gtx.sweeps.study import parse_family
 
 
 def t_cdf_4(t):
@@ -122,7 +122,7 @@ def test_an_operator_after_the_budgets_applies_to_every_budget():
     ],
 )
 def test_margins_that_call_everything_equivalent_are_refused(margin, match):
-    from gtx.experiments.frontier import check_margin
+    from gtx.sweeps.frontier import check_margin
 
     with pytest.raises(GtxError, match=match):
         check_margin(margin, ["best_valid_query_acc"])
@@ -276,7 +276,7 @@ def test_table_only_names_the_budgets_and_cells_without_runs(small):
 
 
 def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypatch):
-    from gtx.experiments import claims
+    from gtx.sweeps import claims
 
     folder, args = small
     monkeypatch.setattr(claims, "claim", lambda results_dir, key: "4242@elsewhere")  # another frontier holds every cell

@@ -20,7 +20,7 @@ from gtx.attention.module import Attention
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.results import load
+from gtx.records.results import load
 
 INF = float("inf")
 SAMPLES = st.lists(st.integers(1, 48), min_size=1, max_size=3)

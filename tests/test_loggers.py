@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.experiments.results import load
+from gtx.records.results import load
 
 TINY = [
     "--set",
@@ -54,7 +54,7 @@ def test_tensorboard_event_file_holds_each_epoch(tmp_path):
 LOGGER = '''
 import json
 from gtx import hookimpl
-from gtx.experiments.loggers import Logger
+from gtx.run.loggers import Logger
 
 class Recorder(Logger):
     """Writes what it is told into calls.jsonl."""

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.data.vocab import ModelVocab, Tokenizer
-from gtx.experiments.results import load
 from gtx.plugins.registry import MODELS, TASKS
+from gtx.records.results import load
 
 NEEDLE = TASKS.get("needle")
 DEPTHS = ["depth=0.00", "depth=0.25", "depth=0.50", "depth=0.75", "depth=1.00"]

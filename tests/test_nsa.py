@@ -276,7 +276,7 @@ def test_no_future_key_reaches_a_query_through_any_branch():
 
 
 def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path):
-    from gtx.experiments import results
+    from gtx.records import results
 
     args = [
         "run",

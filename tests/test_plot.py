@@ -19,11 +19,11 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
 from gtx.graph.pattern import STAGES
 from gtx.graph.spec import parse_pattern
 from gtx.pictures import plot
 from gtx.pictures.report import write_report
+from gtx.records.results import COLUMNS, SCHEMA_VERSION, load, write_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -21,10 +21,10 @@ from gtx.attention.module import Attention
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.checkpoint import checkpoint_dir
-from gtx.experiments.results import load
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import MODELS, TASKS
+from gtx.records.checkpoint import checkpoint_dir
+from gtx.records.results import load
 
 TEXT = ["--task", "text", "--set", "context=32", "--set", "train_tokens=600", "--set", "eval_tokens=300", "--quiet"]
 

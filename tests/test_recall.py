@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from gtx.cli import cli
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
-from gtx.experiments.results import load
 from gtx.plugins.registry import TASKS
+from gtx.records.results import load
 
 SMALL = dict(seq_len=64, n_pairs=4, n_keys=8, n_values=8, n_train=40, n_valid=10, n_test=10)
 TINY = {**SMALL, "seq_len": 40, "n_train": 16, "n_valid": 4, "n_test": 4}  # the shortest that holds 4 pairs x 4 queries

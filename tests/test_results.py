@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from rows import row
 
-from gtx.experiments.compare import compare
-from gtx.experiments.results import COLUMNS, load, validate, write_run
+from gtx.records.compare import compare
+from gtx.records.results import COLUMNS, load, validate, write_run
 
 
 def test_schema_is_enforced():

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.experiments.results import load
+from gtx.records.results import load
 
 TINY = [
     "--set",
@@ -77,8 +77,8 @@ def test_mission_command_shape_ut_local(tmp_path):
     "model, settings", [("ut", {}), ("lm", {"universal": "true"}), ("encoder", {"universal": "true"})]
 )
 def test_act_given_to_a_model_that_adds_act_itself_is_wrapped_once(model, settings):
-    from gtx.experiments.config import resolve_configs
-    from gtx.experiments.runner import RunConfig
+    from gtx.run.config import resolve_configs
+    from gtx.run.runner import RunConfig
 
     for spec in ("act(local:w=2)", "local:w=2"):
         config = RunConfig(task="copy", model=model, pattern=spec, settings=settings)
@@ -263,7 +263,7 @@ def test_a_task_beam_wider_than_its_target_vocabulary_is_refused_before_training
 
 
 def test_cell_key_names_the_experiment_not_how_it_was_spelled():
-    from gtx.experiments.runner import RunConfig, cell_key
+    from gtx.run.runner import RunConfig, cell_key
 
     key = cell_key(RunConfig(pattern="local", settings={"epochs": "4", "dim": "16"}))
     assert key == cell_key(RunConfig(pattern="local:w=4", settings={"train.epochs": "4", "model.dim": "16"}))

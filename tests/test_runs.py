@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint, results, runs
+from gtx.records import checkpoint, results, runs
 
 TINY = [
     "--set",
@@ -245,7 +245,7 @@ def test_a_real_run_listed_and_shown(tmp_path):
 
 
 def test_one_resolver_names_runs_by_id_prefix_or_tail_in_tables_and_checkpoints(tmp_path):
-    from gtx.experiments import runref
+    from gtx.records import runref
 
     results.write_run(tmp_path, "20260101-000000-copy-lm-aaa111", [row("20260101-000000-copy-lm-aaa111", "train", 1)])
     (tmp_path / "checkpoints" / "20260102-000000-copy-lm-bbb222").mkdir(parents=True)  # killed before its first rows

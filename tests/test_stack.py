@@ -84,7 +84,7 @@ def test_lm_batch_shifts_tokens_and_ignores_unscored():
 
 @pytest.mark.parametrize("universal", [False, True])
 def test_lm_trains(universal):
-    from gtx.experiments.train import TrainConfig, Trainer
+    from gtx.run.train import TrainConfig, Trainer
 
     task, model, pattern = lm(universal)
     trainer = Trainer(model, TrainConfig(lr_factor=2.0, warmup=10), 16, torch.device("cpu"), task)
@@ -247,7 +247,7 @@ def test_a_pattern_that_is_full_attention_here_is_called_out(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "note: pattern bigbird" in result.output and "is (nearly) full attention" in result.output
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     assert (load(tmp_path).density > 0.99).all()
 
@@ -261,7 +261,7 @@ def test_vocab_of_an_lm_task_is_shared():
 def test_task_train_defaults_apply_under_the_users_settings(plugin_dir, tmp_path):
     import json
 
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     folder = plugin_dir(counting=LM_TASK)
     for extra, batch_size in (([], 4), (["--batch-size", "3"], 3), (["--set", "train.batch_size=2"], 2)):

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import grid as gr
-from gtx.experiments import sweep as sw
-from gtx.experiments.config import RunConfig, resolve_configs
-from gtx.experiments.results import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.records.results import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.run.config import RunConfig, resolve_configs
+from gtx.sweeps import grid as gr
+from gtx.sweeps import sweep as sw
 
 TINY = [
     "--set",
@@ -367,7 +367,7 @@ def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
 
 
 def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path):
-    from gtx.experiments import claims
+    from gtx.sweeps import claims
 
     res = tmp_path / "res"
     args = ["--epochs", "1", *TINY, "--results", res]
@@ -518,7 +518,7 @@ def test_ctrl_c_exits_130_in_one_line_saying_how_to_finish(tmp_path, monkeypatch
 
 
 def test_ctrl_c_in_any_command_exits_130_in_one_line(tmp_path, monkeypatch):
-    from gtx.experiments import results
+    from gtx.records import results
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt

@@ -15,9 +15,9 @@ from gtx.data.batch import make_batch
 from gtx.data.task import SPLITS
 from gtx.data.vocab import UNK
 from gtx.errors import GtxError
-from gtx.experiments.results import load
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import TASKS
+from gtx.records.results import load
 
 
 def make(**settings):

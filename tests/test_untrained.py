@@ -12,7 +12,7 @@ from pretrained import save_tiny
 
 from gtx import plugins
 from gtx.cli import cli
-from gtx.experiments.results import load
+from gtx.records.results import load
 
 TEXT = [
     "--task",
@@ -82,8 +82,8 @@ def test_dsa_freezes_a_pretrained_model_in_its_dense_stage_unless_told_and_its_e
     import torch
 
     from gtx.data.batch import batches
-    from gtx.experiments.runner import RunConfig, build_attention, build_model, resolve
-    from gtx.experiments.train import Trainer
+    from gtx.run.runner import RunConfig, build_attention, build_model, resolve
+    from gtx.run.train import Trainer
 
     settings = {"path": str(folder), "context": "32", "train_tokens": "600", "eval_tokens": "300", "max_steps": "1"}
     r = resolve(RunConfig(task="text", model="hf", pattern=spec, settings=settings, results_dir=str(tmp_path)))

@@ -42,11 +42,11 @@ from gtx.cli.pretrained import export, generate
 from gtx.cli.runs import runs, show
 from gtx.cli.sweep import sweep
 from gtx.errors import GtxError, PluginError
-from gtx.experiments.distributed import is_main_process
-from gtx.experiments.results import format_table
-from gtx.experiments.runner import DEFAULT_BACKEND
-from gtx.experiments.train import TrainConfig
 from gtx.plugins.registry import call_each, load_plugins
+from gtx.records.results import format_table
+from gtx.run.distributed import is_main_process
+from gtx.run.runner import DEFAULT_BACKEND
+from gtx.run.train import TrainConfig
 
 
 @click.group(cls=GtxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -131,8 +131,8 @@ def run(
     over N processes (data parallel)."""
     from tqdm import tqdm
 
-    from gtx.experiments.runner import RunConfig
-    from gtx.experiments.runner import run as run_experiment
+    from gtx.run.runner import RunConfig
+    from gtx.run.runner import run as run_experiment
 
     if resume is not None:  # the checkpoint's configuration is the run's: an option given beside it would be ignored
         ctx = click.get_current_context()
@@ -186,7 +186,7 @@ def run(
 
 def _summary(rows: pd.DataFrame, results_dir: str) -> None:
     """Some rows as ``gtx show`` prints them (the task's own metrics beside the common columns), and their file."""
-    from gtx.experiments.runs import rows_table
+    from gtx.records.runs import rows_table
 
     click.echo(format_table(rows_table(rows)))
     click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
@@ -210,7 +210,7 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
     a unique prefix, or the 6 hex digits `gtx runs` prints.
 
     The rows are appended as a run of their own whose eval_of column names the trained run."""
-    from gtx.experiments.evaluation import evaluate_checkpoint
+    from gtx.run.evaluation import evaluate_checkpoint
 
     rows = evaluate_checkpoint(
         checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device
@@ -260,9 +260,9 @@ def compare(results_dir, by, metric, evals, fmt):
     Runs pool only when they are one experiment (everything but the seed equal); where the --by
     columns leave several in one group, the group is split and a settings column says what differs.
     Only finished runs count (they have test rows); runs still training or stopped are named on stderr."""
-    from gtx.experiments.compare import compare as compare_runs
-    from gtx.experiments.compare import compare_evals, format_compare
-    from gtx.experiments.results import load
+    from gtx.records.compare import compare as compare_runs
+    from gtx.records.compare import compare_evals, format_compare
+    from gtx.records.results import load
 
     df = load(results_dir)
     if df.empty:

@@ -13,9 +13,9 @@ from gtx.cli.common import (
     plugins_dir_option,
     results_option,
 )
-from gtx.experiments.results import format_table
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import BACKENDS, load_plugins
+from gtx.records.results import format_table
 
 
 @click.group(cls=GtxGroup)
@@ -89,8 +89,8 @@ def bench_attention(
     patterns, lengths, backends, forward, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs
 ):
     """Forward + backward (or, with --forward, forward) time and peak memory per (pattern, length, backend)."""
-    from gtx.experiments.runner import resolve_device
     from gtx.measure import bench as gtx_bench
+    from gtx.run.runner import resolve_device
 
     load_plugins(dirs=plugins_dirs)
     dev = resolve_device(device)
@@ -131,8 +131,8 @@ def bench_attention(
 )
 def bench_calibrate(device, heads, head_dim, forward):
     """Measure the auto backend's cost constants on this machine and save them for auto to use."""
-    from gtx.experiments.runner import resolve_device
     from gtx.measure.calibrate import calibrate
+    from gtx.run.runner import resolve_device
 
     tables = calibrate(
         str(resolve_device(device)), heads, head_dim, forward=forward, log=lambda s: click.echo(s, err=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments.distributed import is_main_process
 from gtx.plugins.registry import load_plugins
+from gtx.run.distributed import is_main_process
 
 
 class CliError(click.ClickException):

@@ -1,4 +1,4 @@
-"""``gtx frontier``: the click layer over gtx.experiments.frontier (registered on the group by gtx/cli/__init__.py)."""
+"""``gtx frontier``: the click layer over gtx.sweeps.frontier (registered on the group by gtx/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import click
 from gtx.cli.common import cli_error, lengths_option
 from gtx.cli.sweep import grid_options, read_grid, run_cells
 from gtx.errors import GtxError
-from gtx.experiments import frontier as fr
-from gtx.experiments import frontier_tables as tables
-from gtx.experiments import sweep as sw
-from gtx.experiments.study import Study, parse_family
+from gtx.sweeps import frontier as fr
+from gtx.sweeps import frontier_tables as tables
+from gtx.sweeps import sweep as sw
+from gtx.sweeps.study import Study, parse_family
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -106,10 +106,10 @@ def frontier(
         )
         if dry_run:
             return
-        from gtx.experiments.results import format_table, load
         from gtx.files import atomic_write
         from gtx.pictures import plot
         from gtx.pictures.figure import save
+        from gtx.records.results import format_table, load
 
         df = load(results_dir)
         table = fr.frontier_table(cells, points, df, margin, metric)

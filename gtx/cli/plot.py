@@ -169,7 +169,7 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
 
 def _run_name(ref: str, results_dir: Path) -> str:
     """The run id of a checkpoint under <results>/checkpoints/<run_id>/, else the file's stem."""
-    from gtx.experiments.runref import find_checkpoint
+    from gtx.records.runref import find_checkpoint
 
     path = find_checkpoint(ref, results_dir)
     return path.parent.name if path.parent.parent.name == "checkpoints" else path.stem
@@ -190,7 +190,7 @@ def report(results_dir, by, metric, output):
 
 
 def _load(results_dir: Path):
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     df = load(results_dir)
     if df.empty:

@@ -13,9 +13,9 @@ from gtx.attention.trainable import check_untrained, stages_of, starts_trained
 from gtx.backends import get_backend
 from gtx.cli.common import device_option, key_value, results_option
 from gtx.errors import GtxError
-from gtx.experiments.config import build_configs, resolve_device
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import MODELS
+from gtx.run.config import build_configs, resolve_device
 
 
 def hf_entry():
@@ -169,9 +169,9 @@ def plain_loader_note(spec: str, folder: Path) -> str:
 def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
     """(model, r): the fine-tuned model of an hf run under ``results_dir`` (``gtx.measure.probe.load_model``,
     under ``pattern`` or its own) and its resolved configuration; one line for a run of another model."""
-    from gtx.experiments import checkpoint
-    from gtx.experiments.runref import find_checkpoint
     from gtx.measure.probe import load_model
+    from gtx.records import checkpoint
+    from gtx.records.runref import find_checkpoint
 
     path = find_checkpoint(ref, results_dir)
     trained = checkpoint.load(path, mmap=True)["run_config"]

@@ -1,4 +1,4 @@
-"""``gtx runs`` and ``gtx show RUN``: what the runs of a results folder were (the logic: gtx/experiments/runs.py)."""
+"""``gtx runs`` and ``gtx show RUN``: what the runs of a results folder were (the logic: gtx/records/runs.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from gtx.cli.common import CliError, plugins_dir_option, results_option
-from gtx.experiments import results
-from gtx.experiments import runs as runlist
 from gtx.plugins.registry import task_metrics
+from gtx.records import results
+from gtx.records import runs as runlist
 
 
 def _load(results_dir: str):

@@ -1,4 +1,4 @@
-"""``gtx sweep``: the click layer over gtx.experiments.sweep (registered on the group by gtx/cli/__init__.py)."""
+"""``gtx sweep``: the click layer over gtx.sweeps.sweep (registered on the group by gtx/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import click
 
 from gtx.cli.common import check_shortcuts, cli_error, device_option, plugins_dir_option, results_option, set_once
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments import grid as gr
-from gtx.experiments import sweep as sw
-from gtx.experiments.config import resolve_device
 from gtx.files import writable_dir
+from gtx.run.config import resolve_device
+from gtx.sweeps import grid as gr
+from gtx.sweeps import sweep as sw
 
 # gtx run's shortcut options, here as comma lists: each is the --set key of the same name
 SHORTCUTS = ("epochs", "max_steps", "batch_size", "layers", "heads", "dim", "dim_ff")
@@ -188,7 +188,7 @@ def run_cells(
     nproc: int = 1,
 ) -> int:
     """Run (or with ``dry_run`` print) the cells not yet complete, with a progress line; the number that failed.
-    ``launcher`` ``submitit``: one job per cell (``gtx.experiments.cluster``), ``executor_opts`` its options."""
+    ``launcher`` ``submitit``: one job per cell (``gtx.sweeps.cluster``), ``executor_opts`` its options."""
     if executor_opts and launcher != "submitit":
         raise GtxError("--executor-opt is for --launcher submitit; with the local launcher use -j N")
     counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
@@ -232,7 +232,7 @@ def run_cells(
     started = time.monotonic()
     try:
         if launcher == "submitit":
-            from gtx.experiments import cluster
+            from gtx.sweeps import cluster
 
             log_dir = Path(results_dir) / "sweeps" / name / "submitit"
             # refused options: before any job, and before the folder is made (cluster.make_executor)

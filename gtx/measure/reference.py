@@ -7,7 +7,7 @@
 - ``TorchTransformer``: the ``transformer`` model as ``torch.nn.Transformer`` with padding masks.
 
 Both read a gtx ``Batch`` and return ``Output`` logits (len(batch.targets), V) flat over samples,
-so ``gtx.experiments.train.Trainer`` trains them with the same optimiser, schedule, loss and clipping as the
+so ``gtx.run.train.Trainer`` trains them with the same optimiser, schedule, loss and clipping as the
 gtx models. Padding is built inside ``forward`` and counts as the reference's cost.
 
 ``TrainCell`` describes one row of ``gtx bench train`` (a gtx backend, the bound or a reference)
@@ -265,7 +265,7 @@ class TrainCell:
 
     def resolve(self):
         """The cell's ``Resolved`` run; its batches are built under NO_EDGES where the step reads no edges."""
-        from gtx.experiments.runner import RunConfig, resolve
+        from gtx.run.runner import RunConfig, resolve
 
         pattern = self.pattern if self.gtx else NO_EDGES
         return resolve(
@@ -274,8 +274,8 @@ class TrainCell:
 
     def build(self, resolved):
         """(``Trainer`` of the cell's model for the resolved run ``resolved``, its attention backend or None), seeded alike."""
-        from gtx.experiments.build import build_attention
-        from gtx.experiments.train import Trainer
+        from gtx.run.build import build_attention
+        from gtx.run.train import Trainer
 
         torch.manual_seed(0)
         be = None

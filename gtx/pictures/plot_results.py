@@ -11,10 +11,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import task_metric
-from gtx.experiments.results import lower_is_better, metric_values, training_runs
-from gtx.experiments.stats import pareto_front
 from gtx.pictures.figure import new_figure
+from gtx.records.compare import task_metric
+from gtx.records.results import lower_is_better, metric_values, training_runs
+from gtx.records.stats import pareto_front
 
 MAX_COLUMNS = 3  # groups side by side in the results figure: 7 in one row made it 3920 px wide
 
@@ -102,7 +102,7 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
     per pattern with error bars of the std over its runs (seeds) on both axes, the Pareto front as a
     dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. ``metric``
     None: each task's own (``own_metric``: bpc for text, query_acc for recall), so a panel must not
-    mix tasks judged by different metrics. Computed from ``gtx.experiments.results.load``'s per-epoch
+    mix tasks judged by different metrics. Computed from ``gtx.records.results.load``'s per-epoch
     rows; GtxError if there are no runs, the metric has no values, or a panel would mix metrics."""
     by = list(by)
     if df.empty:

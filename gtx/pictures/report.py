@@ -16,12 +16,12 @@ from pathlib import Path
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import check_by, compare, format_compare
-from gtx.experiments.frontier_tables import format_frontier, load_frontiers
-from gtx.experiments.results import load, training_runs
 from gtx.graph.pattern import STAGES
 from gtx.pictures import plot
 from gtx.pictures.figure import png_bytes, ready_to_write
+from gtx.records.compare import check_by, compare, format_compare
+from gtx.records.results import load, training_runs
+from gtx.sweeps.frontier_tables import format_frontier, load_frontiers
 
 DEFAULT_LEN = 64  # pattern pictures of runs without a recorded context_len
 MAX_LEN = 4096  # longer contexts are drawn at this length: building the edges of a longer one takes long
@@ -49,7 +49,7 @@ def _note(text: str) -> str:
 
 
 def comparison_html(df: pd.DataFrame) -> str:
-    """``gtx compare``'s table (``gtx.experiments.compare.compare``, rendered by ``format_compare``) as an HTML
+    """``gtx compare``'s table (``gtx.records.compare.compare``, rendered by ``format_compare``) as an HTML
     table. The markdown rendering pads every column to a fixed width, so the separator line's '|' mark
     the column edges exactly, also around cells that hold a '|' themselves (``local:w=2|strided:l=4``).
     Runs left out for being unfinished are named in a note under it."""
@@ -111,7 +111,7 @@ def configs_html(df: pd.DataFrame) -> str:
 
 
 def frontiers_html(frontiers: dict[str, pd.DataFrame]) -> str:
-    """Each saved frontier (``gtx.experiments.frontier_tables.load_frontiers``): its table and figure."""
+    """Each saved frontier (``gtx.sweeps.frontier_tables.load_frontiers``): its table and figure."""
     parts = []
     for name, table in frontiers.items():
         margin = f" at margin {table['margin'].iloc[0]:g}" if "margin" in table and len(table) else ""
@@ -132,9 +132,9 @@ def report(
     metric: str | None = None,
     frontiers: dict[str, pd.DataFrame] | None = None,
 ) -> str:
-    """The report page of a results frame (``gtx.experiments.results.load``) as an HTML string; ``source`` names
+    """The report page of a results frame (``gtx.records.results.load``) as an HTML string; ``source`` names
     where the runs came from. ``by`` and ``metric`` go to ``gtx.pictures.plot.results``; ``frontiers``
-    (``gtx.experiments.frontier_tables.load_frontiers``) add a section. GtxError if there are no runs, or
+    (``gtx.sweeps.frontier_tables.load_frontiers``) add a section. GtxError if there are no runs, or
     ``by`` or ``metric`` name nothing these runs have."""
     if df.empty:
         raise GtxError(f"no runs in {source or 'the results'}; run `gtx run` first")

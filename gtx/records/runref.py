@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint
+from gtx.records import checkpoint
 
 
 def short_id(run_id: str) -> str:

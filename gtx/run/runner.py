@@ -1,10 +1,10 @@
 """The runner: train and evaluate a run, checkpoint it, resume it; append its
-results. Knows nothing of click. (A checkpoint evaluated: ``gtx.experiments.evaluation``.)
+results. Knows nothing of click. (A checkpoint evaluated: ``gtx.run.evaluation``.)
 
-    from gtx.experiments.runner import RunConfig, run
+    from gtx.run.runner import RunConfig, run
     table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
 
-A run writes, after every epoch, its checkpoint (``gtx.experiments.checkpoint``) and then its rows: a run
+A run writes, after every epoch, its checkpoint (``gtx.records.checkpoint``) and then its rows: a run
 killed at any moment leaves a checkpoint holding at least the rows on disk, so ``resume`` never
 duplicates or loses an epoch.
 """
@@ -25,23 +25,23 @@ from gtx.attention.trainable import check_untrained, stages_of
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments import checkpoint, distributed
-from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
-from gtx.experiments.config import (
-    DEFAULT_BACKEND,
+from gtx.files import NoSpace, check_space
+from gtx.records import checkpoint
+from gtx.records.results import SCHEMA_VERSION, scalar_metrics, write_run
+from gtx.records.run_config import DEFAULT_BACKEND, RunConfig
+from gtx.records.runref import resolve_run
+from gtx.run import distributed
+from gtx.run.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
+from gtx.run.config import (
     Resolved,
-    RunConfig,
     cell_key,
     complete_note,
     resolve,
     resolve_configs,
     resolve_device,
 )
-from gtx.experiments.loggers import Loggers
-from gtx.experiments.results import SCHEMA_VERSION, scalar_metrics, write_run
-from gtx.experiments.runref import resolve_run
-from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
-from gtx.files import NoSpace, check_space
+from gtx.run.loggers import Loggers
+from gtx.run.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
 
 __all__ = [
     "DEFAULT_BACKEND",

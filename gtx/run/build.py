@@ -1,5 +1,5 @@
 """What a run is made of: its attention and model built from a resolved configuration, its id, its
-folders checked before it trains, and its rows (the columns of ``gtx.experiments.results``)."""
+folders checked before it trains, and its rows (the columns of ``gtx.records.results``)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from gtx.attention.module import Attention
 from gtx.attention.trainable import starts_trained
 from gtx.backends import get_backend
 from gtx.errors import PluginError, plugin_code
-from gtx.experiments import checkpoint
-from gtx.experiments.config import Resolved
-from gtx.experiments.results import metrics_json
-from gtx.experiments.train import PhaseStats
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
+from gtx.records import checkpoint
+from gtx.records.results import metrics_json
+from gtx.run.config import Resolved
+from gtx.run.train import PhaseStats
 
 
 def build_attention(resolved: Resolved, backend: str) -> Attention:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -13,33 +13,17 @@ from gtx.backends import get_backend
 from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
-from gtx.experiments.results import identity_keys
-from gtx.experiments.train import PhaseStats, TrainConfig, check_precision
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
+from gtx.records.results import identity_keys
+from gtx.records.run_config import RunConfig
+from gtx.run.train import PhaseStats, TrainConfig, check_precision
 from gtx.values import out_of_range, parse_scalar
 
-DEFAULT_BACKEND = "auto"
 MAX_SEED = 2**31 - 1  # seeds derived from it (per epoch, per rank) stay within torch's and numpy's 64-bit range
 NEARLY_COMPLETE = 0.99  # density from which a pattern counts as full attention (complete_note)
-
-
-@dataclass
-class RunConfig:
-    """One experiment. ``settings`` are ``key=value`` strings for the model, task or training
-    configs (``dim=64``; prefix ``model.``, ``task.`` or ``train.`` where a key is ambiguous)."""
-
-    task: str = "copy"
-    model: str = "transformer"
-    pattern: str = "full"
-    backend: str = DEFAULT_BACKEND
-    device: str = "auto"
-    seed: int = 0
-    results_dir: str = "results"
-    settings: dict[str, str] = field(default_factory=dict)
-    loggers: list[str] = field(default_factory=list)  # names registered by register_loggers (--log)
 
 
 @dataclass

@@ -16,12 +16,12 @@ from gtx.attention.trainable import stages_of
 from gtx.data.batch import batches
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint
-from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
-from gtx.experiments.config import Resolved, RunConfig, check_beam, resolve
-from gtx.experiments.results import SCHEMA_VERSION, write_run
-from gtx.experiments.runref import find_checkpoint
-from gtx.experiments.train import evaluate
+from gtx.records import checkpoint
+from gtx.records.results import SCHEMA_VERSION, write_run
+from gtx.records.runref import find_checkpoint
+from gtx.run.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
+from gtx.run.config import Resolved, RunConfig, check_beam, resolve
+from gtx.run.train import evaluate
 
 
 def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.Module, Resolved, Attention]:

@@ -15,14 +15,14 @@ from gtx.attention.module import Attention
 from gtx.data.batch import IGNORE, Batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
-from gtx.experiments.cost import BACKWARD, FlopCount
-from gtx.experiments.distributed import World
 from gtx.graph.pattern import STAGES, Pattern
 from gtx.graph.tokens import possible_edges
 from gtx.memory import peak_mb
 from gtx.model.decode import decode
 from gtx.model.layers import GraphModel
 from gtx.plugins import checks
+from gtx.run.cost import BACKWARD, FlopCount
+from gtx.run.distributed import World
 from gtx.values import setting
 
 
@@ -89,7 +89,7 @@ class PhaseStats:
     groups: dict = field(default_factory=dict)  # group name -> [correct, scored]
     wall_s: float = 0.0
     peak_mem_mb: float = float("nan")
-    flops: float = 0.0  # counted (gtx.experiments.cost), a training step's backward included
+    flops: float = 0.0  # counted (gtx.run.cost), a training step's backward included
     attn_flops: float = 0.0  # the attention's share of them; NaN for a model that attends by itself
     extra: dict = field(default_factory=dict)
     split: str = ""  # the split the batches came from

@@ -23,9 +23,9 @@ import torch
 import gtx
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
-from gtx.experiments.config import RunConfig
-from gtx.experiments.results import COLUMNS
 from gtx.files import atomic_write
+from gtx.records.results import COLUMNS
+from gtx.records.run_config import RunConfig
 
 FORMAT = "gtx-checkpoint/1"
 REQUIRED = (

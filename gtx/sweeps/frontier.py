@@ -3,13 +3,13 @@
     families = [parse_family("local:w=16,32,64"), parse_family("moba:b=16,k=2,4")]
     study = Study(families, lengths=["256", "512"], grid=make_grid(task=["recall"], model=["lm"], seeds="0-2"))
     cells, points = plan_study(study, "results")      # sweep cells: full and every budget at every length
-    ...run them as a sweep (gtx.experiments.sweep.execute)...
+    ...run them as a sweep (gtx.sweeps.sweep.execute)...
     table = frontier_table(cells, points, load("results"), margin=0.01)
-    smallest = equivalent_budgets(table)             # gtx.experiments.frontier_tables: reading a table
+    smallest = equivalent_budgets(table)             # gtx.sweeps.frontier_tables: reading a table
 
-The axes (``Family``, ``parse_family``, ``Study``) are ``gtx.experiments.study``'s. A *family* is a
+The axes (``Family``, ``parse_family``, ``Study``) are ``gtx.sweeps.study``'s. A *family* is a
 pattern with one budget parameter given several values (``moba:b=16,k=2,4,8``:
-``k`` is the budget). Its cells are ordinary sweep cells (``gtx.experiments.sweep``), so they resume,
+``k`` is the budget). Its cells are ordinary sweep cells (``gtx.sweeps.sweep``), so they resume,
 run in parallel and are reused by any later sweep or frontier that asks for the same experiment. A
 budget that attends to every candidate at a length is dropped there with a note: it would measure
 full attention under another name. Equivalence with ``full`` is a TOST (``stats.tost_p``) at a stated
@@ -28,13 +28,13 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import FALLBACK_METRIC, SPEED, run_table
-from gtx.experiments.grid import Grid
-from gtx.experiments.results import finished, lower_is_better, metric_range
-from gtx.experiments.stats import summarize, tost_p
-from gtx.experiments.study import FULL, Study
-from gtx.experiments.sweep import Cell, plan, sweep_name
 from gtx.graph.spec import parse_pattern
+from gtx.records.compare import FALLBACK_METRIC, SPEED, run_table
+from gtx.records.results import finished, lower_is_better, metric_range
+from gtx.records.stats import summarize, tost_p
+from gtx.sweeps.grid import Grid
+from gtx.sweeps.study import FULL, Study
+from gtx.sweeps.sweep import Cell, plan, sweep_name
 
 ALPHA = 0.05
 NEARLY_FULL = 1 - 1e-9  # a fixed pattern's density at or above this attends to everything it may
@@ -90,9 +90,9 @@ def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
     ``grid``'s first seed, model and settings as ``gtx run`` would (data, positions, the edges)."""
     from gtx.attention.module import full_budget
     from gtx.data.batch import make_batch
-    from gtx.experiments.config import resolve
-    from gtx.experiments.runner import RunConfig
-    from gtx.experiments.train import PhaseStats
+    from gtx.run.config import resolve
+    from gtx.run.runner import RunConfig
+    from gtx.run.train import PhaseStats
 
     out = {}
     for model in grid.model:
@@ -176,7 +176,7 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
     """One line per budget (task, model, length, the study's swept settings, family and budget) with
     cells in ``missing``: their seeds, and which of them another sweep or frontier on ``results_dir``
     is running now (``claims``)."""
-    from gtx.experiments.claims import claim_dir, holder
+    from gtx.sweeps.claims import claim_dir, holder
 
     swept = _swept(cells, {p.length_key for p in points.values()})
     groups: dict[str, list[str]] = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gtx import hookimpl
 from gtx.errors import GtxError, plugin_code
-from gtx.experiments.results import scalar_metrics
+from gtx.records.results import scalar_metrics
 
 SCALARS = ("loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "density", "act_mean_steps")
 

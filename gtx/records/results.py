@@ -57,7 +57,7 @@ COLUMNS: dict[str, str] = {
     "tokens_per_s": "float64",  # tokens computed per second of wall time (decoder tokens; encoder tokens for classify)
     "wall_s": "float64",  # wall time of the phase (s)
     "peak_mem_mb": "float64",  # CUDA: peak allocated in the phase; CPU: peak RSS of the process
-    "flops": "float64",  # floating-point operations of the phase, counted (gtx.experiments.cost); train: forward and backward
+    "flops": "float64",  # floating-point operations of the phase, counted (gtx.run.cost); train: forward and backward
     "attn_flops": "float64",  # the attention's share of flops (q.k and the sum over v, on the edges attended); NaN before schema 5
     "context_len": "Int64",  # the longest sequence of the phase (tokens); <NA> in schema 1 files
     # keys read over the keys the stages allow (dd: the causal triangle; plus keys a method offers, NSA's compressed ones);

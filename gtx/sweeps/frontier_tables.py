@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import p_text, pm_text
-from gtx.experiments.results import cell_text, format_table, lower_is_better
-from gtx.experiments.stats import pareto_front
-from gtx.experiments.study import FULL
+from gtx.records.compare import p_text, pm_text
+from gtx.records.results import cell_text, format_table, lower_is_better
+from gtx.records.stats import pareto_front
+from gtx.sweeps.study import FULL
 
 
 def equivalent_budgets(table: pd.DataFrame) -> pd.DataFrame:
