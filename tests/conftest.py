@@ -41,8 +41,21 @@ def plugin_dir(tmp_path):
     plugins.unload_dir(folder)
 
 
-TINY_DATA = {"n_train": "48", "n_valid": "12", "n_test": "12"}
-TINY_MODEL = {"dim": "16", "heads": "2", "dim_ff": "16"}
+@pytest.fixture(scope="session")
+def cli():
+    """``cli(*args, commands=False)``: ``gtx ARGS`` run in this process, click's Result (kit.invoke)."""
+    import kit
+
+    return kit.invoke
+
+
+@pytest.fixture(scope="session")
+def tiny_run():
+    """``tiny_run(tmp_path, *args, task=, pattern=, model=, **settings)``: a tiny ``gtx run`` into
+    ``tmp_path/results``; ``.result``, ``.folder`` and ``.rows`` (kit.tiny_run)."""
+    import kit
+
+    return kit.tiny_run
 
 
 @pytest.fixture
