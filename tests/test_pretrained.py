@@ -99,6 +99,24 @@ def test_a_padded_embedding_is_read_id_for_id(folders):
     assert tokenizer.detokenize([*tokens, *tokenizer.vocab.decode([310])]) == "the lazy dog"
 
 
+def test_a_special_token_past_the_embedding_is_one_line_where_the_text_writes_it(tmp_path):
+    """A token added to the tokenizer beside its 300 written ones, past the model's 300 rows: text
+    without it reads as ever; a text that writes it out is refused, naming it."""
+    import transformers
+
+    folder = save_tiny(tmp_path / "model", "llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    tokenizer.save_pretrained(folder)
+    _, tokenizer, _ = model(folder, "full")
+    assert len(tokenizer.hf) == 301 and len(tokenizer.vocab) == 300
+    assert tokenizer.detokenize(tokenizer.tokenize("the lazy dog")) == "the lazy dog"
+    with pytest.raises(
+        GtxError, match=r"the text holds token '<extra>' \(id 300\), past the model's 300 embedding rows"
+    ):
+        tokenizer.tokenize("the <extra> dog")
+
+
 def test_a_bfloat16_folder_runs_in_float32_and_its_row_says_so(folders, tmp_path):
     half = save_tiny(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"

@@ -1,8 +1,10 @@
-"""A pretrained folder as it is (``save_pretrained``'s config, weights and tokenizer), for the hf
-model plugin: what it holds (``pretrained_sizes``), its weights loaded and checked against the model
-its config builds (``load_folder``), its tokenizer against its model (``check_vocab``), and the
-attention features transformers hands each layer, refused where gtx does not compute them
-(``check_features``, ``check_window``). Each refusal is one line naming the folder and the field."""
+"""A pretrained model as it is (``save_pretrained``'s config, weights and tokenizer, or a GGUF file
+holding all three: ``gtx.model.source``), for the hf model plugin: what it holds
+(``pretrained_sizes``), its weights loaded in float32 and checked against the model its config
+builds (``load_folder``), its tokenizer against its model's embedding (``load_tokenizer``,
+``check_vocab``), and the attention features transformers hands each layer, refused where gtx does
+not compute them (``check_features``, ``check_window``, ``check_rope``). Each refusal is one line
+naming the path and the field."""
 
 from __future__ import annotations
 

