@@ -37,7 +37,7 @@ def hf_entry():
     multiple=True,
     callback=key_value,
     metavar="KEY=VALUE",
-    help="An hf model setting: path=DIR (a save_pretrained folder) is needed without RUN.",
+    help="An hf model setting: path= (a save_pretrained folder, a GGUF file or smollm2) is needed without RUN.",
 )
 @click.option("--pattern", help="The pattern every query reads its keys by [default: RUN's own, else full].")
 @click.option("--new", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens to generate.")
@@ -81,7 +81,7 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
         if not config.path:
             raise GtxError(
                 "gtx generate reads text with the model's own tokenizer: give RUN (a fine-tuned hf run) or --set path=DIR "
-                "(a save_pretrained folder)"
+                "(a save_pretrained folder, a GGUF file or smollm2)"
             )
         p, where = parse_pattern(pattern or "full"), resolve_device(device)
         backend = get_backend("auto", where)

@@ -149,6 +149,7 @@ def resolve_configs(config: RunConfig) -> Configs:
             "train": ("train", TrainConfig),
         },
     )
+    config = dataclasses.replace(config, settings=_as_resolved(config.settings, cfg))
     chosen = parse_pattern(config.pattern)
     model_cls = model_entry.obj
     wrap = _modifier(model_cls, cfg["model"])
@@ -160,6 +161,22 @@ def resolve_configs(config: RunConfig) -> Configs:
     # a pattern already filtered at run time (act(P) given to a model that adds act itself) is not wrapped twice
     pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap and not chosen.dynamic else chosen
     return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
+
+
+def _as_resolved(settings: dict[str, str], configs: dict[str, object]) -> dict[str, str]:
+    """``settings`` with each text setting as its config resolved it (hf's ``path``: absolute), so
+    that a run stored with them rebuilds the same from any working folder."""
+    out = {}
+    for key, raw in settings.items():
+        scope, _, short = key.rpartition(".")
+        owner = configs[scope] if scope else next(c for c in configs.values() if short in _fields(c))
+        value = getattr(owner, short)
+        out[key] = value if isinstance(value, str) else raw
+    return out
+
+
+def _fields(config) -> set[str]:
+    return {f.name for f in dataclasses.fields(config)}
 
 
 def _modifier(model_cls, model_config) -> str | None:
@@ -230,6 +247,7 @@ def check_beam(beam: int, task: Task, given: str) -> None:
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
+    config = c.config  # its text settings as resolved
     device = resolve_device(config.device)
     check_precision(c.train.precision)
     check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))

@@ -168,6 +168,7 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     if resume is not None:
         state, config = _resume_state(resume, config.results_dir)
     resolved = resolve(config)
+    config = resolved.config  # its settings as resolved: what the checkpoint stores
     if not resolved.train.epochs and state is None:
         check_untrained(resolved.chosen, resolved.model_config, "--epochs 0")
     if resolved.train.epochs and not get_backend(config.backend, resolved.device).trains_on(resolved.device):

