@@ -454,3 +454,14 @@ def test_a_beam_wider_than_the_target_vocabulary_is_refused_before_decoding(refe
         in result.output
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_eval_into_a_results_folder_it_cannot_write_is_refused_before_it_evaluates(reference, tmp_path, monkeypatch):
+    from gtx.experiments import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --results"))
+    (tmp_path / "runs").write_text("a file where a folder goes")
+    best = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.BEST
+    result = gtx("eval", best, "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "cannot create the folder" in result.output

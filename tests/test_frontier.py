@@ -327,6 +327,10 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small):
         (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
         (["--family", "local:w=4,8", "--lengths", "16", "--length-key", ""], "--length-key '': name the task setting"),
         (["--family", "local:w=4,8", "--lengths", "16,16"], "--lengths 16,16: a length named twice"),
+        (  # --dry-run: refused before the plan is printed (the cells ran, then the table refused it)
+            ["--family", "local:w=4,8", "--lengths", "16", "--metric", "nonexist", "--dry-run"],
+            "--metric nonexist: runs of task 'recall' do not record it; they record loss, query_acc, seq_acc",
+        ),
         (["--family", "local:w=4,8", "--lengths", "16,abc"], "'abc' is not a length"),
         (
             ["--family", "local:w=4,8", "--family", "local:w=4,8", "--lengths", "16"],
