@@ -25,7 +25,7 @@ from gtx.attention.trainable import check_untrained, stages_of
 from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments import checkpoint, distributed
+from gtx.experiments import checkpoint, claims, distributed
 from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
 from gtx.experiments.config import (
     DEFAULT_BACKEND,
@@ -319,6 +319,14 @@ def run(
     per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
     """
     run = _prepare(config, resume, progress, log)
+    if not run.world.main:
+        return _train_and_test(run, config)
+    with claims.run_lock(run.checkpoints, run.common["run_id"], run.results_dir):  # one process trains a run
+        return _train_and_test(run, config)
+
+
+def _train_and_test(run: _Run, config: RunConfig) -> pd.DataFrame:
+    """``run``'s epochs from its start, then its test split; what stops it is one line."""
     run_id, epochs = run.common["run_id"], run.resolved.train.epochs
     loggers = Loggers(config.loggers if run.world.main else [], run_id, run.results_dir)
     loggers.call("start", json.loads(run.common["config"]))
