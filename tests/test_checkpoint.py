@@ -454,3 +454,38 @@ def test_a_beam_wider_than_the_target_vocabulary_is_refused_before_decoding(refe
         in result.output
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_eval_into_a_results_folder_it_cannot_write_is_refused_before_it_evaluates(reference, tmp_path, monkeypatch):
+    from gtx.run import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --results"))
+    (tmp_path / "runs").write_text("a file where a folder goes")
+    best = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.BEST
+    result = gtx("eval", best, "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "cannot create the folder" in result.output
+
+
+def test_a_run_trained_by_another_process_is_refused_and_a_dead_ones_lock_is_taken_over(reference, tmp_path):
+    """Two gtx run --resume of one run at once both trained it; the second is refused in one line. A
+    lock left by a killed process (its pid gone) does not stop the next resume."""
+    import socket
+
+    from gtx.records import claims
+
+    state = checkpoint.load(checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST)
+    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])  # resumable
+    run_id = json.loads(state["common"])["run_id"]
+    folder = checkpoint.checkpoint_dir(tmp_path, run_id)
+    checkpoint.save(folder / checkpoint.LAST, state)
+    with subprocess.Popen(["sleep", "60"]) as other:
+        (folder / claims.LOCK).write_text(f"{other.pid}@{socket.gethostname()}\n")
+        result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+        other.kill()
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"run {run_id} is being trained by process {other.pid}@" in result.output
+    assert not (tmp_path / "runs").exists() and (folder / claims.LOCK).exists()
+    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")  # its process has ended
+    assert result.exit_code == 0, result.output
+    assert not (folder / claims.LOCK).exists() and (load(tmp_path).split == "test").sum() == 1

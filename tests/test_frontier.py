@@ -248,7 +248,7 @@ def test_table_only_names_the_budgets_and_cells_without_runs(small, cli):
 
 
 def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypatch, cli):
-    from gtx.sweeps import claims
+    from gtx.records import claims
 
     folder, args = small
     monkeypatch.setattr(claims, "claim", lambda results_dir, key: "4242@elsewhere")  # another frontier holds every cell
@@ -299,6 +299,10 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small, cli):
         (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
         (["--family", "local:w=4,8", "--lengths", "16", "--length-key", ""], "--length-key '': name the task setting"),
         (["--family", "local:w=4,8", "--lengths", "16,16"], "--lengths 16,16: a length named twice"),
+        (  # --dry-run: refused before the plan is printed (the cells ran, then the table refused it)
+            ["--family", "local:w=4,8", "--lengths", "16", "--metric", "nonexist", "--dry-run"],
+            "--metric nonexist: runs of task 'recall' do not record it; they record loss, query_acc, seq_acc",
+        ),
         (["--family", "local:w=4,8", "--lengths", "16,abc"], "'abc' is not a length"),
         (
             ["--family", "local:w=4,8", "--family", "local:w=4,8", "--lengths", "16"],

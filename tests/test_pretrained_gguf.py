@@ -15,8 +15,6 @@ from click.testing import CliRunner
 pytest.importorskip("transformers")  # the test extra installs it, with gguf and accelerate
 pytest.importorskip("gguf")
 
-from gtx.experiments.checkpoint import checkpoint_dir
-from gtx.experiments.results import load
 from pretrained import reference_bpc, reference_nats, save_tiny_gguf
 
 from gtx import plugins
@@ -27,6 +25,8 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.model import source
 from gtx.plugins.registry import MODELS, TASKS
+from gtx.records.checkpoint import checkpoint_dir
+from gtx.records.results import load
 
 TEXT = ["--task", "text", "--set", "context=32", "--set", "train_tokens=600", "--set", "eval_tokens=300", "--quiet"]
 LENGTHS = [12, 7, 10]  # packed in one row

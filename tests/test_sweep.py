@@ -345,7 +345,7 @@ def test_a_comma_before_a_pattern_name_starts_a_new_pattern(cli):
 
 
 def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path, cli):
-    from gtx.sweeps import claims
+    from gtx.records import claims
 
     res = tmp_path / "res"
     args = [*sets(TINY), "--results", res]

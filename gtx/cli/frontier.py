@@ -83,6 +83,7 @@ def frontier(
     try:
         fr.check_margin(margin)  # before anything runs
         grid, results_dir, jobs = read_grid(None, (), **options)
+        fr.check_metric(grid.task, metric)  # before the cells run, not after
         fr.check_margin(margin, fr.study_metrics(grid.task, metric))
         study = Study([parse_family(f) for f in families], [str(n) for n in lengths], grid, length_key)
         cells, points = fr.plan_study(study, results_dir)

@@ -53,11 +53,17 @@ def versions() -> dict[str, str]:
 def checked_results_dir(name: str, run_id: str | None = None) -> Path:
     """The results folder, created; the places a run writes to later (``runs/`` and, for ``run_id``,
     its checkpoint folder) checked before the first step, so no trained epoch is lost to them."""
-    results_dir = writable_dir(Path(name))
+    check_results_dir(name, run_id)
+    return writable_dir(Path(name))
+
+
+def check_results_dir(name: str, run_id: str | None = None) -> None:
+    """What ``checked_results_dir`` checks, creating nothing: for work that writes only at its end
+    (``gtx eval``), before that work."""
+    results_dir = check_writable(Path(name))
     check_writable(results_dir / "runs", "results folder")
     if run_id:
         check_writable(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
-    return results_dir
 
 
 def new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]:

@@ -19,7 +19,15 @@ from gtx.errors import GtxError
 from gtx.records import checkpoint
 from gtx.records.results import SCHEMA_VERSION, write_run
 from gtx.records.runref import find_checkpoint
-from gtx.run.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
+from gtx.run.build import (
+    build_attention,
+    build_model,
+    check_results_dir,
+    checked_results_dir,
+    new_run_id,
+    result_row,
+    versions,
+)
 from gtx.run.config import Resolved, RunConfig, check_beam, resolve
 from gtx.run.train import evaluate
 
@@ -76,6 +84,7 @@ def evaluate_checkpoint(
     checkpoint.owner(state, path)  # its rows name the run it claims: the run asked for
     trained = checkpoint.run_config(state)
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
+    check_results_dir(results_dir)  # before the evaluation, whose rows it would lose
     config = dataclasses.replace(
         trained,
         pattern=pattern or trained.pattern,

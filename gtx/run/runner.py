@@ -26,7 +26,7 @@ from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.errors import GtxError, Interrupted
 from gtx.files import NoSpace, check_space
-from gtx.records import checkpoint
+from gtx.records import checkpoint, claims
 from gtx.records.results import SCHEMA_VERSION, scalar_metrics, write_run
 from gtx.records.run_config import DEFAULT_BACKEND, RunConfig
 from gtx.records.runref import resolve_run
@@ -320,6 +320,14 @@ def run(
     per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
     """
     run = _prepare(config, resume, progress, log)
+    if not run.world.main:
+        return _train_and_test(run, config)
+    with claims.run_lock(run.checkpoints, run.common["run_id"], run.results_dir):  # one process trains a run
+        return _train_and_test(run, config)
+
+
+def _train_and_test(run: _Run, config: RunConfig) -> pd.DataFrame:
+    """``run``'s epochs from its start, then its test split; what stops it is one line."""
     run_id, epochs = run.common["run_id"], run.resolved.train.epochs
     loggers = Loggers(config.loggers if run.world.main else [], run_id, run.results_dir)
     loggers.call("start", json.loads(run.common["config"]))

@@ -7,7 +7,7 @@ Each cell is one job running ``gtx run`` in a child process. The job decides wha
 starts, not when it was submitted: skip a cell already complete, resume its latest run from the
 checkpoint, or run it afresh, so a job requeued after preemption or a time-out (submitit's
 ``checkpoint``: the child is stopped, the job resubmitted) continues from the last epoch it saved.
-The sweep's claims (``gtx.sweeps.claims``) are not used here: the scheduler runs each job once,
+The sweep's claims (``gtx.records.claims``) are not used here: the scheduler runs each job once,
 and a claim left by a node that died would block its requeued job on another.
 """
 

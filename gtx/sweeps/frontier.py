@@ -158,6 +158,33 @@ def check_margin(margin: float, metrics: Iterable[str] = ()) -> None:
             )
 
 
+def check_metric(tasks: Iterable[str], metric: str | None) -> None:
+    """One line, before anything runs, where ``metric`` is none that runs of a task record: the
+    results' own (token_acc, seq_acc, loss, test_seq_acc) or the task's (``Task.metric``, and what its
+    ``phase_metrics`` and, for seq2seq, ``metrics`` return, asked of a task made with its defaults;
+    a task that cannot answer without its data is not judged)."""
+    from gtx.plugins.registry import TASKS
+    from gtx.records.compare import RUN_METRICS
+    from gtx.records.results import scalar_metrics
+
+    if metric is None:
+        return
+    for name in dict.fromkeys(tasks):
+        entry = TASKS.get(name)
+        known = {m.removeprefix("best_valid_") for m in RUN_METRICS} | {getattr(entry.obj, "metric", FALLBACK_METRIC)}
+        try:
+            task = entry.obj(name, entry.config())
+            known |= set(scalar_metrics(task.phase_metrics(1.0, {}, "valid")))
+            if task.form == "seq2seq":
+                known |= set(scalar_metrics(task.metrics([["a"]], [["a"]])))
+        except Exception:  # a plugin's task that needs its data to say: not judged here
+            continue
+        if metric.removeprefix("best_valid_") not in known:
+            raise GtxError(
+                f"--metric {metric}: runs of task {name!r} do not record it; they record {', '.join(sorted(known))}"
+            )
+
+
 def study_metrics(tasks: Iterable[str], metric: str | None) -> list[str]:
     """The metric each task's frontier is judged by: ``metric`` for all, else each task's own (``Task.metric``)."""
     from gtx.plugins.registry import task_metrics
@@ -176,7 +203,7 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
     """One line per budget (task, model, length, the study's swept settings, family and budget) with
     cells in ``missing``: their seeds, and which of them another sweep or frontier on ``results_dir``
     is running now (``claims``)."""
-    from gtx.sweeps.claims import claim_dir, holder
+    from gtx.records.claims import claim_dir, holder
 
     swept = _swept(cells, {p.length_key for p in points.values()})
     groups: dict[str, list[str]] = {}

@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.records import checkpoint
-from gtx.sweeps import claims
+from gtx.records import checkpoint, claims
 from gtx.sweeps.grid import MAX_CELLS, Grid
 
 
@@ -237,7 +236,7 @@ def execute(
     """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` (under
     torchrun with ``nproc`` processes when ``nproc`` > 1) with its
     output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on. A
-    cell is claimed first (``gtx.sweeps.claims``): one that another sweep holds is counted, not run."""
+    cell is claimed first (``gtx.records.claims``): one that another sweep holds is counted, not run."""
     queue = [c for c in cells if c.action != "skip"]
     env = child_env(jobs * nproc)
     log_dir.mkdir(parents=True, exist_ok=True)
