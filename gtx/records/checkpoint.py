@@ -20,6 +20,7 @@ import torch
 
 from gtx.errors import GtxError
 from gtx.files import atomic_write
+from gtx.records.layout import ResultsFolder
 
 FORMAT = "gtx-checkpoint/1"
 REQUIRED = ("run_config", "common", "epoch", "rows")  # what every reader of a checkpoint takes from it
@@ -27,7 +28,8 @@ LAST, BEST = "last.pt", "best.pt"
 
 
 def checkpoint_dir(results_dir: str | Path, run_id: str) -> Path:
-    return Path(results_dir) / "checkpoints" / run_id
+    """``ResultsFolder.checkpoint_dir``: the run's checkpoint folder."""
+    return ResultsFolder(results_dir).checkpoint_dir(run_id)
 
 
 def save(path: Path, state: dict) -> None:

@@ -18,6 +18,7 @@ from gtx.errors import PluginError, plugin_code
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
 from gtx.records import checkpoint
+from gtx.records.layout import ResultsFolder
 from gtx.records.results import metrics_json
 from gtx.run.config import Resolved
 from gtx.run.train import PhaseStats
@@ -54,7 +55,7 @@ def checked_results_dir(name: str, run_id: str | None = None) -> Path:
     """The results folder, created; the places a run writes to later (``runs/`` and, for ``run_id``,
     its checkpoint folder) checked before the first step, so no trained epoch is lost to them."""
     results_dir = writable_dir(Path(name))
-    check_writable(results_dir / "runs", "results folder")
+    check_writable(ResultsFolder(results_dir).runs(), "results folder")
     if run_id:
         check_writable(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
     return results_dir

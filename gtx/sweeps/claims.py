@@ -9,9 +9,7 @@ import os
 import socket
 from pathlib import Path
 
-
-def claim_dir(results_dir: str | Path) -> Path:
-    return Path(results_dir) / "sweeps" / "claims"
+from gtx.records.layout import ResultsFolder
 
 
 def _alive(pid: int) -> bool:
@@ -37,7 +35,7 @@ def holder(path: Path) -> str | None:
 
 def claim(results_dir: str | Path, key: str) -> str | None:
     """Claim cell ``key`` for this process: None when claimed, else who holds it."""
-    folder = claim_dir(results_dir)
+    folder = ResultsFolder(results_dir).claims()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / key
     for _ in range(2):  # a stale claim is removed once, then claimed afresh
@@ -56,4 +54,4 @@ def claim(results_dir: str | Path, key: str) -> str | None:
 
 
 def release(results_dir: str | Path, key: str) -> None:
-    (claim_dir(results_dir) / key).unlink(missing_ok=True)
+    (ResultsFolder(results_dir).claims() / key).unlink(missing_ok=True)
