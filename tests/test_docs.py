@@ -275,6 +275,19 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
     assert unknown.exit_code == 2 and "nosuch" in unknown.output and "local" in unknown.output
 
 
+def test_the_results_readme_is_the_layout_the_code_writes():
+    """results/README.md is generated from ``gtx.records.layout.ResultsFolder`` (``make docs``): each
+    place it lists, with the path the layout's method builds."""
+    from gtx.cli.reference import PAGES, results_readme
+    from gtx.records.layout import ResultsFolder
+
+    text = (ROOT / "results" / "README.md").read_text()
+    assert text == results_readme() and "results/README.md" in PAGES, "results/README.md is stale: make docs"
+    folder = ResultsFolder("")
+    for path in (folder.run_table("<run_id>"), folder.checkpoint_dir("<run_id>"), folder.claims(), folder.report()):
+        assert f"- `{path.as_posix()}" in text
+
+
 # Words that narrate how gtx was developed rather than say what it does, each specific enough to leave
 # ordinary uses alone ("target length", "random seeds"; "session" has no user's sense in gtx).
 NARRATION = {

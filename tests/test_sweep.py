@@ -346,6 +346,7 @@ def test_a_comma_before_a_pattern_name_starts_a_new_pattern(cli):
 
 def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path, cli):
     from gtx.records import claims
+    from gtx.records.layout import ResultsFolder
 
     res = tmp_path / "res"
     args = [*sets(TINY), "--results", res]
@@ -359,11 +360,11 @@ def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     # its sweep was killed
-    (claims.claim_dir(res) / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")
+    (ResultsFolder(res).claims() / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")
     result = cli("sweep", *args)
-    assert result.exit_code == 0 and "1 done" in result.output and not (claims.claim_dir(res) / cell.key).exists(), (
-        result.output
-    )
+    assert (
+        result.exit_code == 0 and "1 done" in result.output and not (ResultsFolder(res).claims() / cell.key).exists()
+    ), result.output
 
 
 def test_sweep_runs_every_cell_once_then_skips_them(tmp_path, cli):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from pathlib import Path
 
 import click
 import pandas as pd
@@ -43,6 +42,7 @@ from gtx.cli.runs import runs, show
 from gtx.cli.sweep import sweep
 from gtx.errors import GtxError, PluginError
 from gtx.plugins.registry import call_each, load_plugins
+from gtx.records.layout import ResultsFolder
 from gtx.records.results import format_table
 from gtx.run.distributed import is_main_process
 from gtx.run.runner import DEFAULT_BACKEND
@@ -189,7 +189,7 @@ def _summary(rows: pd.DataFrame, results_dir: str) -> None:
     from gtx.records.runs import rows_table
 
     click.echo(format_table(rows_table(rows)))
-    click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
+    click.echo(f"results: {ResultsFolder(results_dir).run_table(rows.run_id.iloc[0])}")
 
 
 @cli.command(name="eval")
@@ -266,7 +266,7 @@ def compare(results_dir, by, metric, evals, fmt):
 
     df = load(results_dir)
     if df.empty:
-        raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
+        raise CliError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
     table = (compare_evals if evals else compare_runs)(df, [by], metric)
     click.echo(format_compare(table, fmt))
     if unfinished := table.attrs.get("unfinished"):  # said apart from the table, which stays parseable

@@ -110,6 +110,7 @@ def frontier(
         from gtx.files import atomic_write
         from gtx.pictures import plot
         from gtx.pictures.figure import save
+        from gtx.records.layout import ResultsFolder
         from gtx.records.results import format_table, load
 
         df = load(results_dir)
@@ -139,9 +140,10 @@ def frontier(
             raise click.exceptions.Exit(1)
         name = fr.reading_name(cells, table, margin)
         # not with_suffix: the margin's own dot would be taken for one
-        saved = tables.frontier_dir(results_dir) / f"{name}.csv"
+        folder = ResultsFolder(results_dir).frontiers()
+        saved = folder / f"{name}.csv"
         atomic_write(saved, table.to_csv(index=False))
-        figure = save(plot.frontier(table), tables.frontier_dir(results_dir) / f"{name}.png")
+        figure = save(plot.frontier(table), folder / f"{name}.png")
         if not quiet:
             click.echo(f"\nfrontier table: {saved}; figure: {figure} (gtx report shows both)", err=True)
         if failed:

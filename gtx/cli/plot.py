@@ -13,6 +13,7 @@ from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.pictures import plot as gtx_plot
+from gtx.records.layout import ResultsFolder
 
 FORMAT_HELP = "png, svg or pdf [default: the suffix of -o, else png]."
 
@@ -81,7 +82,7 @@ def plot_results(results_dir, by, metric, output, fmt):
     """Each task's metric against training speed per pattern (mean and std over seeds, Pareto front), and learning curves."""
     df = _load(results_dir)
     fig = gtx_plot.results(df, by=csv_list(by), metric=metric)
-    click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"results.{fmt or 'png'}", fmt))
+    click.echo(gtx_plot.save(fig, output or ResultsFolder(results_dir).plot(f"results.{fmt or 'png'}"), fmt))
 
 
 CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
@@ -121,9 +122,9 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
         gtx_plot.save(
             fig,
             output
-            or results_dir
-            / "plots"
-            / f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}",
+            or ResultsFolder(results_dir).plot(
+                f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}"
+            ),
             fmt,
         )
     )
@@ -161,7 +162,8 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
     click.echo(
         gtx_plot.save(
             fig,
-            output or results_dir / "plots" / f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}",
+            output
+            or ResultsFolder(results_dir).plot(f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}"),
             fmt,
         )
     )
@@ -172,7 +174,7 @@ def _run_name(ref: str, results_dir: Path) -> str:
     from gtx.records.runref import find_checkpoint
 
     path = find_checkpoint(ref, results_dir)
-    return path.parent.name if path.parent.parent.name == "checkpoints" else path.stem
+    return path.parent.name if path.parent.parent.name == ResultsFolder(results_dir).checkpoints().name else path.stem
 
 
 @click.command()
@@ -194,5 +196,5 @@ def _load(results_dir: Path):
 
     df = load(results_dir)
     if df.empty:
-        raise GtxError(f"no runs under {results_dir / 'runs'}; run `gtx run` first, or pass --results DIR")
+        raise GtxError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
     return df

@@ -1,8 +1,9 @@
-"""References generated from the code, which tests/test_docs.py checks are current:
-``python -m gtx.cli.reference docs`` (``make docs``) writes both, each whole or not at all:
+"""Pages generated from the code, which tests/test_docs.py checks are current:
+``python -m gtx.cli.reference .`` (``make docs``, from the checkout) writes each whole or not at all:
 
 - docs/cli.md: every command's --help, at 100 columns;
-- docs/methods.md: every pattern and score bias (what ``gtx patterns NAME`` prints).
+- docs/methods.md: every pattern and score bias (what ``gtx patterns NAME`` prints);
+- results/README.md: the results folder's layout (``gtx.records.layout``).
 """
 
 from __future__ import annotations
@@ -104,21 +105,28 @@ def methods() -> str:
     return "\n".join([METHODS_HEADER, *entries])
 
 
-PAGES = {"cli.md": markdown, "methods.md": methods}
+def results_readme() -> str:
+    from gtx.records.layout import readme
+
+    return readme()
 
 
-def write_pages(folder: Path) -> list[Path]:
-    """Write every generated page into ``folder`` (the repository's docs/), each atomically: a page is
-    replaced only once its new text exists (a shell redirect empties it before the code has run)."""
+#: each generated page by its path in the checkout
+PAGES = {"docs/cli.md": markdown, "docs/methods.md": methods, "results/README.md": results_readme}
+
+
+def write_pages(root: Path) -> list[Path]:
+    """Write every generated page under ``root`` (the checkout), each atomically: a page is replaced
+    only once its new text exists (a shell redirect empties it before the code has run)."""
     written = []
     for name, make in PAGES.items():
-        atomic_write(folder / name, make())
-        written.append(folder / name)
+        atomic_write(root / name, make())
+        written.append(root / name)
     return written
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python -m gtx.cli.reference DOCS_FOLDER (writes cli.md and methods.md there)")
+    if len(sys.argv) != 2 or not all((Path(sys.argv[1]) / name).parent.is_dir() for name in PAGES):
+        sys.exit(f"usage: python -m gtx.cli.reference CHECKOUT (writes {', '.join(PAGES)} there)")
     for path in write_pages(Path(sys.argv[1])):
         print(f"wrote {path}")

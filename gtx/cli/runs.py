@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
@@ -11,12 +10,13 @@ from gtx.cli.common import CliError, plugins_dir_option, results_option
 from gtx.plugins.registry import task_metrics
 from gtx.records import results
 from gtx.records import runs as runlist
+from gtx.records.layout import ResultsFolder
 
 
 def _load(results_dir: str):
     df = results.load(results_dir)
     if df.empty:
-        raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
+        raise CliError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
     return df
 
 
@@ -43,7 +43,7 @@ def runs(results_dir, task, model, pattern, fmt):
     if df.empty:
         asked = " ".join(f"--{k} {v}" for k, v in chosen.items() if v is not None)
         raise CliError(
-            f"no runs match {asked} under {Path(results_dir) / 'runs'}; `gtx runs` without filters lists them all"
+            f"no runs match {asked} under {ResultsFolder(results_dir).runs()}; `gtx runs` without filters lists them all"
         )
     click.echo(results.format_table(runlist.summary(df, results_dir, task_metrics()), fmt))
 

@@ -20,6 +20,7 @@ from gtx.graph.pattern import STAGES
 from gtx.pictures import plot
 from gtx.pictures.figure import png_bytes, ready_to_write
 from gtx.records.compare import check_by, compare, format_compare
+from gtx.records.layout import ResultsFolder
 from gtx.records.results import load, training_runs
 from gtx.sweeps.frontier_tables import format_frontier, load_frontiers
 
@@ -185,8 +186,8 @@ def write_report(results_dir: str | Path, path: str | Path | None = None, **kw) 
     results_dir = Path(results_dir)
     df = load(results_dir)
     if df.empty:
-        raise GtxError(f"no runs under {results_dir / 'runs'}; run `gtx run` first, or pass --results DIR")
-    path = Path(path) if path is not None else results_dir / "report.html"
+        raise GtxError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
+    path = Path(path) if path is not None else ResultsFolder(results_dir).report()
     text = report(df, source=str(results_dir), frontiers=load_frontiers(results_dir), **kw)
     ready_to_write(path)
     try:

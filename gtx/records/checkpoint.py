@@ -24,6 +24,7 @@ import gtx
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.files import atomic_write
+from gtx.records.layout import ResultsFolder
 from gtx.records.results import COLUMNS
 from gtx.records.run_config import RunConfig
 
@@ -41,7 +42,8 @@ LAST, BEST = "last.pt", "best.pt"
 
 
 def checkpoint_dir(results_dir: str | Path, run_id: str) -> Path:
-    return Path(results_dir) / "checkpoints" / run_id
+    """``ResultsFolder.checkpoint_dir``: the run's checkpoint folder."""
+    return ResultsFolder(results_dir).checkpoint_dir(run_id)
 
 
 def save(path: Path, state: dict) -> None:

@@ -14,12 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gtx.errors import GtxError
+from gtx.records.layout import ResultsFolder
 
 LOCK = "lock"  # in a run's checkpoint folder while a process trains it: pid@host
-
-
-def claim_dir(results_dir: str | Path) -> Path:
-    return Path(results_dir) / "sweeps" / "claims"
 
 
 def _alive(pid: int) -> bool:
@@ -45,7 +42,7 @@ def holder(path: Path) -> str | None:
 
 def claim(results_dir: str | Path, key: str) -> str | None:
     """Claim cell ``key`` for this process: None when claimed, else who holds it."""
-    return claim_file(claim_dir(results_dir) / key)
+    return claim_file(ResultsFolder(results_dir).claims() / key)
 
 
 def claim_file(path: Path) -> str | None:
@@ -68,7 +65,7 @@ def claim_file(path: Path) -> str | None:
 
 
 def release(results_dir: str | Path, key: str) -> None:
-    (claim_dir(results_dir) / key).unlink(missing_ok=True)
+    (ResultsFolder(results_dir).claims() / key).unlink(missing_ok=True)
 
 
 @contextmanager

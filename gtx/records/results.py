@@ -19,6 +19,7 @@ import pandas as pd
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.files import atomic_write
+from gtx.records.layout import ResultsFolder
 
 SCHEMA_VERSION = 5
 KEYED_SINCE = 4  # cell and experiment keys as today's: older files are rekeyed on load
@@ -207,7 +208,7 @@ def write_run(results_dir: str | Path, run_id: str, rows: Sequence[dict]) -> Pat
     """Validate and (re)write one run's rows atomically; returns the file. One line, nothing written,
     where that file exists with a newer schema (``check_known_schema``)."""
     df = validate(pd.DataFrame(list(rows)))
-    path = Path(results_dir) / "runs" / f"{run_id}.csv"
+    path = ResultsFolder(results_dir).run_table(run_id)
     try:
         on_disk = pd.read_csv(path, usecols=["schema_version"], dtype=str).schema_version
     except (OSError, ValueError, pd.errors.ParserError):  # none yet, or one load would skip
@@ -222,7 +223,7 @@ def load(results_dir: str | Path) -> pd.DataFrame:
     Files written before schema 4 get their ``cell`` and ``experiment`` recomputed (``_rekey``); a
     file that does not parse or fit the schema is skipped with a warning, one of a newer schema
     refused (``check_known_schema``)."""
-    files = sorted((Path(results_dir) / "runs").glob("*.csv"))  # temporary files start with '.'
+    files = sorted(ResultsFolder(results_dir).runs().glob("*.csv"))  # temporary files start with '.'
     frames = []
     for f in files:
         try:

@@ -18,6 +18,7 @@ from gtx.errors import PluginError, plugin_code
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
 from gtx.records import checkpoint
+from gtx.records.layout import ResultsFolder
 from gtx.records.results import metrics_json
 from gtx.run.config import Resolved
 from gtx.run.train import PhaseStats
@@ -61,7 +62,7 @@ def check_results_dir(name: str, run_id: str | None = None) -> None:
     """What ``checked_results_dir`` checks, creating nothing: for work that writes only at its end
     (``gtx eval``), before that work."""
     results_dir = check_writable(Path(name))
-    check_writable(results_dir / "runs", "results folder")
+    check_writable(ResultsFolder(results_dir).runs(), "results folder")
     if run_id:
         check_writable(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
 

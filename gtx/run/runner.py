@@ -27,6 +27,7 @@ from gtx.data.batch import batches
 from gtx.errors import GtxError, Interrupted
 from gtx.files import NoSpace, check_space
 from gtx.records import checkpoint, claims
+from gtx.records.layout import ResultsFolder
 from gtx.records.results import SCHEMA_VERSION, scalar_metrics, write_run
 from gtx.records.run_config import DEFAULT_BACKEND, RunConfig
 from gtx.records.runref import resolve_run
@@ -71,9 +72,10 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
         raise GtxError(f"--resume: {e}") from None
     path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
     if not path.is_file():
-        known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
+        folder = ResultsFolder(results_dir).checkpoints()
+        known = sorted(p.parent.name for p in folder.glob(f"*/{checkpoint.LAST}"))
         raise GtxError(
-            f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'} (killed in its first epoch, "
+            f"--resume {run_id}: no checkpoint of that run under {folder} (killed in its first epoch, "
             f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}"
         )
     state = checkpoint.load(path)

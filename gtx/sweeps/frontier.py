@@ -203,7 +203,8 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
     """One line per budget (task, model, length, the study's swept settings, family and budget) with
     cells in ``missing``: their seeds, and which of them another sweep or frontier on ``results_dir``
     is running now (``claims``)."""
-    from gtx.records.claims import claim_dir, holder
+    from gtx.records.claims import holder
+    from gtx.records.layout import ResultsFolder
 
     swept = _swept(cells, {p.length_key for p in points.values()})
     groups: dict[str, list[str]] = {}
@@ -212,7 +213,7 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
         c = cell.config
         settings = " ".join(f"{k}={c.settings[k]}" for k in swept)
         where = " ".join(f"{c.task} {c.model} {point.length_key.partition('.')[2]}={point.length} {settings}".split())
-        who = holder(claim_dir(results_dir) / cell.key)
+        who = holder(ResultsFolder(results_dir).claims() / cell.key)
         groups.setdefault(f"{where}: {point.family or FULL} {point.budget}", []).append(
             f"{c.seed}" + (f" (running in {who})" if who else "")
         )
