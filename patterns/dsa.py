@@ -137,15 +137,8 @@ class SparseIndexed(Trainable):
             return out
         with torch.no_grad():
             keys, valid = top_indexed(iq, w, ik, edges, c.k, c.precision)
-        heads = q.shape[1]
-        out, p = attend_keys(
-            q,
-            k,
-            v,
-            edges,
-            KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)),
-            probs=True,
-        )
+        # one choice for all heads: a group of them all, each key's heads read as one span
+        out, p = attend_keys(q, k, v, edges, KeySelection(keys[:, None], valid[:, None], group=q.shape[1]), probs=True)
         if run.training:
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
         run.kept("selected", valid.sum(-1), edges.n_dst)
