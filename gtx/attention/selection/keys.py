@@ -1,9 +1,11 @@
 """Token-level selections: per query and head, the keys it reads (``topk``, ``dsa``).
 
-``attend_keys`` runs a ``KeySelection`` on the CPU in float32 on a C kernel (``keys_kernel.c``) that
-reads the selected keys where they lie; elsewhere a block of query rows at a time, gathering them.
-Either way the backward recomputes the scores from the saved log-sum-exp, as FlashAttention does,
-and no n x K x D copy of the keys exists.
+``attend_keys`` runs a ``KeySelection`` on one of three kernels (``gtx.attention.selection.kernels``
+chooses): fused Triton kernels (``triton_keys``: on CUDA, or under Triton's interpreter); on the
+CPU in float32 a C kernel (``keys_kernel.c``) that reads the selected keys where they lie;
+elsewhere torch ops over a block of query rows at a time, gathering them. Each backward recomputes
+the scores from the saved log-sum-exp, as FlashAttention does, and no n x K x D copy of the keys
+outlives a block of rows.
 """
 
 from __future__ import annotations
@@ -69,10 +71,16 @@ def attend_keys(
     """Attention of each query and head over its selected keys: q (n, H, D), k (N, H, D), v (N, H, E)
     in, (n, H, E) out in q's dtype (scores q . k: q arrives scaled). ``probs``: also the attention
     weights averaged over the heads, (n, K) without gradient (DSA's indexer target; float32 on the
-    C kernel, q's dtype on torch ops). Records the kernel that ran under ``edges.stage``
-    (``kernels.record``: ``c:keys`` or ``torch:keys``)."""
-    kernels.record(edges.stage, "c:keys" if native.kernel("keys_kernel", q, k, v) is not None else "torch:keys")
-    out, mean_p = _KeyAttention.apply(q, k, v, *sel.per_head())
+    Triton and C kernels, q's dtype on torch ops). Records the kernel that ran under ``edges.stage``
+    (``kernels.record``: ``triton:keys``, ``c:keys`` or ``torch:keys``)."""
+    if kernels.use_triton(q.device):
+        from gtx.attention.selection import triton_keys  # imports triton: only where it runs
+
+        kernels.record(edges.stage, "triton:keys")
+        out, mean_p = triton_keys.attend(q, k, v, sel.keys, sel.valid, sel.group, probs)
+    else:
+        kernels.record(edges.stage, "c:keys" if native.kernel("keys_kernel", q, k, v) is not None else "torch:keys")
+        out, mean_p = _KeyAttention.apply(q, k, v, *sel.per_head())
     out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
     return (out, mean_p) if probs else out
 
