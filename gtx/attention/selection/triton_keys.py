@@ -228,12 +228,15 @@ class _TritonKeys(torch.autograd.Function):
         if keys.stride(2) != 1 or valid.stride(2) != 1:
             keys, valid = keys.contiguous(), valid.contiguous()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # written whole by the kernel: no launch to fill them first
         out = q.new_empty(n, heads, v.shape[2])
-        lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.empty(n, heads, dtype=torch.float32, device=q.device)
         groups = heads // group
-        parts = torch.zeros(n, groups, count if probs else 0, dtype=torch.float32, device=q.device)
+        parts = torch.empty(n, groups, count if probs else 0, dtype=torch.float32, device=q.device)
         if len(k) == 0 and not valid.any():  # no keys, none selected: every query reads nothing
             out.zero_()
+            lse.fill_(float("-inf"))
+            parts.zero_()
         elif n:
             native.check_ids(keys, len(k))
             config = _config(q, v, keys, group)
@@ -251,10 +254,12 @@ class _TritonKeys(torch.autograd.Function):
     def backward(ctx, grad, _):
         q, k, v, keys, valid, out, lse = ctx.saved_tensors
         n, heads, count = q.shape[0], q.shape[1], keys.shape[2]
-        dq = torch.zeros_like(q)
+        dq = torch.empty_like(q)  # written whole by the kernel
         # float32 rows the atomic adds sum into, in the inputs' dtype after
         dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (k, v))
-        if n and len(k):
+        if not len(k):
+            dq.zero_()
+        elif n:
             config = _config(q, v, keys, ctx.group, backward=True)
             _backward_kernel[(triton.cdiv(n, config["BM"]), heads // ctx.group)](
                 q, k, v, keys, valid, grad.contiguous(), out, lse, dq, dk, dv, n, heads, count, q.shape[2], v.shape[2],
