@@ -127,14 +127,9 @@ class SparseIndexed(Trainable):
             return out
         with torch.no_grad():
             keys, valid = selection.indexer.top_indexed(iq, w, ik, edges, c.k, c.precision)
-        heads = q.shape[1]
+        # one choice for all heads: a group of them all, each key's heads read as one span
         out, p = attend_selection(
-            q,
-            k,
-            v,
-            edges,
-            KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)),
-            weights=True,
+            q, k, v, edges, KeySelection(keys[:, None], valid[:, None], group=q.shape[1]), weights=True
         )
         if run.training:
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))

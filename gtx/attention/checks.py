@@ -53,15 +53,19 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
         )
 
     if isinstance(chosen, KeySelection):
-        keys, valid = chosen.keys, chosen.valid
+        keys, valid, group = chosen.keys, chosen.valid, chosen.group
+        if not isinstance(group, int) or group < 1 or heads % group:
+            bad(f"a head group of {group!r}; a group is a whole number of heads that divides the {heads} heads")
         if (
             keys.dtype not in (torch.long, torch.int32)
             or valid.dtype != torch.bool
+            or keys.dim() != 3
             or keys.shape != valid.shape
-            or keys.shape[:2] != (edges.n_dst, heads)
+            or keys.shape[:2] != (edges.n_dst, heads // group)
         ):
             bad(
-                f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) int64 or int32 / bool"
+                f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected "
+                f"({edges.n_dst}, {heads // group}, K) int64 or int32 / bool ({heads} heads in groups of {group})"
             )
         root = edges.root
         q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
@@ -79,7 +83,8 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
             )
         if (outside & valid).any():
             q, h, j = (int(x) for x in (outside & valid).nonzero()[0])
-            bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
+            heads_of = f"head {h}" if group == 1 else f"heads {h * group}..{h * group + group - 1}"
+            bad(f"key {int(keys[q, h, j])} for query {q} in {heads_of}, outside the query's sample or after it")
     elif isinstance(chosen, TokenBlockSelection):
         blocks, valid = chosen.blocks, chosen.valid
         if (
