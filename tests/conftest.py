@@ -41,7 +41,7 @@ def plugin_dir(tmp_path):
     plugins.unload_dir(folder)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stateless: a module-scoped fixture may use it
 def cli():
     """``cli(*args, commands=False)``: ``gtx ARGS`` run in this process, click's Result (kit.invoke)."""
     import kit
@@ -49,7 +49,7 @@ def cli():
     return kit.invoke
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stateless: a module-scoped fixture may use it
 def tiny_run():
     """``tiny_run(tmp_path, *args, task=, pattern=, model=, **settings)``: a tiny ``gtx run`` into
     ``tmp_path/results``; ``.result``, ``.folder`` and ``.rows`` (kit.tiny_run)."""

@@ -2,6 +2,7 @@
 runs into a results folder (conftest.py serves ``invoke`` and ``tiny_run`` as the fixtures ``cli`` and
 ``tiny_run``)."""
 
+import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
@@ -9,6 +10,7 @@ import pandas as pd
 from click.testing import CliRunner, Result
 
 from gtx.cli import cli as gtx_cli
+from gtx.errors import UnknownNameError
 from gtx.plugins import registry as plugins
 from gtx.records.results import load
 
@@ -38,6 +40,19 @@ def sets(settings: dict) -> list[str]:
     ]
 
 
+def model_sizes(model: str, settings: dict) -> dict:
+    """TINY_MODEL's sizes that ``model`` has (a ut has no layers), all of them for a model not registered
+    yet (a plugin's); none for a model read from a folder (a ``path`` setting): the folder's are its sizes."""
+    if settings.get("path"):
+        return {}
+    try:
+        config = plugins.MODELS.get(model).config
+    except UnknownNameError:
+        return TINY_MODEL
+    fields = {f.name for f in dataclasses.fields(config)} if config else set()
+    return {k: v for k, v in TINY_MODEL.items() if k in fields}
+
+
 class Run(NamedTuple):
     result: Result  # the exit code and what the command said
     folder: Path  # the results folder
@@ -55,13 +70,13 @@ def tiny_run(
     **settings,
 ) -> Run:
     """``gtx run`` of a tiny model into ``tmp_path/results`` (runs into one folder add up there), asserting
-    its exit code. ``settings``: ``--set`` values over TINY_MODEL, TINY_TRAIN and, for the copy task,
-    TINY_COPY; None leaves one out. A model read from a folder (a ``path`` setting) keeps that folder's
-    sizes. ``args``: further options (``--plugins-dir``, ``--log``, ``--seed``...). ``quiet=False`` keeps
-    what a run says as it goes (its notes among it)."""
+    its exit code. ``settings``: ``--set`` values over the model's sizes of TINY_MODEL (model_sizes),
+    TINY_TRAIN and, for the copy task, TINY_COPY; None leaves one out. ``args``: further options
+    (``--plugins-dir``, ``--log``, ``--seed``...). ``quiet=False`` keeps what a run says as it goes (its
+    notes among it)."""
     folder = Path(tmp_path) / "results"
     given = {
-        **({} if settings.get("path") else TINY_MODEL),
+        **model_sizes(model, settings),
         **TINY_TRAIN,
         **(TINY_COPY if task == "copy" else {}),
         **settings,

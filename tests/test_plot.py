@@ -455,7 +455,7 @@ def trained(tmp_path_factory, tiny_run):
     """Checkpoints of two tiny runs, trained once: a transformer under local:w=1 and a ut with ACT."""
     folder = tmp_path_factory.mktemp("trained")
     tiny_run(folder, model="transformer", pattern="local:w=1", layers=2)
-    results = tiny_run(folder, model="ut", pattern="local:w=1", layers=None, max_depth=3).folder
+    results = tiny_run(folder, model="ut", pattern="local:w=1", max_depth=3).folder
     found = {p.parent.name.split("-")[3]: p for p in results.glob("checkpoints/*/best.pt")}
     return {"transformer": found["transformer"], "ut": found["ut"], "results": results}
 

@@ -122,10 +122,7 @@ def test_older_files_load_with_the_added_columns_missing(tmp_path):
     assert compare(load(tmp_path), ["task", "context_len"]).runs.sum() == 3
 
 
-def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_path):
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
+def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_path, cli):
     from gtx.errors import GtxError
 
     write_run(tmp_path, "ok", [row(run_id="ok", split=split) for split in ("valid", "test")])
@@ -139,7 +136,7 @@ def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_pat
     with pytest.raises(GtxError, match="schema version 999"):
         write_run(tmp_path, "newer", [row(run_id="newer")])
     for command in ("runs", "compare"):
-        result = CliRunner().invoke(cli, [command, "--results", str(tmp_path)])
+        result = cli(command, "--results", tmp_path)
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
         assert "schema version 999" in result.output and "move it out of" in result.output
     assert newer.read_bytes() == before

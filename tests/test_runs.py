@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from kit import invoke
+from rows import row as schema_row
 
 from gtx.errors import GtxError
 from gtx.records import checkpoint, results, runs
@@ -24,46 +25,11 @@ def config(task="copy", epochs=2, n_train=300, **train):
     )
 
 
-def row(
-    run_id,
-    split,
-    epoch,
-    task="copy",
-    acc=0.5,
-    loss=1.0,
-    metrics="{}",
-    started="2026-01-01T00:00:00+00:00",
-    cfg=None,
-    **kw,
-):
-    base = {c: None for c in results.COLUMNS}  # every schema column, whatever the schema version
-    base.update(
-        schema_version=results.SCHEMA_VERSION,
-        run_id=run_id,
-        started_at=started,
-        task=task,
-        model="transformer",
-        pattern="full",
-        backend="auto",
-        device="cpu",
-        seed=0,
-        epoch=epoch,
-        split=split,
-        loss=loss,
-        token_acc=acc,
-        seq_acc=np.nan,
-        tokens_per_s=100.0,
-        wall_s=1.0,
-        n_params=10,
-        metrics=metrics,
-        backend_plan="{}",
-        config=cfg or config(task),
-        gtx_version="0",
-        torch_version="0",
-        dgl_version="0",
+def row(run_id, split, epoch, task="copy", acc=0.5, pattern="full", cfg=None, **kw):
+    """rows.row of a run on ``task`` that records no seq_acc, configured as config(task) unless ``cfg``."""
+    return schema_row(
+        run_id, pattern, split, epoch, acc, np.nan, 100.0, task=task, backend="auto", config=cfg or config(task), **kw
     )
-    base.update(kw)
-    return base
 
 
 def epochs(run_id, n, test=False, **kw):
@@ -80,15 +46,15 @@ def folder(tmp_path):
         "20260103-000000-copy-transformer-ccc333",
     )
     results.write_run(tmp_path, done, epochs(done, 2, test=True, acc=0.9))
-    results.write_run(tmp_path, killed, epochs(killed, 1, started="2026-01-02T00:00:00+00:00", cfg=config(epochs=4)))
+    results.write_run(tmp_path, killed, epochs(killed, 1, started_at="2026-01-02T00:00:00+00:00", cfg=config(epochs=4)))
     (checkpoint.checkpoint_dir(tmp_path, killed) / checkpoint.LAST).parent.mkdir(parents=True)
     (checkpoint.checkpoint_dir(tmp_path, killed) / checkpoint.LAST).write_bytes(b"")  # only its presence counts
-    results.write_run(tmp_path, lost, epochs(lost, 1, started="2026-01-03T00:00:00+00:00", cfg=config(n_train=600)))
+    results.write_run(tmp_path, lost, epochs(lost, 1, started_at="2026-01-03T00:00:00+00:00", cfg=config(n_train=600)))
     ev = "20260104-000000-copy-transformer-eval-ddd444"
     results.write_run(
         tmp_path,
         ev,
-        [row(ev, "test", 2, acc=0.7, eval_of=done, pattern="local:w=2", started="2026-01-04T00:00:00+00:00")],
+        [row(ev, "test", 2, acc=0.7, eval_of=done, pattern="local:w=2", started_at="2026-01-04T00:00:00+00:00")],
     )
     text = "20260105-000000-text-lm-eee555"
     bpc = [

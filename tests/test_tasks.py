@@ -189,26 +189,21 @@ def test_batches_are_flat_and_graphs_match(tiny_task):
 @pytest.mark.parametrize(
     "task, model, settings, length",
     [
-        ("copy", "transformer", ["mean_len=1e9"], 1000000001),
-        ("sort", "ut", ["mean_len=1e9"], 1000000001),
-        ("reverse", "transformer", ["test_len=1000000000"], 500000011),
-        ("listops", "ut", ["min_len=5000", "max_len=6000"], 5002),
+        ("copy", "transformer", {"mean_len": "1e9"}, 1000000001),
+        ("sort", "ut", {"mean_len": "1e9"}, 1000000001),
+        ("reverse", "transformer", {"test_len": 1000000000}, 500000011),
+        ("listops", "ut", {"min_len": 5000, "max_len": 6000}, 5002),
     ],
 )
 def test_lengths_past_the_models_positions_are_refused_before_the_data(
-    task, model, settings, length, monkeypatch, tmp_path
+    task, model, settings, length, monkeypatch, tmp_path, tiny_run
 ):
     """mean_len=1e9 once generated gigabytes of letters first, and listops drew trees for hours; the
     transformer and the UT have a table of 4096 positions and no max_len setting to raise."""
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
-
     made = []
     monkeypatch.setattr(TASKS.get(task).obj, "generate", lambda self: made.append(1))
-    args = ["run", "--task", task, "--model", model, *(a for s in settings for a in ("--set", s))]
-    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path)])
-    assert result.exit_code == 2 and not made and not any(tmp_path.iterdir())
+    result = tiny_run(tmp_path, task=task, model=model, exit_code=2, **settings).result
+    assert not made and not any(tmp_path.iterdir())
     assert result.output.strip().endswith(
         f"task {task!r} has sequences of {length} tokens but model {model!r} has positions for 4096; "
         "shorten the task's sequences"

@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from gtx.experiments import results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from gtx.attention.selection.keys import KeySelection, attend_keys
 from gtx.cli import cli
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
+from gtx.records import results
 
 pytestmark = pytest.mark.skipif(kernels.triton_error() is not None, reason=f"{kernels.triton_error()}")
 
