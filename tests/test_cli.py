@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from gtx import parse_pattern
 from gtx.cli import cli as gtx_cli
 
 BUILTIN = ["full", "causal", "bipartite", "local", "act", "strided", "fixed", "longformer", "bigbird", "dilated"]
@@ -210,7 +211,7 @@ def test_bad_lengths_and_a_prompt_that_is_not_utf8_are_one_line(args, message, c
     assert result.exit_code == 2 and len(said) == 1 and message in said[0], result.output
 
 
-def test_export_into_a_link_to_an_empty_folder_writes_the_folder_and_keeps_the_link(tmp_path, monkeypatch):
+def test_export_into_a_link_to_an_empty_folder_writes_the_folder_and_keeps_the_link(tmp_path, monkeypatch, cli):
     """FOLDER a symlink to an empty folder: the export lands in the folder it points to (it was a
     NotADirectoryError traceback: the finished export is renamed onto FOLDER, and a link is no folder)."""
     from types import SimpleNamespace
@@ -223,12 +224,12 @@ def test_export_into_a_link_to_an_empty_folder_writes_the_folder_and_keeps_the_l
     )
     model = SimpleNamespace(hf=hf, state_dict=dict)
     vocab = SimpleNamespace(itos=["a", "b"])
-    r = SimpleNamespace(config=SimpleNamespace(task="copy"), chosen=SimpleNamespace(spec="full"))
+    r = SimpleNamespace(config=SimpleNamespace(task="copy"), chosen=parse_pattern("full"))
     r.task = SimpleNamespace(tokenizer=None, tgt_vocab=vocab)
     monkeypatch.setattr(pretrained, "trained_run", lambda *a: (model, r))
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
-    result = CliRunner().invoke(cli, ["export", "some-run", str(tmp_path / "link"), "--results", str(tmp_path)])
+    result = cli("export", "some-run", str(tmp_path / "link"), "--results", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == tmp_path / "real"
-    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["config.json", "gtx_vocab.json"]
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["README.md", "config.json", "gtx_vocab.json"]
