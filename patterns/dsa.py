@@ -212,7 +212,8 @@ class BlockIndex:
 
     def top(self, iq, w, count: int, heads: int, precision: str = "float32") -> TokenBlockSelection:
         """Per token, the ``count`` earlier blocks with the highest index score (its own it reads anyway),
-        shared by the ``heads``; scored a block of query rows at a time, never n x n."""
+        one choice shared by all ``heads`` (a selection of one row, group=heads); scored a block of
+        query rows at a time, never n x n."""
         size, lens = self.size, self.lens
         iqp, wp = self.pad(iq), self.pad(w)
         n_blocks = self.keys.shape[1]
@@ -231,11 +232,8 @@ class BlockIndex:
                 )
                 blocks[i, r, : indices.shape[-1]] = indices
                 valid[i, r, : indices.shape[-1]] = values > float("-inf")
-        blocks, valid = (
-            selection.unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous()
-            for x in (blocks.masked_fill(~valid, 0), valid)
-        )
-        return TokenBlockSelection(size, list(lens), blocks, valid)
+        blocks, valid = (selection.unpad_samples(x, lens)[:, None] for x in (blocks.masked_fill(~valid, 0), valid))
+        return TokenBlockSelection(size, list(lens), blocks, valid, heads)
 
     def sparse_kl(self, mass: torch.Tensor, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
         """After the dense stage: the main attention's mass on each block a token reads (``mass``: its own

@@ -224,7 +224,7 @@ def keys_read(
     own = pos - pos % c.s
     low = (pos - c.w + 1).clamp_min(0)
     near = pos - torch.minimum(own, low) + 1
-    start = chosen.blocks * c.s  # (n, H, K), each chosen block before the own one
+    start = chosen.blocks * c.s  # (n, H // g, K), each chosen block before the own one
     end = torch.minimum(start + c.s - 1, (own - 1)[:, None, None])
     overlap = (end - torch.maximum(start, low[:, None, None]) + 1).clamp_min(0)
     far = ((c.s - overlap) * chosen.valid).sum(-1).to(torch.float64).mean(1)
@@ -271,8 +271,9 @@ def choose_blocks(
         for o in range(int((last - first).max()) + 1 if len(ends) else 0)
     ]
     width = min(c.n - 1, n_sel)
-    blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
-    valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
+    # one choice per group of heads: (B, L, heads // g, width), each row read by its g heads
+    blocks = torch.zeros(len(lens), length, heads // c.g, width, dtype=torch.long, device=q.device)
+    valid = torch.zeros(len(lens), length, heads // c.g, width, dtype=torch.bool, device=q.device)
     for r0, r1, take, weights in selection.compressed.compressed_weights(q, kc, lens, ends):
         # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
         score = weights.new_zeros(*weights.shape[:-1], n_sel + 1)
@@ -282,9 +283,7 @@ def choose_blocks(
             score.index_add_(-1, target[:seen], weights)
         score = score[..., :n_sel]
         if c.g > 1:
-            score = (
-                score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
-            )
+            score = score.unflatten(1, (heads // c.g, c.g)).sum(2)
         own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]
         earlier = j[None, :] < own
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
@@ -293,7 +292,7 @@ def choose_blocks(
         blocks[take.rows, r0:r1] = indices.transpose(1, 2)
         valid[take.rows, r0:r1] = values.transpose(1, 2) > float("-inf")
     return TokenBlockSelection(
-        c.s, list(lens), selection.unpad_samples(blocks, lens), selection.unpad_samples(valid, lens)
+        c.s, list(lens), selection.unpad_samples(blocks, lens), selection.unpad_samples(valid, lens), c.g
     )
 
 

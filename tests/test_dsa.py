@@ -441,6 +441,7 @@ def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, se
     dsa = sys.modules[type(attention.trainable).__module__]
     iq, w, ik = attention.trainable.indexer(q.flatten(1), inputs, dsa.positions_of(lens, q.device))
     sel = dsa.BlockIndex(ik, lens, size).top(iq, w, top // size - 1, q.shape[1])
+    assert sel.group == q.shape[1] and sel.blocks.shape[1] == 1  # one choice for every head, not a copy per head
 
     def chosen_by(t):
         return sel.blocks[t, 0][sel.valid[t, 0]].tolist()

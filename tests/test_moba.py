@@ -295,3 +295,59 @@ def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     assert plan.n_rows == 64 and cpu_rows == 32 and len(plan.block_rows()) == 8
     assert len(list(plan.chunks())) == -(-plan.n_tiles // 8) < cpu_chunks == -(-plan.n_tiles // 2)
     assert selection.ACCELERATOR_CHUNKS > 1
+
+
+def grouped(sel, group):
+    """``sel`` with one choice per ``group`` heads: the first head's of each group, shared."""
+    from dataclasses import replace
+
+    if isinstance(sel, TokenBlockSelection):
+        return replace(sel, blocks=sel.blocks[:, ::group].clone(), valid=sel.valid[:, ::group].clone(), group=group)
+    return replace(sel, key_blocks=sel.key_blocks[:, ::group].clone(), valid=sel.valid[:, ::group].clone(), group=group)
+
+
+@pytest.mark.parametrize("gate", ["token", "block"])
+@pytest.mark.parametrize("group", [2, 4])
+def test_a_choice_shared_by_a_head_group_is_its_copy_per_head(gate, group):
+    """A selection with a row per group of heads (``group``) attends, counts and lists edges as the
+    same choice copied to every head of the group: values and gradients equal, bit for bit."""
+    from gtx.attention.checks import check_selection
+    from gtx.attention.selection.blocks import attend_blocks
+
+    lens, heads = [29, 14], 4
+    g = torch.Generator().manual_seed(group)
+    q, k, v = (torch.randn(sum(lens), heads, 8, generator=g) for _ in range(3))
+    pattern = parse_pattern(f"moba:b=4,k=3,gate={gate}")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    shared = grouped(pattern.select(q, k, edges), group)
+    copied = shared.per_head()
+    assert copied.group == 1 and (copied.valid.shape[1], shared.valid.shape[1]) == (heads, heads // group)
+    check_selection("mine", shared, edges, heads)
+    attend = attend_token_blocks if gate == "token" else attend_blocks
+    got, grads = values_and_grads(lambda *x: attend(*x, edges, shared), q, k, v)
+    want, want_grads = values_and_grads(lambda *x: attend(*x, edges, copied), q, k, v)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert torch.equal(shared.per_query(), copied.per_query())
+    if gate == "token":
+        assert torch.equal(shared.as_mask(edges), copied.as_mask(edges))
+
+
+@pytest.mark.parametrize("gate", ["token", "block"])
+def test_a_head_group_that_does_not_fit_the_heads_is_one_line(gate):
+    from dataclasses import replace
+
+    from gtx.attention.checks import check_selection
+    from gtx.errors import PluginError
+
+    lens = [12]
+    q, k = (torch.randn(12, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    pattern = parse_pattern(f"moba:b=4,k=2,gate={gate}")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    sel = pattern.select(q, k, edges)
+    for bad, message in (
+        (replace(grouped(sel, 2), group=3), "groups of 3 heads, which does not divide the 4 heads"),
+        (replace(grouped(sel, 2), group=4), "expected \\((12|1), 1,"),
+    ):
+        with pytest.raises(PluginError, match=f"pattern 'mine' selected .*{message}") as err:
+            check_selection("mine", bad, edges, 4)
+        assert "\n" not in str(err.value)

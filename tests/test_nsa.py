@@ -205,6 +205,20 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
         )
 
 
+def test_a_group_of_heads_shares_one_row_of_the_selection():
+    """``g`` heads share one choice: the selection holds a row per group (``group=g``), not a copy per head."""
+    import sys
+
+    lens, heads = [40, 17], 4
+    attention = Attention(get_backend("auto"), parse_pattern("nsa:l=6,d=3,s=8,n=5,w=12,g=2"), heads, 8)
+    module = attention.trainable
+    nsa = sys.modules[type(module).__module__]
+    q, k = (torch.randn(sum(lens), heads, 8, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    kc = module.compress(k, lens, module.phi_k).detach()
+    sel = nsa.choose_blocks(q, kc, lens, compressed.block_ends(kc.shape[1], 6, 3, "cpu"), module.config)
+    assert sel.group == 2 and sel.blocks.shape == sel.valid.shape == (sum(lens), heads // 2, 4)
+
+
 @pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=16,n=4,w=5", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
 def test_the_compressor_runs_in_overlapping_spans_of_outputs_and_still_agrees(monkeypatch, spec):
     """phi's convolution 3 outputs at a time: spans of rows overlapping by l - d, their gradients added."""

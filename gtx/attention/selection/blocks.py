@@ -41,17 +41,28 @@ def top_per_query(score: torch.Tensor, dst: torch.Tensor, n_dst: int, k: int) ->
 @dataclass
 class BlockSelection:
     """Causal block attention: query block i of a sample reads its own block (causally) and the
-    earlier key blocks ``key_blocks[b, h, i, 1:]`` where ``valid``. Shapes (B, H, n_blocks, K);
-    slot 0 is the own block. Samples are padded to ``n_blocks * block`` positions."""
+    earlier key blocks ``key_blocks[b, h // group, i, 1:]`` where ``valid``. Shapes
+    (B, H // group, n_blocks, K): ``group`` heads in a row share one choice (head h reads row
+    h // group; group=1: a choice per head); slot 0 is the own block. Samples are padded to
+    ``n_blocks * block`` positions."""
 
     block: int
     lens: list[int]
     key_blocks: torch.Tensor
     valid: torch.Tensor
+    group: int = 1
+
+    def per_head(self) -> BlockSelection:
+        """The same choice with a row per head (group=1): itself where it has one."""
+        if self.group == 1:
+            return self
+        kb, valid = (x.repeat_interleave(self.group, 1) for x in (self.key_blocks, self.valid))
+        return BlockSelection(self.block, self.lens, kb, valid)
 
     def per_query(self) -> torch.Tensor:
-        """(n,) keys each query token reads, the mean over heads: its own block's causal part and a
-        whole block per chosen earlier one (``gtx.attention.budget``)."""
+        """(n,) keys each query token reads, the mean over heads (over the rows: each stands for
+        ``group`` heads): its own block's causal part and a whole block per chosen earlier one
+        (``gtx.attention.budget``)."""
         chosen = self.valid[..., 1:].sum(-1).to(torch.float64).mean(1)  # (B, n_blocks)
         parts = []
         for i, n in enumerate(self.lens):
@@ -94,6 +105,7 @@ def attend_blocks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: BlockSelection
 ) -> torch.Tensor:
     """Attention under a block selection: (N, H, D) in and out, one SDPA call for every head."""
+    sel = sel.per_head()
     b, lens = sel.block, sel.lens
     n_b, slots = sel.key_blocks.shape[2], sel.key_blocks.shape[3]
     length = n_b * b
@@ -133,17 +145,28 @@ def attend_blocks(
 @dataclass
 class TokenBlockSelection:
     """MoBA's choice, per query token: each token reads its own block causally and the earlier
-    blocks ``blocks[t, h, :]`` (indices within its sample, in blocks of ``block`` positions) where
-    ``valid``; shapes (n, H, K). Always a subset of causal attention. ``attend_token_blocks`` runs it."""
+    blocks ``blocks[t, h // group, :]`` (indices within its sample, in blocks of ``block``
+    positions) where ``valid``; shapes (n, H // group, K): ``group`` heads in a row share one
+    choice (head h reads row h // group: NSA's ``g``, DSA's one choice for every head; group=1: a
+    choice per head). Always a subset of causal attention. ``attend_token_blocks`` runs it."""
 
     block: int
     lens: list[int]
     blocks: torch.Tensor
     valid: torch.Tensor
+    group: int = 1
+
+    def per_head(self) -> TokenBlockSelection:
+        """The same choice with a row per head (group=1): itself where it has one."""
+        if self.group == 1:
+            return self
+        blocks, valid = (x.repeat_interleave(self.group, 1) for x in (self.blocks, self.valid))
+        return TokenBlockSelection(self.block, self.lens, blocks, valid)
 
     def per_query(self) -> torch.Tensor:
-        """(n,) keys each query token reads, the mean over heads: its own block's causal part and a
-        whole block per chosen one (``gtx.attention.budget``)."""
+        """(n,) keys each query token reads, the mean over heads (over the rows: each stands for
+        ``group`` heads): its own block's causal part and a whole block per chosen one
+        (``gtx.attention.budget``)."""
         own = torch.cat([torch.arange(n, device=self.valid.device) % self.block + 1 for n in self.lens])
         return own + self.valid.sum(-1).to(torch.float64).mean(1) * self.block
 
@@ -155,8 +178,8 @@ class TokenBlockSelection:
         """The same choice as a keep mask (E, H) over causal candidate edges."""
         q_pos, k_pos = edges.positions()
         qb, kb = (q_pos // self.block)[:, None], (k_pos // self.block)[:, None, None]
-        chosen = ((self.blocks[edges.dst] == kb) & self.valid[edges.dst]).any(-1)  # (E, H)
-        return chosen | (kb[..., 0] == qb)
+        chosen = ((self.blocks[edges.dst] == kb) & self.valid[edges.dst]).any(-1)  # (E, H // group)
+        return chosen.repeat_interleave(self.group, 1) | (kb[..., 0] == qb)
 
 
 def choose_token_blocks(
@@ -201,7 +224,7 @@ def attend_token_blocks(
     own block first, then ``sel.blocks``' slots (0 where a slot is not valid). ``gate`` (n, H, 1) or
     None: each output row scaled by it (NSA's gate), inside the backward's per-chunk weights: no
     gated copy of the output's gradient."""
-    out, mass = _TokenBlocks.apply(q, k, v, gate, _TokenBlockPlan(sel, q.shape[1], q.device))
+    out, mass = _TokenBlocks.apply(q, k, v, gate, _TokenBlockPlan(sel.per_head(), q.shape[1], q.device))
     out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
     return (out, mass.mean(1)) if masses else out
 
