@@ -23,6 +23,7 @@ applies; a feature gtx does not compute, or weights that do not fit, are refused
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,19 @@ class HFTokenizer(Tokenizer):
     def detokenize(self, tokens) -> str:
         return self.hf.convert_tokens_to_string(list(tokens))
 
+    def chat(self, turns) -> str | None:
+        """The conversation ``turns`` ((role, text) pairs) in the tokenizer's chat template, up to
+        where the assistant's next turn begins; None where the tokenizer has no chat template."""
+        if not getattr(self.hf, "chat_template", None):
+            return None
+        messages = [{"role": role, "content": text} for role, text in turns]
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def stop_tokens(self) -> list[str]:
+        """The tokens that end a text (the tokenizer's end-of-sequence token), as generation stops at them."""
+        eos = self.hf.eos_token
+        return [eos] if isinstance(eos, str) and eos else []
+
 
 def transformers():
     try:
@@ -211,9 +225,10 @@ def gtx_attention(
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
     # grouped-query heads as repeat_kv orders them
     k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))
-    return attention(
-        q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs
-    )[None], None
+    edges = holder.edges if sliding_window is None else holder.window(sliding_window)
+    if isinstance(edges, _Prefilled):
+        return edges.attend(attention, q, k, v, holder.inputs)[None], None
+    return attention(q, k, v, edges, inputs=holder.inputs)[None], None
 
 
 class _Edges:
@@ -223,11 +238,32 @@ class _Edges:
         self.edges, self.windowed, self.seen, self.inputs = None, {}, None, None
 
     def window(self, keys: int) -> EdgeSet:
+        if keys not in self.windowed and isinstance(self.edges, _Prefilled):
+            self.windowed[keys] = self.edges.window(keys)
         if keys not in self.windowed:
             # no sample is longer than the window
             short = self.edges.q_lens is not None and max(self.edges.q_lens) <= keys
             self.windowed[keys] = self.edges if short else window_edges(self.edges, keys)
         return self.windowed[keys]
+
+
+class _Prefilled:
+    """The edges of a sequence read under two patterns: its first ``prompt`` queries by ``head`` (a
+    prompt's ``dd`` edges, over the prompt alone), the rest by ``tail`` (``dd`` edges over the whole
+    sequence, whose rows for the prompt's queries are computed and dropped). What generation without
+    the cache reads when the prompt's pattern is not the decoding's."""
+
+    def __init__(self, head: EdgeSet, tail: EdgeSet, prompt: int):
+        self.head, self.tail, self.prompt = head, tail, prompt
+
+    def window(self, keys: int) -> _Prefilled:
+        return _Prefilled(window_edges(self.head, keys), window_edges(self.tail, keys), self.prompt)
+
+    def attend(self, attention, q, k, v, inputs):
+        """(N, H, D) as ``attention`` gives it over one edge set: the prompt's rows, then the rest."""
+        p = self.prompt
+        head = attention(q[:p], k[:p], v[:p], self.head, inputs=None if inputs is None else inputs[:p])
+        return torch.cat([head, attention(q, k, v, self.tail, inputs=inputs)[p:]])
 
 
 def _hold_inputs(holder: _Edges):
@@ -292,60 +328,89 @@ class HFModel(GraphModel):
     def forward(self, batch) -> Output:
         return Output(self._logits(batch.tgt_in, batch.tgt_pos, batch.graph.edges["dd"]))
 
-    def _logits(self, ids, positions, edges: EdgeSet, cache=None, windowed=None) -> torch.Tensor:
+    def _logits(self, ids, positions, edges, cache=None, windowed=None, last: bool = False) -> torch.Tensor:
         """(N, vocab) logits of one packed row of ``ids`` at ``positions`` over ``edges`` (keys: the
-        cached ones, then these); ``cache``: a transformers cache these keys and values join;
-        ``windowed``: per sliding window, the edges within it (else made from ``edges``' pattern)."""
+        cached ones, then these; or a ``_Prefilled`` pair); ``cache``: a transformers cache these keys
+        and values join; ``windowed``: per sliding window, the edges within it (else made from
+        ``edges``' pattern); ``last``: the last position's logits alone, (1, vocab)."""
         self._holder.edges, self._holder.windowed = edges, dict(windowed or {})
+        keep = {"logits_to_keep": 1} if last else {}
         try:
-            out = self.hf(input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None)
+            out = self.hf(
+                input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None, **keep
+            )
         finally:
             self._holder.edges, self._holder.windowed, self._holder.inputs = None, {}, None
         return out.logits[0]
 
     @staticmethod
-    def check_cacheable(pattern: Pattern, cache: bool) -> None:
-        """One line for generating with the cache under a pattern that chooses or learns its keys at run time."""
-        if cache and not pattern.plain:
+    def check_cacheable(pattern: Pattern, cache: bool, decode: Pattern | None = None) -> None:
+        """One line for generating with the cache under a decode pattern (``decode``, else ``pattern``)
+        that chooses or learns its keys at run time. The prompt runs once, as in training: any
+        pattern reads it."""
+        decode = decode or pattern
+        if cache and not decode.plain:
+            which = "pattern" if decode.spec == pattern.spec else "decode pattern"
             raise GtxError(
-                f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)"
+                f"{which} {decode.spec!r} chooses or learns its keys at run time; generate with it without the cache "
+                "(--no-cache), or decode under a fixed pattern (--decode-pattern)"
             )
 
     @torch.no_grad()
-    def generate(self, ids: list[int], new: int, pattern: Pattern, cache: bool = True) -> Generated:
-        """``new`` tokens after the prompt ``ids``, greedily, each query reading the keys ``pattern``'s
-        ``dd`` rule gives it. With ``cache`` (fixed patterns): the prompt runs once, then each new token
-        alone over cached keys and values, and a cached key is dropped as soon as no later position
-        reads it, so the cache holds what the pattern can still read (``local:w``: the last w + 1
-        keys). Without: the whole sequence again at every step (the reference)."""
-        self.check_cacheable(pattern, cache)
+    def generate(
+        self,
+        ids: list[int],
+        new: int,
+        pattern: Pattern,
+        cache: bool = True,
+        decode: Pattern | None = None,
+        stop: Collection[int] = (),
+    ) -> Generated:
+        """Up to ``new`` tokens after the prompt ``ids``, greedily: the prompt's queries read the keys
+        ``pattern``'s ``dd`` rule gives them, each new token's query those ``decode``'s gives it (None:
+        ``pattern``'s), over the whole sequence. Generation ends early after a token of ``stop``.
+
+        With ``cache`` (a fixed decode pattern): the prompt runs once, then each new token alone over
+        cached keys and values, and a cached key is dropped as soon as no later query reads it, so
+        the cache holds what the decode pattern can still read (``local:w``: the last w + 1 keys;
+        after the prompt, none that no new token reads). Without: the whole sequence again at every
+        step (the reference), the prompt's queries under ``pattern`` and the rest under ``decode``."""
+        decode = decode or pattern
+        self.check_cacheable(pattern, cache, decode)
         self.eval()
         device = next(self.parameters()).device
-        seq, most = list(ids), 0
+        stop = set(stop)
+        seq, prompt = list(ids), len(ids)
         if not cache:
             for _ in range(new):
                 n = len(seq)
+                edges = build_graph(decode, None, [n]).edges["dd"].to(device)
+                if decode.spec != pattern.spec:
+                    edges = _Prefilled(build_graph(pattern, None, [prompt]).edges["dd"].to(device), edges, prompt)
                 logits = self._logits(
-                    torch.tensor(seq, device=device),
-                    torch.arange(n, device=device),
-                    build_graph(pattern, None, [n]).edges["dd"].to(device),
+                    torch.tensor(seq, device=device), torch.arange(n, device=device), edges, last=True
                 )
                 seq.append(int(logits[-1].argmax()))
-            return Generated(seq[len(ids) :], len(ids) + new - 1, len(ids) + new - 1)
-        n = len(ids) + new - 1  # the positions that run as queries: the last token generated is never read
-        edges = batch_edges(pattern, "dd", [n], [n])
+                if seq[-1] in stop:
+                    break
+            return Generated(seq[prompt:], len(seq) - 1, len(seq) - 1)
+        n = prompt + new - 1  # the positions that run as queries: the last token generated is never read
+        edges = batch_edges(decode, "dd", [n], [n])
+        # the last new token's query that reads each key (the prompt's queries have run by then)
         last_reader = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, edges.src, edges.dst, "amax")
         # edges are sorted by query: query t's are rows[t]:rows[t + 1]
         rows = torch.searchsorted(edges.dst, torch.arange(n + 1))
         kv = transformers().DynamicCache()
-        kept = torch.arange(len(ids))
+        kept = torch.arange(prompt)
         logits = self._logits(
             torch.tensor(ids, device=device),
             kept.to(device),
-            build_graph(pattern, None, [len(ids)]).edges["dd"].to(device),
+            build_graph(pattern, None, [prompt]).edges["dd"].to(device),
             kv,
+            last=True,
         )
-        for t in range(len(ids), n + 1):
+        most = 0
+        for t in range(prompt, n + 1):
             alive = last_reader[kept] >= t  # False: no query from position t on reads this key
             if not alive.all():
                 for layer in kv.layers:
@@ -353,7 +418,7 @@ class HFModel(GraphModel):
                 kept = kept[alive]
             most = max(most, len(kept) + 1)  # with the key of the token about to be read
             seq.append(int(logits[-1].argmax()))
-            if t == n:
+            if t == n or seq[-1] in stop:
                 break
             kept = torch.cat([kept, torch.tensor([t])])
             src = edges.src[rows[t] : rows[t + 1]]
@@ -369,7 +434,7 @@ class HFModel(GraphModel):
             logits = self._logits(
                 torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv, near
             )
-        return Generated(seq[len(ids) :], most, n)
+        return Generated(seq[prompt:], most, len(seq) - 1)
 
 
 @hookimpl
