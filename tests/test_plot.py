@@ -2,6 +2,7 @@
 results figure and the HTML report render from a results folder, and bad input is one line, exit 2."""
 
 import base64
+import html
 import io
 import json
 import os
@@ -719,3 +720,52 @@ def test_head_groups_get_a_row_of_panels_each():
         and titles[0].startswith("heads 1/2: local:w=1")
         and titles[3].startswith("heads 2/2: strided:l=3")
     )
+
+
+def test_report_counts_and_draws_evaluations_as_evaluations_not_runs(tmp_path):
+    """A gtx eval under another pattern was counted in the page's runs, its pattern drawn as the runs'
+    and its configuration summarised as a run of its own."""
+    fake_results(tmp_path)
+    evaluation = row("full-s0-eval", "local:w=2", 0, "test", 2, 0.5, eval_of="full-s0")
+    write_run(tmp_path, "full-s0-eval", [evaluation])
+    page = Page()
+    page.feed(write_report(tmp_path).read_text())
+    text = " ".join("".join(page.text).split())
+    assert "4 runs and 1 evaluations of them (gtx eval)" in text
+    assert "patterns: full, local:w=1; evaluated under local:w=2." in text
+    assert "local:w=2 (evaluations only: gtx eval)" in text
+    assert "full-s0-eval: evaluation of run full-s0 under local:w=2 / dgl on its test split" in text
+
+
+def test_throughput_error_bars_and_axes_stop_at_zero(tmp_path):
+    """Two seeds at 100 and 4,000 tokens/s: mean +- std reached below zero, and the axis with it."""
+    for seed, tps in ((0, 100.0), (1, 4000.0)):
+        rows = [row(f"r{seed}", "full", seed, split, 1, 0.5, tps) for split in ("train", "valid", "test")]
+        write_run(tmp_path, f"r{seed}", rows)
+    fig = plot.results(load(tmp_path))
+    top = fig.axes[0]
+    (bars,) = [c for c in top.containers if c.has_xerr]
+    xs = [x for segment in bars.lines[2][0].get_segments() for x, _ in segment]
+    assert min(xs) == 0.0 and max(xs) == pytest.approx(2050 + np.std([100, 4000], ddof=1))
+    assert top.get_xlim()[0] >= 0 and top.get_ylim()[0] >= 0
+
+
+def test_the_report_table_puts_the_verdict_beside_the_metric_and_fits_1400_px(tmp_path):
+    """At 1400 px the table hid welch_p, vs_full and pareto behind a sideways scroll: they now follow
+    the judged metric's interval, headers break after their underscores, and the unbreakable text of
+    a row (about 7.5 px a character at the table's .85em, plus each cell's padding and border) fits."""
+    import re
+
+    fake_results(tmp_path)
+    text = write_report(tmp_path).read_text()
+    table = text[text.index("<table>") : text.index("</table>")]
+    heads = re.findall(r"<th>(.*?)</th>", table)
+    names = [h.replace("<wbr>", "") for h in heads]
+    at = names.index("ci95")
+    assert names[at + 1 : at + 4] == ["vs_full", "welch_p", "pareto"]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+    widths = [
+        max(max(len(piece) for piece in head.split("<wbr>")), *(len(html.unescape(r[i])) for r in cells))
+        for i, head in enumerate(heads)
+    ]
+    assert sum(7.5 * w + 2 * 0.4 * 13.6 + 1 for w in widths) < 1400 - 2 * 16
