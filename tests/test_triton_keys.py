@@ -185,7 +185,10 @@ def test_a_dsa_run_on_the_triton_kernels_has_the_c_kernels_test_loss(tmp_path, m
     choice for all heads (a group of them all) and its KL's target, the heads' mean weights."""
     (loss, plan), (want, want_plan) = run_losses("dsa:k=8,dense=0", tmp_path, monkeypatch, *SHORT)
     assert loss == pytest.approx(want, rel=1e-4)
-    assert plan["dd"] == {"triton:keys": 2} and want_plan["dd"] == {"c:keys": 2}  # 2 layers, one batch
+    assert plan["dd"] == {"triton:keys": 2, "triton:index": 2} and want_plan["dd"] == {
+        "c:keys": 2,
+        "c:index": 2,
+    }  # 2 layers, one batch
 
 
 @pytest.mark.slow
