@@ -641,12 +641,20 @@ def test_the_dense_kls_kernel_agrees_with_its_torch_path_over_long_rows(size, mo
     low, high = (q[:, 0] @ k[:, 0].T).aminmax()
     assert high - low > 200  # exp(q . k - lse) underflows for some keys
 
-    def run():
-        xs = [x.clone().requires_grad_() for x in (iq, w, keys)]
+    def run(*tensors):
+        q, k, *inputs = tensors
+        xs = [x.clone().requires_grad_() for x in inputs]
         loss = dense_index_kl(q, k, None, *xs, [n], 64, size)
-        return loss, *torch.autograd.grad(loss, xs)
+        return [t.double() for t in (loss, *torch.autograd.grad(loss, xs))]
 
-    got = run()
+    tensors = (q, k, iq, w, keys)
+    kernel = run(*tensors)
     monkeypatch.setattr(native, "kernel", lambda *_: None)
-    for a, b in zip(got, run()):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch_path, exact = run(*tensors), run(*(t.double() for t in tensors))
+    # the order of float32 sums differs between CPUs (vector widths, threads), so neither path is the
+    # other's reference: each is held to float64, within what float32 holds here (the torch path's own
+    # error, a few times over) and never worse than 1e-4 of the largest value
+    for c, t, e in zip(kernel, torch_path, exact):
+        scale = e.abs().max()
+        assert (t - e).abs().max() <= 1e-4 * scale
+        assert (c - e).abs().max() <= max(4 * (t - e).abs().max(), 1e-5 * scale)
