@@ -25,8 +25,8 @@ from gtx import native
 # the backward's tile, which also holds v and both gradients' addresses, is half that). A tile
 # holds max(1, elements // (queries x heads x dims)) slots, at most K rounded up to a power of two.
 # Compiled (a GPU): one query a program (no two queries share their keys: a tile is all gathers)
-# and 2048 elements, which ptxas fits for sm_90 without spills (4 heads of 32 dims a key, 16 slots:
-# 80 registers a thread forward, 110 backward; 8192 spilled both). Interpreted: the interpreter pays
+# and 2048 elements, which ptxas fits for sm_90 without spills (4 heads of 32 dims a key: 16 slots
+# forward, 80 registers a thread; 8 backward, 110; tiles of 8192 spilled both). Interpreted: the interpreter pays
 # its cost per operation of each program, whatever the arrays' size: many queries at once.
 SIZES = {"compiled": (1, 2048), "interpreted": (256, 1 << 20)}
 WARPS = 4
