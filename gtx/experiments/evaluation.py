@@ -93,6 +93,7 @@ def evaluate_checkpoint(
         resolved.device,
         beam=beam or getattr(resolved.task_config, "beam", 1),
         precision=resolved.train.precision,
+        decode_pattern=resolved.decode,
     )
     run_id, started = new_run_id(config.task, config.model, "-eval")
     setup = {
