@@ -11,11 +11,16 @@ import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 
+from pretrained import save_tiny
+
+from gtx import plugins
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
+from gtx.cli import cli
 from gtx.data.vocab import Vocab
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
@@ -142,3 +147,55 @@ def test_generation_stops_after_a_stop_token(tiny):
     for cache in (True, False):
         stopped = model.generate(ids, NEW, full, cache=cache, stop={tokens[2]})
         assert stopped.tokens == tokens[: tokens.index(tokens[2]) + 1]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("decode") / "llama", "llama")
+
+
+def test_generate_command_decodes_under_its_own_pattern(folder):
+    plugins.call_each("register_commands", cli=cli)
+    args = ["generate", "--set", f"path={folder}", "--prompt", "a needle in the", "--new", "6"]
+    ok = CliRunner().invoke(cli, [*args, "--pattern", "full", "--decode-pattern", "local:w=4"])
+    assert ok.exit_code == 0 and "under full, decoded under local:w=4" in ok.output, ok.output
+    assert "the cache held at most 5 keys per layer" in ok.output
+    for extra, match in (
+        (["--decode-pattern", "moba:b=4,k=2"], "without the cache (--no-cache)"),
+        (["--decode-pattern", "dsa:k=8"], "parameters of its own"),
+    ):
+        bad = CliRunner().invoke(cli, [*args, *extra])
+        assert bad.exit_code == 2 and match in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--task", "text", "--set", "context=32", "--decode-pattern", "local:w=4"], "not scored by generation"),
+        (["--task", "niah", "--set", "context=200", "--decode-pattern", "dsa:k=8"], "parameters of its own"),
+    ],
+)
+def test_run_refuses_a_decode_pattern_it_cannot_use(folder, tmp_path, args, match):
+    result = CliRunner().invoke(
+        cli, ["run", "--model", "hf", "--set", f"path={folder}", *args, "--epochs", "0", "--results", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
+        result.output
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_decode_pattern_is_part_of_the_experiment():
+    """Decoding under the run's own pattern is the run without a decode pattern (the same cell, no
+    setting stored); another decode pattern is another experiment, stored canonical."""
+    from gtx.run.config import resolve_configs
+    from gtx.run.runner import RunConfig, cell_key
+
+    def config(**settings):
+        return RunConfig(task="niah", model="hf", pattern="local:w=8", settings=settings)
+
+    plain = cell_key(config())
+    assert cell_key(config(decode_pattern="local:w=8")) == plain
+    assert cell_key(config(decode_pattern="full")) != plain
+    assert resolve_configs(config(decode_pattern=" local:w=8 ")).train.decode_pattern == ""
+    assert resolve_configs(config(decode_pattern="local")).train.decode_pattern == "local:w=4"

@@ -147,8 +147,11 @@ def test_models_and_tasks_list_like_patterns():
         assert any(line.startswith(name) for line in tasks.splitlines()), name
     # what a pretrained model's tokenizer writes
     assert [line.split()[0] for line in tasks.splitlines() if "lm, text" in line] == [
+        "cwe",
         "needle",
+        "niah",
         "text",
+        "vt",
     ]
 
 

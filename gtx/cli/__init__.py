@@ -64,6 +64,11 @@ def cli():
     show_default=True,
     help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).",
 )
+@click.option(
+    "--decode-pattern",
+    help="The pattern each generated token reads its keys by, where the task is scored by generation "
+    "(the prompt is read under --pattern) [default: --pattern].",
+)
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Attention backend (gtx backends).")
 @click.option(
     "--epochs",
@@ -108,6 +113,7 @@ def run(
     task,
     model,
     pattern,
+    decode_pattern,
     backend,
     epochs,
     max_steps,
@@ -154,6 +160,7 @@ def run(
         "heads": heads,
         "dim": dim,
         "dim_ff": dim_ff,
+        "decode_pattern": decode_pattern,
     }
     given = {k: str(v) for k, v in shortcuts.items() if v is not None}
     check_shortcuts(given, settings)

@@ -13,6 +13,7 @@ from gtx.attention.trainable import check_untrained, stages_of, starts_trained
 from gtx.backends import get_backend
 from gtx.cli.common import device_option, key_value, results_option
 from gtx.errors import GtxError
+from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import MODELS
 from gtx.run.config import build_configs, resolve_device
@@ -40,6 +41,11 @@ def hf_entry():
     help="An hf model setting: path= (a save_pretrained folder, a GGUF file or smollm2) is needed without RUN.",
 )
 @click.option("--pattern", help="The pattern every query reads its keys by [default: RUN's own, else full].")
+@click.option(
+    "--decode-pattern",
+    help="The pattern each new token reads its keys by (the prompt is read under --pattern) [default: --pattern; "
+    "RUN's own where neither is given].",
+)
 @click.option("--new", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens to generate.")
 @click.option(
     "--cache/--no-cache",
@@ -48,7 +54,7 @@ def hf_entry():
     help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.",
 )
 @device_option()
-def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
+def generate(run, results_dir, prompt, settings, pattern, decode_pattern, new, cache, device):
     """Continue a text greedily with a transformers model (--model hf) under a pattern: a
     save_pretrained folder (--set path=DIR), or RUN, a fine-tuned `gtx run --model hf` (its id, a
     unique prefix or its 6-hex tail; its best checkpoint).
@@ -75,7 +81,8 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
                 f"run {run} read task {r.config.task}'s own symbols, not text with a tokenizer: gtx generate continues "
                 "text; fine-tune a save_pretrained folder (--set path=DIR) to generate from it"
             )
-        entry.obj.check_cacheable(p, cache)
+        d = _decode_pattern(decode_pattern, p if pattern else r.decode, p, config, r.config.backend, r.device)
+        entry.obj.check_cacheable(p, cache, d)
     else:
         config = build_configs(settings, {"model": ("hf", entry.config)})["model"]
         if not config.path:
@@ -86,7 +93,8 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
         p, where = parse_pattern(pattern or "full"), resolve_device(device)
         backend = get_backend("auto", where)
         check_pattern(p, backend, config.heads)
-        entry.obj.check_cacheable(p, cache)
+        d = _decode_pattern(decode_pattern, p, p, config, "auto", where)
+        entry.obj.check_cacheable(p, cache, d)
         check_untrained(p, config, "generating")
         tokenizer = entry.obj.tokenizer(config)
     ids = tokenizer.vocab.encode(tokenizer.tokenize(prompt))
@@ -102,7 +110,7 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
             tokenizer.vocab,
             Attention.for_width(backend, p, config.heads, config.dim, starts_trained(config)),
         ).to(where)
-    out = model.generate(ids, new, p, cache)
+    out = model.generate(ids, new, p, cache, decode=d)
     click.echo(prompt + tokenizer.detokenize(tokenizer.vocab.decode(out.tokens)))
     held = (
         f"the cache held at most {out.cached} keys per layer"
@@ -112,11 +120,26 @@ def generate(run, results_dir, prompt, settings, pattern, new, cache, device):
     stage = stages_of(model)
     source = f" (run {run}'s fine-tuned weights)" if run is not None else ""
     untrained = " (its own parameters untrained)" if run is None and p.trainable is not None else ""
+    decoded = f", decoded under {d.spec}" if d.spec != p.spec else ""
     click.echo(
-        f"{len(out.tokens)} tokens under {p.spec}{source}{untrained}{f' ({stage})' if stage else ''}; {held} "
+        f"{len(out.tokens)} tokens under {p.spec}{decoded}{source}{untrained}{f' ({stage})' if stage else ''}; {held} "
         f"(of {out.positions} positions)",
         err=True,
     )
+
+
+def _decode_pattern(given: str | None, default: Pattern, prompt: Pattern, config, backend: str, device) -> Pattern:
+    """The pattern new tokens are read under: ``given`` (``--decode-pattern``), else ``default``;
+    one line where the model cannot attend with it (parameters of its own that ``prompt``, the
+    pattern the model was built for, does not give it)."""
+    d = parse_pattern(given) if given else default
+    if d.spec != prompt.spec and d.trainable is not None:
+        raise GtxError(
+            f"--decode-pattern {d.spec} attends with parameters of its own, which the model built for pattern "
+            f"{prompt.spec!r} lacks; decode under a pattern without them"
+        )
+    check_pattern(d, get_backend(backend, device), config.heads)
+    return d
 
 
 @click.command()

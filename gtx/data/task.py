@@ -62,6 +62,11 @@ class Task:
         tokenizer: set by the runner before any data is made when the model reads text with its own
             tokenizer (a pretrained model; ``gtx.data.vocab.Tokenizer``): a ``text`` task then writes
             with ``tokenizer.tokenize`` and its vocabulary is ``tokenizer.vocab``. None otherwise.
+
+    Scored by generation (``new_tokens() > 0``, lm form): beside the teacher-forced pass, a model
+    that generates continues each valid and test example's prompt (its first ``prompt_len`` tokens)
+    greedily by up to ``new_tokens()`` tokens, and ``score_text`` scores the text it wrote
+    (``gtx.run.generation``).
     """
 
     form = "seq2seq"
@@ -85,7 +90,7 @@ class Task:
         if self.tokenizer is not None and not self.text:
             raise GtxError(
                 f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
-                "give it a task written in text (gtx tasks lists them: text, needle)"
+                "give it a task written in text (gtx tasks lists them: text, needle, niah, vt, cwe)"
             )
 
     def splits(self) -> dict[str, list[Example]]:
@@ -156,6 +161,28 @@ class Task:
         test): ``loss`` is the mean cross-entropy (nats) per scored target, ``groups`` maps each
         group name to (correct, scored) targets (lm tasks with groups)."""
         return {}
+
+    def new_tokens(self) -> int:
+        """Tokens generated after each example's prompt where the task is scored by generation; 0: it is not."""
+        return 0
+
+    def prompt_len(self, split: str, index: int) -> int:
+        """The tokens of example ``index`` of ``split`` that are its prompt (lm): by default those up
+        to the first scored prediction's input, the answer's tokens following."""
+        groups = self.splits()[split][index][1]
+        return next((i for i, g in enumerate(groups) if g), len(groups)) + 1
+
+    def score_text(self, split: str, index: int, text: str) -> float:
+        """The outcome, in [0, 1], of the text a model generated after example ``index``'s prompt."""
+        raise NotImplementedError
+
+    def write(self, text: str) -> list[str]:
+        """A text as this task's tokens: the model's tokenizer's, else one token per character."""
+        return self.tokenizer.tokenize(text) if self.tokenizer is not None else list(text)
+
+    def read(self, tokens: Sequence[str]) -> str:
+        """The text of this task's tokens (``write``'s inverse)."""
+        return self.tokenizer.detokenize(tokens) if self.tokenizer is not None else "".join(tokens)
 
     def max_decode_len(self, src_len: int) -> int:
         """Most target tokens greedy/beam decoding may emit for a source of this length (with <eos>)."""

@@ -35,6 +35,9 @@ ADDED = {
 }
 #: the resolved configs an experiment's identity holds, as stored in the ``config`` column
 CONFIG_PARTS = ("model_config", "task_config", "train")
+#: settings added after runs were stored, per config part, at the value under which a run does what
+#: runs did before them: left out of what a run stores and of its identity there, so no run's keys change
+OPTIONAL_SETTINGS = {"train": {"decode_pattern": ""}}
 
 #: name -> pandas dtype, in column order
 COLUMNS: dict[str, str] = {
@@ -71,7 +74,7 @@ COLUMNS: dict[str, str] = {
     "edges_per_query_ed": "float64",
     "act_mean_steps": "float64",  # mean steps per node (ACT models), else NaN
     "n_params": "int64",
-    "metrics": "string",  # JSON: task metrics (bleu, per, ...) and decode timing
+    "metrics": "string",  # JSON: task metrics (bleu, per, ...), decode timing; tasks scored by generation: each sample's outcome
     "backend_plan": "string",  # JSON: what the backend chose per stage, where it chooses
     "config": "string",  # JSON: the full resolved run configuration
     "gtx_version": "string",
@@ -173,13 +176,20 @@ def identity_keys(
     (schema 3 merged the task's settings over its name: two tasks with equal settings shared a key)."""
     ident = {
         "names": {"task": task, "model": model, "pattern": pattern, "backend": backend},
-        **{k: configs[k] for k in CONFIG_PARTS},
+        **{k: stored_settings(k, configs[k]) for k in CONFIG_PARTS},
     }
 
     def digest(d: dict) -> str:
         return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     return digest({**ident, "seed": seed}), digest(ident)
+
+
+def stored_settings(part: str, settings: dict) -> dict:
+    """One resolved config (``part``: ``train``, ...) as a run stores it: ``OPTIONAL_SETTINGS`` at their
+    as-before value left out."""
+    skip = OPTIONAL_SETTINGS.get(part, {})
+    return {k: v for k, v in settings.items() if k not in skip or v != skip[k]}
 
 
 def _rekey(df: pd.DataFrame) -> pd.DataFrame:
@@ -374,8 +384,8 @@ def cell_text(v) -> str:
 
 
 def scalar_metrics(metrics: dict) -> dict[str, float]:
-    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode timing left out."""
-    return {k: v for k, v in metrics.items() if isinstance(v, float) and k != "decode_s"}
+    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode and generation timing left out."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and k not in ("decode_s", "generate_s")}
 
 
 def metrics_json(d: dict) -> str:

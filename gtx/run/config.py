@@ -17,7 +17,7 @@ from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
 from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
-from gtx.records.results import identity_keys
+from gtx.records.results import identity_keys, stored_settings
 from gtx.records.run_config import RunConfig
 from gtx.run.train import PhaseStats, TrainConfig, check_precision
 from gtx.values import out_of_range, parse_scalar
@@ -50,8 +50,13 @@ class Resolved:
             "device": str(self.device),
             "model_config": dataclasses.asdict(self.model_config),
             "task_config": dataclasses.asdict(self.task_config),
-            "train": dataclasses.asdict(self.train),
+            "train": stored_settings("train", dataclasses.asdict(self.train)),
         }
+
+    @property
+    def decode(self) -> Pattern:
+        """The pattern generated tokens read their keys by (``train.decode_pattern``; empty: the run's)."""
+        return parse_pattern(self.train.decode_pattern) if self.train.decode_pattern else self.pattern
 
 
 def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
@@ -151,6 +156,9 @@ def resolve_configs(config: RunConfig) -> Configs:
     )
     config = dataclasses.replace(config, settings=_as_resolved(config.settings, cfg))
     chosen = parse_pattern(config.pattern)
+    if cfg["train"].decode_pattern:  # canonical, and empty where it is the run's own: one experiment either way
+        decode = parse_pattern(cfg["train"].decode_pattern).spec
+        cfg["train"].decode_pattern = "" if decode == chosen.spec else decode
     model_cls = model_entry.obj
     wrap = _modifier(model_cls, cfg["model"])
     if chosen.dynamic and not wrap:
@@ -261,6 +269,7 @@ def resolve(config: RunConfig) -> Resolved:
         )
     max_len = getattr(c.model, "max_len", None) or getattr(c.model_entry.obj, "positions", None)
     task.check_tokenizer()
+    _check_decode(config, c, task, get_backend(config.backend, device))
     # before the data: a length past the model's is made for nothing
     check_positions(config, c.model, max_len, task.declared_len())
     task.splits()  # generates or loads the data: a missing data_dir fails here
@@ -274,9 +283,35 @@ def resolve(config: RunConfig) -> Resolved:
     check_budget(c.chosen, list(probe.edges), task.context_len())
     heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)
     check_trainable(c.chosen, list(probe.edges), heads, dim, config.model, task.context_len())
+    if c.train.decode_pattern:
+        check_budget(parse_pattern(c.train.decode_pattern), ["dd"], task.context_len())
     return Resolved(
         config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys()
     )
+
+
+def _check_decode(config: RunConfig, c: Configs, task: Task, backend) -> None:
+    """One line for a decode pattern that would change nothing (a task not scored by generation, a
+    model that does not generate) or that the model cannot attend with (another pattern's parameters)."""
+    if not c.train.decode_pattern:
+        return
+    decode = parse_pattern(c.train.decode_pattern)
+    if not task.new_tokens() or not hasattr(c.model_entry.obj, "generate"):
+        why = (
+            f"task {config.task!r} is not scored by generation"
+            if not task.new_tokens()
+            else f"model {config.model!r} does not generate"
+        )
+        raise GtxError(
+            f"--decode-pattern {decode.spec}: {why}, so no token is decoded under it; drop it, or run a task scored "
+            "by generation (niah, vt, cwe) with a model that generates (hf)"
+        )
+    if decode.trainable is not None:
+        raise GtxError(
+            f"--decode-pattern {decode.spec} attends with parameters of its own, which the run's pattern "
+            f"{c.chosen.spec!r} does not give the model; decode under a pattern without them, or run with --pattern {decode.spec}"
+        )
+    check_pattern(decode, backend, getattr(c.model, "heads", None))
 
 
 def complete_note(

@@ -105,6 +105,7 @@ def evaluate_checkpoint(
         resolved.device,
         beam=beam,
         precision=resolved.train.precision,
+        decode_pattern=resolved.decode,
     )
     run_id, started = new_run_id(config.task, config.model, "-eval")
     setup = {

@@ -241,6 +241,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         decode_limit=train.decode_valid,
         precision=train.precision,
         on_batch=run.tick(f"epoch {epoch} valid", "valid", train.eval_batch_size),
+        decode_pattern=resolved.decode,
     )
     run.judge(valid, epoch)
     new.append(result_row(run.common, epoch, "valid", valid, run.attention, stages_of(run.model)))
@@ -300,6 +301,7 @@ def _test(run: _Run, last: int) -> None:
         beam=getattr(resolved.task_config, "beam", 1),
         precision=resolved.train.precision,
         on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
+        decode_pattern=resolved.decode,
     )
     run.rows.append(result_row(run.common, last, "test", test, run.attention, stages_of(run.model)))
     _finite(run, run.rows[-1])
