@@ -493,3 +493,19 @@ def test_ctrl_c_in_any_command_exits_130_in_one_line(tmp_path, monkeypatch, cli)
     monkeypatch.setattr(results, "load", interrupted)
     result = cli("runs", "--results", tmp_path)
     assert result.exit_code == 130 and result.output.strip() == "Error: gtx runs interrupted (Ctrl-C)", result.output
+
+
+def test_a_sweeps_cells_keep_their_logs_where_the_layout_says_and_refuse_submitit_options_run_here(tmp_path):
+    """``SweepCells``: the local launcher's logs under ``sweeps/<name>/logs``, submitit's under
+    ``sweeps/<name>/submitit``; --executor-opt without --launcher submitit is one line, before anything runs."""
+    from gtx.records.layout import ResultsFolder
+    from gtx.sweeps.launch import SweepCells
+
+    here, jobs = SweepCells("g", [], tmp_path), SweepCells("g", [], tmp_path, launcher="submitit")
+    assert here.log_dir() == ResultsFolder(tmp_path).sweep_logs("g") == tmp_path / "sweeps" / "g" / "logs"
+    assert jobs.log_dir() == ResultsFolder(tmp_path).sweep_jobs("g")
+    with pytest.raises(GtxError, match="--executor-opt is for --launcher submitit"):
+        SweepCells("g", [], tmp_path, executor_opts=("timeout_min=5",))
+    with pytest.raises(GtxError, match="--launcher slurm: choose local or submitit"):
+        SweepCells("g", [], tmp_path, launcher="slurm")
+    assert not (tmp_path / "sweeps").exists()

@@ -10,6 +10,7 @@ from gtx.errors import GtxError
 from gtx.sweeps import frontier as fr
 from gtx.sweeps import frontier_tables as tables
 from gtx.sweeps import sweep as sw
+from gtx.sweeps.launch import SweepCells
 from gtx.sweeps.study import Study, parse_family
 
 
@@ -93,16 +94,18 @@ def frontier(
             0
             if table_only
             else run_cells(
-                cells,
-                sw.sweep_name(None, cells),
-                results_dir,
-                jobs,
+                SweepCells(
+                    sw.sweep_name(None, cells),
+                    cells,
+                    results_dir,
+                    jobs,
+                    launcher=launcher,
+                    executor_opts=executor_opts,
+                    nproc=nproc,
+                    plugins_dirs=options["plugins_dirs"],
+                ),
                 dry_run,
                 quiet,
-                options["plugins_dirs"],
-                launcher,
-                executor_opts,
-                nproc,
             )
         )
         if dry_run:
