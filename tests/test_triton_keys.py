@@ -197,4 +197,5 @@ def test_runs_on_the_triton_kernels_have_the_c_kernels_test_loss(pattern, more, 
     """Whole splits too (n_valid and n_test as the task sets them)."""
     (loss, plan), (want, want_plan) = run_losses(pattern, tmp_path, monkeypatch, *more)
     assert loss == pytest.approx(want, rel=1e-4)
-    assert set(plan["dd"]) == {"triton:keys"} and set(want_plan["dd"]) == {"c:keys"}
+    assert "triton:keys" in plan["dd"] and all(name.startswith("triton:") for name in plan["dd"])
+    assert "c:keys" in want_plan["dd"] and all(name.startswith("c:") for name in want_plan["dd"])
