@@ -351,3 +351,20 @@ def test_a_head_group_that_does_not_fit_the_heads_is_one_line(gate):
         with pytest.raises(PluginError, match=f"pattern 'mine' selected .*{message}") as err:
             check_selection("mine", bad, edges, 4)
         assert "\n" not in str(err.value)
+
+
+def test_the_kernels_that_ran_are_recorded_per_stage(monkeypatch):
+    """Each call records the kernel that ran under its stage (a run's backend_plan reports them)."""
+    from gtx.attention.selection.blocks import attend_blocks
+    from gtx.attention.selection.kernels import take_ran
+
+    monkeypatch.setenv("GTX_KERNELS", "torch")
+    q, k, v = (torch.randn(12, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    token, block = parse_pattern("moba:b=4,k=2"), parse_pattern("moba:b=4,k=2,gate=block")
+    edges = build_graph(token, None, [12]).edges["dd"]
+    take_ran()
+    attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
+    attend_blocks(q, k, v, edges, block.select(q, k, edges))
+    monkeypatch.setattr("gtx.attention.selection.blocks._FUSED_DEVICES", ())  # as on a GPU without triton
+    attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
+    assert take_ran() == {"dd": {"cpu-flash:token-blocks": 1, "sdpa:blocks": 1, "torch:token-blocks": 1}}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gtx.attention.selection.kernels import record, use_triton
 from gtx.graph.tokens import EdgeSet
 
 
@@ -104,7 +105,15 @@ def block_means(x: torch.Tensor, lens: list[int], block: int) -> torch.Tensor:
 def attend_blocks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: BlockSelection
 ) -> torch.Tensor:
-    """Attention under a block selection: (N, H, D) in and out, one SDPA call for every head."""
+    """Attention under a block selection: (N, H, D) in and out, one SDPA call for every head, or the
+    Triton kernels (``kernels.use_triton``); the kernel that ran is recorded under the edges' stage."""
+    if use_triton(q.device):
+        from gtx.attention.selection import triton_tiles
+
+        record(edges.stage, "triton:blocks")
+        rows = triton_tiles.blocks(q, k, v, sel.lens, sel.block, sel.key_blocks, sel.valid, sel.group)
+        return rows if edges.keep is None else rows * edges.keep[:, None, None].to(rows.dtype)
+    record(edges.stage, "sdpa:blocks")
     sel = sel.per_head()
     b, lens = sel.block, sel.lens
     n_b, slots = sel.key_blocks.shape[2], sel.key_blocks.shape[3]
@@ -223,10 +232,21 @@ def attend_token_blocks(
     each block's share of the attention, averaged over the heads, without gradient: (n, 1 + K), the
     own block first, then ``sel.blocks``' slots (0 where a slot is not valid). ``gate`` (n, H, 1) or
     None: each output row scaled by it (NSA's gate), inside the backward's per-chunk weights: no
-    gated copy of the output's gradient."""
-    out, mass = _TokenBlocks.apply(q, k, v, gate, _TokenBlockPlan(sel.per_head(), q.shape[1], q.device))
+    gated copy of the output's gradient. Where ``kernels.use_triton``, the fused Triton kernels run
+    it instead (``triton_blocks``); the kernel that ran is recorded under the edges' stage."""
+    if use_triton(q.device):
+        from gtx.attention.selection import triton_blocks
+
+        record(edges.stage, "triton:token-blocks")
+        out, mass = triton_blocks.token_blocks(
+            q, k, v, sel.lens, sel.block, sel.blocks, sel.valid, sel.group, gate, masses
+        )
+    else:
+        record(edges.stage, ("cpu-flash" if q.device.type in _FUSED_DEVICES else "torch") + ":token-blocks")
+        out, mass = _TokenBlocks.apply(q, k, v, gate, _TokenBlockPlan(sel.per_head(), q.shape[1], q.device))
+        mass = mass.mean(1) if masses else None
     out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
-    return (out, mass.mean(1)) if masses else out
+    return (out, mass) if masses else out
 
 
 BLOCK_ROWS = 128  # own blocks (of one sample and head) per chunk: 256 (and 256 tiles) held 14 MB more at 16k tokens
