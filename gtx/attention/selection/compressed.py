@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gtx.attention.selection.blocks import chunk_scale, pad_samples, unpad_samples
+from gtx.attention.selection.blocks import pad_samples, unpad_samples
 from gtx.attention.selection.choice import softmax_
 from gtx.attention.selection.kernels import record, use_triton
+from gtx.attention.selection.token_tiles import chunk_scale
 
 ROWS = 512  # query rows attended at once
 # query rows weighed at once for a choice: its scores are rows x compressed blocks, so smaller
