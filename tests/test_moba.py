@@ -152,7 +152,7 @@ def test_many_tiles_run_in_chunks_and_still_agree():
 
 def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     # SDPA's fused kernel that returns the log-sum-exp exists on the CPU only; other devices run the tiles in torch ops
-    monkeypatch.setattr("gtx.attention.selection.blocks._FUSED_DEVICES", ())
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.FUSED_DEVICES", ())
     lens, block, top = [150, 61], 16, 3
     assert_agrees_with_definition(lens, block, top, 2)
 
@@ -253,9 +253,9 @@ def test_small_chunks_of_blocks_and_tiles_still_agree(monkeypatch, headroom):
     # the backward runs the own blocks' chunks last first and adds the chosen tiles of each chunk's keys
     # to it: several chunks of each, over samples and heads, check the order; headroom 0 rescales the
     # merged rows at every new maximum, where the default rarely does
-    monkeypatch.setattr("gtx.attention.selection.blocks._HEADROOM", headroom)
-    monkeypatch.setattr("gtx.attention.selection.blocks.BLOCK_ROWS", 5)
-    monkeypatch.setattr("gtx.attention.selection.blocks.TILES", 7)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles._HEADROOM", headroom)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.BLOCK_ROWS", 5)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.TILES", 7)
     assert_agrees_with_definition([130, 45, 61], 8, 3, 3)
 
 
@@ -264,8 +264,8 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
     chunk's partial outputs merge into the output as they come and the gradients go straight to their
     rows, where a buffer of every chosen block's output (4 q-sized here) and block-layout copies of
     the gradients held 6.5 and 7.3 q-sized tensors."""
-    monkeypatch.setattr("gtx.attention.selection.blocks.BLOCK_ROWS", 16)
-    monkeypatch.setattr("gtx.attention.selection.blocks.TILES", 16)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.BLOCK_ROWS", 16)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.TILES", 16)
     n, heads, dim = 2048, 2, 32
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for _ in range(3))
@@ -281,7 +281,7 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
 def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     """Off the CPU both the own blocks' and the chosen tiles' chunks are ``ACCELERATOR_CHUNKS`` times
     larger (a GPU pays ~20 launches a chunk whatever its size); on the CPU they keep their sizes."""
-    from gtx.attention.selection import blocks as selection
+    from gtx.attention.selection import token_tiles as selection
 
     monkeypatch.setattr(selection, "BLOCK_ROWS", 2)
     monkeypatch.setattr(selection, "TILES", 2)
@@ -289,7 +289,7 @@ def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     q, k = (torch.randn(n, heads, 8, generator=torch.Generator().manual_seed(0)) for _ in range(2))
     pattern = parse_pattern("moba:b=16,k=3")
     edges = build_graph(pattern, None, [n]).edges["dd"]
-    plan = selection._TokenBlockPlan(pattern.select(q, k, edges), heads, "cpu")
+    plan = selection.TokenBlockPlan(pattern.select(q, k, edges), heads, "cpu")
     cpu_rows, cpu_chunks = len(plan.block_rows()), len(list(plan.chunks()))
     plan.scale = 4  # what a plan on an accelerator holds (ACCELERATOR_CHUNKS there)
     assert plan.n_rows == 64 and cpu_rows == 32 and len(plan.block_rows()) == 8
@@ -351,3 +351,20 @@ def test_a_head_group_that_does_not_fit_the_heads_is_one_line(gate):
         with pytest.raises(PluginError, match=f"pattern 'mine' selected .*{message}") as err:
             check_selection("mine", bad, edges, 4)
         assert "\n" not in str(err.value)
+
+
+def test_the_kernels_that_ran_are_recorded_per_stage(monkeypatch):
+    """Each call records the kernel that ran under its stage (a run's backend_plan reports them)."""
+    from gtx.attention.selection.blocks import attend_blocks
+    from gtx.attention.selection.kernels import take_ran
+
+    monkeypatch.setenv("GTX_KERNELS", "torch")
+    q, k, v = (torch.randn(12, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    token, block = parse_pattern("moba:b=4,k=2"), parse_pattern("moba:b=4,k=2,gate=block")
+    edges = build_graph(token, None, [12]).edges["dd"]
+    take_ran()
+    attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
+    attend_blocks(q, k, v, edges, block.select(q, k, edges))
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.FUSED_DEVICES", ())  # as on a GPU without triton
+    attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
+    assert take_ran() == {"dd": {"cpu-flash:token-blocks": 1, "sdpa:blocks": 1, "torch:token-blocks": 1}}
