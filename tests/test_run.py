@@ -262,6 +262,15 @@ def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     assert key != cell_key(RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"}))
 
 
+def test_the_backend_is_found_once_when_the_run_is_resolved():
+    """The resolved run holds its backend, checked on its device; the attention it builds uses that one."""
+    from gtx.run.build import build_attention
+    from gtx.run.config import RunConfig, resolve
+
+    r = resolve(RunConfig(backend="dense", settings={"dim": "16", "heads": "2", "n_train": "8", "n_valid": "4"}))
+    assert r.backend.name == "dense" and build_attention(r).backend is r.backend
+
+
 def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp_path):
     result = gtx(
         "run",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gtx.attention.module import check_budget, check_pattern, check_trainable
-from gtx.backends import get_backend
+from gtx.backends import Backend, get_backend
 from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
@@ -55,6 +55,7 @@ class Resolved:
     pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
     chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
     device: torch.device
+    backend: Backend  # ``config.backend`` found and checked usable on ``device``, once
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
     cell: str  # Configs.keys(): the results' ``cell`` column
     experiment: str  # ... and its ``experiment`` column (the cell without the seed)
@@ -226,7 +227,8 @@ def resolve(config: RunConfig) -> Resolved:
     c = resolve_configs(config)
     device = resolve_device(config.device)
     check_precision(c.train.precision)
-    check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
+    backend = get_backend(config.backend, device)
+    check_pattern(c.pattern, backend, getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     tokenizer = getattr(c.model_entry.obj, "tokenizer", None)
     task.tokenizer = tokenizer(c.model) if tokenizer else None
@@ -249,7 +251,18 @@ def resolve(config: RunConfig) -> Resolved:
     heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)
     check_trainable(c.chosen, list(probe.edges), heads, dim, config.model, task.context_len())
     return Resolved(
-        config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys()
+        config,
+        task,
+        c.model_entry.obj,
+        c.model,
+        c.task,
+        c.train,
+        c.pattern,
+        c.chosen,
+        device,
+        backend,
+        density,
+        *c.keys(),
     )
 
 
