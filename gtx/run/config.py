@@ -14,7 +14,7 @@ from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
 from gtx.graph.pattern import Pattern
-from gtx.graph.spec import parse_pattern
+from gtx.graph.spec import build_pattern, parse_pattern
 from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
 from gtx.records.results import identity_keys
@@ -175,7 +175,7 @@ def resolve_configs(config: RunConfig) -> Configs:
             f"not have: it would do nothing; use a model with ACT ({', '.join(_act_models())}), or drop the act(...)"
         )
     # a pattern already filtered at run time (act(P) given to a model that adds act itself) is not wrapped twice
-    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap and not chosen.dynamic else chosen
+    pattern = build_pattern(wrap, {}, chosen) if wrap and not chosen.dynamic else chosen
     return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
 
 
