@@ -276,7 +276,7 @@ def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     }
     r = resolve(RunConfig(task="recall", model="lm", pattern=spec, device="cpu", settings=settings))
     torch.manual_seed(0)
-    cpu = build_model(r, build_attention(r, "auto")).eval()
+    cpu = build_model(r, build_attention(r)).eval()
     gpu = copy.deepcopy(cpu).to(CUDA)
     batch = next(batches(r.task, "train", r.pattern, 8))
     found = {}

@@ -240,7 +240,7 @@ def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_know
         results_dir=str(tmp_path),
     )
     r = resolve(config)
-    model = build_model(r, build_attention(r, "auto"))
+    model = build_model(r, build_attention(r))
     before = {key: value.clone() for key, value in model.state_dict().items()}
     trainer = Trainer(model, r.train, 16, r.device, r.task)
     trainer.train_epoch(batches(r.task, "train", r.pattern, 2))
@@ -494,7 +494,7 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
     r = resolve(
         RunConfig(task=task, model=model, pattern="dsa:k=4,index_heads=2,index_dim=4,dense=0", settings=settings)
     )
-    net = build_model(r, build_attention(r, "auto")).eval()
+    net = build_model(r, build_attention(r)).eval()
     own = {"transformer": lambda: net.dec_attention[0], "ut": lambda: net.dec_attention}.get(
         model, lambda: net.layer_attention[0]
     )()

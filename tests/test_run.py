@@ -83,6 +83,10 @@ def test_act_given_to_a_model_that_adds_act_itself_is_wrapped_once(model, settin
     for spec in ("act(local:w=2)", "local:w=2"):
         config = RunConfig(task="copy", model=model, pattern=spec, settings=settings)
         assert resolve_configs(config).pattern.spec == "act(local:w=2)"  # what the run's header and rows say
+    # the chosen pattern itself wrapped, bias and union included
+    for spec, run in (("local:w=2+alibi", "act(local:w=2+alibi)"), ("local|strided:l=4", "act(local:w=4|strided:l=4)")):
+        configs = resolve_configs(RunConfig(task="copy", model=model, pattern=spec, settings=settings))
+        assert configs.pattern.spec == run and configs.chosen.spec == run[4:-1]
 
 
 @pytest.mark.parametrize(
@@ -277,6 +281,15 @@ def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     )
     # equal settings, other task
     assert key != cell_key(RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"}))
+
+
+def test_the_backend_is_found_once_when_the_run_is_resolved():
+    """The resolved run holds its backend, checked on its device; the attention it builds uses that one."""
+    from gtx.run.build import build_attention
+    from gtx.run.config import RunConfig, resolve
+
+    r = resolve(RunConfig(backend="dense", settings={"dim": "16", "heads": "2", "n_train": "8", "n_valid": "4"}))
+    assert r.backend.name == "dense" and build_attention(r).backend is r.backend
 
 
 def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp_path):

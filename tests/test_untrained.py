@@ -58,7 +58,7 @@ def test_dsa_freezes_a_pretrained_model_in_its_dense_stage_unless_told_and_its_e
 
     settings = {"path": str(folder), "context": "32", "train_tokens": "600", "eval_tokens": "300", "max_steps": "1"}
     r = resolve(RunConfig(task="text", model="hf", pattern=spec, settings=settings, results_dir=str(tmp_path)))
-    model = build_model(r, build_attention(r, "auto"))
+    model = build_model(r, build_attention(r))
     before = {key: value.clone() for key, value in model.state_dict().items()}
     Trainer(model, r.train, 16, r.device, r.task).train_epoch(batches(r.task, "train", r.pattern, 2))
     changed = {key for key, value in model.state_dict().items() if not torch.equal(before[key], value)}

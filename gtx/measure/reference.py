@@ -265,11 +265,18 @@ class TrainCell:
 
     def resolve(self):
         """The cell's ``Resolved`` run; its batches are built under NO_EDGES where the step reads no edges."""
-        from gtx.run.runner import RunConfig, resolve
+        from gtx.run.runner import DEFAULT_BACKEND, RunConfig, resolve
 
-        pattern = self.pattern if self.gtx else NO_EDGES
+        pattern, backend = (self.pattern, self.backend) if self.gtx else (NO_EDGES, DEFAULT_BACKEND)
         return resolve(
-            RunConfig(task=self.task, model=self.model, pattern=pattern, device=self.device, settings=self.settings)
+            RunConfig(
+                task=self.task,
+                model=self.model,
+                pattern=pattern,
+                backend=backend,
+                device=self.device,
+                settings=self.settings,
+            )
         )
 
     def build(self, resolved):
@@ -280,7 +287,7 @@ class TrainCell:
         torch.manual_seed(0)
         be = None
         if self.gtx or self.backend == SkipAttention.name:
-            attention = build_attention(resolved, self.backend) if self.gtx else SkipAttention()
+            attention = build_attention(resolved) if self.gtx else SkipAttention()
             be = attention.backend if self.gtx else attention
             net = resolved.model_cls(resolved.model_config, resolved.task.src_vocab, resolved.task.tgt_vocab, attention)
         else:

@@ -13,7 +13,6 @@ import torch
 import gtx
 from gtx.attention.module import Attention
 from gtx.attention.trainable import starts_trained
-from gtx.backends import get_backend
 from gtx.errors import PluginError, plugin_code
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
@@ -24,11 +23,10 @@ from gtx.run.config import Resolved
 from gtx.run.train import PhaseStats
 
 
-def build_attention(resolved: Resolved, backend: str) -> Attention:
+def build_attention(resolved: Resolved) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
     heads, dim = getattr(resolved.model_config, "heads", None), getattr(resolved.model_config, "dim", None)
-    backend = get_backend(backend, resolved.device)
-    return Attention.for_width(backend, resolved.pattern, heads, dim, starts_trained(resolved.model_config))
+    return Attention.for_width(resolved.backend, resolved.pattern, heads, dim, starts_trained(resolved.model_config))
 
 
 def build_model(resolved: Resolved, attention: Attention) -> torch.nn.Module:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from gtx.attention.module import check_budget, check_pattern, check_trainable
-from gtx.backends import get_backend
+from gtx.backends import Backend, get_backend
 from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
 from gtx.graph.pattern import Pattern
-from gtx.graph.spec import parse_pattern
+from gtx.graph.spec import build_pattern, parse_pattern
 from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
 from gtx.records.results import identity_keys, stored_settings
@@ -39,6 +39,7 @@ class Resolved:
     pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
     chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
     device: torch.device
+    backend: Backend  # ``config.backend`` found and checked usable on ``device``, once
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
     cell: str  # Configs.keys(): the results' ``cell`` column
     experiment: str  # ... and its ``experiment`` column (the cell without the seed)
@@ -167,7 +168,7 @@ def resolve_configs(config: RunConfig) -> Configs:
             f"not have: it would do nothing; use a model with ACT ({', '.join(_act_models())}), or drop the act(...)"
         )
     # a pattern already filtered at run time (act(P) given to a model that adds act itself) is not wrapped twice
-    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap and not chosen.dynamic else chosen
+    pattern = build_pattern(wrap, {}, chosen) if wrap and not chosen.dynamic else chosen
     return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
 
 
@@ -258,7 +259,8 @@ def resolve(config: RunConfig) -> Resolved:
     config = c.config  # its text settings as resolved
     device = resolve_device(config.device)
     check_precision(c.train.precision)
-    check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
+    backend = get_backend(config.backend, device)
+    check_pattern(c.pattern, backend, getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     tokenizer = getattr(c.model_entry.obj, "tokenizer", None)
     task.tokenizer = tokenizer(c.model) if tokenizer else None
@@ -286,7 +288,18 @@ def resolve(config: RunConfig) -> Resolved:
     if c.train.decode_pattern:
         check_budget(parse_pattern(c.train.decode_pattern), ["dd"], task.context_len())
     return Resolved(
-        config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys()
+        config,
+        task,
+        c.model_entry.obj,
+        c.model,
+        c.task,
+        c.train,
+        c.pattern,
+        c.chosen,
+        device,
+        backend,
+        density,
+        *c.keys(),
     )
 
 

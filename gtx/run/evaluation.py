@@ -39,7 +39,7 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     one line."""
     resolved = resolve(config)
     checkpoint.check_vocab(state, resolved.task, path)
-    attention = build_attention(resolved, config.backend)
+    attention = build_attention(resolved)
     model = build_model(resolved, attention)
     checkpoint.check_shapes(model, state, path, config.model, resolved.chosen.spec)
     try:

@@ -22,7 +22,6 @@ import torch
 
 from gtx.attention.module import Attention
 from gtx.attention.trainable import check_untrained, stages_of
-from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.errors import GtxError, Interrupted
 from gtx.files import NoSpace, check_space
@@ -173,14 +172,14 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     config = resolved.config  # its settings as resolved: what the checkpoint stores
     if not resolved.train.epochs and state is None:
         check_untrained(resolved.chosen, resolved.model_config, "--epochs 0")
-    if resolved.train.epochs and not get_backend(config.backend, resolved.device).trains_on(resolved.device):
+    if resolved.train.epochs and not resolved.backend.trains_on(resolved.device):
         raise GtxError(
             f"backend {config.backend!r} has no backward on {resolved.device}, so it cannot train; train with --backend "
             f"auto and evaluate under {config.backend!r} (gtx eval RUN --backend {config.backend}), or run --epochs 0"
         )
     world, resolved.device = distributed.setup(resolved.device)
     torch.manual_seed(config.seed)
-    attention = build_attention(resolved, config.backend)
+    attention = build_attention(resolved)
     model = build_model(resolved, attention)
     width = getattr(resolved.model_config, "dim", 128)
     trainer = Trainer(model, resolved.train, width, resolved.device, resolved.task, world)
