@@ -256,9 +256,8 @@ def test_the_compressed_branch_equals_its_definition_and_the_cpu_path(weighted, 
 
 
 def run_cli(tmp_path, name, pattern, monkeypatch, kernels, extra=()):
-    from gtx.experiments import results
-
     from gtx.cli import cli
+    from gtx.records import results
 
     monkeypatch.setenv("GTX_KERNELS", kernels)
     args = ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--epochs", "1", "--dim", "32"]
