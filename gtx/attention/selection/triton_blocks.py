@@ -24,10 +24,12 @@ import triton.language as tl
 
 #: whether the kernels run under Triton's interpreter (decided by Triton when this module is imported)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# (rows of a program) x (keys of a tile) x (head dim) values held at once: the interpreter pays per
-# operation, not per value, so its tiles are large; a GPU's registers hold a few thousand per warp
-TILE_VALUES = 1 << 20 if INTERPRETED else 8192
-ROWS = 1024 if INTERPRETED else 16  # (token, head) rows a program takes, at least one token's group
+# (rows of a program) x (keys of a tile) x (head dim) values held at once, and (token, head) rows a
+# program takes (at least one token's group). The interpreter pays per operation, not per value, so
+# its programs are large. Compiled for an H200 (sm_90, 4 warps), one token per program and 2048
+# values needed 80-220 registers and no spills; 16 tokens per program spilled at any tile size.
+TILE_VALUES = 1 << 20 if INTERPRETED else 2048
+ROWS = 1024 if INTERPRETED else 1
 
 
 @triton.jit
@@ -148,7 +150,10 @@ def _spans_forward_kernel(
     slot = t.to(tl.int64) * (H // group) * n_slots + tl.program_id(1) * n_slots
     for j in range(n_slots):
         start, count = _slot_span(BLOCKS, VALID, first, slot + j, ok, block)
-        m, l, acc, blse = _span_forward(K, V, q, h, start, count, block, m, l, acc, H, D, DV, KT, DP, DVP, MASSES)
+        # a slot empty in every row of the program runs no tile
+        m, l, acc, blse = _span_forward(
+            K, V, q, h, start, count, tl.max(count, axis=0), m, l, acc, H, D, DV, KT, DP, DVP, MASSES
+        )
         if MASSES:
             tl.store(BLSE + at * (n_slots + 1) + 1 + j, blse, mask=ok)
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row that reads nothing: zeros
@@ -190,7 +195,9 @@ def _spans_backward_kernel(
     slot = t.to(tl.int64) * (H // group) * n_slots + tl.program_id(1) * n_slots
     for j in range(n_slots):
         start, count = _slot_span(BLOCKS, VALID, first, slot + j, ok, block)
-        dq = _span_backward(K, V, DK, DVB, q, do, lse, delta, dq, h, start, count, block, H, D, DV, KT, DP, DVP)
+        dq = _span_backward(
+            K, V, DK, DVB, q, do, lse, delta, dq, h, start, count, tl.max(count, axis=0), H, D, DV, KT, DP, DVP
+        )
     tl.store(DQ + at[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
 
 
@@ -299,12 +306,22 @@ def compressed(q, kc, vc, lens: list[int], ends: torch.Tensor, weight=None):
     prefix); ``weight`` (n, H) or None scales each output row. Returns (n, H, Dv), zeros where a
     query sees none."""
     batch, m, heads = kc.shape[:3]
-    lens_t = torch.as_tensor(lens, device=q.device)
-    sample = torch.repeat_interleave(torch.arange(batch, device=q.device), lens_t, output_size=sum(lens))
-    first = torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t, output_size=sum(lens))
-    seen = torch.searchsorted(ends, torch.arange(len(first), device=q.device) - first, right=True)
+    first = _firsts(lens, q.device)
+    seen = torch.searchsorted(
+        ends.to(torch.int32),
+        torch.arange(len(first), device=q.device, dtype=torch.int32) - first,
+        right=True,
+        out_int32=True,
+    )
+    if batch == 1:
+        start = torch.zeros_like(first)  # the compressed keys' first row: each sample's m keys
+    else:
+        lens_t = torch.as_tensor(lens, device=q.device)
+        start = torch.repeat_interleave(
+            torch.arange(0, batch * m, m, dtype=torch.int32, device=q.device), lens_t, output_size=len(first)
+        )
     none = seen.new_empty(len(first), 1, 0)
-    spans = Spans(1, heads, none, none, own_start=(sample * m).to(torch.int32), own_count=seen.to(torch.int32))
+    spans = Spans(1, heads, none, none, own_start=start, own_count=seen)
     kr, vr = (x.contiguous().view(batch * m, heads, x.shape[-1]) for x in (kc, vc))
     gate = None if weight is None else weight[..., None]
     out, _, _ = SpanAttention.apply(q.contiguous(), kr, vr, gate, spans, False, m)
