@@ -74,6 +74,7 @@ def run_lock(folder: Path, run_id: str, results_dir: Path) -> Iterator[None]:
     process training it (``gtx run --resume`` while the run, or another resume, goes on) is one line;
     a lock whose process has ended (killed) is taken over."""
     path = folder / LOCK
+    made = not folder.exists()
     try:
         who = claim_file(path)
     except OSError as e:
@@ -87,3 +88,5 @@ def run_lock(folder: Path, run_id: str, results_dir: Path) -> Iterator[None]:
         yield
     finally:
         path.unlink(missing_ok=True)
+        if made and not any(folder.iterdir()):  # a run that wrote no checkpoint (--epochs 0) leaves no folder
+            folder.rmdir()
