@@ -52,8 +52,8 @@ class Resolved:
     model_config: object
     task_config: object
     train: TrainConfig
-    pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
-    chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
+    pattern_run: Pattern  # what the graphs use: ``pattern_given``, wrapped by the model's modifier (ut: act)
+    pattern_given: Pattern  # the pattern as given (--pattern, a grid), canonical: the results' ``pattern`` column
     device: torch.device
     backend: Backend  # ``config.backend`` found and checked usable on ``device``, once
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
@@ -63,7 +63,7 @@ class Resolved:
     def as_dict(self) -> dict:
         return {
             **dataclasses.asdict(self.config),
-            "pattern": self.pattern.spec,
+            "pattern": self.pattern_run.spec,
             "device": str(self.device),
             "model_config": dataclasses.asdict(self.model_config),
             "task_config": dataclasses.asdict(self.task_config),
@@ -133,8 +133,8 @@ class Configs:
     model: object
     task: object
     train: TrainConfig
-    chosen: Pattern
-    pattern: Pattern
+    pattern_given: Pattern
+    pattern_run: Pattern
 
     def keys(self) -> tuple[str, str]:
         """``results.identity_keys``: the run's cell (task, model, chosen pattern, backend, seed and
@@ -146,7 +146,7 @@ class Configs:
             "task_config": dataclasses.asdict(self.task),
             "train": dataclasses.asdict(self.train),
         }
-        return identity_keys(c.task, c.model, self.chosen.spec, c.backend, configs, c.seed)
+        return identity_keys(c.task, c.model, self.pattern_given.spec, c.backend, configs, c.seed)
 
 
 def resolve_configs(config: RunConfig) -> Configs:
@@ -228,7 +228,7 @@ def resolve(config: RunConfig) -> Resolved:
     device = resolve_device(config.device)
     check_precision(c.train.precision)
     backend = get_backend(config.backend, device)
-    check_pattern(c.pattern, backend, getattr(c.model, "heads", None))
+    check_pattern(c.pattern_run, backend, getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     tokenizer = getattr(c.model_entry.obj, "tokenizer", None)
     task.tokenizer = tokenizer(c.model) if tokenizer else None
@@ -245,11 +245,11 @@ def resolve(config: RunConfig) -> Resolved:
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     # builds and checks the pattern's edges: a leak fails here
-    probe.graph_only(make_batch(task, "train", [0], c.chosen))
+    probe.graph_only(make_batch(task, "train", [0], c.pattern_given))
     density = {stage: probe.density(stage) for stage in probe.edges}
-    check_budget(c.chosen, list(probe.edges), task.context_len())
+    check_budget(c.pattern_given, list(probe.edges), task.context_len())
     heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)
-    check_trainable(c.chosen, list(probe.edges), heads, dim, config.model, task.context_len())
+    check_trainable(c.pattern_given, list(probe.edges), heads, dim, config.model, task.context_len())
     return Resolved(
         config,
         task,
@@ -257,8 +257,8 @@ def resolve(config: RunConfig) -> Resolved:
         c.model,
         c.task,
         c.train,
-        c.pattern,
-        c.chosen,
+        c.pattern_run,
+        c.pattern_given,
         device,
         backend,
         density,
@@ -275,21 +275,25 @@ def complete_note(
     run time, or splits heads, by the density a phase recorded (``read``: stage -> density; None: not
     yet; ``when``: which phase). ``stage``: the stage a trainable method ran in (``Trainable.describe``):
     a method that reads every key in a stage (DSA's dense stage) is said to, not called full attention."""
-    if resolved.chosen.spec.split("+")[0] in ("full", "causal"):
+    if resolved.pattern_given.spec.split("+")[0] in ("full", "causal"):
         return None
-    fixed = resolved.chosen.select is None and not resolved.chosen.heads and resolved.chosen.trainable is None
+    fixed = (
+        resolved.pattern_given.select is None
+        and not resolved.pattern_given.heads
+        and resolved.pattern_given.trainable is None
+    )
     density = resolved.density if fixed else read
     if not density or min(density.values()) < NEARLY_COMPLETE:
         return None
     stages = ", ".join(f"{s} {d:.3f}" for s, d in density.items())
     if fixed:
         return (
-            f"note: pattern {resolved.chosen.spec} is (nearly) full attention at task {resolved.config.task!r}'s lengths (density {stages}); "
+            f"note: pattern {resolved.pattern_given.spec} is (nearly) full attention at task {resolved.config.task!r}'s lengths (density {stages}); "
             "it measures full attention here: use longer sequences or a sparser setting"
         )
     if stage:
-        return f"note: pattern {resolved.chosen.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
+        return f"note: pattern {resolved.pattern_given.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
     return (
-        f"note: pattern {resolved.chosen.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
+        f"note: pattern {resolved.pattern_given.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
         f"at task {resolved.config.task!r}'s lengths; use longer sequences or a sparser setting"
     )
