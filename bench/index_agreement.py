@@ -55,7 +55,7 @@ def main() -> None:
         raise SystemExit(f"run {args.run} stopped in dsa's dense stage ({stage}): there is no choice to compare")
     seen = 0
     with torch.no_grad():
-        for batch in batches(resolved.task, args.split, resolved.pattern, resolved.train.eval_batch_size):
+        for batch in batches(resolved.task, args.split, resolved.pattern_run, resolved.train.eval_batch_size):
             if seen == args.batches:
                 break
             CALL[0], seen = 0, seen + 1
@@ -69,7 +69,9 @@ def main() -> None:
             f"choice {call} (layer {call + 1}): int8 keeps {shared:,} of float32's {slots:,} slots: {shared / slots:.4f}"
         )
     shared, slots = (sum(SHARED[c][i] for c in calls) for i in (0, 1))
-    print(f"all: {shared:,} of {slots:,}: {shared / slots:.4f} ({resolved.chosen.spec}, {args.split}, {seen} batches)")
+    print(
+        f"all: {shared:,} of {slots:,}: {shared / slots:.4f} ({resolved.pattern_given.spec}, {args.split}, {seen} batches)"
+    )
 
 
 if __name__ == "__main__":

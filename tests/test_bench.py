@@ -206,7 +206,7 @@ def test_bench_train_times_a_round_as_one_pass_and_counts_only_timed_batches(tin
     pattern = parse_pattern("local:w=1")
     data = [make_batch(tiny_task, "train", [i, i + 1], parse_pattern("full")) for i in range(0, 8, 2)]
     passes = []
-    run = SimpleNamespace(task=tiny_task, pattern=pattern, device=torch.device("cpu"))
+    run = SimpleNamespace(task=tiny_task, pattern_run=pattern, device=torch.device("cpu"))
     tokens, wall, data_s = _time_steps(lambda batches: passes.append(list(batches)), data, 1, run)
     assert [len(p) for p in passes] == [1, 3]
     assert all(b.graph.pattern is pattern for p in passes for b in p)

@@ -138,7 +138,7 @@ def test_recorded_keys_are_the_keys_the_attention_weights_read(kind, monkeypatch
             torch.manual_seed(0)
             attention = build_attention(r)
             model = build_model(r, attention).eval()
-            batch = make_batch(r.task, "train", [0, 1, 2], r.pattern)
+            batch = make_batch(r.task, "train", [0, 1, 2], r.pattern_run)
             seen.clear()
             with torch.no_grad():
                 model(batch)

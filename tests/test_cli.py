@@ -224,7 +224,7 @@ def test_export_into_a_link_to_an_empty_folder_writes_the_folder_and_keeps_the_l
     )
     model = SimpleNamespace(hf=hf, state_dict=dict)
     vocab = SimpleNamespace(itos=["a", "b"])
-    r = SimpleNamespace(config=SimpleNamespace(task="copy"), chosen=parse_pattern("full"))
+    r = SimpleNamespace(config=SimpleNamespace(task="copy"), pattern_given=parse_pattern("full"))
     r.task = SimpleNamespace(tokenizer=None, tgt_vocab=vocab)
     monkeypatch.setattr(pretrained, "trained_run", lambda *a: (model, r))
     (tmp_path / "real").mkdir()

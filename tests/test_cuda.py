@@ -278,7 +278,7 @@ def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     torch.manual_seed(0)
     cpu = build_model(r, build_attention(r)).eval()
     gpu = copy.deepcopy(cpu).to(CUDA)
-    batch = next(batches(r.task, "train", r.pattern, 8))
+    batch = next(batches(r.task, "train", r.pattern_run, 8))
     found = {}
     for name, model, device in (("cpu", cpu, "cpu"), ("cuda", gpu, CUDA)):
         out = model(batch.to(device))

@@ -243,7 +243,7 @@ def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_know
     model = build_model(r, build_attention(r))
     before = {key: value.clone() for key, value in model.state_dict().items()}
     trainer = Trainer(model, r.train, 16, r.device, r.task)
-    trainer.train_epoch(batches(r.task, "train", r.pattern, 2))
+    trainer.train_epoch(batches(r.task, "train", r.pattern_run, 2))
     after = model.state_dict()
     changed = {key for key in before if not torch.equal(before[key], after[key])}
     own = {key for key in changed if ".indexer." in key or key.endswith((".steps", ".sparse"))}
@@ -251,7 +251,7 @@ def test_training_freezes_the_model_during_the_dense_stage_and_a_checkpoint_know
     assert int(model.layer_attention[0].trainable.steps) == 2  # two steps trained: the dense stage is over
     model.eval()
     with torch.no_grad():
-        model(next(iter(batches(r.task, "valid", r.pattern, 2))))
+        model(next(iter(batches(r.task, "valid", r.pattern_run, 2))))
     assert "kept_selected" in model.attention.reset_stats()  # evaluation after the dense stage is sparse
 
 
@@ -515,7 +515,7 @@ def test_the_indexer_reads_each_layers_input(model, monkeypatch):
             (layer.norm_attn for layer in net.layers) if model == "lm" else (layer.norm_self for layer in net.decoder)
         ):
             norm.register_forward_hook(lambda m, args, out: want.append(out))
-    batch = next(iter(batches(r.task, "valid", r.pattern, 2)))
+    batch = next(iter(batches(r.task, "valid", r.pattern_run, 2)))
     with torch.no_grad():
         net(batch)
     if model == "ut":  # a step's active nodes are a subset: the others keep their latest input, as their keys

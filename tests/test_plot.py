@@ -626,7 +626,7 @@ def test_act_figure_shows_the_models_step_counts(trained):
     fig = plot.act(trained["ut"], examples=[0, 2])
     image_of(fig._repr_png_())
     for row, index in enumerate([0, 2]):
-        batch = make_batch(r.task, "test", [index], r.pattern)
+        batch = make_batch(r.task, "test", [index], r.pattern_run)
         with torch.no_grad():
             steps = model(batch).steps
         for col, want in enumerate(steps):

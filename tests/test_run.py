@@ -82,11 +82,11 @@ def test_act_given_to_a_model_that_adds_act_itself_is_wrapped_once(model, settin
 
     for spec in ("act(local:w=2)", "local:w=2"):
         config = RunConfig(task="copy", model=model, pattern=spec, settings=settings)
-        assert resolve_configs(config).pattern.spec == "act(local:w=2)"  # what the run's header and rows say
+        assert resolve_configs(config).pattern_run.spec == "act(local:w=2)"  # what the run's header and rows say
     # the chosen pattern itself wrapped, bias and union included
     for spec, run in (("local:w=2+alibi", "act(local:w=2+alibi)"), ("local|strided:l=4", "act(local:w=4|strided:l=4)")):
         configs = resolve_configs(RunConfig(task="copy", model=model, pattern=spec, settings=settings))
-        assert configs.pattern.spec == run and configs.chosen.spec == run[4:-1]
+        assert configs.pattern_run.spec == run and configs.pattern_given.spec == run[4:-1]
 
 
 @pytest.mark.parametrize(

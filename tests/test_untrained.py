@@ -60,7 +60,7 @@ def test_dsa_freezes_a_pretrained_model_in_its_dense_stage_unless_told_and_its_e
     r = resolve(RunConfig(task="text", model="hf", pattern=spec, settings=settings, results_dir=str(tmp_path)))
     model = build_model(r, build_attention(r))
     before = {key: value.clone() for key, value in model.state_dict().items()}
-    Trainer(model, r.train, 16, r.device, r.task).train_epoch(batches(r.task, "train", r.pattern, 2))
+    Trainer(model, r.train, 16, r.device, r.task).train_epoch(batches(r.task, "train", r.pattern_run, 2))
     changed = {key for key, value in model.state_dict().items() if not torch.equal(before[key], value)}
     own = {key for key in changed if ".indexer." in key or key.endswith((".steps", ".sparse"))}
     assert own and (changed == own) is ("true" in said), sorted(changed - own)[:5]

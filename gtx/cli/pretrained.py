@@ -75,7 +75,7 @@ def generate(run, results_dir, prompt, settings, pattern, decode_pattern, new, c
         if settings:
             raise GtxError(f"gtx generate {run} uses the run's own model settings; drop --set")
         model, r = trained_run(run, results_dir, pattern, device)
-        config, p, tokenizer = r.model_config, r.pattern, r.task.tokenizer
+        config, p, tokenizer = r.model_config, r.pattern_run, r.task.tokenizer
         if tokenizer is None:
             raise GtxError(
                 f"run {run} read task {r.config.task}'s own symbols, not text with a tokenizer: gtx generate continues "
@@ -165,12 +165,12 @@ def export(run, folder, results_dir):
     # a link's folder is what is written, the link left in place (the rename would meet the link itself)
     written = export_folder(model, r, folder.resolve() if folder.is_symlink() else folder)
     click.echo(
-        f"run {run} ({r.config.task}, {r.chosen.spec}): {', '.join(written)} in {folder}; "
+        f"run {run} ({r.config.task}, {r.pattern_given.spec}): {', '.join(written)} in {folder}; "
         f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it",
         err=True,
     )
-    if not runs_as_transformers(r.chosen):
-        click.echo(f"note: {plain_loader_note(r.chosen.spec, folder)}", err=True)
+    if not runs_as_transformers(r.pattern_given):
+        click.echo(f"note: {plain_loader_note(r.pattern_given.spec, folder)}", err=True)
     click.echo(folder)
 
 
@@ -208,14 +208,14 @@ def trained_run(ref: str, results_dir: str, pattern: str | None, device: str):
 
 def export_readme(r, folder: Path) -> str:
     """The exported folder's README: where it comes from and what a loader computes with it."""
-    spec = r.chosen.spec
+    spec = r.pattern_given.spec
     runs = (
         f"Trained under `{spec}`, which is what transformers' own attention computes: "
         "`transformers.AutoModelForCausalLM.from_pretrained(FOLDER)` runs what was trained."
-        if runs_as_transformers(r.chosen)
+        if runs_as_transformers(r.pattern_given)
         else f"Note: {plain_loader_note(spec, folder)}."
     )
-    own = " `gtx_pattern.safetensors` holds the pattern's own trained parameters." if r.chosen.trainable else ""
+    own = " `gtx_pattern.safetensors` holds the pattern's own trained parameters." if r.pattern_given.trainable else ""
     return f"# {folder.name}\n\nA `gtx run --model hf` fine-tuned on task `{r.config.task}`, exported by `gtx export`.\n\n{runs}{own}\n"
 
 
@@ -251,7 +251,9 @@ def export_folder(model, r, folder: Path) -> list[str]:
         own = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith("hf.")}
         if own:
             save_file(
-                own, work / "gtx_pattern.safetensors", metadata={"pattern": r.chosen.spec, "format": "gtx-pattern/1"}
+                own,
+                work / "gtx_pattern.safetensors",
+                metadata={"pattern": r.pattern_given.spec, "format": "gtx-pattern/1"},
             )
         (work / "README.md").write_text(export_readme(r, folder))
         if folder.exists():

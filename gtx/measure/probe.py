@@ -243,7 +243,7 @@ def run_example(model, resolved, split: str = "test", index: int = 0) -> Probe:
     """Run example ``index`` of ``split`` through ``model`` (eval, no grad, teacher forced: the decoder
     reads the reference target) and record its attention and ACT steps."""
     check_example(resolved, split, index)
-    batch = make_batch(resolved.task, split, [index], resolved.pattern).to(resolved.device)
+    batch = make_batch(resolved.task, split, [index], resolved.pattern_run).to(resolved.device)
     model.eval()
     with torch.no_grad(), recording(model) as calls:
         out = model(batch)
@@ -258,7 +258,7 @@ def split_steps(model, resolved, split: str = "test") -> dict[str, torch.Tensor]
     out: dict[str, list[torch.Tensor]] = {}
     model.eval()
     with torch.no_grad():
-        for batch in batches(resolved.task, split, resolved.pattern, resolved.train.eval_batch_size):
+        for batch in batches(resolved.task, split, resolved.pattern_run, resolved.train.eval_batch_size):
             batch = batch.to(resolved.device)
             for side, s in step_counts(batch, model(batch).steps).items():
                 out.setdefault(side, []).append(s)

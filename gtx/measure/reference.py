@@ -320,15 +320,15 @@ def train_cell_memory(cell: TrainCell, steps: int = 3) -> float:
     resolved = cell.resolve()
     data = first_batches(resolved, steps)
     trainer, _ = cell.build(resolved)
-    trainer.train_epoch([make_batch(resolved.task, data[0].split, data[0].index, resolved.pattern)])
+    trainer.train_epoch([make_batch(resolved.task, data[0].split, data[0].index, resolved.pattern_run)])
     del trainer
-    for pattern in (resolved.pattern, resolved.chosen, parse_pattern(cell.pattern)):
+    for pattern in (resolved.pattern_run, resolved.pattern_given, parse_pattern(cell.pattern)):
         pattern._cache.clear()  # cached edges are the variant's memory: its steps build them again
     forget_parsed()  # and so are those of patterns it makes for itself (nsa's window)
     base = reset_peak(resolved.device)
     trainer, _ = cell.build(resolved)
     for b in data:
-        trainer.train_epoch([make_batch(resolved.task, b.split, b.index, resolved.pattern)])
+        trainer.train_epoch([make_batch(resolved.task, b.split, b.index, resolved.pattern_run)])
     return peak_mb(resolved.device) - base
 
 

@@ -224,7 +224,7 @@ def _time_steps(epoch, data, warmup_steps, resolved):
         nonlocal tokens, data_s
         for batch in batches:
             d0 = time.perf_counter()
-            built = make_batch(resolved.task, batch.split, batch.index, resolved.pattern)
+            built = make_batch(resolved.task, batch.split, batch.index, resolved.pattern_run)
             if timed:
                 data_s += time.perf_counter() - d0
                 tokens += built.n_tokens

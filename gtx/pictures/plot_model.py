@@ -166,7 +166,9 @@ def attention(
     or foreign checkpoint, or an example, layer or head out of range."""
     model, resolved, _ = probe.load_model(ref, results_dir, device)
     seen = probe.run_example(model, resolved, split, example)
-    return attention_figure(seen, layer, head, f"{resolved.config.model}, pattern {resolved.chosen.spec}: ", max_cells)
+    return attention_figure(
+        seen, layer, head, f"{resolved.config.model}, pattern {resolved.pattern_given.spec}: ", max_cells
+    )
 
 
 def act_figure(
@@ -221,7 +223,7 @@ def act(
         raise GtxError(
             f"model {resolved.config.model!r} does not use adaptive computation time; train ut or --set universal=true"
         )
-    title = f"{resolved.config.model}, pattern {resolved.chosen.spec}: "
+    title = f"{resolved.config.model}, pattern {resolved.pattern_given.spec}: "
     return act_figure(
         seen, probe.split_steps(model, resolved, split), getattr(resolved.model_config, "max_depth", None), title
     )

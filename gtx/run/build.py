@@ -26,7 +26,9 @@ from gtx.run.train import PhaseStats
 def build_attention(resolved: Resolved) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
     heads, dim = getattr(resolved.model_config, "heads", None), getattr(resolved.model_config, "dim", None)
-    return Attention.for_width(resolved.backend, resolved.pattern, heads, dim, starts_trained(resolved.model_config))
+    return Attention.for_width(
+        resolved.backend, resolved.pattern_run, heads, dim, starts_trained(resolved.model_config)
+    )
 
 
 def build_model(resolved: Resolved, attention: Attention) -> torch.nn.Module:

@@ -36,8 +36,8 @@ class Resolved:
     model_config: object
     task_config: object
     train: TrainConfig
-    pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
-    chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
+    pattern_run: Pattern  # what the graphs use: ``pattern_given``, wrapped by the model's modifier (ut: act)
+    pattern_given: Pattern  # the pattern as given (--pattern, a grid), canonical: the results' ``pattern`` column
     device: torch.device
     backend: Backend  # ``config.backend`` found and checked usable on ``device``, once
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
@@ -47,7 +47,7 @@ class Resolved:
     def as_dict(self) -> dict:
         return {
             **dataclasses.asdict(self.config),
-            "pattern": self.pattern.spec,
+            "pattern": self.pattern_run.spec,
             "device": str(self.device),
             "model_config": dataclasses.asdict(self.model_config),
             "task_config": dataclasses.asdict(self.task_config),
@@ -57,7 +57,7 @@ class Resolved:
     @property
     def decode(self) -> Pattern:
         """The pattern generated tokens read their keys by (``train.decode_pattern``; empty: the run's)."""
-        return parse_pattern(self.train.decode_pattern) if self.train.decode_pattern else self.pattern
+        return parse_pattern(self.train.decode_pattern) if self.train.decode_pattern else self.pattern_run
 
 
 def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
@@ -122,11 +122,11 @@ class Configs:
     model: object
     task: object
     train: TrainConfig
-    chosen: Pattern
-    pattern: Pattern
+    pattern_given: Pattern
+    pattern_run: Pattern
 
     def keys(self) -> tuple[str, str]:
-        """``results.identity_keys``: the run's cell (task, model, chosen pattern, backend, seed and
+        """``results.identity_keys``: the run's cell (task, model, given pattern, backend, seed and
         every resolved setting: ``--epochs 4`` and ``--set train.epochs=4`` give one key; not the
         device or folder) and its experiment (the same without the seed)."""
         c = self.config
@@ -135,7 +135,7 @@ class Configs:
             "task_config": dataclasses.asdict(self.task),
             "train": dataclasses.asdict(self.train),
         }
-        return identity_keys(c.task, c.model, self.chosen.spec, c.backend, configs, c.seed)
+        return identity_keys(c.task, c.model, self.pattern_given.spec, c.backend, configs, c.seed)
 
 
 def resolve_configs(config: RunConfig) -> Configs:
@@ -156,20 +156,20 @@ def resolve_configs(config: RunConfig) -> Configs:
         },
     )
     config = dataclasses.replace(config, settings=_as_resolved(config.settings, cfg))
-    chosen = parse_pattern(config.pattern)
+    pattern_given = parse_pattern(config.pattern)
     if cfg["train"].decode_pattern:  # canonical, and empty where it is the run's own: one experiment either way
         decode = parse_pattern(cfg["train"].decode_pattern).spec
-        cfg["train"].decode_pattern = "" if decode == chosen.spec else decode
+        cfg["train"].decode_pattern = "" if decode == pattern_given.spec else decode
     model_cls = model_entry.obj
     wrap = _modifier(model_cls, cfg["model"])
-    if chosen.dynamic and not wrap:
+    if pattern_given.dynamic and not wrap:
         raise GtxError(
-            f"pattern {chosen.spec!r} filters its edges by the nodes still computing (ACT), which model {config.model!r} does "
+            f"pattern {pattern_given.spec!r} filters its edges by the nodes still computing (ACT), which model {config.model!r} does "
             f"not have: it would do nothing; use a model with ACT ({', '.join(_act_models())}), or drop the act(...)"
         )
     # a pattern already filtered at run time (act(P) given to a model that adds act itself) is not wrapped twice
-    pattern = build_pattern(wrap, {}, chosen) if wrap and not chosen.dynamic else chosen
-    return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
+    pattern_run = build_pattern(wrap, {}, pattern_given) if wrap and not pattern_given.dynamic else pattern_given
+    return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], pattern_given, pattern_run)
 
 
 def _as_resolved(settings: dict[str, str], configs: dict[str, object]) -> dict[str, str]:
@@ -260,7 +260,7 @@ def resolve(config: RunConfig) -> Resolved:
     device = resolve_device(config.device)
     check_precision(c.train.precision)
     backend = get_backend(config.backend, device)
-    check_pattern(c.pattern, backend, getattr(c.model, "heads", None))
+    check_pattern(c.pattern_run, backend, getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     tokenizer = getattr(c.model_entry.obj, "tokenizer", None)
     task.tokenizer = tokenizer(c.model) if tokenizer else None
@@ -280,11 +280,11 @@ def resolve(config: RunConfig) -> Resolved:
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     # builds and checks the pattern's edges: a leak fails here
-    probe.graph_only(make_batch(task, "train", [0], c.chosen))
+    probe.graph_only(make_batch(task, "train", [0], c.pattern_given))
     density = {stage: probe.density(stage) for stage in probe.edges}
-    check_budget(c.chosen, list(probe.edges), task.context_len())
+    check_budget(c.pattern_given, list(probe.edges), task.context_len())
     heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)
-    check_trainable(c.chosen, list(probe.edges), heads, dim, config.model, task.context_len())
+    check_trainable(c.pattern_given, list(probe.edges), heads, dim, config.model, task.context_len())
     if c.train.decode_pattern:
         check_budget(parse_pattern(c.train.decode_pattern), ["dd"], task.context_len())
     return Resolved(
@@ -294,8 +294,8 @@ def resolve(config: RunConfig) -> Resolved:
         c.model,
         c.task,
         c.train,
-        c.pattern,
-        c.chosen,
+        c.pattern_run,
+        c.pattern_given,
         device,
         backend,
         density,
@@ -322,7 +322,7 @@ def _check_decode(config: RunConfig, c: Configs, task: Task, backend) -> None:
     if decode.trainable is not None:
         raise GtxError(
             f"--decode-pattern {decode.spec} attends with parameters of its own, which the run's pattern "
-            f"{c.chosen.spec!r} does not give the model; decode under a pattern without them, or run with --pattern {decode.spec}"
+            f"{c.pattern_given.spec!r} does not give the model; decode under a pattern without them, or run with --pattern {decode.spec}"
         )
     check_pattern(decode, backend, getattr(c.model, "heads", None))
 
@@ -336,21 +336,25 @@ def complete_note(
     run time, or splits heads, by the density a phase recorded (``read``: stage -> density; None: not
     yet; ``when``: which phase). ``stage``: the stage a trainable method ran in (``Trainable.describe``):
     a method that reads every key in a stage (DSA's dense stage) is said to, not called full attention."""
-    if resolved.chosen.spec.split("+")[0] in ("full", "causal"):
+    if resolved.pattern_given.spec.split("+")[0] in ("full", "causal"):
         return None
-    fixed = resolved.chosen.select is None and not resolved.chosen.heads and resolved.chosen.trainable is None
+    fixed = (
+        resolved.pattern_given.select is None
+        and not resolved.pattern_given.heads
+        and resolved.pattern_given.trainable is None
+    )
     density = resolved.density if fixed else read
     if not density or min(density.values()) < NEARLY_COMPLETE:
         return None
     stages = ", ".join(f"{s} {d:.3f}" for s, d in density.items())
     if fixed:
         return (
-            f"note: pattern {resolved.chosen.spec} is (nearly) full attention at task {resolved.config.task!r}'s lengths (density {stages}); "
+            f"note: pattern {resolved.pattern_given.spec} is (nearly) full attention at task {resolved.config.task!r}'s lengths (density {stages}); "
             "it measures full attention here: use longer sequences or a sparser setting"
         )
     if stage:
-        return f"note: pattern {resolved.chosen.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
+        return f"note: pattern {resolved.pattern_given.spec} read every key its queries could see {when} (density {stages}): it ran in its {stage}"
     return (
-        f"note: pattern {resolved.chosen.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
+        f"note: pattern {resolved.pattern_given.spec} read (nearly) every key its queries could see {when} (density {stages}): it is full attention "
         f"at task {resolved.config.task!r}'s lengths; use longer sequences or a sparser setting"
     )

@@ -41,7 +41,7 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     checkpoint.check_vocab(state, resolved.task, path)
     attention = build_attention(resolved)
     model = build_model(resolved, attention)
-    checkpoint.check_shapes(model, state, path, config.model, resolved.chosen.spec)
+    checkpoint.check_shapes(model, state, path, config.model, resolved.pattern_given.spec)
     try:
         loaded = model.load_state_dict(state["model"], strict=False)
     except RuntimeError as e:  # torch's first line is a header ("Error(s) in loading ..."): the reason follows it
@@ -53,8 +53,8 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     if learned:
         trained = json.loads(state["common"])["pattern"]
         raise GtxError(
-            f"pattern {resolved.chosen.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
-            f"({learned[0]}); evaluate it under a pattern without them, or train under {resolved.chosen.spec!r}"
+            f"pattern {resolved.pattern_given.spec!r} attends with learned parameters that checkpoint {path} (trained under {trained!r}) lacks "
+            f"({learned[0]}); evaluate it under a pattern without them, or train under {resolved.pattern_given.spec!r}"
         )
     # a trainable pattern's parameters are unused under another pattern: evaluating its model so is allowed
     other = [*loaded.missing_keys, *(key for key in loaded.unexpected_keys if not checkpoint.trainable_key(key))]
@@ -100,8 +100,8 @@ def evaluate_checkpoint(
     stats = evaluate(
         model,
         resolved.task,
-        batches(resolved.task, split, resolved.pattern, resolved.train.eval_batch_size),
-        resolved.pattern,
+        batches(resolved.task, split, resolved.pattern_run, resolved.train.eval_batch_size),
+        resolved.pattern_run,
         resolved.device,
         beam=beam,
         precision=resolved.train.precision,
@@ -119,7 +119,7 @@ def evaluate_checkpoint(
         "schema_version": SCHEMA_VERSION,
         "run_id": run_id,
         "started_at": started.isoformat(timespec="seconds"),
-        "pattern": resolved.chosen.spec,
+        "pattern": resolved.pattern_given.spec,
         "cell": None,
         "experiment": resolved.experiment,
         "eval_of": source["run_id"],

@@ -139,7 +139,7 @@ def _new_common(config: RunConfig, resolved: Resolved, model: torch.nn.Module, w
         "started_at": started.isoformat(timespec="seconds"),
         "task": config.task,
         "model": config.model,
-        "pattern": resolved.chosen.spec,
+        "pattern": resolved.pattern_given.spec,
         "cell": resolved.cell,
         "experiment": resolved.experiment,
         "eval_of": None,
@@ -171,7 +171,7 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     resolved = resolve(config)
     config = resolved.config  # its settings as resolved: what the checkpoint stores
     if not resolved.train.epochs and state is None:
-        check_untrained(resolved.chosen, resolved.model_config, "--epochs 0")
+        check_untrained(resolved.pattern_given, resolved.model_config, "--epochs 0")
     if resolved.train.epochs and not resolved.backend.trains_on(resolved.device):
         raise GtxError(
             f"backend {config.backend!r} has no backward on {resolved.device}, so it cannot train; train with --backend "
@@ -196,7 +196,7 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     say = log if world.main else (lambda s: None)
     say(
         f"run {common['run_id']}{f' (resumed at epoch {start})' if state else ''}: task {config.task}, "
-        f"model {config.model} ({common['n_params']:,} parameters), pattern {resolved.pattern.spec}, "
+        f"model {config.model} ({common['n_params']:,} parameters), pattern {resolved.pattern_run.spec}, "
         f"backend {config.backend}, device {resolved.device}" + (f", {world.size} processes" if world.size > 1 else "")
     )
     run = _Run(
@@ -218,7 +218,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         shuffled = batches(
             resolved.task,
             "train",
-            resolved.pattern,
+            resolved.pattern_run,
             train.batch_size,
             shuffle_seed=run.config.seed * 10_007 + epoch,
             part=(run.world.rank, run.world.size),
@@ -234,8 +234,8 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
     valid = evaluate(
         run.model,
         resolved.task,
-        batches(resolved.task, "valid", resolved.pattern, train.eval_batch_size),
-        resolved.pattern,
+        batches(resolved.task, "valid", resolved.pattern_run, train.eval_batch_size),
+        resolved.pattern_run,
         resolved.device,
         decode_limit=train.decode_valid,
         precision=train.precision,
@@ -294,8 +294,8 @@ def _test(run: _Run, last: int) -> None:
     test = evaluate(
         run.model,
         resolved.task,
-        batches(resolved.task, "test", resolved.pattern, resolved.train.eval_batch_size),
-        resolved.pattern,
+        batches(resolved.task, "test", resolved.pattern_run, resolved.train.eval_batch_size),
+        resolved.pattern_run,
         resolved.device,
         beam=getattr(resolved.task_config, "beam", 1),
         precision=resolved.train.precision,
