@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-import gtx.attention.selection.indexer as indexer
+import gtx.selection.indexer as indexer
 
 REAL = indexer.top_indexed
 SHARED: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # choice within a batch -> [shared slots, float32's slots]

@@ -25,11 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from gtx import native
 from gtx.attention.module import Attention
-from gtx.attention.selection import choice
-from gtx.attention.selection import keys as key_attention
 from gtx.backends import get_backend
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
+from gtx.selection import choice
+from gtx.selection import keys as key_attention
 
 READS = ("_local_scalar_dense", "item", "nonzero")
 NOT_LAUNCHED = ("lift_fresh", "detach", "alias", "set_")
@@ -78,7 +78,8 @@ def gpu_paths(kernels: str, launches: Counter) -> None:
     top = choice.top_later_first
     choice.top_later_first = lambda score, count, every_row=True: top(score, count, every_row)
     if kernels == "triton":
-        from gtx.attention.selection import triton_index, triton_keys
+        from gtx.triton_kernels import index as triton_index
+        from gtx.triton_kernels import keys as triton_keys
 
         for module, name, ids in (
             (triton_keys, "_forward_kernel", None),

@@ -35,11 +35,11 @@ PUBLIC = {
     "build_graph": ("gtx.graph.tokens", "build_graph"),
     "window_edges": ("gtx.graph.tokens", "window_edges"),
     # the selection contract: what a method that chooses keys from the content hands the kernels
-    "KeySelection": ("gtx.attention.selection", "KeySelection"),
-    "TokenBlockSelection": ("gtx.attention.selection", "TokenBlockSelection"),
-    "BlockSelection": ("gtx.attention.selection", "BlockSelection"),
-    "attend_selection": ("gtx.attention.selection", "attend_selection"),
-    "selection": ("gtx.attention.selection", None),
+    "KeySelection": ("gtx.selection", "KeySelection"),
+    "TokenBlockSelection": ("gtx.selection", "TokenBlockSelection"),
+    "BlockSelection": ("gtx.selection", "BlockSelection"),
+    "attend_selection": ("gtx.selection", "attend_selection"),
+    "selection": ("gtx.selection", None),
     "Run": ("gtx.attention.trainable", "Run"),
     "setting": ("gtx.values", "setting"),
     # tasks

@@ -58,7 +58,7 @@ class Indexer(nn.Module):
     rotation, which leaves dot products as they are): index keys (LayerNorm-ed) and head weights
     from the layer's input, index queries from the attention's queries (gtx's models have no query
     latent); the first ``rope`` dimensions of each index query and key turned by the token's
-    position (``gtx.attention.selection.indexer.rotate``), the rest as they are."""
+    position (``gtx.selection.indexer.rotate``), the rest as they are."""
 
     def __init__(self, query_dim: int, input_dim: int, heads: int, dim: int, rope: int):
         super().__init__()

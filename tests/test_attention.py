@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from gtx import native
 from gtx.attention.checks import check_selection
 from gtx.attention.module import Attention
-from gtx.attention.selection.blocks import BlockSelection, attend_blocks
-from gtx.attention.selection.keys import KeySelection, attend_keys
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import PluginError
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
+from gtx.selection.blocks import BlockSelection, attend_blocks
+from gtx.selection.keys import KeySelection, attend_keys
 
 SPECS = [
     "heads(local:w=1,strided:l=3)",
@@ -433,7 +433,7 @@ def test_a_selection_outside_its_causal_candidates_is_named(bad, message):
 def test_ties_rank_the_later_index_first_on_every_device():
     """Block choices (nsa, dsa:b) break equal scores alike on every device: topk's order for ties
     differs between the CPU and CUDA, and zero scores (unscored blocks, ReLU'd index scores) are common."""
-    from gtx.attention.selection.choice import top_later_first
+    from gtx.selection.choice import top_later_first
 
     score = torch.tensor([[0.0, 2.0, 0.0, 0.0, float("-inf")], [1.0, 1.0, 1.0, 3.0, 1.0]])
     values, indices = top_later_first(score, 3)
@@ -457,7 +457,7 @@ def test_ties_rank_the_later_index_first_on_every_device():
 def test_top_later_first_is_a_stable_sort_of_the_reversed_scores(values, rows, count, bf16, every_row):
     """The definition, tie-heavy: equal scores (-0 equal to +0, infinities) rank the later index first;
     alike where tied rows are picked out (the CPU's default) or every row is decided (elsewhere)."""
-    from gtx.attention.selection.choice import top_later_first
+    from gtx.selection.choice import top_later_first
 
     score = torch.stack([torch.tensor(values).roll(r) for r in range(rows)])  # rows of the same values, shifted
     score = score.bfloat16() if bf16 else score
@@ -471,7 +471,7 @@ def test_top_later_first_is_a_stable_sort_of_the_reversed_scores(values, rows, c
 def test_top_later_first_deciding_every_row_reads_no_value_back(value_reads):
     """Off the CPU every row is decided by its keys: tied rows are not picked out by a mask, which reads
     the mask back (bfloat16 scores tie often on a GPU)."""
-    from gtx.attention.selection.choice import top_later_first
+    from gtx.selection.choice import top_later_first
 
     score = torch.tensor(
         [[0.0, 1.0, 1.0, 1.0, 0.5], [3.0, 2.0, 1.0, 0.0, -1.0]]
@@ -487,7 +487,7 @@ def test_the_key_attention_blocks_are_larger_off_the_cpu_and_any_block_agrees(mo
     """The torch path runs blocks of query rows of ``_CHUNK`` gathered elements on the CPU and 8x that
     elsewhere (a GPU pays its launches per block); one row a block or all rows in one give the same
     output, log-sum-exp and gradients."""
-    from gtx.attention.selection import keys
+    from gtx.selection import keys
 
     blocks = [len(list(keys._blocks(4096, 4, 64, 32, torch.device(d)))) for d in ("cpu", "meta")]
     assert blocks == [16, 2]  # 256 rows a block on the CPU, 2048 elsewhere
@@ -510,7 +510,7 @@ def test_the_key_attention_blocks_are_larger_off_the_cpu_and_any_block_agrees(mo
 def test_the_key_attention_backward_takes_inputs_of_any_strides():
     """The plain-torch backward of attention over kept keys adds into flat views of its gradients:
     keys laid out (H, n, D) and transposed (as a bfloat16 autocast cast leaves them) give the same gradients."""
-    from gtx.attention.selection.keys import _backward_torch
+    from gtx.selection.keys import _backward_torch
 
     g = torch.Generator().manual_seed(0)
     n, heads, dim, count = 12, 2, 8, 3

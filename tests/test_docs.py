@@ -190,10 +190,10 @@ def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_t
 
     from gtx import KeySelection, build_graph, load_plugins, parse_pattern, selection
     from gtx.attention.module import Attention
-    from gtx.attention.selection import keys as key_kernels
     from gtx.backends import get_backend
     from gtx.plugins import registry as plugins
     from gtx.records.results import load
+    from gtx.selection import keys as key_kernels
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "published"

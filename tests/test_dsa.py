@@ -20,11 +20,11 @@ import torch
 from click.testing import CliRunner
 
 from gtx.attention.module import Attention
-from gtx.attention.selection.indexer import index_scores
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
+from gtx.selection.indexer import index_scores
 
 
 def published_frequencies(r):
@@ -587,8 +587,8 @@ def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_k
     computing it itself, against the KL of softmaxes in float64, in blocks of rows of every size; on
     the C kernel (where it builds) and on torch ops."""
     from gtx import native
-    from gtx.attention.selection.blocks import block_means
-    from gtx.attention.selection.indexer import dense_index_kl
+    from gtx.selection.blocks import block_means
+    from gtx.selection.indexer import dense_index_kl
 
     if kernel and native.load("dense_kernel") is None:
         pytest.skip("no C compiler: the torch path is all there is")
@@ -629,7 +629,7 @@ def test_the_dense_kls_kernel_agrees_with_its_torch_path_over_long_rows(size, mo
     spread that some of p underflows to 0 and the index scores span hundreds: the C kernel's loss and
     gradients are the torch path's (float32 both)."""
     from gtx import native
-    from gtx.attention.selection.indexer import dense_index_kl
+    from gtx.selection.indexer import dense_index_kl
 
     if native.load("dense_kernel") is None:
         pytest.skip("no C compiler: the torch path is all there is")

@@ -8,13 +8,13 @@ import torch
 
 from gtx import native
 from gtx.attention.module import Attention
-from gtx.attention.selection import choice, indexer
-from gtx.attention.selection.choice import int8_scores, quantised
-from gtx.attention.selection.indexer import index_scores, top_indexed
 from gtx.backends import get_backend
 from gtx.errors import PatternError
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
+from gtx.selection import choice, indexer
+from gtx.selection.choice import int8_scores, quantised
+from gtx.selection.indexer import index_scores, top_indexed
 
 on_kernel = pytest.mark.skipif(native.load("index_kernel") is None, reason="no C compiler: the torch path only")
 

@@ -13,6 +13,8 @@ LAYERS = [
     ("graph",),
     ("data",),
     ("backends",),
+    ("triton_kernels",),
+    ("selection",),
     ("attention",),
     ("model",),
     ("records",),
@@ -83,6 +85,25 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+#: the most of the house's Python lines (every ``.py`` under ``gtx/``) one room (a direct subfolder) may hold
+ROOM_SHARE = 0.12
+
+
+def python_lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_no_room_holds_more_than_its_share_of_the_house():
+    """Each folder directly under ``gtx/`` holds at most ROOM_SHARE of the package's Python lines,
+    counted over its files at any depth: a room that grows past it is split along a seam it has."""
+    total = python_lines(MODULES.values())
+    rooms = sorted(p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert len(rooms) > 10, rooms  # the rooms are found
+    shares = {room.name: python_lines(room.rglob("*.py")) / total for room in rooms}
+    over = sorted(f"gtx/{name}/: {share:.1%}" for name, share in shares.items() if share > ROOM_SHARE)
+    assert not over, f"rooms past {ROOM_SHARE:.0%} of gtx's Python lines:\n" + "\n".join(over)
 
 
 def test_the_public_api_is_what_docs_api_md_lists():

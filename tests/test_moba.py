@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtx.attention.module import Attention
-from gtx.attention.selection.blocks import TokenBlockSelection, attend_token_blocks
 from gtx.backends import get_backend
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
+from gtx.selection.blocks import TokenBlockSelection, attend_token_blocks
 
 
 def moba_by_definition(q, k, v, lens, block, top):
@@ -152,7 +152,7 @@ def test_many_tiles_run_in_chunks_and_still_agree():
 
 def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     # SDPA's fused kernel that returns the log-sum-exp exists on the CPU only; other devices run the tiles in torch ops
-    monkeypatch.setattr("gtx.attention.selection.token_tiles.FUSED_DEVICES", ())
+    monkeypatch.setattr("gtx.selection.token_tiles.FUSED_DEVICES", ())
     lens, block, top = [150, 61], 16, 3
     assert_agrees_with_definition(lens, block, top, 2)
 
@@ -253,9 +253,9 @@ def test_small_chunks_of_blocks_and_tiles_still_agree(monkeypatch, headroom):
     # the backward runs the own blocks' chunks last first and adds the chosen tiles of each chunk's keys
     # to it: several chunks of each, over samples and heads, check the order; headroom 0 rescales the
     # merged rows at every new maximum, where the default rarely does
-    monkeypatch.setattr("gtx.attention.selection.token_tiles._HEADROOM", headroom)
-    monkeypatch.setattr("gtx.attention.selection.token_tiles.BLOCK_ROWS", 5)
-    monkeypatch.setattr("gtx.attention.selection.token_tiles.TILES", 7)
+    monkeypatch.setattr("gtx.selection.token_tiles._HEADROOM", headroom)
+    monkeypatch.setattr("gtx.selection.token_tiles.BLOCK_ROWS", 5)
+    monkeypatch.setattr("gtx.selection.token_tiles.TILES", 7)
     assert_agrees_with_definition([130, 45, 61], 8, 3, 3)
 
 
@@ -264,8 +264,8 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
     chunk's partial outputs merge into the output as they come and the gradients go straight to their
     rows, where a buffer of every chosen block's output (4 q-sized here) and block-layout copies of
     the gradients held 6.5 and 7.3 q-sized tensors."""
-    monkeypatch.setattr("gtx.attention.selection.token_tiles.BLOCK_ROWS", 16)
-    monkeypatch.setattr("gtx.attention.selection.token_tiles.TILES", 16)
+    monkeypatch.setattr("gtx.selection.token_tiles.BLOCK_ROWS", 16)
+    monkeypatch.setattr("gtx.selection.token_tiles.TILES", 16)
     n, heads, dim = 2048, 2, 32
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for _ in range(3))
@@ -281,7 +281,7 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
 def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     """Off the CPU both the own blocks' and the chosen tiles' chunks are ``ACCELERATOR_CHUNKS`` times
     larger (a GPU pays ~20 launches a chunk whatever its size); on the CPU they keep their sizes."""
-    from gtx.attention.selection import token_tiles as selection
+    from gtx.selection import token_tiles as selection
 
     monkeypatch.setattr(selection, "BLOCK_ROWS", 2)
     monkeypatch.setattr(selection, "TILES", 2)
@@ -312,7 +312,7 @@ def test_a_choice_shared_by_a_head_group_is_its_copy_per_head(gate, group):
     """A selection with a row per group of heads (``group``) attends, counts and lists edges as the
     same choice copied to every head of the group: values and gradients equal, bit for bit."""
     from gtx.attention.checks import check_selection
-    from gtx.attention.selection.blocks import attend_blocks
+    from gtx.selection.blocks import attend_blocks
 
     lens, heads = [29, 14], 4
     g = torch.Generator().manual_seed(group)
@@ -355,8 +355,8 @@ def test_a_head_group_that_does_not_fit_the_heads_is_one_line(gate):
 
 def test_the_kernels_that_ran_are_recorded_per_stage(monkeypatch):
     """Each call records the kernel that ran under its stage (a run's backend_plan reports them)."""
-    from gtx.attention.selection.blocks import attend_blocks
-    from gtx.attention.selection.kernels import take_ran
+    from gtx.selection.blocks import attend_blocks
+    from gtx.selection.kernels import take_ran
 
     monkeypatch.setenv("GTX_KERNELS", "torch")
     q, k, v = (torch.randn(12, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -365,6 +365,6 @@ def test_the_kernels_that_ran_are_recorded_per_stage(monkeypatch):
     take_ran()
     attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
     attend_blocks(q, k, v, edges, block.select(q, k, edges))
-    monkeypatch.setattr("gtx.attention.selection.token_tiles.FUSED_DEVICES", ())  # as on a GPU without triton
+    monkeypatch.setattr("gtx.selection.token_tiles.FUSED_DEVICES", ())  # as on a GPU without triton
     attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
     assert take_ran() == {"dd": {"cpu-flash:token-blocks": 1, "sdpa:blocks": 1, "torch:token-blocks": 1}}

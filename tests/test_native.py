@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtx import files, native
-from gtx.attention.selection.choice import top_keys
-from gtx.attention.selection.indexer import dense_index_kl, index_kl, top_indexed
-from gtx.attention.selection.keys import RANGE_SHIFT, KeySelection, attend_keys
 from gtx.backends.flash import flash_attention
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
+from gtx.selection.choice import top_keys
+from gtx.selection.indexer import dense_index_kl, index_kl, top_indexed
+from gtx.selection.keys import RANGE_SHIFT, KeySelection, attend_keys
 
 pytestmark = pytest.mark.skipif(
     native.load("keys_kernel") is None, reason="no C compiler: the torch paths are all there is"

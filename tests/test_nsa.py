@@ -18,12 +18,12 @@ import torch
 from click.testing import CliRunner
 
 from gtx.attention.module import Attention
-from gtx.attention.selection import compressed
-from gtx.attention.selection.blocks import TokenBlockSelection, attend_token_blocks
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import batch_edges, build_graph
+from gtx.selection import compressed
+from gtx.selection.blocks import TokenBlockSelection, attend_token_blocks
 
 
 def selected_and_window_by_definition(q, k, v, lens, block_indices, block, window, g_slc, g_swa):
@@ -161,7 +161,7 @@ def test_blocks_of_rows_are_larger_on_an_accelerator_and_still_agree(monkeypatch
     """Off the CPU the compressed branch's blocks of rows are ``chunk_scale`` times larger (a GPU pays
     its launches per block, whatever its size): here 3x blocks of 16 (choice: 8) rows, a shorter sample
     among them."""
-    from gtx.attention.selection import token_tiles as selection
+    from gtx.selection import token_tiles as selection
 
     assert selection.chunk_scale("cpu") == 1 and selection.chunk_scale("meta") == selection.ACCELERATOR_CHUNKS > 1
     monkeypatch.setattr(compressed, "ROWS", 16)
@@ -489,8 +489,8 @@ def test_the_gated_selected_branch_and_the_window_hold_no_gated_or_contiguous_co
     weights) holds no more than without one, and the window (blocksparse) reads a gradient in its
     output's layout as it is, where a gated copy of the gradient and a contiguous copy of it held one
     q-sized tensor more each."""
-    from gtx.attention.selection import token_tiles as selection
     from gtx.backends import blocksparse
+    from gtx.selection import token_tiles as selection
 
     for module, name, value in ((selection, "BLOCK_ROWS", 4), (selection, "TILES", 4), (selection, "GATE_ROWS", 64)):
         monkeypatch.setattr(module, name, value)
@@ -523,7 +523,7 @@ def test_blocks_of_rows_and_chunks_of_tiles_read_no_value_back_per_block(monkeyp
     """A value read from a tensor (``int``, ``bool``, ``.item()``) waits for a GPU's queue: the compressed
     branch's blocks of rows and the chosen tiles' chunks are laid out from host lists, not a read each
     (a read per block would be 438 of them in an NSA step of 2 layers at 16384 tokens)."""
-    from gtx.attention.selection import token_tiles as selection
+    from gtx.selection import token_tiles as selection
 
     monkeypatch.setattr(selection, "TILES", 2)
     n, heads = 512, 2

@@ -1,5 +1,5 @@
-"""The fused Triton kernels for block selections (gtx/attention/selection/triton_blocks.py and
-triton_tiles.py) compute what their definition computes, written out here densely in float64: per
+"""The fused Triton kernels for block selections (gtx/triton_kernels/blocks.py and
+tiles.py) compute what their definition computes, written out here densely in float64: per
 query token and head, a softmax over the keys of its sample at or before it whose block is its own
 or one its selection names (a valid slot of its head's group row); NSA's compressed branch, a
 softmax over the compressed keys whose blocks end at or before the query. Values and every gradient
@@ -14,16 +14,16 @@ from click.testing import CliRunner
 
 pytest.importorskip("triton", reason="the fused selection kernels need triton (pip install triton)")
 
-from gtx.attention.selection import compressed  # noqa: E402
-from gtx.attention.selection.blocks import (  # noqa: E402
+from gtx.graph.spec import parse_pattern  # noqa: E402
+from gtx.graph.tokens import build_graph  # noqa: E402
+from gtx.selection import compressed  # noqa: E402
+from gtx.selection.blocks import (  # noqa: E402
     BlockSelection,
     TokenBlockSelection,
     attend_blocks,
     attend_token_blocks,
 )
-from gtx.attention.selection.kernels import take_ran  # noqa: E402
-from gtx.graph.spec import parse_pattern  # noqa: E402
-from gtx.graph.tokens import build_graph  # noqa: E402
+from gtx.selection.kernels import take_ran  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton's interpreter
 

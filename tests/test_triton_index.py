@@ -1,4 +1,4 @@
-"""The lightning indexer's Triton kernels (gtx/attention/selection/triton_index.py) under Triton's
+"""The lightning indexer's Triton kernels (gtx/triton_kernels/index.py) under Triton's
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is): the choice keeps the torch
 path's keys, best first, equal scores preferring the later key, over samples of different lengths
 with causal or complete candidates; the sparse KL's value and gradients equal the torch path's in
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtx import native
-from gtx.attention.selection import kernels
-from gtx.attention.selection.indexer import index_kl, index_scores, top_indexed
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
+from gtx.selection import kernels
+from gtx.selection.indexer import index_kl, index_scores, top_indexed
 from tests.test_dsa import test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl as dsa_as_defined
 
 pytestmark = pytest.mark.skipif(kernels.triton_error() is not None, reason=f"{kernels.triton_error()}")

@@ -1,4 +1,4 @@
-"""The Triton kernels of a ``KeySelection`` (gtx/attention/selection/triton_keys.py), on the CPU under
+"""The Triton kernels of a ``KeySelection`` (gtx/triton_kernels/keys.py), on the CPU under
 Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is): values, every
 gradient and the heads' mean weights against the masked softmax written out in float64 and against
 the C kernel, for head groups of 1, 2 and all heads, invalid slots, a query with nothing to read,
@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gtx.attention.checks import check_selection
-from gtx.attention.selection import kernels
-from gtx.attention.selection.keys import KeySelection, attend_keys
 from gtx.cli import cli
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.records import results
+from gtx.selection import kernels
+from gtx.selection.keys import KeySelection, attend_keys
 
 pytestmark = pytest.mark.skipif(kernels.triton_error() is not None, reason=f"{kernels.triton_error()}")
 
@@ -117,7 +117,7 @@ def test_half_precision_inputs_sum_in_float32(dtype, share, group):
 def test_tiles_that_split_queries_and_slots_give_the_same_results(sizes, monkeypatch):
     """(queries a program, tile elements): 16 queries and tiles of 2 slots (the online softmax across
     tiles; the last program's queries partly past n); one query a program, as compiled for a GPU."""
-    from gtx.attention.selection import triton_keys
+    from gtx.triton_kernels import keys as triton_keys
 
     monkeypatch.setitem(triton_keys.SIZES, "interpreted", sizes)
     lens = [20, 7, 30] if sizes[0] > 1 else [9, 4]

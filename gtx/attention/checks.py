@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention.selection.blocks import BlockSelection, TokenBlockSelection
-from gtx.attention.selection.keys import KeySelection
 from gtx.errors import PluginError
 from gtx.graph.tokens import EdgeSet
+from gtx.selection.blocks import BlockSelection, TokenBlockSelection
+from gtx.selection.keys import KeySelection
 
 
 def check_keep(spec: str, keep, edges: EdgeSet, heads: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ A plain pattern's edges go straight to the backend. Beyond that a pattern may (`
   train and are checkpointed with the model;
 - select edges at run time from the queries and keys (``topk``, ``moba``, ``lsh``): per head, a
   subset of the pattern's own (candidate) edges. A selection is a bool mask (E, H) over the
-  candidate edges, or for block-sparse choosers a ``gtx.attention.selection.blocks.BlockSelection``. Either way the
+  candidate edges, or for block-sparse choosers a ``gtx.selection.blocks.BlockSelection``. Either way the
   selected edges are candidates, so the candidates' checks (no future edge in ``dd``) hold; a
   query left without an edge is an error naming the pattern;
 - bring attention with parameters of its own (``nsa``, ``dsa``): a ``gtx.attention.trainable.Trainable``
@@ -26,13 +26,13 @@ import torch
 
 from gtx.attention.budget import Account, on_active
 from gtx.attention.checks import check_keep, check_selection
-from gtx.attention.selection.blocks import BlockSelection, TokenBlockSelection, attend_blocks, attend_token_blocks
-from gtx.attention.selection.kernels import take_ran
-from gtx.attention.selection.keys import KeySelection, attend_keys
 from gtx.attention.trainable import Run
 from gtx.backends import Backend
 from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.graph.tokens import EdgeSet
+from gtx.selection.blocks import BlockSelection, TokenBlockSelection, attend_blocks, attend_token_blocks
+from gtx.selection.kernels import take_ran
+from gtx.selection.keys import KeySelection, attend_keys
 
 
 def _bias_modules(pattern, out: dict) -> dict:
@@ -140,7 +140,7 @@ class Attention(torch.nn.Module):
 
     def reset_choices(self) -> dict:
         """What ran per stage since the last call: the backend's choices and the selection kernels
-        (``gtx.attention.selection.kernels``), each by name with its count of calls."""
+        (``gtx.selection.kernels``), each by name with its count of calls."""
         out = self.backend.reset_choices()
         for stage, kernels in take_ran().items():
             out.setdefault(stage, {}).update(kernels)

@@ -11,8 +11,8 @@ A pattern's ``select(q, k, edges)`` (or a ``Trainable``'s forward) returns one o
 
 each with ``valid`` beside it (a slot that reads nothing) and ``group``: the heads that share one
 choice, H' = H // group (head h reads row h // group). ``attend_selection`` runs any of them on the
-fused kernels (C on the CPU in float32, Triton on CUDA or under ``GTX_KERNELS=triton``; torch ops
-elsewhere; ``kernels``), never forming an n x n matrix. Each kind's ``per_query()`` is the keys each
+fused kernels (C on the CPU in float32, Triton on CUDA or under ``GTX_KERNELS=triton``: those in
+``gtx.triton_kernels``; torch ops elsewhere; ``kernels`` chooses), never forming an n x n matrix. Each kind's ``per_query()`` is the keys each
 query read, which a ``Trainable`` reports with ``run.kept``. A bool keep mask (E, H) over candidate
 edges stays the simple form for small experiments: any backend runs it, slowly.
 
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from gtx.attention.selection import blocks, choice, compressed, indexer, kernels, keys
-from gtx.attention.selection.blocks import (
+from gtx.errors import GtxError
+from gtx.graph.tokens import EdgeSet
+from gtx.selection import blocks, choice, compressed, indexer, kernels, keys
+from gtx.selection.blocks import (
     BlockSelection,
     TokenBlockSelection,
     attend_blocks,
@@ -38,10 +40,8 @@ from gtx.attention.selection.blocks import (
     top_per_query,
     unpad_samples,
 )
-from gtx.attention.selection.choice import top_keys, top_later_first, top_scored
-from gtx.attention.selection.keys import KeySelection, attend_keys
-from gtx.errors import GtxError
-from gtx.graph.tokens import EdgeSet
+from gtx.selection.choice import top_keys, top_later_first, top_scored
+from gtx.selection.keys import KeySelection, attend_keys
 
 KINDS = (KeySelection, TokenBlockSelection, BlockSelection)
 

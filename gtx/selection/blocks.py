@@ -4,7 +4,7 @@ The forms of a selection (``Pattern.select(q, k, edges)``, see ``gtx.attention``
 
 - a bool mask (E, H) over the candidate edges: any chooser (``topk``, ``lsh``); the attention then
   runs per head over the kept edges, on any backend;
-- a ``gtx.attention.selection.keys.KeySelection``: per query and head, the keys it reads (``topk``, ``dsa``);
+- a ``gtx.selection.keys.KeySelection``: per query and head, the keys it reads (``topk``, ``dsa``);
   ``attend_keys``;
 - a ``TokenBlockSelection``: per query token and head, the earlier blocks it reads besides its own
   (``moba``, MoBA's gate); ``attend_token_blocks`` merges the blocks' partial softmaxes;
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gtx.attention.selection import token_tiles
-from gtx.attention.selection.kernels import record, use_triton
 from gtx.graph.tokens import EdgeSet
+from gtx.selection import token_tiles
+from gtx.selection.kernels import record, use_triton
 
 
 def top_per_query(score: torch.Tensor, dst: torch.Tensor, n_dst: int, k: int) -> torch.Tensor:
@@ -109,7 +109,7 @@ def attend_blocks(
     """Attention under a block selection: (N, H, D) in and out, one SDPA call for every head, or the
     Triton kernels (``kernels.use_triton``); the kernel that ran is recorded under the edges' stage."""
     if use_triton(q.device):
-        from gtx.attention.selection import triton_tiles
+        from gtx.triton_kernels import tiles as triton_tiles
 
         record(edges.stage, "triton:blocks")
         rows = triton_tiles.blocks(q, k, v, sel.lens, sel.block, sel.key_blocks, sel.valid, sel.group)
@@ -234,9 +234,9 @@ def attend_token_blocks(
     own block first, then ``sel.blocks``' slots (0 where a slot is not valid). ``gate`` (n, H, 1) or
     None: each output row scaled by it (NSA's gate), inside the backward's per-chunk weights: no
     gated copy of the output's gradient. Where ``kernels.use_triton``, the fused Triton kernels run
-    it instead (``triton_blocks``); the kernel that ran is recorded under the edges' stage."""
+    it instead (``gtx.triton_kernels.blocks``); the kernel that ran is recorded under the edges' stage."""
     if use_triton(q.device):
-        from gtx.attention.selection import triton_blocks
+        from gtx.triton_kernels import blocks as triton_blocks
 
         record(edges.stage, "triton:token-blocks")
         out, mass = triton_blocks.token_blocks(

@@ -9,7 +9,7 @@ n x n, n x K x block or n x K x D buffer; accumulation is in float32, the output
 dtype. The backward recomputes the scores from the saved log-sum-exp: dq per program, dk and dv by
 float32 atomic adds.
 
-Imported only when a selection runs on Triton (``kernels.use_triton``): Triton decides when this
+Imported only when a selection runs on Triton (``gtx.selection.kernels.use_triton``): Triton decides when this
 module is first imported whether its kernels compile or run under its interpreter
 (``TRITON_INTERPRET=1``, on the CPU), and the tiles are sized for that.
 """

@@ -1,5 +1,5 @@
 """Attention over a ``KeySelection`` on fused Triton kernels: on CUDA, and on the CPU under Triton's
-interpreter (``TRITON_INTERPRET=1``, read when this module is first imported: ``keys.attend_keys``
+interpreter (``TRITON_INTERPRET=1``, read when this module is first imported: ``gtx.selection.keys.attend_keys``
 imports it only where the kernels run).
 
 One program per query and head group (``KeySelection.group`` adjacent heads sharing one choice):

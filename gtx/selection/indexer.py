@@ -7,7 +7,7 @@ of query rows at a time; the KL reads only the kept keys. On the CPU in float32 
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
 its gradients), and ``dense_kernel.c`` the dense KL's element-wise steps between torch's products;
 where ``kernels.use_triton`` says (CUDA by default; before the C kernels), the Triton kernels of
-``triton_index`` (the choice in float32, the sparse KL); elsewhere the same definitions run as torch ops. The choice may
+``gtx.triton_kernels.index`` (the choice in float32, the sparse KL); elsewhere the same definitions run as torch ops. The choice may
 score in int8 (``top_indexed``'s ``precision``), the KL always in float32.
 
 Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
@@ -23,9 +23,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gtx import native
-from gtx.attention.selection import kernels
-from gtx.attention.selection.choice import PRECISIONS, int8_scores, top_native, top_scored
 from gtx.graph.tokens import EdgeSet
+from gtx.selection import kernels
+from gtx.selection.choice import PRECISIONS, int8_scores, top_native, top_scored
 
 ROWS = 256  # query rows scored at once: (rows x keys) scores, never n x n
 # DeepSeek-V3.2-Exp's rotary angles as its published model computes them: base 10000, stretched by
@@ -85,14 +85,14 @@ def top_indexed(iq, w, ik, edges: EdgeSet, count: int, precision: str = "float32
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
     highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C and
     Triton kernels) and valid (n, K) (invalid slots hold key 0). No gradient. ``precision`` "int8": ranked by
-    the scores of queries and keys quantised per token (``gtx.attention.selection.choice.int8_scores``), as
+    the scores of queries and keys quantised per token (``gtx.selection.choice.int8_scores``), as
     DeepSeek's indexer runs in FP8; on the CPU on int8 dot products. Records the kernel that ran under
     ``edges.stage`` (``kernels.record``: ``triton:index``, ``c:index`` or ``torch:index``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"index precision {precision!r}: one of {', '.join(PRECISIONS)}")
     int8 = precision == "int8"
     if not int8 and kernels.use_triton(iq.device):
-        from gtx.attention.selection import triton_index  # imports triton: only where it runs
+        from gtx.triton_kernels import index as triton_index  # imports triton: only where it runs
 
         if triton_index.serves(iq.shape[1], iq.shape[2], count):
             kernels.record(edges.stage, "triton:index")
@@ -111,7 +111,7 @@ def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
     """sum over queries of KL(p || softmax(I over the kept keys)): targets p (n, K) over keys (n, K)
     (valid (n, K)); gradients reach iq, w and ik only. Never an (n, K, d) copy of index keys."""
     if kernels.use_triton(iq.device):
-        from gtx.attention.selection import triton_index
+        from gtx.triton_kernels import index as triton_index
 
         return triton_index.index_kl(p, iq, w, ik, keys, valid)
     if native.kernel("index_kernel", iq, w, ik) is not None:

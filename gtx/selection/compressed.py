@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gtx.attention.selection.blocks import pad_samples, unpad_samples
-from gtx.attention.selection.choice import softmax_
-from gtx.attention.selection.kernels import record, use_triton
-from gtx.attention.selection.token_tiles import chunk_scale
+from gtx.selection.blocks import pad_samples, unpad_samples
+from gtx.selection.choice import softmax_
+from gtx.selection.kernels import record, use_triton
+from gtx.selection.token_tiles import chunk_scale
 
 ROWS = 512  # query rows attended at once
 # query rows weighed at once for a choice: its scores are rows x compressed blocks, so smaller
@@ -63,10 +63,10 @@ def attend_compressed(
     each output row scaled by it (NSA's gate). Returns (n, H, Dv), on SDPA's kernel a block of query
     rows at a time, each block recomputed in the backward (checkpoint) with its mask and weights:
     the backward keeps q, kc, vc and the weight, not SDPA's state, the masks or the output. Where
-    ``kernels.use_triton``, one fused Triton kernel runs it instead (``triton_blocks.compressed``);
+    ``kernels.use_triton``, one fused Triton kernel runs it instead (``gtx.triton_kernels.blocks.compressed``);
     the kernel that ran is recorded under ``stage``."""
     if use_triton(q.device):
-        from gtx.attention.selection import triton_blocks
+        from gtx.triton_kernels import blocks as triton_blocks
 
         record(stage, "triton:compressed")
         return triton_blocks.compressed(q, kc, vc, lens, ends, weight)

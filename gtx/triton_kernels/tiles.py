@@ -4,7 +4,7 @@ program per (sample, head, query block) attends its (block x D) query tile to it
 accumulation); the backward recomputes the scores from the saved log-sum-exp, dq per program, dk
 and dv by float32 atomic adds. No gathered copy of k or v and no mask are made.
 
-Imported only when a selection runs on Triton (``kernels.use_triton``); under Triton's interpreter
+Imported only when a selection runs on Triton (``gtx.selection.kernels.use_triton``); under Triton's interpreter
 (``TRITON_INTERPRET=1``) the products run in float32, as its dot of bfloat16 tiles is wrong.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gtx.attention.selection.triton_blocks import INTERPRETED
+from gtx.triton_kernels.blocks import INTERPRETED
 
 # float32 products in full precision (a GPU's default for float32 tiles is TF32: 10 bits of mantissa)
 PRECISION: tl.constexpr = tl.constexpr("ieee")

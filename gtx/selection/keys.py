@@ -1,7 +1,7 @@
 """Token-level selections: per query and head, the keys it reads (``topk``, ``dsa``).
 
-``attend_keys`` runs a ``KeySelection`` on one of three kernels (``gtx.attention.selection.kernels``
-chooses): fused Triton kernels (``triton_keys``: on CUDA, or under Triton's interpreter); on the
+``attend_keys`` runs a ``KeySelection`` on one of three kernels (``gtx.selection.kernels``
+chooses): fused Triton kernels (``gtx.triton_kernels.keys``: on CUDA, or under Triton's interpreter); on the
 CPU in float32 a C kernel (``keys_kernel.c``) that reads the selected keys where they lie;
 elsewhere torch ops over a block of query rows at a time, gathering them. Each backward recomputes
 the scores from the saved log-sum-exp, as FlashAttention does, and no n x K x D copy of the keys
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from gtx import native
-from gtx.attention.selection import kernels
 from gtx.graph.tokens import EdgeSet
+from gtx.selection import kernels
 
 RANGE_SHIFT = (
     8  # 2^8 keys per range of the C backward: their k, v, dk and dv rows (H x 64 dims: 512 KB) stay in a core's cache
@@ -74,7 +74,7 @@ def attend_keys(
     Triton and C kernels, q's dtype on torch ops). Records the kernel that ran under ``edges.stage``
     (``kernels.record``: ``triton:keys``, ``c:keys`` or ``torch:keys``)."""
     if kernels.use_triton(q.device):
-        from gtx.attention.selection import triton_keys  # imports triton: only where it runs
+        from gtx.triton_kernels import keys as triton_keys  # imports triton: only where it runs
 
         kernels.record(edges.stage, "triton:keys")
         out, mean_p = triton_keys.attend(q, k, v, sel.keys, sel.valid, sel.group, probs)

@@ -1,7 +1,7 @@
 """Per query, the best keys by a score, never an n x n matrix: for complete or causal candidates,
 scored in blocks of query rows (torch ops), or on the CPU in float32 on the C kernel
 ``index_kernel.c`` (scores in tiles of keys, a candidate buffer per row with quickselect). Serves
-``topk`` (q.k per head) and DSA's lightning indexer (``gtx.attention.selection.indexer``), whose choice may
+``topk`` (q.k per head) and DSA's lightning indexer (``gtx.selection.indexer``), whose choice may
 also score in int8 (``quantised`` per token, ``int8_scores``), on the kernel's int8 dot products.
 """
 

@@ -1,12 +1,13 @@
 """A lightning indexer's choice and sparse KL on fused Triton kernels (DSA off the CPU; the CPU
 under Triton's interpreter, ``TRITON_INTERPRET=1``, read when this module is first imported:
-``indexer`` imports it only where the kernels run).
+``gtx.selection.indexer`` imports it only where the kernels run).
 
 I(t, s) = sum_j w(t, j) relu(iq(t, j) . ik(s)) for index queries iq (n, J, d), weights w (n, J) and
-index keys ik (N, d), as ``indexer.index_scores`` defines it. ``top_indexed``: one program per block
-of query rows scores them against tiles of the keys they may read (a block spans the keys from its
-first row's first candidate to its last row's last) and keeps a running top-k per row, merged
-with each tile only where the tile beats a row's worst kept score: no score matrix, one launch.
+index keys ik (N, d), as ``gtx.selection.indexer.index_scores`` defines it. ``top_indexed``: one
+program per block of query rows scores them against tiles of the keys they may read (a block spans
+the keys from its first row's first candidate to its last row's last) and keeps a running top-k
+per row, merged with each tile only where the tile beats a row's worst kept score: no score
+matrix, one launch.
 ``index_kl``: one program per query row block, the loss and its gradients for iq, w and ik in one
 launch (the index keys' by float32 atomic adds), scaled by the backward.
 """
@@ -29,7 +30,7 @@ from gtx.graph.tokens import EdgeSet
 # The interpreter takes many rows at once (a cost per operation of each program, whatever its size).
 MIN_KEPT, CHOICE_TILE, KEY_TILE = 32, 4096, 8192
 CHOICE_ROWS = {"compiled": 16, "interpreted": 64}
-# (rows a program, elements of its (rows, heads, slots, dims) tile) of the KL, as ``triton_keys.SIZES``
+# (rows a program, elements of its (rows, heads, slots, dims) tile) of the KL, as ``keys.SIZES``
 KL_SIZES = {"compiled": (1, 2048), "interpreted": (1024, 1 << 21)}
 _MIN, _MAX = tl.standard._elementwise_min, tl.standard._elementwise_max  # what tl.min, tl.max reduce by
 LOWEST: tl.constexpr = tl.constexpr(-(2**63))  # an empty slot of the running top-k: below every packed (score, key)
@@ -129,7 +130,7 @@ def serves(heads: int, dim: int, count: int) -> bool:
 
 
 def top_indexed(iq, w, ik, edges: EdgeSet, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``indexer.top_indexed`` in float32 on the kernel (where it ``serves`` the sizes): per query
+    """``gtx.selection.indexer.top_indexed`` in float32 on the kernel (where it ``serves`` the sizes): per query
     the ``count`` candidate keys with the highest index score, equal scores preferring the later
     key, best first: key ids (n, count) int32 and valid (n, count) (invalid slots hold key 0)."""
     n, heads, dim = iq.shape
@@ -213,7 +214,7 @@ def _kl_kernel(
 
 
 def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
-    """``indexer.index_kl`` on the kernel: sum over queries of KL(p || softmax(I over the kept keys)),
+    """``gtx.selection.indexer.index_kl`` on the kernel: sum over queries of KL(p || softmax(I over the kept keys)),
     p (n, K) over keys (n, K) (valid (n, K)); gradients (float32) reach iq, w and ik only."""
     return _IndexKL.apply(p, iq, w, ik, keys, valid)
 
