@@ -11,38 +11,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from click.testing import CliRunner
+from kit import TINY_COPY, TINY_MODEL, invoke, sets
 
-from gtx.cli import cli
 from gtx.records import checkpoint
 from gtx.records.results import load
 
-TINY = [
-    "--set",
-    "n_train=64",
-    "--set",
-    "n_valid=16",
-    "--set",
-    "n_test=16",
-    "--set",
-    "mean_len=5",
-    "--layers",
-    "1",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--batch-size",
-    "8",
-    "--quiet",
-]
+#: the kit's tiny model on 64 copy sequences, in batches of 8
+TINY = [*sets({**TINY_MODEL, **TINY_COPY, "n_train": 64, "n_valid": 16, "n_test": 16, "batch_size": 8}), "--quiet"]
 FIGURES = ["epoch", "split", "loss", "token_acc", "seq_acc"]
-
-
-def gtx(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def figures(results_dir, run_id=None) -> pd.DataFrame:
@@ -56,7 +32,7 @@ def figures(results_dir, run_id=None) -> pd.DataFrame:
 def reference(tmp_path_factory):
     """One uninterrupted 4-epoch run: the figures a resumed run must reproduce."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", out, *TINY)
+    result = invoke("run", "--epochs", 4, "--seed", 3, "--results", out, *TINY)
     assert result.exit_code == 0, result.output
     return out
 
@@ -84,12 +60,12 @@ def test_ctrl_c_keeps_what_is_done_and_resume_reproduces_the_uninterrupted_run(r
         return real(self, *a, **kw)
 
     monkeypatch.setattr(train.Trainer, "train_epoch", interrupted_in_epoch_3)
-    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
+    result = invoke("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
     assert result.exit_code == 130 and "interrupted in epoch 3: epochs up to 2 are written" in result.output
     run_id = load(tmp_path).run_id.iloc[0]
     assert len(load(tmp_path)) == 4 and f"gtx run --resume {run_id}" in result.output
     monkeypatch.undo()
-    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    result = invoke("run", "--resume", run_id, "--results", tmp_path, "--quiet")
     assert result.exit_code == 0, result.output
     assert set(load(tmp_path).run_id) == {run_id}
     pd.testing.assert_frame_equal(figures(tmp_path), figures(reference), rtol=1e-5)
@@ -116,7 +92,7 @@ def test_sigkill_after_epoch_2_then_resume_gives_the_same_figures(reference, tmp
     df = load(tmp_path)
     assert "test" not in set(df.split), "the run finished before it could be killed"
     run_id = df.run_id.iloc[0]
-    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    result = invoke("run", "--resume", run_id, "--results", tmp_path, "--quiet")
     assert result.exit_code == 0, result.output
     after = figures(tmp_path)
     assert len(after) == 9 and not after.duplicated(["epoch", "split"]).any()
@@ -126,7 +102,7 @@ def test_sigkill_after_epoch_2_then_resume_gives_the_same_figures(reference, tmp
 def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp_path):
     run_id = load(reference).run_id.iloc[0]
     results = tmp_path / "evals"
-    own = gtx("eval", run_id, "--results", reference)
+    own = invoke("eval", run_id, "--results", reference)
     assert own.exit_code == 0, own.output
     df = load(reference)
     ev = df[df.eval_of.notna()]
@@ -134,7 +110,7 @@ def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp
     trained_test = df[(df.run_id == run_id) & (df.split == "test")]
     assert np.isclose(ev.token_acc.iloc[0], trained_test.token_acc.iloc[0])  # same weights, same data: same figures
     path = checkpoint.checkpoint_dir(reference, run_id) / checkpoint.BEST
-    other = gtx("eval", path, "--pattern", "local:w=1", "--split", "valid", "--results", results)
+    other = invoke("eval", path, "--pattern", "local:w=1", "--split", "valid", "--results", results)
     assert other.exit_code == 0, other.output
     assert "evaluated under local:w=1 on valid" in other.output
     row = load(results).iloc[0]
@@ -157,7 +133,7 @@ def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp
 )
 def test_eval_of_a_bad_checkpoint_is_one_line(tmp_path, make, message):
     make(tmp_path)
-    result = gtx("eval", tmp_path / "x.pt", "--results", tmp_path)
+    result = invoke("eval", tmp_path / "x.pt", "--results", tmp_path)
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
 
 
@@ -165,12 +141,12 @@ def test_eval_of_a_truncated_checkpoint_and_of_another_vocabulary(reference, tmp
     run_id = load(reference).run_id.iloc[0]
     good = (checkpoint.checkpoint_dir(reference, run_id) / checkpoint.LAST).read_bytes()
     (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
-    result = gtx("eval", tmp_path / "cut.pt", "--results", tmp_path)
+    result = invoke("eval", tmp_path / "cut.pt", "--results", tmp_path)
     assert result.exit_code == 2 and "truncated" in result.output
     state = checkpoint.load(checkpoint.checkpoint_dir(reference, run_id) / checkpoint.LAST)
     state["vocab"]["src"] = state["vocab"]["src"] + ["extra"]
     checkpoint.save(tmp_path / "vocab.pt", state)
-    result = gtx("eval", tmp_path / "vocab.pt", "--results", tmp_path)
+    result = invoke("eval", tmp_path / "vocab.pt", "--results", tmp_path)
     assert result.exit_code == 2 and "src vocabulary of" in result.output
     assert not (tmp_path / "runs").exists()
 
@@ -187,7 +163,7 @@ def test_a_run_killed_while_it_marks_itself_finished_has_its_test_rows_written(t
         real(path, state)
 
     monkeypatch.setattr(checkpoint, "save", killed_when_finishing)
-    result = gtx("run", "--epochs", 2, "--seed", 3, "--results", tmp_path, *TINY)
+    result = invoke("run", "--epochs", 2, "--seed", 3, "--results", tmp_path, *TINY)
     assert result.exit_code == 130
     assert (load(tmp_path).split == "test").sum() == 1
 
@@ -195,13 +171,13 @@ def test_a_run_killed_while_it_marks_itself_finished_has_its_test_rows_written(t
 def test_resume_of_unknown_or_finished_runs_is_one_line(reference):
     run_id = load(reference).run_id.iloc[0]
     before = sorted(p.read_bytes() for p in reference.rglob("*.csv"))
-    unknown = gtx("run", "--resume", "nope", "--results", reference)
+    unknown = invoke("run", "--resume", "nope", "--results", reference)
     assert unknown.exit_code == 2 and "--resume: no run 'nope'" in unknown.output and run_id in unknown.output
-    finished = gtx("run", "--resume", run_id, "--results", reference)
+    finished = invoke("run", "--resume", run_id, "--results", reference)
     assert finished.exit_code == 2 and "that run is finished" in finished.output
-    empty = gtx("run", "--resume", "", "--results", reference)
+    empty = invoke("run", "--resume", "", "--results", reference)
     assert empty.exit_code == 2 and "--resume needs a run id" in empty.output
-    settings = gtx("run", "--resume", run_id, "--results", reference, "--set", "dim=8", "--epochs", "2")
+    settings = invoke("run", "--resume", run_id, "--results", reference, "--set", "dim=8", "--epochs", "2")
     assert (
         settings.exit_code == 2 and "continues the run with its own settings; drop --epochs, --set" in settings.output
     )
@@ -214,11 +190,11 @@ def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_
     # unfinished, so resumable
     state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])
     checkpoint.save(checkpoint.checkpoint_dir(tmp_path, "other-run") / checkpoint.LAST, state)
-    result = gtx("run", "--resume", "other-run", "--results", tmp_path)
+    result = invoke("run", "--resume", "other-run", "--results", tmp_path)
     claimed = json.loads(state["common"])["run_id"]
     assert result.exit_code == 2 and f"is a checkpoint of run {claimed}, not of other-run" in result.output
     # gtx eval would file its rows as an evaluation of the run the checkpoint claims, not of the one asked for
-    result = gtx("eval", "other-run", "--results", tmp_path)
+    result = invoke("eval", "other-run", "--results", tmp_path)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"is a checkpoint of run {claimed}, not of other-run whose folder holds it" in result.output
     assert not (tmp_path / "runs").exists()
@@ -227,7 +203,7 @@ def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_
 @pytest.mark.parametrize("blocked", ["runs", "checkpoints"])
 def test_an_unwritable_output_place_fails_before_training(tmp_path, blocked):
     (tmp_path / blocked).write_text("a file where a folder goes")
-    result = gtx("run", "--results", tmp_path, *TINY)
+    result = invoke("run", "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and "cannot create the folder" in result.output and "Traceback" not in result.output
     assert "epoch 1" not in result.output and (tmp_path / blocked).read_text() == "a file where a folder goes"
 
@@ -259,7 +235,7 @@ def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_r
 
     real = torch.nn.functional.cross_entropy
     monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **kw: real(*a, **kw) * float("nan"))
-    result = gtx("run", "--results", tmp_path, *TINY)
+    result = invoke("run", "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.strip().endswith(
         "stopped in epoch 1: training loss is nan at step 1; nothing new was written; no update has run yet, so the "
@@ -284,7 +260,7 @@ def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpo
 
 def stops_keeping_epoch_1(tmp_path, message):
     """A 3-epoch run stops with one line holding ``message``; epoch 1's rows and checkpoint stay."""
-    result = gtx("run", "--epochs", 3, "--results", tmp_path, *TINY)
+    result = invoke("run", "--epochs", 3, "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert message in result.output and "epochs up to 1 and their checkpoint are kept" in result.output
     df = load(tmp_path)
@@ -297,31 +273,31 @@ def test_eval_under_a_learned_bias_the_run_lacks_names_the_pattern_and_the_rever
     without it is refused under it in one line naming both patterns (it read "parameter ... missing
     from the checkpoint"), and a run trained with it evaluates under a pattern without it."""
     run_id = load(reference).run_id.iloc[0]
-    refused = gtx("eval", run_id, "--results", reference, "--pattern", "full+relbias")
+    refused = invoke("eval", run_id, "--results", reference, "--pattern", "full+relbias")
     assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
     assert (
         "attends with learned parameters that checkpoint" in refused.output
         and "(trained under 'full')" in refused.output
     )
-    trained = gtx("run", "--pattern", "full+relbias", "--results", tmp_path, *TINY)
+    trained = invoke("run", "--pattern", "full+relbias", "--results", tmp_path, *TINY)
     assert trained.exit_code == 0, trained.output
-    assert gtx("eval", load(tmp_path).run_id.iloc[0], "--results", tmp_path, "--pattern", "full").exit_code == 0
+    assert invoke("eval", load(tmp_path).run_id.iloc[0], "--results", tmp_path, "--pattern", "full").exit_code == 0
 
 
 def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
     """gtx eval, gtx run --resume, gtx plot attention and gtx show all resolve the 6-hex tail `gtx runs` prints."""
     run_id = load(reference).run_id.iloc[0]
     tail = run_id.rsplit("-", 1)[1]
-    evaluated = gtx("eval", tail, "--results", reference, "--split", "valid")
+    evaluated = invoke("eval", tail, "--results", reference, "--split", "valid")
     assert evaluated.exit_code == 0, evaluated.output
     assert f"run {run_id} (trained with full)" in evaluated.output
     # resolved: then refused for being finished, not for its name
-    resumed = gtx("run", "--resume", tail, "--results", reference)
+    resumed = invoke("run", "--resume", tail, "--results", reference)
     assert resumed.exit_code == 2 and f"--resume {run_id}: that run is finished" in resumed.output
-    drawn = gtx("plot", "attention", tail, "--results", reference, "-o", tmp_path / "a.png")
+    drawn = invoke("plot", "attention", tail, "--results", reference, "-o", tmp_path / "a.png")
     assert drawn.exit_code == 0 and (tmp_path / "a.png").is_file(), drawn.output
-    assert gtx("show", tail, "--results", reference).output.startswith(f"run         {run_id}")
-    ambiguous = gtx("eval", run_id[:4], "--results", reference)  # the eval above is another run of the same year
+    assert invoke("show", tail, "--results", reference).output.startswith(f"run         {run_id}")
+    ambiguous = invoke("eval", run_id[:4], "--results", reference)  # the eval above is another run of the same year
     assert (
         ambiguous.exit_code == 2
         and ambiguous.output.count("\n") == 1
@@ -355,7 +331,7 @@ def test_a_full_device_mid_run_is_one_line_and_resume_reproduces_the_run(referen
 
     kept = 1
     monkeypatch.setattr(files, "replace_durably", no_space_for(checkpoint.LAST, 2))
-    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
+    result = invoke("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     run_id = load(tmp_path).run_id.iloc[0]
     assert f"run {run_id} stopped in epoch 2: no space left on the device of {tmp_path}" in result.output
@@ -364,7 +340,7 @@ def test_a_full_device_mid_run_is_one_line_and_resume_reproduces_the_run(referen
     assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, run_id) / checkpoint.LAST)["epoch"] == kept
     assert not list(tmp_path.rglob(".*.tmp"))
     monkeypatch.undo()
-    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    result = invoke("run", "--resume", run_id, "--results", tmp_path, "--quiet")
     assert result.exit_code == 0, result.output
     trained = load(reference).query("eval_of.isna()").run_id.iloc[0]  # other tests add eval runs beside it
     pd.testing.assert_frame_equal(figures(tmp_path), figures(reference, trained), rtol=1e-5)
@@ -374,7 +350,7 @@ def test_a_full_device_before_anything_is_kept_says_so(tmp_path, monkeypatch):
     from gtx import files
 
     monkeypatch.setattr(files, "replace_durably", no_space_for(".pt", 1))
-    result = gtx("run", "--results", tmp_path, *TINY)
+    result = invoke("run", "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert "stopped in epoch 1: no space left" in result.output and "nothing of it is kept" in result.output
 
@@ -385,7 +361,7 @@ def test_a_results_folder_on_a_full_device_is_refused_before_training(tmp_path, 
     from gtx import files
 
     monkeypatch.setattr(files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 100))
-    result = gtx("run", "--results", tmp_path, *TINY)
+    result = invoke("run", "--results", tmp_path, *TINY)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"--results {tmp_path}: 0.0 MiB free on its device" in result.output and "epoch 1" not in result.output
     assert not (tmp_path / "runs").exists()
@@ -429,9 +405,9 @@ def test_a_checkpoint_with_a_damaged_or_newer_field_is_one_line_naming_it(refere
     path = checkpoint.checkpoint_dir(tmp_path, run_id) / checkpoint.LAST
     checkpoint.save(path, state)
     if command == "eval":
-        result = gtx("eval", path, "--results", tmp_path)
+        result = invoke("eval", path, "--results", tmp_path)
     else:
-        result = gtx("run", "--resume", run_id, "--results", tmp_path)
+        result = invoke("run", "--resume", run_id, "--results", tmp_path)
     if (damage, command) == ("no rng", "eval"):  # evaluating needs no random state
         assert result.exit_code == 0, result.output
         return
@@ -447,7 +423,7 @@ def test_a_beam_wider_than_the_target_vocabulary_is_refused_before_decoding(refe
     run_id = load(reference).query("eval_of.isna()").run_id.iloc[0]
     best = checkpoint.checkpoint_dir(reference, run_id) / checkpoint.BEST
     vocab = len(checkpoint.load(best)["vocab"]["tgt"])
-    result = gtx("eval", best, "--beam", 100_000, "--results", tmp_path)
+    result = invoke("eval", best, "--beam", 100_000, "--results", tmp_path)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert (
         f"--beam 100000: task 'copy' decodes from {vocab} target tokens; give a beam of at most {vocab}"
@@ -462,7 +438,7 @@ def test_eval_into_a_results_folder_it_cannot_write_is_refused_before_it_evaluat
     monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --results"))
     (tmp_path / "runs").write_text("a file where a folder goes")
     best = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.BEST
-    result = gtx("eval", best, "--results", tmp_path)
+    result = invoke("eval", best, "--results", tmp_path)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert "cannot create the folder" in result.output
 
@@ -481,11 +457,11 @@ def test_a_run_trained_by_another_process_is_refused_and_a_dead_ones_lock_is_tak
     checkpoint.save(folder / checkpoint.LAST, state)
     with subprocess.Popen(["sleep", "60"]) as other:
         (folder / claims.LOCK).write_text(f"{other.pid}@{socket.gethostname()}\n")
-        result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+        result = invoke("run", "--resume", run_id, "--results", tmp_path, "--quiet")
         other.kill()
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"run {run_id} is being trained by process {other.pid}@" in result.output
     assert not (tmp_path / "runs").exists() and (folder / claims.LOCK).exists()
-    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")  # its process has ended
+    result = invoke("run", "--resume", run_id, "--results", tmp_path, "--quiet")  # its process has ended
     assert result.exit_code == 0, result.output
     assert not (folder / claims.LOCK).exists() and (load(tmp_path).split == "test").sum() == 1

@@ -14,7 +14,7 @@ import traceback
 
 import pytest
 import torch
-from click.testing import CliRunner
+from kit import sets
 
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
@@ -201,52 +201,20 @@ RUNS = [
 
 
 @pytest.mark.parametrize("model,precision,methods", RUNS, ids=[f"{m}-{p}" for m, p, _ in RUNS])
-def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precision, methods):
+def test_a_training_run_of_every_model_under_the_methods(tmp_path, cli, model, precision, methods):
     """``gtx run --device cuda``: two optimizer steps and an evaluation per method, finite losses,
     rows written with the GPU's peak memory."""
     import pandas as pd
 
-    from gtx.cli import cli
-
     task, extra = MODELS[model]
+    sizes = {"dim": 64, "heads": 4, "dim_ff": 128, "n_train": 64, "n_valid": 16, "n_test": 16, "batch_size": 32}
+    short = {"epochs": 1, "max_steps": 2, "decode_valid": 4, "precision": precision}
     for spec in methods:
-        args = [
-            "run",
-            "--task",
-            task,
-            "--model",
-            model,
-            "--pattern",
-            spec,
-            "--device",
-            CUDA.type,
-            "--epochs",
-            "1",
-            "--dim",
-            "64",
-            "--heads",
-            "4",
-            "--dim-ff",
-            "128",
-            "--set",
-            "n_train=64",
-            "--set",
-            "n_valid=16",
-            "--set",
-            "n_test=16",
-            "--set",
-            "max_steps=2",
-            "--set",
-            "batch_size=32",
-            "--set",
-            "decode_valid=4",
-            "--set",
-            f"precision={precision}",
-            "--results",
-            str(tmp_path / "results"),
-            *extra,
-        ]
-        result = CliRunner().invoke(cli, args)
+        result = cli(
+            *("run", "--task", task, "--model", model, "--pattern", spec, "--device", CUDA.type),
+            *sets({**sizes, **short}),
+            *("--results", tmp_path / "results", *extra),
+        )
         why = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info and result.exit_code == 1 else ""
         assert result.exit_code == 0, f"{model} {spec} {precision}: {result.output[-2000:]}{why[-3000:]}"
     rows = pd.concat([pd.read_csv(p) for p in (tmp_path / "results" / "runs").glob("*.csv")])

@@ -4,44 +4,32 @@ import inspect
 import re
 from pathlib import Path
 
-from click.testing import CliRunner
-
 from gtx import testing
-from gtx.cli import cli
 from gtx.plugins import hookspecs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+#: the settings of a tiny recall run of an lm with a plugin's pattern (the kit's tiny_run)
+TINY_RECALL = {"task": "recall", "model": "lm", "seq_len": 64, "n_train": 32, "n_valid": 8, "n_test": 8}
 
 
-def example_plugin() -> str:
+def doc_example(tag: str) -> str:
+    """The Python block writing-patterns.md marks ``<!-- tag -->``, as written there."""
     text = (DOCS / "writing-patterns.md").read_text()
-    return re.search(r"<!-- plugin-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    return re.search(rf"<!-- {tag} -->\s*```python\n(.*?)```", text, re.S).group(1)
 
 
-def test_documented_plugin_works_from_an_empty_folder(tmp_path):
-    from gtx.plugins import registry as plugins
-
-    folder = tmp_path / "my_patterns"
-    folder.mkdir()
-    (folder / "chunks.py").write_text(example_plugin())
-    try:
-        runner = CliRunner()
-        listed = runner.invoke(cli, ["patterns", "--plugins-dir", str(folder)])
-        assert listed.exit_code == 0, listed.output
-        assert any(line.startswith("chunks") and "b: int = 4" in line for line in listed.output.splitlines())
-        shown = runner.invoke(
-            cli, ["show-pattern", "chunks:b=3|local:w=1", "--src-len", "6", "--plugins-dir", str(folder)]
-        )
-        assert shown.exit_code == 0, shown.output
-        assert "pattern chunks:b=3|local:w=1" in shown.output
-        assert (
-            "     0 ###...\n     1 ###...\n     2 ####..\n     3 ..####\n     4 ...###\n     5 ...###" in shown.output
-        )
-        bad = runner.invoke(cli, ["show-pattern", "chunks:b=0", "--plugins-dir", str(folder)])
-        assert bad.exit_code == 2 and "b must be >= 1, got 0" in bad.output
-        testing.check_pattern("chunks:b=3", lengths=(1, 4, 9))  # the page's "Test it" section
-    finally:
-        plugins.unload_dir(folder)
+def test_documented_plugin_works_from_an_empty_folder(cli, plugin_dir):
+    folder = plugin_dir(chunks=doc_example("plugin-example"))
+    listed = cli("patterns", "--plugins-dir", folder)
+    assert listed.exit_code == 0, listed.output
+    assert any(line.startswith("chunks") and "b: int = 4" in line for line in listed.output.splitlines())
+    shown = cli("show-pattern", "chunks:b=3|local:w=1", "--src-len", 6, "--plugins-dir", folder)
+    assert shown.exit_code == 0, shown.output
+    assert "pattern chunks:b=3|local:w=1" in shown.output
+    assert "     0 ###...\n     1 ###...\n     2 ####..\n     3 ..####\n     4 ...###\n     5 ...###" in shown.output
+    bad = cli("show-pattern", "chunks:b=0", "--plugins-dir", folder)
+    assert bad.exit_code == 2 and "b must be >= 1, got 0" in bad.output
+    testing.check_pattern("chunks:b=3", lengths=(1, 4, 9))  # the page's "Test it" section
 
 
 def test_every_hook_is_documented_with_its_signature():
@@ -52,114 +40,30 @@ def test_every_hook_is_documented_with_its_signature():
             assert f"## {name}({args})" in text, name
 
 
-def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
-    from gtx.plugins import registry as plugins
-    from gtx.records.results import load
-
-    text = (DOCS / "writing-patterns.md").read_text()
-    folder = tmp_path / "content"
-    folder.mkdir()
-    (folder / "near_max.py").write_text(
-        re.search(r"<!-- content-example -->\s*```python\n(.*?)```", text, re.S).group(1)
-    )
-    try:
-        args = [
-            "run",
-            "--task",
-            "recall",
-            "--model",
-            "lm",
-            "--set",
-            "seq_len=64",
-            "--set",
-            "n_train=32",
-            "--set",
-            "n_valid=8",
-            "--set",
-            "n_test=8",
-            "--dim",
-            "16",
-            "--heads",
-            "2",
-            "--dim-ff",
-            "16",
-            "--epochs",
-            "1",
-            "--quiet",
-            "--results",
-            str(tmp_path / "res"),
-            "--plugins-dir",
-            str(folder),
-        ]
-        for pattern in ("full", "near_max:margin=1"):
-            result = CliRunner().invoke(cli, [*args, "--pattern", pattern])
-            assert result.exit_code == 0, result.output
-        valid = load(tmp_path / "res").query("split == 'valid'").set_index("pattern")
-        assert valid.edges_per_query_dd["near_max:margin=1.0"] < valid.edges_per_query_dd["full"]
-    finally:
-        plugins.unload_dir(folder)
+def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path, plugin_dir, tiny_run):
+    folder = plugin_dir(near_max=doc_example("content-example"))
+    for pattern in ("full", "near_max:margin=1"):
+        rows = tiny_run(tmp_path, "--plugins-dir", folder, pattern=pattern, **TINY_RECALL).rows
+    valid = rows.query("split == 'valid'").set_index("pattern")
+    assert valid.edges_per_query_dd["near_max:margin=1.0"] < valid.edges_per_query_dd["full"]
 
 
-def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(tmp_path):
+def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(tmp_path, plugin_dir, tiny_run):
     import json
 
     import torch
 
-    from gtx.plugins import registry as plugins
-    from gtx.records.results import load
-
-    text = (DOCS / "writing-patterns.md").read_text()
-    folder = tmp_path / "trainable"
-    folder.mkdir()
-    (folder / "mixed.py").write_text(
-        re.search(r"<!-- trainable-example -->\s*```python\n(.*?)```", text, re.S).group(1)
-    )
-    try:
-        args = [
-            "run",
-            "--task",
-            "recall",
-            "--model",
-            "lm",
-            "--set",
-            "seq_len=64",
-            "--set",
-            "n_train=32",
-            "--set",
-            "n_valid=8",
-            "--set",
-            "n_test=8",
-            "--set",
-            "layers=2",
-            "--dim",
-            "16",
-            "--heads",
-            "2",
-            "--dim-ff",
-            "16",
-            "--epochs",
-            "1",
-            "--quiet",
-            "--results",
-            str(tmp_path / "res"),
-            "--plugins-dir",
-            str(folder),
-            "--pattern",
-            "mixed:w=4,l=8",
-        ]
-        result = CliRunner().invoke(cli, args)
-        assert result.exit_code == 0, result.output
-        train = load(tmp_path / "res").query("split == 'train'").iloc[0]
-        kept = json.loads(train.metrics)
-        # the query's own key, in both, read once
-        assert train.edges_per_query_dd < kept["kept_window"] + kept["kept_strided"]
-        state = torch.load(next((tmp_path / "res").glob("checkpoints/*/last.pt")), weights_only=False)["model"]
-        gates = [state[f"layer_attention.{i}.trainable.gate.weight"] for i in (0, 1)]
-        assert not torch.equal(gates[0], gates[1])  # each layer's own gate, trained
-        bad = CliRunner().invoke(cli, [*args[:-1], "mixed:l=0"])
-        assert bad.exit_code == 2 and "need w >= 0 and l >= 1" in bad.output
-    finally:
-        plugins.unload_dir(folder)
+    folder = plugin_dir(mixed=doc_example("trainable-example"))
+    run = tiny_run(tmp_path, "--plugins-dir", folder, pattern="mixed:w=4,l=8", **TINY_RECALL, layers=2)
+    train = run.rows.query("split == 'train'").iloc[0]
+    kept = json.loads(train.metrics)
+    # the query's own key, in both, read once
+    assert train.edges_per_query_dd < kept["kept_window"] + kept["kept_strided"]
+    state = torch.load(next(run.folder.glob("checkpoints/*/last.pt")), weights_only=False)["model"]
+    gates = [state[f"layer_attention.{i}.trainable.gate.weight"] for i in (0, 1)]
+    assert not torch.equal(gates[0], gates[1])  # each layer's own gate, trained
+    bad = tiny_run(tmp_path, "--plugins-dir", folder, pattern="mixed:l=0", exit_code=2, **TINY_RECALL).result
+    assert "need w >= 0 and l >= 1" in bad.output
 
 
 def sparq_by_definition(q, k, lens, count, r, local):
@@ -180,7 +84,9 @@ def sparq_by_definition(q, k, lens, count, r, local):
     return chosen
 
 
-def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_trains(tmp_path, monkeypatch):
+def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_trains(
+    tmp_path, monkeypatch, plugin_dir, tiny_run
+):
     """The walkthrough's plugin, loaded from a folder exactly as written: its choice equals SparQ's
     written out; it hands the kernels a KeySelection, which the C kernel attends over on the CPU (no mask
     over edges, no backend), equal to float64 dense attention over the chosen keys; and a run trains with it."""
@@ -191,55 +97,40 @@ def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_t
     from gtx import KeySelection, build_graph, load_plugins, parse_pattern, selection
     from gtx.attention.module import Attention
     from gtx.backends import get_backend
-    from gtx.plugins import registry as plugins
-    from gtx.records.results import load
     from gtx.selection import keys as key_kernels
 
-    text = (DOCS / "writing-patterns.md").read_text()
-    folder = tmp_path / "published"
-    folder.mkdir()
-    (folder / "sparq.py").write_text(
-        re.search(r"<!-- selection-example -->\s*```python\n(.*?)```", text, re.S).group(1)
-    )
-    try:
-        load_plugins(dirs=[folder])
-        native = key_kernels._forward_native
-        ran = []  # the C kernel's forward calls
-        monkeypatch.setattr(key_kernels, "_forward_native", lambda *a: ran.append(1) or native(*a))
-        g = torch.Generator().manual_seed(0)
-        for lens, (count, r, local) in [([30, 17], (6, 3, 2)), ([41], (5, 8, 1)), ([9, 1, 25], (4, 1, 4))]:
-            q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
-            pattern = parse_pattern(f"sparq:k={count},r={r},local={local}")
-            edges = build_graph(pattern, None, lens).edges["dd"]
-            sel = pattern.select(q, k, edges)
-            assert isinstance(sel, KeySelection)
-            want = sparq_by_definition(q, k, lens, count, r, local)
-            first = [start for start, n in zip([sum(lens[:i]) for i in range(len(lens))], lens) for _ in range(n)]
-            allowed = torch.zeros(len(q), 2, len(q), dtype=torch.bool)
-            for row in range(len(q)):
-                for h in range(2):
-                    assert set((sel.keys[row, h][sel.valid[row, h]] - first[row]).tolist()) == want[row][h], (row, h)
-                    allowed[row, h, [first[row] + j for j in want[row][h]]] = True
-            selection.kernels.take_ran()
-            calls = len(ran)
-            out = Attention(get_backend("dense"), pattern, 2)(q, k, v, edges)
-            recorded = selection.kernels.take_ran().get("dd", {})
-            assert len(ran) == calls + 1 and all(kernel == "c:keys" for kernel in recorded), recorded  # no backend
-            score = torch.einsum("thd,shd->ths", q.double(), k.double()).masked_fill(~allowed, float("-inf"))
-            want_out = torch.einsum("ths,shd->thd", score.softmax(-1), v.double()).float()
-            torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
-        args = ["run", "--task", "recall", "--model", "lm", "--pattern", "sparq:k=8,r=4,local=2", "--quiet"]
-        for key, value in {"seq_len": 64, "n_train": 16, "n_valid": 4, "n_test": 4}.items():
-            args += ["--set", f"{key}={value}"]
-        args += ["--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--results", str(tmp_path / "res")]
-        result = CliRunner().invoke(cli, [*args, "--plugins-dir", str(folder)])
-        assert result.exit_code == 0, result.output
-        rows = load(tmp_path / "res")
-        assert (rows.edges_per_query_dd <= 8).all() and rows.loss.notna().all()
-        for plan in rows.backend_plan:  # a mask over edges would send dd to the backend
-            assert all(kernel.endswith(":keys") for kernel in json.loads(plan).get("dd", {})), plan
-    finally:
-        plugins.unload_dir(folder)
+    folder = plugin_dir(sparq=doc_example("selection-example"))
+    load_plugins(dirs=[folder])
+    native = key_kernels._forward_native
+    ran = []  # the C kernel's forward calls
+    monkeypatch.setattr(key_kernels, "_forward_native", lambda *a: ran.append(1) or native(*a))
+    g = torch.Generator().manual_seed(0)
+    for lens, (count, r, local) in [([30, 17], (6, 3, 2)), ([41], (5, 8, 1)), ([9, 1, 25], (4, 1, 4))]:
+        q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+        pattern = parse_pattern(f"sparq:k={count},r={r},local={local}")
+        edges = build_graph(pattern, None, lens).edges["dd"]
+        sel = pattern.select(q, k, edges)
+        assert isinstance(sel, KeySelection)
+        want = sparq_by_definition(q, k, lens, count, r, local)
+        first = [start for start, n in zip([sum(lens[:i]) for i in range(len(lens))], lens) for _ in range(n)]
+        allowed = torch.zeros(len(q), 2, len(q), dtype=torch.bool)
+        for row in range(len(q)):
+            for h in range(2):
+                assert set((sel.keys[row, h][sel.valid[row, h]] - first[row]).tolist()) == want[row][h], (row, h)
+                allowed[row, h, [first[row] + j for j in want[row][h]]] = True
+        selection.kernels.take_ran()
+        calls = len(ran)
+        out = Attention(get_backend("dense"), pattern, 2)(q, k, v, edges)
+        recorded = selection.kernels.take_ran().get("dd", {})
+        assert len(ran) == calls + 1 and all(kernel == "c:keys" for kernel in recorded), recorded  # no backend
+        score = torch.einsum("thd,shd->ths", q.double(), k.double()).masked_fill(~allowed, float("-inf"))
+        want_out = torch.einsum("ths,shd->thd", score.softmax(-1), v.double()).float()
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    pattern, small = "sparq:k=8,r=4,local=2", {"n_train": 16, "n_valid": 4, "n_test": 4}
+    rows = tiny_run(tmp_path, "--plugins-dir", folder, pattern=pattern, **{**TINY_RECALL, **small}).rows
+    assert (rows.edges_per_query_dd <= 8).all() and rows.loss.notna().all()
+    for plan in rows.backend_plan:  # a mask over edges would send dd to the backend
+        assert all(kernel.endswith(":keys") for kernel in json.loads(plan).get("dd", {})), plan
 
 
 def test_the_cli_reference_is_current():
@@ -250,12 +141,9 @@ def test_the_cli_reference_is_current():
     assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: make docs"
 
 
-def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry():
+def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(cli):
     """docs/methods.md holds every registered pattern and bias as their docstrings say (regenerate:
     ``make docs``); ``gtx patterns NAME`` prints the same entry."""
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
     from gtx.cli.reference import methods
     from gtx.plugins.registry import BIASES, PATTERNS
 
@@ -265,13 +153,13 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
         assert re.search(rf"^## {re.escape(name)}(\(PATTERN\))?$", text, re.M), f"docs/methods.md misses pattern {name}"
     for name in BIASES.names():
         assert f"## +{name}\n" in text
-    out = CliRunner().invoke(cli, ["patterns", "moba"])
+    out = cli("patterns", "moba")
     assert (
         out.exit_code == 0
         and out.output.startswith("moba\n\nParameters: `b: int = 64")
         and "Budget: k*b keys per query" in out.output
     )
-    unknown = CliRunner().invoke(cli, ["patterns", "nosuch"])
+    unknown = cli("patterns", "nosuch")
     assert unknown.exit_code == 2 and "nosuch" in unknown.output and "local" in unknown.output
 
 

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 pytest.importorskip("transformers")  # the test extra installs it; CI always runs these
 
+from kit import sets
+
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
-from gtx.cli import cli
 from gtx.data.batch import make_batch
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
@@ -131,86 +131,35 @@ def test_gradients_reach_every_weight(spec):
     assert not missing, missing
 
 
-def test_run_trains_and_writes_rows(tmp_path):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "recall",
-            "--model",
-            "hf",
-            "--set",
-            "family=qwen2",
-            "--set",
-            "kv_heads=2",
-            "--set",
-            "dim=32",
-            "--set",
-            "seq_len=32",
-            "--set",
-            "n_pairs=2",
-            "--set",
-            "queries_per_key=1",
-            "--set",
-            "n_train=16",
-            "--set",
-            "n_valid=4",
-            "--set",
-            "n_test=4",
-            "--pattern",
-            "local:w=8",
-            "--epochs",
-            "1",
-            "--quiet",
-            "--results",
-            str(tmp_path),
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    from gtx.records.results import load
-
-    df = load(tmp_path)
-    assert (
-        set(df.split) == {"train", "valid", "test"} and (df.attn_flops > 0).all() and (df.flops > df.attn_flops).all()
-    )
+def test_run_trains_and_writes_rows(tmp_path, tiny_run):
+    rows = tiny_run(
+        tmp_path,
+        task="recall",
+        model="hf",
+        pattern="local:w=8",
+        **dict(family="qwen2", heads=4, kv_heads=2, dim=32),  # grouped-query attention: 2 query heads a key head
+        **dict(seq_len=32, n_pairs=2, queries_per_key=1, n_train=16, n_valid=4, n_test=4),
+    ).rows
+    assert set(rows.split) == {"train", "valid", "test"}
+    assert (rows.attn_flops > 0).all() and (rows.flops > rows.attn_flops).all()
 
 
 @pytest.mark.parametrize(
     "settings, match",
     [
-        (["family=bert"], "family='bert': choose llama, qwen2, gpt2"),
-        (["family=gpt2", "kv_heads=2"], "gpt2 has no grouped-query attention"),
-        (["heads=4", "kv_heads=3"], "heads of kv_heads"),
-        (["max_len=16"], "has positions for 16"),
+        ({"family": "bert"}, "family='bert': choose llama, qwen2, gpt2"),
+        ({"family": "gpt2", "kv_heads": 2}, "gpt2 has no grouped-query attention"),
+        ({"heads": 4, "kv_heads": 3}, "heads of kv_heads"),
+        ({"max_len": 16}, "has positions for 16"),
     ],
 )
-def test_bad_settings_are_one_line(tmp_path, settings, match):
-    args = [a for s in settings for a in ("--set", s)]
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "recall",
-            "--model",
-            "hf",
-            *args,
-            "--set",
-            "seq_len=32",
-            "--set",
-            "n_pairs=2",
-            "--set",
-            "queries_per_key=1",
-            "--epochs",
-            "1",
-            "--results",
-            str(tmp_path),
-        ],
+def test_bad_settings_are_one_line(tmp_path, cli, settings, match):
+    task = sets({"seq_len": 32, "n_pairs": 2, "queries_per_key": 1})
+    result = cli(
+        "run", "--task", "recall", "--model", "hf", *sets(settings), *task, "--epochs", 1, "--results", tmp_path
     )
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
-        result.output
-    )
+    assert result.exit_code == 2 and match in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "runs").exists()
 
 
@@ -221,7 +170,7 @@ def test_without_transformers_one_line_says_how_to_install(monkeypatch):
         module.transformers()
 
 
-def test_bench_prefill_of_a_folder_with_fewer_tokens_than_its_random_ids(tmp_path):
+def test_bench_prefill_of_a_folder_with_fewer_tokens_than_its_random_ids(tmp_path, cli):
     """prefill's ids are drawn below the model's vocabulary: a folder of 100 tokens once raised
     IndexError from the embedding."""
     import tokenizers
@@ -235,35 +184,16 @@ def test_bench_prefill_of_a_folder_with_fewer_tokens_than_its_random_ids(tmp_pat
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(tmp_path / "m")
-    args = ["bench", "prefill", "--set", f"path={tmp_path / 'm'}", "--lengths", "32", "--repeats", "1"]
-    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path)])
+    sizes = ("--lengths", 32, "--repeats", 1)
+    result = cli("bench", "prefill", "--set", f"path={tmp_path / 'm'}", *sizes, "--results", tmp_path)
     assert result.exit_code == 0, result.output
 
 
-def test_bench_prefill_rows(tmp_path):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "bench",
-            "prefill",
-            "--family",
-            "gpt2",
-            "--pattern",
-            "full",
-            "--pattern",
-            "local:w=8",
-            "--lengths",
-            "32",
-            "--repeats",
-            "1",
-            "--backends",
-            "auto,blocksparse",
-            "--format",
-            "csv",
-            "--results",
-            str(tmp_path),
-        ],
-    )
+def test_bench_prefill_rows(tmp_path, cli):
+    patterns = ("--pattern", "full", "--pattern", "local:w=8")
+    sizes = ("--family", "gpt2", "--lengths", 32, "--repeats", 1)
+    table = ("--format", "csv", "--results", tmp_path)
+    result = cli("bench", "prefill", *sizes, *patterns, "--backends", "auto,blocksparse", *table)
     assert result.exit_code == 0, result.output
     import pandas as pd
 
@@ -278,7 +208,7 @@ def test_bench_prefill_rows(tmp_path):
         ["gtx blocksparse", "local:w=8"],
     ]
     assert df.vs_sdpa.iloc[0] == 1.0 and (df.ms > 0).all() and (df.tokens_per_s > 0).all()
-    bad = CliRunner().invoke(cli, ["bench", "prefill", "--set", "heads=3", "--lengths", "32"])
+    bad = cli("bench", "prefill", "--set", "heads=3", "--lengths", 32)
     # bench warns on a busy machine
     errors = [line for line in bad.output.splitlines() if not line.startswith("warning:")]
     assert bad.exit_code == 2 and len(errors) == 1 and "heads" in errors[0], bad.output

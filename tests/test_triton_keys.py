@@ -20,6 +20,9 @@ from gtx.graph.tokens import build_graph
 from gtx.records import results
 from gtx.selection import kernels
 from gtx.selection.keys import KeySelection, attend_keys
+from tests.test_native import (
+    test_attention_over_no_keys_reads_nothing_and_ids_out_of_range_are_an_error as on_no_keys,
+)
 
 pytestmark = pytest.mark.skipif(kernels.triton_error() is not None, reason=f"{kernels.triton_error()}")
 
@@ -144,19 +147,18 @@ def test_the_triton_kernels_equal_the_c_kernel(group, monkeypatch):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
-def test_no_keys_read_nothing_and_ids_out_of_range_are_an_error():
-    e = build_graph(parse_pattern("full"), [0], [5]).edges["ed"]
-    q = torch.randn(5, 2, 8, requires_grad=True)
-    k, v = torch.randn(0, 2, 8, requires_grad=True), torch.randn(0, 2, 8, requires_grad=True)
-    none = KeySelection(torch.zeros(5, 1, 4, dtype=torch.long), torch.zeros(5, 1, 4, dtype=torch.bool), 2)
-    out = attend_keys(q, k, v, e, none)
-    assert out.shape == (5, 2, 8) and not out.any()
-    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
-    assert not dq.any() and dk.shape == k.shape and dv.shape == v.shape
-    k3, v3 = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    for keys in (torch.full((5, 2, 4), 3), torch.full((5, 2, 4), -1)):
-        with pytest.raises(IndexError, match="out of range"):
-            attend_keys(q, k3, v3, e, KeySelection(keys, torch.zeros(5, 2, 4, dtype=torch.bool)))
+def test_no_keys_read_nothing_and_ids_out_of_range_are_an_error(monkeypatch):
+    """test_native's case on the Triton kernels (queries over no keys read nothing, ids past the keys
+    are an error), and a head group of 2 with no slot valid."""
+    on_no_keys(True, monkeypatch)
+    assert set(kernels.take_ran()["ed"]) == {"triton:keys"}
+    edges = build_graph(parse_pattern("full"), [0], [5]).edges["ed"]
+    q, k, v = (torch.randn(n, 2, 8, requires_grad=True) for n in (5, 0, 0))
+    none = torch.zeros(5, 1, 4, dtype=torch.bool)  # one row for both heads
+    out = attend_keys(q, k, v, edges, KeySelection(none.long(), none, 2))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert out.shape == (5, 2, 8) and not out.any() and not grads[0].any()
+    assert [g.shape for g in grads] == [x.shape for x in (q, k, v)]
 
 
 RUN = ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=64", "--set", "n_train=64", "--epochs", "1"]
