@@ -48,6 +48,20 @@ def _scores(q, k_ptr, keys_ptr, valid_ptr, key_at, ok_at, j0, K, rmask, heads, h
 
 
 @triton.jit
+def _program(n, H, D, E, G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """This program's queries and head group: rows (BM,), the group ``c``, the group's heads (GP,),
+    each with its mask; the padded dims d (DP,), e (EP,) and their masks; the (query, head) rows
+    ``at`` (BM, GP) and their mask."""
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    c = tl.program_id(1)
+    hh = tl.arange(0, GP)
+    rmask, heads, hmask = rows < n, c * G + hh, hh < G
+    d, e = tl.arange(0, DP), tl.arange(0, EP)
+    at = rows[:, None] * H + heads[None, :]
+    return rows, rmask, c, heads, hmask, d, d < D, e, e < E, at, rmask[:, None] & hmask[None, :]
+
+
+@triton.jit
 def _values(v_ptr, ok, row, hmask, e, emask, E):
     """The gathered v tile (BM, BK, GP, EP) in float32 at rows ``row`` of valid slots ``ok``, and its mask."""
     vmask = (ok[:, :, None] & hmask[None, None, :])[:, :, :, None] & emask[None, None, None, :]
@@ -57,39 +71,12 @@ def _values(v_ptr, ok, row, hmask, e, emask, E):
 
 @triton.jit
 def _forward_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    keys_ptr,
-    valid_ptr,
-    out_ptr,
-    lse_ptr,
-    p_ptr,
-    n,
-    H,
-    K,
-    D,
-    E,
-    key_sn,
-    key_sg,
-    ok_sn,
-    ok_sg,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    DP: tl.constexpr,
-    EP: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, keys_ptr, valid_ptr, out_ptr, lse_ptr, p_ptr,
+    n, H, K, D, E, key_sn, key_sg, ok_sn, ok_sg,
+    G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     PROBS: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    c = tl.program_id(1)
-    hh = tl.arange(0, GP)
-    rmask, heads, hmask = rows < n, c * G + hh, hh < G
-    d, e = tl.arange(0, DP), tl.arange(0, EP)
-    dmask, emask = d < D, e < E
-    at = rows[:, None] * H + heads[None, :]  # (BM, GP): the (query, head) rows
-    amask = rmask[:, None] & hmask[None, :]
+):  # fmt: skip
+    rows, rmask, c, heads, hmask, d, dmask, e, emask, at, amask = _program(n, H, D, E, G, GP, DP, EP, BM)
     q = tl.load(q_ptr + at[:, :, None] * D + d[None, None, :], mask=amask[:, :, None] & dmask[None, None, :], other=0.0)
     q = q.to(tl.float32)
     key_at, ok_at = (rows * key_sn + c * key_sg)[:, None], (rows * ok_sn + c * ok_sg)[:, None]
@@ -128,41 +115,11 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    keys_ptr,
-    valid_ptr,
-    grad_ptr,
-    out_ptr,
-    lse_ptr,
-    dq_ptr,
-    dk_ptr,
-    dv_ptr,
-    n,
-    H,
-    K,
-    D,
-    E,
-    key_sn,
-    key_sg,
-    ok_sn,
-    ok_sg,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    DP: tl.constexpr,
-    EP: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    c = tl.program_id(1)
-    hh = tl.arange(0, GP)
-    rmask, heads, hmask = rows < n, c * G + hh, hh < G
-    d, e = tl.arange(0, DP), tl.arange(0, EP)
-    dmask, emask = d < D, e < E
-    at = rows[:, None] * H + heads[None, :]
-    amask = rmask[:, None] & hmask[None, :]
+    q_ptr, k_ptr, v_ptr, keys_ptr, valid_ptr, grad_ptr, out_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
+    n, H, K, D, E, key_sn, key_sg, ok_sn, ok_sg,
+    G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    rows, rmask, c, heads, hmask, d, dmask, e, emask, at, amask = _program(n, H, D, E, G, GP, DP, EP, BM)
     qmask, omask = amask[:, :, None] & dmask[None, None, :], amask[:, :, None] & emask[None, None, :]
     q = tl.load(q_ptr + at[:, :, None] * D + d[None, None, :], mask=qmask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + at[:, :, None] * E + e[None, None, :], mask=omask, other=0.0).to(tl.float32)

@@ -34,30 +34,45 @@ def _program(FIRST, LENS, H, group, block, n_blocks, n_slots, BP: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(Q, at, ok, D, DV, DP: tl.constexpr, DVP: tl.constexpr, F32: tl.constexpr):
+    """The padded dims d (DP,), e (DVP,) and their masks (1, DP), (1, DVP); the tile's queries (BP, DP)."""
+    d, e = tl.arange(0, DP), tl.arange(0, DVP)
+    dm, em = (d < D)[None, :], (e < DV)[None, :]
+    q = tl.load(Q + at[:, None] * D + d[None, :], mask=ok[:, None] & dm, other=0.0)
+    if F32:  # (the interpreter's dot of bfloat16 tiles is wrong)
+        q = q.to(tl.float32)
+    return d, e, dm, em, q
+
+
+@triton.jit
+def _key_tile(K, V, kb, j, first, length, r, ok, block, H, h, D, DV, d, e, dm, em, F32: tl.constexpr):
+    """Key block ``kb`` (slot ``j``): its (token, head) rows ``kat``, which are real (``kok``), which
+    of them each query row sees (``seen``; slot 0, the own block, causally), its keys and values."""
+    kok = (r < block) & (kb * block + r < length)
+    seen = ok[:, None] & kok[None, :] & ((r[None, :] <= r[:, None]) | (j > 0))
+    kat = (first + kb * block + r).to(tl.int64) * H + h
+    kt = tl.load(K + kat[:, None] * D + d[None, :], mask=kok[:, None] & dm, other=0.0)
+    vt = tl.load(V + kat[:, None] * DV + e[None, :], mask=kok[:, None] & em, other=0.0)
+    if F32:
+        kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+    return kat, kok, seen, kt, vt
+
+
+@triton.jit
 def _tiles_forward_kernel(
     Q, K, V, O, LSE, KEYS, FIRST, LENS,
     H, D, DV, block, group, n_blocks, n_slots,
     BP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
     h, first, length, r, at, ok, slots = _program(FIRST, LENS, H, group, block, n_blocks, n_slots, BP)
-    d, e = tl.arange(0, DP), tl.arange(0, DVP)
-    dm, em = (d < D)[None, :], (e < DV)[None, :]
-    q = tl.load(Q + at[:, None] * D + d[None, :], mask=ok[:, None] & dm, other=0.0)
-    if F32:  # (the interpreter's dot of bfloat16 tiles is wrong)
-        q = q.to(tl.float32)
+    d, e, dm, em, q = _query_tile(Q, at, ok, D, DV, DP, DVP, F32)
     m = tl.full([BP], float("-inf"), tl.float32)
     l = tl.zeros([BP], tl.float32)
     acc = tl.zeros([BP, DVP], tl.float32)
     for j in range(n_slots):
         kb = tl.load(KEYS + slots + j)
         if kb >= 0:
-            kok = (r < block) & (kb * block + r < length)
-            seen = ok[:, None] & kok[None, :] & ((r[None, :] <= r[:, None]) | (j > 0))  # slot 0: causal
-            kat = (first + kb * block + r).to(tl.int64) * H + h
-            kt = tl.load(K + kat[:, None] * D + d[None, :], mask=kok[:, None] & dm, other=0.0)
-            vt = tl.load(V + kat[:, None] * DV + e[None, :], mask=kok[:, None] & em, other=0.0)
-            if F32:
-                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            kat, kok, seen, kt, vt = _key_tile(K, V, kb, j, first, length, r, ok, block, H, h, D, DV, d, e, dm, em, F32)
             s = tl.where(seen, tl.dot(q, tl.trans(kt), input_precision=PRECISION), float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -78,26 +93,18 @@ def _tiles_backward_kernel(
     BP: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
     h, first, length, r, at, ok, slots = _program(FIRST, LENS, H, group, block, n_blocks, n_slots, BP)
-    d, e = tl.arange(0, DP), tl.arange(0, DVP)
-    dm, em = (d < D)[None, :], (e < DV)[None, :]
-    q = tl.load(Q + at[:, None] * D + d[None, :], mask=ok[:, None] & dm, other=0.0)
+    d, e, dm, em, q = _query_tile(Q, at, ok, D, DV, DP, DVP, F32)
     do = tl.load(DO + at[:, None] * DV + e[None, :], mask=ok[:, None] & em, other=0.0)
     o = tl.load(O + at[:, None] * DV + e[None, :], mask=ok[:, None] & em, other=0.0)
     if F32:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+        do = do.to(tl.float32)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     lse = tl.load(LSE + at, mask=ok, other=0.0)
     dq = tl.zeros([BP, DP], tl.float32)
     for j in range(n_slots):
         kb = tl.load(KEYS + slots + j)
         if kb >= 0:
-            kok = (r < block) & (kb * block + r < length)
-            seen = ok[:, None] & kok[None, :] & ((r[None, :] <= r[:, None]) | (j > 0))
-            kat = (first + kb * block + r).to(tl.int64) * H + h
-            kt = tl.load(K + kat[:, None] * D + d[None, :], mask=kok[:, None] & dm, other=0.0)
-            vt = tl.load(V + kat[:, None] * DV + e[None, :], mask=kok[:, None] & em, other=0.0)
-            if F32:
-                kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+            kat, kok, seen, kt, vt = _key_tile(K, V, kb, j, first, length, r, ok, block, H, h, D, DV, d, e, dm, em, F32)
             p = tl.where(seen, tl.exp(tl.dot(q, tl.trans(kt), input_precision=PRECISION) - lse[:, None]), 0.0)
             ds = p * (tl.dot(do, tl.trans(vt), input_precision=PRECISION) - delta[:, None])
             dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PRECISION)
