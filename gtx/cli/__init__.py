@@ -28,11 +28,14 @@ from gtx.cli.common import (
     CliError,
     GtxGroup,
     check_shortcuts,
+    count_option,
     device_option,
-    key_value,
+    pattern_option,
     plugins_dir_option,
     progress_lines,
     results_option,
+    settings_option,
+    table_format_option,
 )
 from gtx.cli.frontier import frontier
 from gtx.cli.listing import backends, models, patterns, plugins_list, show_pattern, tasks
@@ -58,12 +61,7 @@ def cli():
 @cli.command()
 @click.option("--task", default="copy", show_default=True, help="Task name (gtx tasks).")
 @click.option("--model", default="transformer", show_default=True, help="Model name (gtx models).")
-@click.option(
-    "--pattern",
-    default="full",
-    show_default=True,
-    help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).",
-)
+@pattern_option("Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).", "full")
 @click.option(
     "--decode-pattern",
     help="The pattern each generated token reads its keys by, where the task is scored by generation "
@@ -75,25 +73,16 @@ def cli():
     type=click.IntRange(min=0),
     help=f"Training epochs; 0 scores the model untrained (a pretrained one) [default: {TrainConfig.epochs}].",
 )
-@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
-@click.option(
-    "--batch-size", type=click.IntRange(min=1), help=f"Examples per batch [default: {TrainConfig.batch_size}]."
-)
-@click.option("--layers", type=click.IntRange(min=1), help="Model layers (model setting).")
-@click.option("--heads", type=click.IntRange(min=1), help="Attention heads (model setting).")
-@click.option("--dim", type=click.IntRange(min=1), help="Model width d_model (model setting).")
-@click.option("--dim-ff", type=click.IntRange(min=1), help="Feed-forward width (model setting).")
+@count_option("--max-steps", help="Stop after this many optimizer steps.")
+@count_option("--batch-size", help=f"Examples per batch [default: {TrainConfig.batch_size}].")
+@count_option("--layers", help="Model layers (model setting).")
+@count_option("--heads", help="Attention heads (model setting).")
+@count_option("--dim", help="Model width d_model (model setting).")
+@count_option("--dim-ff", help="Feed-forward width (model setting).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
 @device_option()
 @results_option()
-@click.option(
-    "--set",
-    "settings",
-    multiple=True,
-    callback=key_value,
-    metavar="KEY=VALUE",
-    help="Any model, task or training setting (repeatable).",
-)
+@settings_option()
 @click.option(
     "--log",
     "loggers",
@@ -202,12 +191,10 @@ def _summary(rows: pd.DataFrame, results_dir: str) -> None:
 @cli.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--split", type=click.Choice(["train", "valid", "test"]), default="test", show_default=True)
-@click.option(
-    "--beam",
-    type=click.IntRange(min=1),
-    help="Beam width for decoding (seq2seq), at most the target vocabulary's size [default: the task's].",
+@count_option(
+    "--beam", help="Beam width for decoding (seq2seq), at most the target vocabulary's size [default: the task's]."
 )
-@click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
+@pattern_option("Evaluate under this pattern instead of the one it was trained with.")
 @click.option("--backend", help="Attention backend [default: the run's].")
 @device_option()
 @results_option("Folder to append to [default: the checkpoint's].", default=None)
@@ -252,13 +239,8 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
     help="Compare gtx eval runs instead: each checkpoint under another pattern beside the same "
     "checkpoint under its training pattern (paired t-test over the runs).",
 )
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "markdown", "csv"]),
-    default="table",
-    show_default=True,
-    help="csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.",
+@table_format_option(
+    "csv: plain numbers (<metric>_mean, _std, _ci_low, _ci_high, p_vs_full, ...); table, markdown: mean ± std over seeds.",
 )
 @plugins_dir_option
 def compare(results_dir, by, metric, evals, fmt):

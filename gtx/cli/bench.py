@@ -6,12 +6,16 @@ import click
 
 from gtx.cli.common import (
     GtxGroup,
+    count_option,
     device_option,
-    key_value,
     lengths_option,
     names_option,
+    pattern_option,
     plugins_dir_option,
     results_option,
+    settings_option,
+    switch_option,
+    table_format_option,
 )
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import BACKENDS, load_plugins
@@ -53,16 +57,8 @@ def busy_note(busy: float | None = None, cores: int | None = None) -> str | None
 
 
 @bench.command(name="attention")
-@click.option(
-    "--pattern", "patterns", multiple=True, default=["local:w=32"], show_default=True, help="Pattern spec (repeatable)."
-)
-@click.option(
-    "--lengths",
-    default="1024,2048,4096,8192",
-    show_default=True,
-    callback=lengths_option,
-    help="Sequence lengths, comma-separated.",
-)
+@pattern_option("Pattern spec (repeatable).", "local:w=32", several=True)
+@lengths_option("1024,2048,4096,8192")
 @click.option(
     "--backends",
     default="dense,dgl,blocksparse,auto",
@@ -77,13 +73,13 @@ def busy_note(busy: float | None = None, cores: int | None = None) -> str | None
     help="Time the forward alone, without gradients (as gtx eval, a prefill and generation run it); "
     "flex and flexattention run on the CPU only so.",
 )
-@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
+@count_option("--heads", default=4)
+@count_option("--head-dim", default=32)
+@count_option("--repeats", default=5, help="Timed repeats (median).")
 @device_option()
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@table_format_option()
 @results_option()
-@click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG.")
+@switch_option("plot", "Also write a log-log PNG.")
 @plugins_dir_option(passed="Folder of plugin .py files to load, also in the processes that time each row (repeatable).")
 def bench_attention(
     patterns, lengths, backends, forward, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs
@@ -121,13 +117,10 @@ def bench_attention(
 
 @bench.command(name="calibrate")
 @device_option()
-@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option(
-    "--forward/--no-forward",
-    default=True,
-    show_default=True,
-    help="Also fit the constants of calls without gradients (inference), where flex also runs on the CPU.",
+@count_option("--heads", default=4)
+@count_option("--head-dim", default=32)
+@switch_option(
+    "forward", "Also fit the constants of calls without gradients (inference), where flex also runs on the CPU."
 )
 def bench_calibrate(device, heads, head_dim, forward):
     """Measure the auto backend's cost constants on this machine and save them for auto to use."""
@@ -145,14 +138,7 @@ def bench_calibrate(device, heads, head_dim, forward):
 @bench.command(name="train")
 @click.option("--task", default="copy", show_default=True)
 @click.option("--model", default="transformer", show_default=True)
-@click.option(
-    "--pattern",
-    "patterns",
-    multiple=True,
-    default=["full"],
-    show_default=True,
-    help="Pattern spec (repeatable: one table).",
-)
+@pattern_option("Pattern spec (repeatable: one table).", "full", several=True)
 @click.option(
     "--backends",
     default="auto,dgl,dgl-seed",
@@ -160,37 +146,17 @@ def bench_calibrate(device, heads, head_dim, forward):
     callback=names_option,
     help="Backends, comma-separated.",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed training steps.")
-@click.option(
-    "--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help="Model, task or training setting."
+@count_option("--steps", default=30, help="Timed training steps.")
+@settings_option("Model, task or training setting.")
+@count_option("--rounds", default=3, help="Interleaved rounds of --steps per variant; rows report the median round.")
+@switch_option(
+    "baseline",
+    "Also time the model's plain-torch references (transformer: torch.nn.Transformer; lm: torch SDPA is_causal, and with each pattern's bool mask).",
 )
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Interleaved rounds of --steps per variant; rows report the median round.",
-)
-@click.option(
-    "--baseline/--no-baseline",
-    default=True,
-    show_default=True,
-    help="Also time the model's plain-torch references (transformer: torch.nn.Transformer; lm: torch SDPA is_causal, and with each pattern's bool mask).",
-)
-@click.option(
-    "--bound/--no-bound",
-    default=True,
-    show_default=True,
-    help="Also time the model with attention skipped: the ceiling for any backend.",
-)
-@click.option(
-    "--memory/--no-memory",
-    default=True,
-    show_default=True,
-    help="Also measure each row's peak memory, each in a fresh process.",
-)
+@switch_option("bound", "Also time the model with attention skipped: the ceiling for any backend.")
+@switch_option("memory", "Also measure each row's peak memory, each in a fresh process.")
 @device_option()
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@table_format_option()
 @results_option()
 @plugins_dir_option(passed="Folder of plugin .py files to load, also in the processes that time each row (repeatable).")
 def bench_train(
@@ -241,27 +207,10 @@ def bench_train(
     show_default=True,
     help="The transformers family of the hf model: llama, qwen2 or gpt2.",
 )
-@click.option(
-    "--pattern", "patterns", multiple=True, default=["full"], show_default=True, help="Pattern spec (repeatable)."
-)
-@click.option(
-    "--lengths",
-    default="4096,16384",
-    show_default=True,
-    callback=lengths_option,
-    help="Sequence lengths, comma-separated.",
-)
-@click.option(
-    "--set",
-    "settings",
-    multiple=True,
-    callback=key_value,
-    metavar="KEY=VALUE",
-    help="An hf model setting (layers, heads, kv_heads, dim, dim_ff).",
-)
-@click.option(
-    "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median)."
-)
+@pattern_option("Pattern spec (repeatable).", "full", several=True)
+@lengths_option("4096,16384")
+@settings_option("An hf model setting (layers, heads, kv_heads, dim, dim_ff).")
+@count_option("--repeats", default=3, help="Timed forward passes (median).")
 @click.option(
     "--backends",
     default="auto",
@@ -269,7 +218,7 @@ def bench_train(
     callback=names_option,
     help="gtx backends, comma-separated: a row per pattern and backend (e.g. auto,flex,blocksparse).",
 )
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@table_format_option()
 @results_option()
 def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, results_dir):
     """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,

@@ -89,6 +89,62 @@ def plugins_dir_option(f=None, *, passed: str | None = None):
     return option if f is None else option(f)
 
 
+def count_option(*names: str, default: int | None = None, help: str | None = None):
+    """An option taking a whole number of at least 1 (``names``: its flags, and the parameter's name
+    where one is given), its default shown where it has one."""
+    return click.option(
+        *names, type=click.IntRange(min=1), default=default, show_default=default is not None, help=help
+    )
+
+
+def switch_option(name: str, help: str):
+    """``--NAME/--no-NAME``: a switch, on unless turned off."""
+    return click.option(f"--{name}/--no-{name}", default=True, show_default=True, help=help)
+
+
+def settings_option(help: str = "Any model, task or training setting (repeatable)."):
+    """``--set KEY=VALUE`` (repeatable) as ``settings``: a dict, each key given once (``key_value``)."""
+    return click.option("--set", "settings", multiple=True, callback=key_value, metavar="KEY=VALUE", help=help)
+
+
+def pattern_option(help: str, default: str | None = None, several: bool = False, metavar: str | None = None):
+    """``--pattern SPEC``: one pattern spec as ``pattern``, or with ``several`` repeatable, as ``patterns``
+    (a tuple; ``default`` then its one spec)."""
+    return click.option(
+        "--pattern",
+        "patterns" if several else "pattern",
+        multiple=several,
+        default=[default] if several and default else default,
+        show_default=default is not None,
+        metavar=metavar,
+        help=help,
+    )
+
+
+def lengths_option(default: str | None = None, help: str = "Sequence lengths, comma-separated.", metavar=None):
+    """``--lengths L1[,L2...]`` as ``lengths``: positive integers, none twice (``parse_lengths``);
+    required where there is no ``default``."""
+    return click.option(
+        "--lengths",
+        default=default,
+        required=default is None,
+        show_default=default is not None,
+        metavar=metavar,
+        callback=parse_lengths,
+        help=help,
+    )
+
+
+TABLE_FORMATS = ("table", "markdown", "csv")
+
+
+def table_format_option(help: str | None = None):
+    """``--format table|markdown|csv`` as ``fmt``: how a command prints its table (``format_table``)."""
+    return click.option(
+        "--format", "fmt", type=click.Choice(TABLE_FORMATS), default="table", show_default=True, help=help
+    )
+
+
 def key_value(ctx, param, values):
     out = {}
     for item in values:
@@ -132,7 +188,7 @@ def names_option(ctx, param, value: str) -> list[str]:
     return names
 
 
-def lengths_option(ctx, param, value: str) -> list[int]:
+def parse_lengths(ctx, param, value: str) -> list[int]:
     """A click callback: comma-separated sequence lengths, each a positive integer, none twice."""
     items = [v.strip() for v in value.split(",")]  # an empty item ("", "16,,32") is no length either
     bad = next((v for v in items if not v.isdigit() or int(v) < 1), None)

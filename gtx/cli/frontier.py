@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gtx.cli.common import cli_error, lengths_option
+from gtx.cli.common import cli_error, lengths_option, table_format_option
 from gtx.cli.sweep import grid_options, read_grid, run_cells
 from gtx.errors import GtxError
 from gtx.sweeps import frontier as fr
@@ -23,13 +23,7 @@ from gtx.sweeps.study import Study, parse_family
     metavar="NAME:P=B1,B2,...",
     help="A pattern and its budgets: the one parameter with several values (local:w=16,32,64; moba:b=16,k=2,4,8); repeatable.",
 )
-@click.option(
-    "--lengths",
-    required=True,
-    metavar="L1[,L2...]",
-    callback=lengths_option,
-    help="Sequence lengths: values of the task's seq_len or context setting.",
-)
+@lengths_option(help="Sequence lengths: values of the task's seq_len or context setting.", metavar="L1[,L2...]")
 @click.option(
     "--length-key", metavar="SETTING", help="The task setting the lengths set [default: seq_len, else context]."
 )
@@ -41,7 +35,7 @@ from gtx.sweeps.study import Study, parse_family
     help="Equivalence margin in the metric's units: a budget is equivalent to full when TOST says |difference| < margin.",
 )
 @click.option("--metric", help="Judge by this metric [default: each task's own, e.g. query_acc, bpc].")
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@table_format_option()
 @click.option(
     "--table-only",
     is_flag=True,

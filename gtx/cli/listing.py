@@ -9,7 +9,7 @@ import json
 import click
 
 from gtx.backends import as_backend
-from gtx.cli.common import plugins_dir_option
+from gtx.cli.common import count_option, plugins_dir_option
 from gtx.graph.pattern import STAGE_NAMES, STAGES
 from gtx.graph.spec import describe_params, is_modifier, parse_pattern
 from gtx.graph.tokens import EdgeSet, possible_edges
@@ -55,9 +55,9 @@ def backends():
 
 @click.command(name="show-pattern")
 @click.argument("pattern")
-@click.option("--src-len", type=click.IntRange(min=1), default=12, show_default=True, help="Source (encoder) length.")
-@click.option("--tgt-len", type=click.IntRange(min=1), default=10, show_default=True, help="Target (decoder) length.")
-@click.option("--max-width", type=click.IntRange(min=1), default=120, show_default=True, help="Largest grid printed.")
+@count_option("--src-len", default=12, help="Source (encoder) length.")
+@count_option("--tgt-len", default=10, help="Target (decoder) length.")
+@count_option("--max-width", default=120, help="Largest grid printed.")
 @plugins_dir_option
 def show_pattern(pattern, src_len, tgt_len, max_width):
     """Print each stage's adjacency (rows: queries, columns: keys; '#' = edge); per head group for heads(...)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import GtxGroup, csv_list, plugins_dir_option, results_option
+from gtx.cli.common import GtxGroup, count_option, csv_list, plugins_dir_option, results_option
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
@@ -16,6 +16,23 @@ from gtx.pictures import plot as gtx_plot
 from gtx.records.layout import ResultsFolder
 
 FORMAT_HELP = "png, svg or pdf [default: the suffix of -o, else png]."
+
+
+def output_option(default: str, formats: bool = True):
+    """``-o/--output FILE`` (``default``: where it goes without one) and, for a figure, ``--format``."""
+
+    def apply(f):
+        f = click.option("--format", "fmt", help=FORMAT_HELP)(f) if formats else f
+        help = f"File to write [default: {default}]."
+        return click.option("-o", "--output", type=click.Path(path_type=Path), help=help)(f)
+
+    return apply
+
+
+def _save(fig, output: Path | None, results_dir: Path, name: str, fmt: str | None) -> None:
+    """Write ``fig`` to ``output``, else to the results folder's plots as ``name`` with the format's
+    suffix; print the path."""
+    click.echo(gtx_plot.save(fig, output or ResultsFolder(results_dir).plot(f"{name}.{fmt or 'png'}"), fmt))
 
 
 @click.group(cls=GtxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,28 +43,15 @@ def plot():
 
 @plot.command(name="pattern")
 @click.argument("spec")
-@click.option(
-    "--src-len",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Source (encoder) length: ee, and the keys of ed.",
-)
-@click.option(
-    "--tgt-len",
-    type=click.IntRange(min=1),
-    help="Target (decoder) length: dd, and the queries of ed [default: --src-len].",
-)
+@count_option("--src-len", default=64, help="Source (encoder) length: ee, and the keys of ed.")
+@count_option("--tgt-len", help="Target (decoder) length: dd, and the queries of ed [default: --src-len].")
 @click.option("--stages", default="ee,dd,ed", show_default=True, help="Stages to draw, comma-separated.")
-@click.option(
+@count_option(
     "--max-cells",
-    type=click.IntRange(min=1),
     default=gtx_plot.MAX_CELLS,
-    show_default=True,
     help="Cells per side; longer sequences are binned into blocks shaded by their fraction of edges.",
 )
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: ./pattern-<spec>.png].")
-@click.option("--format", "fmt", help=FORMAT_HELP)
+@output_option("./pattern-<spec>.png")
 @plugins_dir_option
 def plot_pattern(spec, src_len, tgt_len, stages, max_cells, output, fmt):
     """Draw SPEC's adjacency per stage: rows are queries, columns keys, dark cells edges.
@@ -73,16 +77,13 @@ def plot_pattern(spec, src_len, tgt_len, stages, max_cells, output, fmt):
     help="best_valid_X (best over valid epochs) or test_X; X: token_acc, seq_acc, loss, or a task metric such as bpc "
     "[default: each task's own, as gtx compare picks it: bpc for text, query_acc for recall, token_acc for copy].",
 )
-@click.option(
-    "-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/plots/results.png]."
-)
-@click.option("--format", "fmt", help=FORMAT_HELP)
+@output_option("<results>/plots/results.png")
 @plugins_dir_option
 def plot_results(results_dir, by, metric, output, fmt):
     """Each task's metric against training speed per pattern (mean and std over seeds, Pareto front), and learning curves."""
     df = _load(results_dir)
     fig = gtx_plot.results(df, by=csv_list(by), metric=metric)
-    click.echo(gtx_plot.save(fig, output or ResultsFolder(results_dir).plot(f"results.{fmt or 'png'}"), fmt))
+    _save(fig, output, results_dir, "results", fmt)
 
 
 CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
@@ -99,13 +100,7 @@ CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/
 )
 @click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
 @results_option(CHECKPOINT_HELP, path=True)
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    help="File to write [default: <results>/plots/attention-<run_id>-<split>-<example>.png].",
-)
-@click.option("--format", "fmt", help=FORMAT_HELP)
+@output_option("<results>/plots/attention-<run_id>-<split>-<example>.png")
 @plugins_dir_option
 def plot_attention(checkpoint, example, split, layer, head, results_dir, output, fmt):
     """Draw a trained model's attention weights on one example, per stage: queries on rows, keys on
@@ -118,16 +113,7 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     Example:
       gtx plot attention results/checkpoints/<run_id>/best.pt --example 3 --head 0"""
     fig = gtx_plot.attention(checkpoint, example, split, layer, head, results_dir=str(results_dir))
-    click.echo(
-        gtx_plot.save(
-            fig,
-            output
-            or ResultsFolder(results_dir).plot(
-                f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}"
-            ),
-            fmt,
-        )
-    )
+    _save(fig, output, results_dir, f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}", fmt)
 
 
 @plot.command(name="act")
@@ -143,13 +129,7 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
 )
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
 @results_option(CHECKPOINT_HELP, path=True)
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    help="File to write [default: <results>/plots/act-<run_id>-<split>.png].",
-)
-@click.option("--format", "fmt", help=FORMAT_HELP)
+@output_option("<results>/plots/act-<run_id>-<split>.png")
 @plugins_dir_option
 def plot_act(checkpoint, examples, split, results_dir, output, fmt):
     """Draw an ACT model's steps per token of some examples, and their distribution over the split
@@ -159,14 +139,7 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
     Example:
       gtx plot act <run_id> --example 0 --example 1"""
     fig = gtx_plot.act(checkpoint, examples, split, results_dir=str(results_dir))
-    click.echo(
-        gtx_plot.save(
-            fig,
-            output
-            or ResultsFolder(results_dir).plot(f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}"),
-            fmt,
-        )
-    )
+    _save(fig, output, results_dir, f"act-{_run_name(checkpoint, results_dir)}-{split}", fmt)
 
 
 def _run_name(ref: str, results_dir: Path) -> str:
@@ -181,7 +154,7 @@ def _run_name(ref: str, results_dir: Path) -> str:
 @results_option(path=True)
 @click.option("--by", default="task,model", show_default=True, help="Panels of the results plot (comma-separated).")
 @click.option("--metric", help="Metric of the results plot (as in gtx plot results) [default: each task's own].")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/report.html].")
+@output_option("<results>/report.html", formats=False)
 @plugins_dir_option
 def report(results_dir, by, metric, output):
     """One self-contained HTML page of a results folder: the comparison table, the results plots, each

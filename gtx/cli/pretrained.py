@@ -11,7 +11,7 @@ import click
 from gtx.attention.module import Attention, check_pattern
 from gtx.attention.trainable import check_untrained, stages_of, starts_trained
 from gtx.backends import get_backend
-from gtx.cli.common import device_option, key_value, results_option
+from gtx.cli.common import count_option, device_option, pattern_option, results_option, settings_option, switch_option
 from gtx.errors import GtxError
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import parse_pattern
@@ -32,26 +32,16 @@ def hf_entry():
 @click.argument("run", required=False)
 @results_option("Where RUN is looked up.")
 @click.option("--prompt", required=True, help="The text to continue.")
-@click.option(
-    "--set",
-    "settings",
-    multiple=True,
-    callback=key_value,
-    metavar="KEY=VALUE",
-    help="An hf model setting: path= (a save_pretrained folder, a GGUF file or smollm2) is needed without RUN.",
-)
-@click.option("--pattern", help="The pattern every query reads its keys by [default: RUN's own, else full].")
+@settings_option("An hf model setting: path= (a save_pretrained folder, a GGUF file or smollm2) is needed without RUN.")
+@pattern_option("The pattern every query reads its keys by [default: RUN's own, else full].")
 @click.option(
     "--decode-pattern",
     help="The pattern each new token reads its keys by (the prompt is read under --pattern) [default: --pattern; "
     "RUN's own where neither is given].",
 )
-@click.option("--new", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens to generate.")
-@click.option(
-    "--cache/--no-cache",
-    default=True,
-    show_default=True,
-    help="Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token.",
+@count_option("--new", default=32, help="Tokens to generate.")
+@switch_option(
+    "cache", "Keys and values cached (keys no later query reads are dropped), or the whole sequence again per token."
 )
 @device_option()
 def generate(run, results_dir, prompt, settings, pattern, decode_pattern, new, cache, device):

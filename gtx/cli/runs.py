@@ -6,7 +6,7 @@ import json
 
 import click
 
-from gtx.cli.common import CliError, plugins_dir_option, results_option
+from gtx.cli.common import CliError, pattern_option, plugins_dir_option, results_option, table_format_option
 from gtx.plugins.registry import task_metrics
 from gtx.records import results
 from gtx.records import runs as runlist
@@ -24,8 +24,8 @@ def _load(results_dir: str):
 @results_option()
 @click.option("--task", help="Only runs of this task.")
 @click.option("--model", help="Only runs of this model.")
-@click.option("--pattern", help="Only runs of this pattern (its canonical spec, as listed).")
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
+@pattern_option("Only runs of this pattern (its canonical spec, as listed).")
+@table_format_option()
 @plugins_dir_option
 def runs(results_dir, task, model, pattern, fmt):
     """List the runs under a results folder, newest last.

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import check_shortcuts, cli_error, device_option, plugins_dir_option, results_option, set_once
+from gtx.cli.common import (
+    check_shortcuts,
+    cli_error,
+    count_option,
+    device_option,
+    pattern_option,
+    plugins_dir_option,
+    results_option,
+    set_once,
+)
 from gtx.errors import GtxError, Interrupted
 from gtx.sweeps import grid as gr
 from gtx.sweeps import sweep as sw
@@ -68,9 +77,7 @@ def grid_options(f):
         ),
         device_option(default=None, help="Device of every run [default: auto]."),
         results_option("Results folder shared by the runs [default: results].", default=None),
-        click.option(
-            "-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1]."
-        ),
+        count_option("-j", "--jobs", help="Cells run at once, each in its own process [default: 1]."),
         click.option(
             "--dry-run",
             is_flag=True,
@@ -90,12 +97,10 @@ def grid_options(f):
             metavar="KEY=VALUE",
             help="A submitit executor option (cluster=slurm|local, timeout_min=60, slurm_partition=dev, ...); repeatable.",
         ),
-        click.option(
+        count_option(
             "--nproc-per-node",
             "nproc",
-            type=click.IntRange(min=1),
             default=1,
-            show_default=True,
             help="Processes per cell: above 1, each cell is one data-parallel run under torchrun (rank 0 writes).",
         ),
         click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print."),
@@ -108,12 +113,10 @@ def grid_options(f):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("grid_file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--pattern",
-    "patterns",
-    multiple=True,
+@pattern_option(
+    "One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].",
+    several=True,
     metavar="SPEC",
-    help="One pattern spec per occurrence, never split (specs hold commas: bigbird:b=2,r=1); repeat for more [default: full].",
 )
 @grid_options
 def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, **options):
