@@ -408,6 +408,10 @@ DAMAGED = {  # a checkpoint field damaged, or written by a later gtx: what the o
         "its common holds 'future', a field gtx",
     ),
     "common not JSON": (lambda s: s.update(common="{not json"), "its common is not JSON"),
+    "definitions not versions": (
+        lambda s: s.update(common=json.dumps({**json.loads(s["common"]), "definitions": '{"dsa": "two"}'})),
+        "its common holds definitions that are not JSON of methods' versions",
+    ),
     "rows not JSON": (lambda s: s.update(rows="[{"), "its rows is not JSON"),
     "epoch as text": (lambda s: s.update(epoch="2"), "its epoch is '2', not a count"),
     "a None config": (lambda s: s.update(run_config=None), "its run_config is a NoneType, not a mapping"),

@@ -71,7 +71,9 @@ def method_entry(name: str, bias: bool = False) -> str:
     entry = (BIASES if bias else PATTERNS).get(name)
     shown = f"+{name}" if bias else f"{name}(PATTERN)" if is_modifier(entry.obj) else name
     params = describe_params(entry.obj, skip="heads" if bias else "inner") or "none"
-    return f"## {shown}\n\nParameters: `{params}`\n\n{_markdown(inspect.getdoc(entry.obj) or 'Undocumented.')}\n"
+    version = f"Definition: version {entry.definition} (results rows record it)\n\n" if entry.definition else ""
+    doc = _markdown(inspect.getdoc(entry.obj) or "Undocumented.")
+    return f"## {shown}\n\nParameters: `{params}`\n\n{version}{doc}\n"
 
 
 def _markdown(doc: str) -> str:
