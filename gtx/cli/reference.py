@@ -3,7 +3,9 @@
 
 - docs/cli.md: every command's --help, at 100 columns;
 - docs/methods.md: every pattern and score bias (what ``gtx patterns NAME`` prints);
-- results/README.md: the results folder's layout (``gtx.records.layout``).
+- results/README.md: the results folder's layout (``gtx.records.layout``);
+- the figure tables of docs/*.md (docs/results.md's), each between its markers, from its CSV
+  (``gtx.records.figures``).
 """
 
 from __future__ import annotations
@@ -120,11 +122,13 @@ PAGES = {"docs/cli.md": markdown, "docs/methods.md": methods, "results/README.md
 def write_pages(root: Path) -> list[Path]:
     """Write every generated page under ``root`` (the checkout), each atomically: a page is replaced
     only once its new text exists (a shell redirect empties it before the code has run)."""
+    from gtx.records import figures
+
     written = []
     for name, make in PAGES.items():
         atomic_write(root / name, make())
         written.append(root / name)
-    return written
+    return written + figures.write_pages(root)
 
 
 if __name__ == "__main__":
