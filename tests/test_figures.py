@@ -75,21 +75,19 @@ def test_a_definition_version_that_is_no_version_is_refused_naming_the_plugin(pl
 
 def test_a_runs_rows_record_its_definitions_and_a_checkpoint_of_another_is_refused(plugin_dir, tiny_run, tmp_path, cli):
     folder = plugin_dir(versioned=VERSIONED)
-    run = tiny_run(tmp_path, "--plugins-dir", folder, pattern="diag+boost")
-    assert set(run.rows.definitions) == {'{"boost": 1, "diag": 3}'}
-    assert set(tiny_run(tmp_path / "plain").rows.definitions) == {"{}"}  # full declares none
+    run = tiny_run(tmp_path, "--plugins-dir", folder, pattern="diag")
+    assert set(run.rows.definitions) == {'{"diag": 3}'}
 
     run_id = run.rows.run_id.iloc[0]
     evaluated = cli("eval", run_id, "--results", run.folder, "--pattern", "full", "--plugins-dir", folder)
     assert evaluated.exit_code == 0, evaluated.output
     rows = load(run.folder)
-    assert set(rows[rows.eval_of.notna()].definitions) == {
-        '{"boost": 1, "diag": 3}'
-    }  # the trained run's methods: the figures depend on them
+    # evaluated under full, the figures still depend on the method the model trained under
+    assert set(rows[rows.eval_of.notna()].definitions) == {'{"diag": 3}'}
 
     path = run.folder / "checkpoints" / run_id / "best.pt"
     state = torch.load(path, weights_only=True)
-    common = {**json.loads(state["common"]), "definitions": json.dumps({"boost": 1, "diag": 2})}
+    common = {**json.loads(state["common"]), "definitions": json.dumps({"diag": 2})}
     torch.save({**state, "common": json.dumps(common)}, path)
     refused = cli("eval", run_id, "--results", run.folder, "--plugins-dir", folder)
     assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
