@@ -137,7 +137,7 @@ def test_the_check_names_each_table_without_provenance_citing_a_gone_definition_
 
     assert figures.write_pages(tmp_path) == [page]
     table = "| pattern | ms | ratio |\n|---|---|---|\n| moba:b=4\\|local:w=2 | 332 | 1.0 |\n"
-    assert page.read_text() == f"Intro.\n\n<!-- table: results/good.csv -->\n{table}<!-- end table -->\n\nAfter.\n"
+    assert page.read_text() == f"Intro.\n\n<!-- table: results/good.csv -->\n\n{table}\n<!-- end table -->\n\nAfter.\n"
     assert not [f for f in figures.problems(tmp_path) if "page.md" in f or "good" in f]
 
     (tables / "good.toml").write_text(ABOUT + 'columns = ["ratio", "pattern"]\n[definitions]\nmoba = 2\n')

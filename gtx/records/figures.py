@@ -121,7 +121,8 @@ def read(csv: str | Path) -> Figures:
 
 def fill(text: str, folder: Path) -> str:
     """A page's text with each table block replaced by its CSV's table (paths relative to ``folder``, the page's)."""
-    return BLOCK.sub(lambda m: m.group(1) + read(folder / m.group("csv")).markdown() + m.group(4), text)
+    # blank lines around the table: the markers are HTML blocks, and a line after a table would be read as its row
+    return BLOCK.sub(lambda m: f"{m.group(1)}\n{read(folder / m.group('csv')).markdown()}\n{m.group(4)}", text)
 
 
 def current_definitions() -> dict[str, int]:
