@@ -344,12 +344,13 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
     assert set(rows.pattern) == {
         "dsa:k=8,index_heads=2,index_dim=4,rope=0.5,dense=0,freeze=auto,b=1,index_precision=float32"
     }
+    assert set(rows.definitions) == {'{"dsa": 2}'}  # the definition the refusals below name, recorded in every row
     run_id = rows.run_id.iloc[0]
     path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
     state = torch.load(path, weights_only=False)
     good = dict(state["model"])
     for edit, why in [
-        ({}, "under an earlier definition (index keys from the attention's keys, nothing turned"),
+        ({}, "under definition 1 (index keys from the attention's keys, nothing turned"),
         ({"rotated": 4}, "turning 4 index"),
     ]:
         model = {key: value for key, value in good.items() if not key.endswith(".indexer.rotated")}

@@ -140,6 +140,7 @@ def _new_common(config: RunConfig, resolved: Resolved, model: torch.nn.Module, w
         "task": config.task,
         "model": config.model,
         "pattern": resolved.chosen.spec,
+        "definitions": json.dumps(resolved.definitions),
         "cell": resolved.cell,
         "experiment": resolved.experiment,
         "eval_of": None,
@@ -156,8 +157,13 @@ def _restore(state: dict, resolved: Resolved, trainer: Trainer, world) -> tuple[
     """A checkpoint's training state loaded into ``trainer``: (common, rows, next epoch, best valid loss)."""
     trainer.load_state_dict(state)
     torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
-    # a checkpoint from before schema 4 is rekeyed
-    keys = {"schema_version": SCHEMA_VERSION, "cell": resolved.cell, "experiment": resolved.experiment}
+    # a checkpoint from before schema 4 is rekeyed; one from before schema 6 gets the definitions it continues under
+    keys = {
+        "schema_version": SCHEMA_VERSION,
+        "cell": resolved.cell,
+        "experiment": resolved.experiment,
+        "definitions": json.dumps(resolved.definitions),
+    }
     common = {**json.loads(state["common"]), **keys}
     rows = [{**row, **keys} for row in checkpoint.rows_of(state)]
     return common, rows, state["epoch"] + 1, state["best_valid_loss"]
@@ -184,9 +190,9 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     width = getattr(resolved.model_config, "dim", 128)
     trainer = Trainer(model, resolved.train, width, resolved.device, resolved.task, world)
     if state:
-        checkpoint.check_vocab(
-            state, resolved.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST
-        )
+        last = checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST
+        checkpoint.check_vocab(state, resolved.task, last)
+        checkpoint.check_definitions(state, resolved.definitions, last)
         common, rows, start, best = _restore(state, resolved, trainer, world)
     else:
         if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
