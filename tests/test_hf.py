@@ -86,6 +86,24 @@ def test_full_is_transformers_own_sdpa(family):
             torch.testing.assert_close(logits[a:b], expected, atol=1e-4, rtol=0)
 
 
+def test_grouped_query_heads_reach_sdpa_as_they_are(monkeypatch):
+    """Under full, a grouped-query model's keys and values reach SDPA with their own heads
+    (``enable_gqa``), as transformers' sdpa hands them: no copy of them repeated per query head."""
+    task = recall_task()
+    model, pattern = hf_model("llama", "full", task)
+    batch = make_batch(task, "valid", [0], pattern)
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        model(batch)
+    assert seen == [(4, 2, True)] * 2  # a call per layer, 4 query heads over 2 key/value heads
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_local_window_is_eager_attention_with_its_mask(family):
     import transformers
