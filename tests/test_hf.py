@@ -258,6 +258,30 @@ def test_bench_prefill_of_a_folder_with_fewer_tokens_than_its_random_ids(tmp_pat
     assert result.exit_code == 0, result.output
 
 
+def test_bench_prefill_times_a_pretrained_model_saying_each_load_and_timing(tmp_path):
+    """``--set path=`` of a GGUF file (as path=smollm2 names one): its rows named by the path, beside
+    transformers' sdpa on the same weights, each load and timing said as it starts."""
+    import pandas as pd
+    from pretrained import save_tiny_gguf
+
+    file = save_tiny_gguf(tmp_path / "tiny.gguf")
+    args = ["bench", "prefill", "--set", f"path={file}", "--pattern", "full", "--pattern", "sinks:s=2,w=4"]
+    result = CliRunner().invoke(cli, [*args, "--lengths", "32", "--repeats", "1", "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (path,) = (tmp_path / "bench").glob("prefill-*.csv")
+    df = pd.read_csv(path)
+    assert df.attention.tolist() == ["transformers sdpa", "no attention", "gtx", "gtx"]
+    assert (df.family == str(file)).all() and df.pattern.tolist()[2:] == ["full", "sinks:s=2,w=4"]
+    said = [line.split(maxsplit=2)[2] for line in result.output.splitlines() if line.startswith(str(file))]
+    # the ceiling's model, then sinks's, loaded after full's; each row's timing said before its figure
+    assert [s for s in said if s.startswith("loading")] == [
+        "loading the model for full",
+        "loading the model for local:w=0",
+        "loading the model for sinks:s=2,w=4",
+    ]
+    assert sum("timing 1 pass after a warm-up" in s for s in said) == 4
+
+
 def test_bench_prefill_rows(tmp_path):
     result = CliRunner().invoke(
         cli,
