@@ -392,6 +392,48 @@ def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_w
             assert get_backend(auto).choose(edges, 2, 4, torch.device("cpu")) == f"flash-{structure}"
 
 
+@pytest.mark.parametrize("call_work", PLANS)
+@pytest.mark.parametrize("name", ["dense", "auto"])
+@pytest.mark.parametrize("case", PLAIN, ids=[c[0] for c in PLAIN])
+def test_grouped_keys_and_values_give_what_repeated_ones_give(case, name, call_work, monkeypatch):
+    """Grouped-query k and v (half q's heads) reach plain attention's SDPA as they are (enable_gqa),
+    the packed kernel and the log-sum-exp kernel repeated: out and log-sum-exp equal the repeated heads'."""
+    from gtx.backends import repeat_kv
+
+    _, edges, _ = case
+    use_plan(monkeypatch, call_work)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(edges.n_dst, 4, 8, generator=g)
+    k, v = (torch.randn(edges.n_src, 2, 8, generator=g) for _ in range(2))
+    backend = get_backend(name)
+    torch.testing.assert_close(backend(q, k, v, edges), backend(q, repeat_kv(k, 4), repeat_kv(v, 4), edges))
+    (out, sums), (out_r, sums_r) = (
+        backend.with_lse(q, k, v, edges),
+        backend.with_lse(q, *(repeat_kv(x, 4) for x in (k, v)), edges),
+    )
+    torch.testing.assert_close(out, out_r)
+    assert (sums is None) == (sums_r is None) and (sums is None or torch.allclose(sums, sums_r))
+
+
+@pytest.mark.parametrize("spec", ["full", "local:w=3", "topk(full):k=2"])
+@pytest.mark.parametrize("name", ["auto", "dense", "blocksparse", "torch"])
+def test_attention_repeats_grouped_heads_for_kernels_that_need_them(spec, name):
+    from gtx.attention.module import Attention
+    from gtx.backends import repeat_kv
+
+    pattern = parse_pattern(spec)
+    edges = build_graph(pattern, None, [7, 5]).edges["dd"]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(edges.n_dst, 4, 8, generator=g)
+    k, v = (torch.randn(edges.n_src, 2, 8, generator=g) for _ in range(2))
+    attention = Attention(get_backend(name), pattern, 4, 8)
+    want = attention(q, repeat_kv(k, 4), repeat_kv(v, 4), edges)
+    torch.testing.assert_close(attention(q, k, v, edges), want)
+    assert torch.equal(repeat_kv(k, 4)[:, 1], k[:, 0]) and torch.equal(repeat_kv(k, 4)[:, 2], k[:, 1])
+    with pytest.raises(ValueError, match="must divide"):
+        repeat_kv(torch.zeros(3, 3, 2), 4)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     spec=st.sampled_from(["full", "causal"]),

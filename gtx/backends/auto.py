@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from gtx.backends import Backend
+from gtx.backends import Backend, repeat_kv
 from gtx.backends.blocksparse import block_pairs
 from gtx.backends.flash import flash_attention, flash_plan, flash_structure
 from gtx.backends.packed import QUERY_WORK
@@ -262,6 +262,7 @@ class AutoBackend(Backend):
         return min(self.measured[shape], key=self.measured[shape].get)
 
     supports_bias = True  # routed to the candidates that take biases
+    grouped_kv = True  # plain attention's SDPA takes the groups; the other candidates get them repeated
 
     def _chosen(self, q, k, v, edges, bias) -> str:
         """The choice for this call (planned once per edge set), counted."""
@@ -269,7 +270,7 @@ class AutoBackend(Backend):
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
         name = root.plan(
             ("auto", q.device, q.shape[1], q.shape[2], biased, grad),
-            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased, grad),
+            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, *_heads(q, k, v), bias), biased, grad),
         )
         ran = name
         if name.startswith(FLASH) and flash_plan(q, k, v, root, name.removeprefix(FLASH)).ranges is not None:
@@ -290,6 +291,7 @@ class AutoBackend(Backend):
         if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
             return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
         backend = self._usable(q.device)[name]
+        k, v = _heads(q, k, v)
         return backend(q, k, v, edges) if bias is None else backend(q, k, v, edges, bias=bias)
 
     def reset_choices(self) -> dict[str, dict[str, int]]:
@@ -324,3 +326,8 @@ def time_candidates(
             if round_:
                 best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
     return best
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with q's heads (``repeat_kv``): what every candidate but plain attention's SDPA takes."""
+    return repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])

@@ -177,13 +177,13 @@ def run(
         loggers=list(loggers),
     )
 
-    def progress(description, total):
+    def progress(description, total, unit="batch"):
         if quiet:
             return lambda: None
         if sys.stderr.isatty():
-            bar = tqdm(total=total, desc=description, leave=False, unit="batch")
+            bar = tqdm(total=total, desc=description, leave=False, unit=unit)
             return lambda: bar.update() if bar.n + 1 < total else bar.close()
-        return progress_lines(description, total, lambda s: click.echo(s, err=True))
+        return progress_lines(description, total, lambda s: click.echo(s, err=True), unit=unit)
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
     rows = run_experiment(config, progress=progress, log=log, resume=resume)

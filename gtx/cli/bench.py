@@ -257,7 +257,8 @@ def bench_train(
     multiple=True,
     callback=key_value,
     metavar="KEY=VALUE",
-    help="An hf model setting (layers, heads, kv_heads, dim, dim_ff).",
+    help="An hf model setting (layers, heads, kv_heads, dim, dim_ff), or path=: a pretrained model (a folder, a GGUF "
+    "file, smollm2) instead of a random one.",
 )
 @click.option(
     "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed forward passes (median)."
@@ -273,10 +274,12 @@ def bench_train(
 @results_option()
 def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, results_dir):
     """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,
-    against the same weights on transformers' own SDPA; peak memory growth per row. Needs pip install -e '.[hf]'.
+    against the same weights on transformers' own SDPA; peak memory growth per row. Each timing, and each load
+    of a pretrained model (--set path=), is said on stderr as it starts. Needs pip install -e '.[hf]'.
 
     \b
       gtx bench prefill --family llama --pattern full --pattern local:w=256 --lengths 4096,16384
+      gtx bench prefill --set path=smollm2 --pattern full --pattern sinks:s=4,w=256 --lengths 4096
     """
     from gtx.measure import bench as gtx_bench
     from gtx.measure.prefill import bench_prefill as run

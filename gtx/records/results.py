@@ -387,9 +387,13 @@ def cell_text(v) -> str:
     return str(v)
 
 
+#: numbers a phase's metrics hold that judge nothing: timing, and the keys generated tokens read
+NOT_METRICS = ("decode_s", "generate_s", "decode_edges_per_query")
+
+
 def scalar_metrics(metrics: dict) -> dict[str, float]:
-    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode and generation timing left out."""
-    return {k: v for k, v in metrics.items() if isinstance(v, float) and k not in ("decode_s", "generate_s")}
+    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), ``NOT_METRICS`` left out."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and k not in NOT_METRICS}
 
 
 def metrics_json(d: dict) -> str:

@@ -54,7 +54,8 @@ __all__ = [
     "run",
 ]
 
-Progress = Callable[[str, int], Callable[[], None]]
+#: ``progress(description, total, unit="batch")``: a callback to call after each of ``total`` units
+Progress = Callable[..., Callable[[], None]]
 
 
 class RunInterrupted(Interrupted):
@@ -121,6 +122,12 @@ class _Run:
             return lambda: None
         return self.progress(label, -(-len(self.resolved.task.splits()[split]) // size))
 
+    def samples(self, label: str) -> Callable[[int], Callable[[], None]]:
+        """The progress of a phase's generation: given its count of samples, a callback per sample."""
+        if not (self.progress and self.world.main):
+            return lambda count: lambda: None
+        return lambda count: self.progress(f"{label}: generation", count, "sample")
+
     def judge(self, phase: PhaseStats, epoch: int) -> None:
         """Say ``complete_note`` judged by the keys a phase read (patterns that choose or learn them), once."""
         if not self.note:
@@ -186,6 +193,9 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     world, resolved.device = distributed.setup(resolved.device)
     torch.manual_seed(config.seed)
     attention = build_attention(resolved)
+    path = getattr(resolved.model_config, "path", "")
+    if path and world.main:  # reading (and dequantizing) a pretrained model's weights takes seconds: said first
+        log(f"loading model {config.model} from {path}")
     model = build_model(resolved, attention)
     width = getattr(resolved.model_config, "dim", 128)
     trainer = Trainer(model, resolved.train, width, resolved.device, resolved.task, world)
@@ -246,6 +256,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         decode_limit=train.decode_valid,
         precision=train.precision,
         on_batch=run.tick(f"epoch {epoch} valid", "valid", train.eval_batch_size),
+        on_sample=run.samples(f"epoch {epoch} valid"),
         decode_pattern=resolved.decode,
     )
     run.judge(valid, epoch)
@@ -306,6 +317,7 @@ def _test(run: _Run, last: int) -> None:
         beam=getattr(resolved.task_config, "beam", 1),
         precision=resolved.train.precision,
         on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
+        on_sample=run.samples("test"),
         decode_pattern=resolved.decode,
     )
     run.rows.append(result_row(run.common, last, "test", test, run.attention, stages_of(run.model)))
