@@ -4,6 +4,7 @@ writes, the data cache."""
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import logging
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 from gtx.errors import GtxError
 
 log = logging.getLogger(__name__)
+#: what a write refused for want of room sets as its errno: a full device, a user's quota spent
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 CACHE_VARIABLE = "GTX_CACHE"
 OLD_CACHE_VARIABLE = "GTX_CACHE_DIR"  # its earlier name, still read where GTX_CACHE is unset
 
@@ -51,27 +54,55 @@ def cache_dir() -> Path:
     ``~/.cache/gtx``; created if missing. A folder that cannot be used (an empty value, a file, below
     a file, not writable) gives this process a temporary folder instead, with one warning line naming
     the variable."""
+    return _usable_cache(*_cache_variable())
+
+
+def lasting_cache(command: str) -> Path:
+    """``cache_dir()`` for a command whose product is what it saves there (``gtx bench calibrate``),
+    checked before its work: one GtxError line where the folder cannot be used or written in (the
+    temporary stand-in ``cache_dir`` would take is deleted when the process ends)."""
+    path, what, reason = _cache_place(*_cache_variable())
+    if reason is None:
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:  # what os.access cannot tell: a read-only file system under root, a full device
+            reason = f"cannot write in it: {e.strerror or e}"
+    if reason:
+        raise GtxError(
+            f"{command} saves into gtx's cache, and {what} cannot be used ({reason}); set {CACHE_VARIABLE} to a writable folder"
+        )
+    return path
+
+
+def _cache_variable() -> tuple[str | None, str | None]:
     name = next((v for v in (CACHE_VARIABLE, OLD_CACHE_VARIABLE) if v in os.environ), None)
-    return _usable_cache(name, os.environ.get(name) if name else None)
+    return name, os.environ.get(name) if name else None
+
+
+def _cache_place(name: str | None, value: str | None) -> tuple[Path, str, str | None]:
+    """(the cache folder, how to name it, why it cannot be used or None), created where it can be."""
+    path = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "gtx"
+    what = f"{name}={value}" if name else f"the default cache {path} (no {CACHE_VARIABLE} set)"
+    if name and not value:
+        return path, what, "it is empty"
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
+        if not existing.is_dir():
+            return path, what, "it is not a folder" if existing == path else f"{existing} is not a folder"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return path, what, "it is not writable"
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return path, what, f"cannot create it: {e.strerror or e}"
+    return path, what, None
 
 
 @functools.cache
 def _usable_cache(name: str | None, value: str | None) -> Path:
-    path = Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "gtx"
-    what = f"{name}={value}" if name else f"the default cache {path} (no {CACHE_VARIABLE} set)"
-    reason = "it is empty" if name and not value else None
-    try:
-        if reason is None:
-            existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor))
-            if not existing.is_dir():
-                reason = "it is not a folder" if existing == path else f"{existing} is not a folder"
-            elif not os.access(existing, os.W_OK | os.X_OK):
-                reason = "it is not writable"
-        if reason is None:
-            path.mkdir(parents=True, exist_ok=True)
-            return path
-    except OSError as e:
-        reason = f"cannot create it: {e.strerror or e}"
+    path, what, reason = _cache_place(name, value)
+    if reason is None:
+        return path
     tmp = Path(tempfile.mkdtemp(prefix="gtx-cache-"))
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     log.warning(
@@ -105,9 +136,41 @@ def replace_durably(tmp: str | Path, path: Path) -> None:
         os.close(fd)
 
 
+class NoSpace(GtxError):
+    """A write the device refused for want of room (``NO_SPACE``): ``folder`` is where it went; the
+    file it would have replaced is whole (``atomic_write``)."""
+
+    def __init__(self, path: Path):
+        self.folder = path.parent
+        super().__init__(
+            f"no space left on the device of {self.folder} (writing {path.name}; any earlier {path.name} is kept whole); "
+            "free space there, or choose another folder"
+        )
+
+
+def check_space(folder: Path, need: int, what: str = "--results") -> None:
+    """One GtxError line, before any work, where the device of ``folder`` (an existing folder) has
+    fewer than ``need`` bytes free: what the work would write first would not fit."""
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise GtxError(
+            f"{what} {folder}: {free / 2**20:,.1f} MiB free on its device, and the run writes about "
+            f"{need / 2**20:,.1f} MiB a checkpoint; free space, or {_another(what)}"
+        )
+
+
 def atomic_write(path: Path, data: str | bytes) -> None:
     """Write through a temporary file in the same folder, synced, and rename: readers never see a
-    partial file, and a kill or a crash leaves the previous one whole."""
+    partial file, and a kill or a crash leaves the previous one whole. A full device is ``NoSpace``."""
+    try:
+        _write_then_rename(path, data)
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            raise NoSpace(path) from None
+        raise
+
+
+def _write_then_rename(path: Path, data: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -2,8 +2,7 @@
 
 from dataclasses import replace
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern
+from gtx import Pattern, hookimpl
 
 
 def keep_active(edges, active):

@@ -4,8 +4,7 @@ from functools import lru_cache
 
 import torch
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern
+from gtx import Pattern, hookimpl
 
 
 @lru_cache(maxsize=1024)

@@ -1,7 +1,6 @@
 """bipartite: only cross attention mixes tokens; self-attention stages keep just the self-edge."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern, everything
+from gtx import Pattern, everything, hookimpl
 
 
 def bipartite() -> Pattern:

@@ -1,7 +1,6 @@
 """causal: every self-attention stage sees only earlier-or-same positions; cross attention complete."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern, everything
+from gtx import Pattern, everything, hookimpl
 
 
 def causal() -> Pattern:

@@ -1,7 +1,6 @@
 """dilated: a dilated sliding window (Longformer's dilation)."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern
+from gtx import Pattern, hookimpl
 
 
 def dilated(w: int = 2, d: int = 2) -> Pattern:

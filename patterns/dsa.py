@@ -23,27 +23,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gtx import GtxError, hookimpl, parse_pattern
-from gtx.attention.selection.blocks import (
+from gtx import (
+    GtxError,
+    KeySelection,
     TokenBlockSelection,
-    attend_token_blocks,
-    block_means,
-    pad_samples,
-    unpad_samples,
+    Trainable,
+    attend_selection,
+    causal_lens,
+    hookimpl,
+    parse_pattern,
+    selection,
 )
-from gtx.attention.selection.choice import PRECISIONS, int8_scores, top_later_first
-from gtx.attention.selection.indexer import (
-    ROWS,
-    dense_index_kl,
-    index_kl,
-    index_scores,
-    kl_to,
-    rotary_angles,
-    rotate,
-    top_indexed,
-)
-from gtx.attention.selection.keys import KeySelection, attend_keys
-from gtx.attention.trainable import Trainable, causal_lens
 
 # query rows per block of the dense stage's KL: a block's buffers are a few rows x keys (its scores
 # per head, targets, index scores), one block per torch thread at a time, so small blocks keep the
@@ -60,7 +50,7 @@ class DSAConfig:
     freeze: bool | None  # the model frozen during the dense stage (the report's stage 1); None: the run's start decides
     b: int = 1  # 1: tokens are chosen (DSA); > 1: blocks of b positions (MSA's corner), k / b of them read
     rope: int = 0  # leading index dimensions turned by position (DeepSeek: 64 of 128)
-    precision: str = "float32"  # what the choice scores in (``top_indexed``); the KL stays in float32
+    precision: str = "float32"  # what the choice scores in (``selection.indexer.top_indexed``); the KL stays in float32
 
 
 class Indexer(nn.Module):
@@ -83,10 +73,10 @@ class Indexer(nn.Module):
     def forward(self, queries: torch.Tensor, inputs: torch.Tensor, positions: torch.Tensor):
         """(n, query_dim) queries, (n, input_dim) layer inputs, (n,) positions -> index queries
         (n, heads, dim), weights (n, heads), keys (n, dim)."""
-        angles = rotary_angles(positions, self.rope)
+        angles = selection.indexer.rotary_angles(positions, self.rope)
         w = self.weights(inputs) * (self.heads**-0.5 * self.dim**-0.5)
-        iq = rotate(self.wq(queries).unflatten(-1, (self.heads, self.dim)), angles)
-        return iq, w, rotate(self.k_norm(self.wk(inputs)), angles)
+        iq = selection.indexer.rotate(self.wq(queries).unflatten(-1, (self.heads, self.dim)), angles)
+        return iq, w, selection.indexer.rotate(self.k_norm(self.wk(inputs)), angles)
 
 
 class SparseIndexed(Trainable):
@@ -109,7 +99,7 @@ class SparseIndexed(Trainable):
             got = "none" if x is None else f"{tuple(x.shape)}"
             raise GtxError(
                 f"pattern {run.spec!r} reads the layer's input for its index keys, {len(q)} x {self.indexer.wk.in_features} here, "
-                f"and got {got}: call the attention with inputs= (gtx's models do; gtx.attention.trainable.Run.inputs)"
+                f"and got {got}: call the attention with inputs= (gtx's models do; gtx.Run.inputs)"
             )
         sparse = run.step >= c.dense if run.training else bool(self.sparse)
         if run.training:  # the steps trained with this one, and the stage the next one (or an evaluation) runs in
@@ -130,21 +120,16 @@ class SparseIndexed(Trainable):
         if blocks is not None:
             with torch.no_grad():
                 sel = blocks.top(iq, w, c.k // c.b - 1, q.shape[1], c.precision)
-            out, mass = attend_token_blocks(q, k, v, edges, sel, masses=True)
+            out, mass = attend_selection(q, k, v, edges, sel, weights=True)
             if run.training:
                 run.loss("indexer_kl_sparse", blocks.sparse_kl(mass, iq, w, sel))
             run.kept("selected", sel.per_query(), edges.n_dst)
             return out
         with torch.no_grad():
-            keys, valid = top_indexed(iq, w, ik, edges, c.k, c.precision)
-        heads = q.shape[1]
-        out, p = attend_keys(
-            q,
-            k,
-            v,
-            edges,
-            KeySelection(keys[:, None].expand(-1, heads, -1), valid[:, None].expand(-1, heads, -1)),
-            probs=True,
+            keys, valid = selection.indexer.top_indexed(iq, w, ik, edges, c.k, c.precision)
+        # one choice for all heads: a group of them all, each key's heads read as one span
+        out, p = attend_selection(
+            q, k, v, edges, KeySelection(keys[:, None], valid[:, None], group=q.shape[1]), weights=True
         )
         if run.training:
             run.loss("indexer_kl_sparse", self.sparse_kl(p, iq, w, ik, keys, valid))
@@ -165,16 +150,16 @@ class SparseIndexed(Trainable):
 
     def dense_kl(self, q, k, lse, iq, w, ik, lens, blocks: BlockIndex | None = None) -> torch.Tensor:
         """The dense stage's KL: the main attention's distribution averaged over heads against the
-        indexer's softmax over every candidate, per query, averaged (``dense_index_kl``; ``lse``: the main
+        indexer's softmax over every candidate, per query, averaged (``selection.indexer.dense_index_kl``; ``lse``: the main
         attention's log-sum-exp per query and head, or None); with ``blocks``, both as masses per block
         (a query's own block and those before it)."""
         keys, size = (ik, 1) if blocks is None else (blocks.keys, blocks.size)
-        return dense_index_kl(q, k, lse, iq, w, keys, lens, DENSE_KL_ROWS, size) / q.shape[0]
+        return selection.indexer.dense_index_kl(q, k, lse, iq, w, keys, lens, DENSE_KL_ROWS, size) / q.shape[0]
 
     def sparse_kl(self, p, iq, w, ik, keys, valid) -> torch.Tensor:
         """After the dense stage: the main attention over the kept tokens (averaged over heads) against
         the indexer's softmax over the same tokens, per query, averaged."""
-        return index_kl(p, iq, w, ik, keys, valid) / len(keys)
+        return selection.indexer.index_kl(p, iq, w, ik, keys, valid) / len(keys)
 
 
 def positions_of(lens: list[int], device) -> torch.Tensor:
@@ -210,15 +195,15 @@ class BlockIndex:
 
     def __init__(self, ik: torch.Tensor, lens: list[int], size: int):
         self.size, self.lens = size, lens
-        self.keys = block_means(ik[:, None], lens, size)[:, 0]
+        self.keys = selection.block_means(ik[:, None], lens, size)[:, 0]
         self.length = self.keys.shape[1] * size
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) rows of the samples -> (B, n_blocks * size, ...), zero-padded."""
         return (
-            pad_samples(x[..., None], self.lens, self.length)[..., 0]
+            selection.pad_samples(x[..., None], self.lens, self.length)[..., 0]
             if x.dim() == 2
-            else pad_samples(x, self.lens, self.length)
+            else selection.pad_samples(x, self.lens, self.length)
         )
 
     def after(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -227,7 +212,8 @@ class BlockIndex:
 
     def top(self, iq, w, count: int, heads: int, precision: str = "float32") -> TokenBlockSelection:
         """Per token, the ``count`` earlier blocks with the highest index score (its own it reads anyway),
-        shared by the ``heads``; scored a block of query rows at a time, never n x n."""
+        one choice shared by all ``heads`` (a selection of one row, group=heads); scored a block of
+        query rows at a time, never n x n."""
         size, lens = self.size, self.lens
         iqp, wp = self.pad(iq), self.pad(w)
         n_blocks = self.keys.shape[1]
@@ -238,23 +224,20 @@ class BlockIndex:
             >= (torch.arange(self.length, device=iq.device) // size)[:, None]
         )
         for i, n in enumerate(lens):
-            for r0 in range(0, n, ROWS):
-                r = slice(r0, min(r0 + ROWS, n))
-                score = int8_scores if precision == "int8" else index_scores
-                values, indices = top_later_first(
+            for r0 in range(0, n, selection.indexer.ROWS):
+                r = slice(r0, min(r0 + selection.indexer.ROWS, n))
+                score = selection.choice.int8_scores if precision == "int8" else selection.indexer.index_scores
+                values, indices = selection.top_later_first(
                     score(iqp[i, r], wp[i, r], self.keys[i]).masked_fill(later[r], float("-inf")), count
                 )
                 blocks[i, r, : indices.shape[-1]] = indices
                 valid[i, r, : indices.shape[-1]] = values > float("-inf")
-        blocks, valid = (
-            unpad_samples(x, lens)[:, None].expand(-1, heads, -1).contiguous()
-            for x in (blocks.masked_fill(~valid, 0), valid)
-        )
-        return TokenBlockSelection(size, list(lens), blocks, valid)
+        blocks, valid = (selection.unpad_samples(x, lens)[:, None] for x in (blocks.masked_fill(~valid, 0), valid))
+        return TokenBlockSelection(size, list(lens), blocks, valid, heads)
 
     def sparse_kl(self, mass: torch.Tensor, iq, w, sel: TokenBlockSelection) -> torch.Tensor:
         """After the dense stage: the main attention's mass on each block a token reads (``mass``: its own
-        block first, then the chosen ones, averaged over heads, as ``attend_token_blocks`` gives it)
+        block first, then the chosen ones, averaged over heads, as ``attend_selection`` gives it)
         against the indexer's softmax over the same blocks, per query, averaged."""
         n_blocks = self.keys.shape[1]
         sample = torch.repeat_interleave(
@@ -266,14 +249,14 @@ class BlockIndex:
         read = torch.cat([torch.ones_like(sel.valid[:, :1, 0]), sel.valid[:, 0]], 1)
         keys = self.keys.reshape(-1, self.keys.shape[-1])
         total = iq.new_zeros(())
-        for r0 in range(0, len(idx), ROWS):
-            r = slice(r0, r0 + ROWS)
+        for r0 in range(0, len(idx), selection.indexer.ROWS):
+            r = slice(r0, r0 + selection.indexer.ROWS)
             total = total + checkpoint(_block_kl, mass[r], iq[r], w[r], keys, idx[r], read[r], use_reentrant=False)
         return total / len(idx)
 
 
 def _block_kl(p, iq, w, keys, idx, read):
-    return kl_to(p, index_scores(iq, w, keys[idx]), read)
+    return selection.indexer.kl_to(p, selection.indexer.index_scores(iq, w, keys[idx]), read)
 
 
 def dsa(
@@ -346,8 +329,8 @@ def dsa(
             f"rope={rope} of index_dim={index_dim}: the share of index dimensions turned by position, in [0, 1], must turn an "
             f"even number of them (pairs), e.g. rope={2 * (index_dim // 4) / index_dim:g} ({2 * (index_dim // 4)} of {index_dim})"
         )
-    if index_precision not in PRECISIONS:
-        raise ValueError(f"index_precision={index_precision}: one of {', '.join(PRECISIONS)}")
+    if index_precision not in selection.choice.PRECISIONS:
+        raise ValueError(f"index_precision={index_precision}: one of {', '.join(selection.choice.PRECISIONS)}")
     config = DSAConfig(k, index_heads, index_dim, dense, FREEZE[freeze], b, turned, index_precision)
     return replace(
         parse_pattern("full"), trainable=lambda heads, head_dim: SparseIndexed(heads, head_dim, config), budget=k

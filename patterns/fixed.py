@@ -1,7 +1,6 @@
 """fixed: Sparse Transformer fixed attention (Child et al. 2019, arXiv:1904.10509)."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern
+from gtx import Pattern, hookimpl
 
 
 def fixed(l: int = 8, c: int = 2) -> Pattern:

@@ -1,7 +1,6 @@
 """full: the classic Transformer: complete ``ee``, causal ``dd``, complete bipartite ``ed``."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern, causal, everything
+from gtx import Pattern, causal, everything, hookimpl
 
 
 def full() -> Pattern:

@@ -2,8 +2,7 @@
 
 import torch
 
-from gtx import hookimpl
-from gtx.graph.pattern import STAGES, Pattern
+from gtx import STAGES, Pattern, hookimpl
 
 
 def heads(inner) -> Pattern:

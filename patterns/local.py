@@ -2,8 +2,7 @@
 
 import torch
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern, align
+from gtx import Pattern, align, hookimpl
 
 
 def band(lo: int, hi: int, aligned: bool = False):

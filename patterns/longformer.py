@@ -1,7 +1,6 @@
 """longformer: sliding window plus global tokens (Beltagy et al. 2020)."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern
+from gtx import Pattern, hookimpl
 
 
 def longformer(w: int = 4, g: int = 1) -> Pattern:

@@ -4,10 +4,7 @@ from dataclasses import replace
 
 import torch
 
-from gtx import hookimpl
-from gtx.errors import PatternError
-from gtx.graph.pattern import Pattern
-from gtx.graph.spec import parse_pattern
+from gtx import Pattern, PatternError, hookimpl, parse_pattern
 
 
 def lsh(inner: Pattern = None, buckets: int = 8, seed: int = 0) -> Pattern:

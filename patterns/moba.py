@@ -5,8 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from gtx import Pattern, hookimpl, parse_pattern
-from gtx.attention.selection.blocks import BlockSelection, block_means, choose_token_blocks
+from gtx import BlockSelection, Pattern, hookimpl, parse_pattern, selection
 
 GATES = ("token", "block")
 
@@ -40,8 +39,8 @@ def moba(b: int = 64, k: int = 4, gate: str = "token") -> Pattern:
             return None  # full attention on the other stages
         lens = list(edges.sample_lens()[0])
         if gate == "token":
-            return choose_token_blocks(q, keys, lens, b, k - 1)
-        qm, km = block_means(q, lens, b), block_means(keys, lens, b)  # (B, H, n, D)
+            return selection.choose_token_blocks(q, keys, lens, b, k - 1)
+        qm, km = selection.block_means(q, lens, b), selection.block_means(keys, lens, b)  # (B, H, n, D)
         n = qm.shape[2]
         score = qm @ km.transpose(-1, -2)  # (B, H, n, n): query block x key block
         earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)

@@ -14,19 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gtx import hookimpl, parse_pattern
-from gtx.attention.selection.blocks import TokenBlockSelection, attend_token_blocks, pad_samples, unpad_samples
-from gtx.attention.selection.choice import top_later_first
-from gtx.attention.selection.compressed import (
-    attend_compressed,
-    block_ends,
-    compressed_keys_seen,
-    compressed_weights,
-    sliding_blocks,
+from gtx import (
+    GtxError,
+    TokenBlockSelection,
+    Trainable,
+    attend_selection,
+    batch_edges,
+    causal_lens,
+    hookimpl,
+    parse_pattern,
+    selection,
 )
-from gtx.attention.trainable import Trainable, causal_lens
-from gtx.errors import GtxError
-from gtx.graph.tokens import batch_edges
 
 PHI = ("mlp", "mean")
 
@@ -83,7 +81,7 @@ class _StridedConv(torch.autograd.Function):
     def forward(ctx, x, lens, kernel, bias, stride):
         ctx.lens, ctx.stride = lens, stride
         ctx.save_for_backward(x, kernel)
-        padded = pad_samples(x, lens, max(lens))  # (B, L, H, D): a view for one sample of its full length
+        padded = selection.pad_samples(x, lens, max(lens))  # (B, L, H, D): a view for one sample of its full length
         m = (padded.shape[1] - kernel.shape[-1]) // stride + 1
         hidden = x.new_empty(len(lens), x.shape[1], kernel.shape[0], m)
         with _float32_convolutions():
@@ -96,7 +94,7 @@ class _StridedConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, kernel = ctx.saved_tensors
-        padded = pad_samples(x, ctx.lens, max(ctx.lens))
+        padded = selection.pad_samples(x, ctx.lens, max(ctx.lens))
         dx = torch.zeros_like(padded) if ctx.needs_input_grad[0] else None
         dkernel = torch.zeros_like(kernel) if ctx.needs_input_grad[2] else None
         dbias = kernel.new_zeros(kernel.shape[0]) if ctx.needs_input_grad[3] else None
@@ -122,7 +120,7 @@ class _StridedConv(torch.autograd.Function):
                     dkernel += dks
                 if dbias is not None:
                     dbias += dbs
-        return None if dx is None else unpad_samples(dx, ctx.lens), None, dkernel, dbias, None
+        return None if dx is None else selection.unpad_samples(dx, ctx.lens), None, dkernel, dbias, None
 
 
 def _spans(m: int, stride: int, size: int):
@@ -179,10 +177,12 @@ class NativeSparse(Trainable):
         )
 
     def compress(self, x: torch.Tensor, lens: list[int], phi: Compressor | None) -> torch.Tensor:
-        """(n, H, D) rows of the samples -> (B, m, H, D), one key per block (``sliding_blocks``)."""
+        """(n, H, D) rows of the samples -> (B, m, H, D), one key per block (``selection.compressed.sliding_blocks``)."""
         c, length = self.config, max(lens)
         if phi is None or length < c.l:
-            return sliding_blocks(x, lens, c.l, c.d).mean(2)  # no block at all when shorter than one
+            return selection.compressed.sliding_blocks(x, lens, c.l, c.d).mean(
+                2
+            )  # no block at all when shorter than one
         return phi(x, lens)
 
     def forward(self, q, k, v, edges, run):
@@ -190,7 +190,7 @@ class NativeSparse(Trainable):
         lens = causal_lens(run.spec, edges)
         kc = self.compress(k, lens, getattr(self, "phi_k", None))  # (B, m, H, D)
         vc = self.compress(v, lens, getattr(self, "phi_v", None))
-        ends = block_ends(kc.shape[1], c.l, c.d, q.device)
+        ends = selection.compressed.block_ends(kc.shape[1], c.l, c.d, q.device)
         with torch.no_grad():
             chosen = choose_blocks(q.detach(), kc.detach(), lens, ends, c)
         window = window_edges(edges, self.window, lens, q.device)
@@ -200,12 +200,12 @@ class NativeSparse(Trainable):
         # output projection would copy (and keep) a strided sum to make it contiguous. Its gate goes into
         # the branch, whose backward weighs its parts by it: a gated copy of the gradient held 1 q-size more
         out = (
-            attend_token_blocks(q, k, v, edges, chosen, gate=gates[:, :, 1])
+            attend_selection(q, k, v, edges, chosen, gate=gates[:, :, 1])
             .addcmul_(run.attend(q, k, v, window), gates[:, :, 2])
-            .add_(attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0]))
+            .add_(selection.compressed.attend_compressed(q, kc, vc, lens, ends, gates[:, :, 0, 0]))
         )
         queries = sum(lens)
-        run.kept("compressed", compressed_keys_seen(lens, ends), queries)
+        run.kept("compressed", selection.compressed.compressed_keys_seen(lens, ends), queries)
         run.kept("selected", chosen.edges_per_head(), queries)
         run.kept("window", window.num_edges, queries)
         tokens, compressed = keys_read(chosen, lens, c, len(ends))
@@ -224,7 +224,7 @@ def keys_read(
     own = pos - pos % c.s
     low = (pos - c.w + 1).clamp_min(0)
     near = pos - torch.minimum(own, low) + 1
-    start = chosen.blocks * c.s  # (n, H, K), each chosen block before the own one
+    start = chosen.blocks * c.s  # (n, H // g, K), each chosen block before the own one
     end = torch.minimum(start + c.s - 1, (own - 1)[:, None, None])
     overlap = (end - torch.maximum(start, low[:, None, None]) + 1).clamp_min(0)
     far = ((c.s - overlap) * chosen.valid).sum(-1).to(torch.float64).mean(1)
@@ -271,9 +271,10 @@ def choose_blocks(
         for o in range(int((last - first).max()) + 1 if len(ends) else 0)
     ]
     width = min(c.n - 1, n_sel)
-    blocks = torch.zeros(len(lens), length, heads, width, dtype=torch.long, device=q.device)
-    valid = torch.zeros(len(lens), length, heads, width, dtype=torch.bool, device=q.device)
-    for r0, r1, take, weights in compressed_weights(q, kc, lens, ends):
+    # one choice per group of heads: (B, L, heads // g, width), each row read by its g heads
+    blocks = torch.zeros(len(lens), length, heads // c.g, width, dtype=torch.long, device=q.device)
+    valid = torch.zeros(len(lens), length, heads // c.g, width, dtype=torch.bool, device=q.device)
+    for r0, r1, take, weights in selection.compressed.compressed_weights(q, kc, lens, ends):
         # (B, H, rows, n_sel): eq. 9, each weight added where its block overlaps
         score = weights.new_zeros(*weights.shape[:-1], n_sel + 1)
         seen = weights.shape[-1]  # the compressed blocks that end before r1
@@ -282,17 +283,17 @@ def choose_blocks(
             score.index_add_(-1, target[:seen], weights)
         score = score[..., :n_sel]
         if c.g > 1:
-            score = (
-                score.unflatten(1, (heads // c.g, c.g)).sum(2, keepdim=True).expand(-1, -1, c.g, -1, -1).flatten(1, 2)
-            )
+            score = score.unflatten(1, (heads // c.g, c.g)).sum(2)
         own = (torch.arange(r0, r1, device=q.device) // c.s)[:, None]
         earlier = j[None, :] < own
         forced = earlier & ((j[None, :] == 0) | (j[None, :] == own - 1))
         score = score.masked_fill(forced, float("inf")).masked_fill_(~earlier, float("-inf"))
-        values, indices = top_later_first(score, width)
+        values, indices = selection.top_later_first(score, width)
         blocks[take.rows, r0:r1] = indices.transpose(1, 2)
         valid[take.rows, r0:r1] = values.transpose(1, 2) > float("-inf")
-    return TokenBlockSelection(c.s, list(lens), unpad_samples(blocks, lens), unpad_samples(valid, lens))
+    return TokenBlockSelection(
+        c.s, list(lens), selection.unpad_samples(blocks, lens), selection.unpad_samples(valid, lens), c.g
+    )
 
 
 def nsa(l: int = 32, d: int = 16, s: int = 64, n: int = 4, w: int = 128, phi: str = "mlp", g: int = 1):

@@ -1,7 +1,6 @@
 """strided: Sparse Transformer strided attention (Child et al. 2019, arXiv:1904.10509)."""
 
-from gtx import hookimpl
-from gtx.graph.pattern import Pattern
+from gtx import Pattern, hookimpl
 
 
 def strided(l: int = 4) -> Pattern:

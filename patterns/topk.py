@@ -2,13 +2,7 @@
 
 from dataclasses import replace
 
-from gtx import hookimpl
-from gtx.attention.selection.blocks import top_per_query
-from gtx.attention.selection.choice import top_keys
-from gtx.attention.selection.keys import KeySelection
-from gtx.errors import PatternError
-from gtx.graph.pattern import Pattern
-from gtx.graph.spec import parse_pattern
+from gtx import KeySelection, Pattern, PatternError, hookimpl, parse_pattern, selection
 
 
 def topk(inner: Pattern = None, k: int = 32) -> Pattern:
@@ -38,9 +32,9 @@ def topk(inner: Pattern = None, k: int = 32) -> Pattern:
 
     def select(q, keys, edges):
         if edges.root.structure is not None:  # complete or causal candidates: score in blocks, list no edge
-            return KeySelection(*top_keys(q, keys, edges, k))
+            return KeySelection(*selection.top_keys(q, keys, edges, k))
         score = (q[edges.dst] * keys[edges.src]).sum(-1)  # (E, H)
-        return top_per_query(score, edges.dst, edges.n_dst, k)
+        return selection.top_per_query(score, edges.dst, edges.n_dst, k)
 
     return replace(candidates, select=select, budget=k)
 

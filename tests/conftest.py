@@ -3,6 +3,7 @@ import tempfile
 import textwrap
 
 import pytest
+import torch
 from hypothesis import settings
 
 # Property tests draw the same examples on every run: CI's verdict does not depend on the draw (a
@@ -16,6 +17,10 @@ os.environ.pop("GTX_PLUGINS_DIR", None)
 # Generated task data and the C kernels go to a throw-away cache, not ~/.cache/gtx.
 os.environ["GTX_CACHE"] = tempfile.mkdtemp(prefix="gtx-test-cache-")
 os.environ.pop("GTX_CACHE_DIR", None)
+# Without a GPU the fused selection kernels run under Triton's interpreter (GTX_KERNELS=triton tests):
+# Triton reads this when a kernel module is first imported, which gtx does only when one runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gtx.plugins import registry as plugins  # noqa: E402
 
@@ -36,8 +41,21 @@ def plugin_dir(tmp_path):
     plugins.unload_dir(folder)
 
 
-TINY_DATA = {"n_train": "48", "n_valid": "12", "n_test": "12"}
-TINY_MODEL = {"dim": "16", "heads": "2", "dim_ff": "16"}
+@pytest.fixture(scope="module")  # stateless: a module-scoped fixture may use it
+def cli():
+    """``cli(*args, commands=False)``: ``gtx ARGS`` run in this process, click's Result (kit.invoke)."""
+    import kit
+
+    return kit.invoke
+
+
+@pytest.fixture(scope="module")  # stateless: a module-scoped fixture may use it
+def tiny_run():
+    """``tiny_run(tmp_path, *args, task=, pattern=, model=, **settings)``: a tiny ``gtx run`` into
+    ``tmp_path/results``; ``.result``, ``.folder`` and ``.rows`` (kit.tiny_run)."""
+    import kit
+
+    return kit.tiny_run
 
 
 @pytest.fixture

@@ -59,6 +59,11 @@ def dilated(w, d):
     return from_rule(lambda i, j, n: abs(i - j) <= w * d and (i - j) % d == 0)
 
 
+def sinks(s, w):
+    """StreamingLLM: the first s tokens and the w nearest, the query among them."""
+    return from_rule(lambda i, j, n: j < s or abs(i - j) < w)
+
+
 def bigbird_deterministic(b):
     """BigBird without its random blocks: window of neighbouring blocks plus first/last global blocks."""
 

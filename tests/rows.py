@@ -3,45 +3,36 @@
 import numpy as np
 import pandas as pd
 
-from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, validate
+from gtx.records.results import COLUMNS, SCHEMA_VERSION, validate
+
+#: what a row holds unless told otherwise: a finished epoch of a transformer on copy
+FIXED = {
+    "schema_version": SCHEMA_VERSION,
+    "started_at": "2026-01-01T00:00:00+00:00",
+    "task": "copy",
+    "model": "transformer",
+    "backend": "dgl",
+    "device": "cpu",
+    "seed": 0,
+    "loss": 1.0,
+    "wall_s": 1.0,
+    "peak_mem_mb": 10.0,
+    "context_len": 16,
+    "density": 0.5,
+    "edges_per_query_ee": 3.0,
+    "edges_per_query_dd": 2.0,
+    "edges_per_query_ed": 3.0,
+    "act_mean_steps": np.nan,
+    "n_params": 10,
+    **dict.fromkeys(["metrics", "backend_plan", "config"], "{}"),
+    **dict.fromkeys(["gtx_version", "torch_version", "dgl_version"], "0"),
+}
 
 
 def row(run_id="r1", pattern="full", split="valid", epoch=1, acc=0.5, seq=0.25, tps=1000.0, **kw):
-    base = {c: None for c in COLUMNS}
-    base.update(
-        schema_version=SCHEMA_VERSION,
-        run_id=run_id,
-        started_at="2026-01-01T00:00:00+00:00",
-        task="copy",
-        model="transformer",
-        pattern=pattern,
-        backend="dgl",
-        device="cpu",
-        seed=0,
-        epoch=epoch,
-        split=split,
-        loss=1.0,
-        token_acc=acc,
-        seq_acc=seq,
-        tokens_per_s=tps,
-        wall_s=1.0,
-        peak_mem_mb=10.0,
-        context_len=16,
-        density=0.5,
-        edges_per_query_ee=3.0,
-        edges_per_query_dd=2.0,
-        edges_per_query_ed=3.0,
-        act_mean_steps=np.nan,
-        n_params=10,
-        metrics="{}",
-        backend_plan="{}",
-        config="{}",
-        gtx_version="0",
-        torch_version="0",
-        dgl_version="0",
-    )
-    base.update(kw)
-    return base
+    """One row of every schema column (None where FIXED and the arguments say nothing); ``kw``: any column."""
+    given = dict(run_id=run_id, pattern=pattern, split=split, epoch=epoch, token_acc=acc, seq_acc=seq, tokens_per_s=tps)
+    return {**dict.fromkeys(COLUMNS), **FIXED, **given, **kw}
 
 
 def seeds(pattern, accs, tps, **kw):

@@ -7,6 +7,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gtx import native
+from gtx.attention.checks import check_selection
 from gtx.attention.module import Attention
 from gtx.attention.selection.blocks import BlockSelection, attend_blocks
 from gtx.attention.selection.keys import KeySelection, attend_keys
@@ -26,6 +28,10 @@ SPECS = [
     "heads(topk:k=2,local:w=1)+relbias:buckets=8,max_distance=16",
     "moba:b=4,k=2",
     "moba:b=4,k=2,gate=block",
+    "sinks:s=1,w=2",
+    "vslash:v=2,sl=2,last=4,sink=1,local=1",
+    "blocktopk:b=2,k=3",
+    "quest:p=2,k=1",
 ]
 BACKENDS = ["torch", "dgl", "auto", "blocksparse"]
 
@@ -144,6 +150,38 @@ def test_topk_without_edges_is_dense_attention_over_the_keys_it_names(lens, coun
             rtol=1e-5,
         )
     assert torch.isfinite(torch.autograd.grad(out.sum(), q)[0]).all()
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("on_kernel", [True, False])
+def test_a_head_group_reads_as_its_heads_each_given_the_groups_keys(group, on_kernel, monkeypatch):
+    """``KeySelection(group=g)``: head h reads row h // g. On the C kernel and on torch ops it equals
+    the same choice written out per head (group 1), values, weights and gradients bit for bit, and
+    so do its keep mask and keys per query."""
+    if not on_kernel:
+        monkeypatch.setattr(native, "kernel", lambda *_: None)
+    heads, n = 4, 12
+    edges = build_graph(parse_pattern("causal"), None, [n]).edges["dd"]
+    q, k, v = inputs(n, n, heads)
+    g = torch.Generator().manual_seed(1)
+    keys = (torch.rand(n, heads // group, 3, generator=g) * torch.arange(1, n + 1)[:, None, None]).long()  # causal
+    valid = torch.rand(n, heads // group, 3, generator=g) > 0.3
+    grouped = KeySelection(keys, valid, group)
+    each = KeySelection(keys.repeat_interleave(group, 1), valid.repeat_interleave(group, 1))
+    check_selection("mine", grouped, edges, heads)
+    assert torch.equal(grouped.per_query(), each.per_query())
+    assert torch.equal(grouped.as_mask(edges), each.as_mask(edges))
+
+    def attend(sel):
+        out, mean_p = attend_keys(q, k, v, edges, sel, probs=True)
+        return (
+            out,
+            mean_p,
+            *torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v)),
+        )
+
+    for a, b in zip(attend(grouped), attend(each)):
+        assert torch.equal(a, b)
 
 
 @settings(max_examples=25, deadline=None)
@@ -269,8 +307,8 @@ def test_specs_round_trip_and_list_their_groups():
 
 
 def test_lm_trains_with_groups_biases_and_selection_and_checkpoints_the_learned_bias(tmp_path):
-    from gtx.experiments import checkpoint
-    from gtx.experiments.results import load
+    from gtx.records import checkpoint
+    from gtx.records.results import load
 
     spec = "heads(local:w=4,topk:k=4)+relbias:buckets=8,max_distance=32"
     result = CliRunner().invoke(
@@ -356,6 +394,22 @@ def test_hook_register_biases(plugin_dir, tmp_path):
         (
             lambda e: KeySelection(torch.zeros(e.n_dst, 2, 1), torch.ones(e.n_dst, 2, 1, dtype=torch.bool)),
             "expected (5, 2, K) int64 or int32 / bool",
+        ),
+        (
+            lambda e: KeySelection(
+                torch.zeros(e.n_dst, 2, 1, dtype=torch.long), torch.ones(e.n_dst, 2, 1, dtype=torch.bool), 2
+            ),
+            "expected (5, 1, K) int64 or int32 / bool (2 heads in groups of 2)",
+        ),
+        (
+            lambda e: KeySelection(
+                torch.zeros(e.n_dst, 1, 1, dtype=torch.long), torch.ones(e.n_dst, 1, 1, dtype=torch.bool), 3
+            ),
+            "a head group of 3",
+        ),
+        (
+            lambda e: KeySelection(torch.full((e.n_dst, 1, 1), 4), torch.ones(e.n_dst, 1, 1, dtype=torch.bool), 2),
+            "key 4 for query 0 in heads 0..1",
         ),
         (
             lambda e: BlockSelection(

@@ -35,6 +35,13 @@ def random_edges(seed: int, n_q: int, n_k: int, density: float, allow_empty: boo
     return EdgeSet(src, dst, n_k, n_q)
 
 
+def graphs(max_len: int, densities: list[float], **more):
+    """hypothesis' ``given`` over random_edges' arguments: a seed, n_q and n_k in [1, max_len], a density
+    among ``densities``; ``more``: the test's other strategies."""
+    n = st.integers(1, max_len)
+    return given(seed=st.integers(0, 2**16), n_q=n, n_k=n, density=st.sampled_from(densities), **more)
+
+
 def attention_and_grads(backend, edges, heads=2, dim=4, dim_v=3, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(edges.n_dst, heads, dim, generator=gen, dtype=dtype, requires_grad=True)
@@ -55,12 +62,7 @@ def assert_agree(name, edges, **kw):
 
 @pytest.mark.parametrize("name", BACKEND_NAMES)
 @settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    n_q=st.integers(1, 40),
-    n_k=st.integers(1, 40),
-    density=st.sampled_from([0.02, 0.2, 0.6, 1.0]),
-)
+@graphs(40, [0.02, 0.2, 0.6, 1.0])
 def test_backend_agrees_with_dense(name, seed, n_q, n_k, density):
     assert_agree(name, random_edges(seed, n_q, n_k, density), seed=seed)
 
@@ -102,18 +104,13 @@ def test_large_scores_are_stable():
     v = torch.randn(6, 1, 2)
     for name in ["dense", *BACKEND_NAMES]:
         out = propagate_attention(q, k, v, edges, get_backend(name))
-        # dgl-seed keeps the seeds' unshifted exp (minus their clamp) as a speed baseline: it overflows
+        # dgl-seed keeps the DGL tutorial's unshifted exp (minus their clamp) as a speed baseline: it overflows
         assert torch.isfinite(out).all() != (name == "dgl-seed"), name
 
 
 @pytest.mark.parametrize("block", [1, 4, 16, 64])
 @settings(max_examples=10, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    n_q=st.integers(1, 70),
-    n_k=st.integers(1, 70),
-    density=st.sampled_from([0.05, 0.5, 1.0]),
-)
+@graphs(70, [0.05, 0.5, 1.0])
 def test_blocksparse_any_block_size(block, seed, n_q, n_k, density):
     from gtx.backends.blocksparse import BlockSparseBackend
 
@@ -233,13 +230,7 @@ def test_flex_pads_to_a_ladder_of_few_sizes():
 
 
 @settings(max_examples=8, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    n_q=st.integers(1, 300),
-    n_k=st.integers(1, 300),
-    density=st.sampled_from([0.01, 0.3, 1.0]),
-    tiles=st.booleans(),
-)
+@graphs(300, [0.01, 0.3, 1.0], tiles=st.booleans())
 def test_flex_block_mask_matches_dense_forward_on_cpu(seed, n_q, n_k, density, tiles):
     """The BlockMask built from edges is checked with FlexAttention's eager forward (no grad) on CPU,
     its partial blocks' elements looked up in one adjacency or (past ADJACENCY_MAX) in tiles."""

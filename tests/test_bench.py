@@ -406,7 +406,43 @@ def test_calibration_fits_and_is_used(tmp_path, monkeypatch):
     auto.costs.cache_clear()
 
 
-@pytest.mark.parametrize("text", ["{bad", "[1, 2]", '{"dense": "abc"}', '{"dense": [1, "x"]}'])
+@pytest.mark.parametrize("blocked", ["cache", "table"])
+def test_calibrate_checks_that_it_can_save_before_it_measures(tmp_path, monkeypatch, blocked):
+    """A cache it cannot save into (GTX_CACHE a file: this process would cache in a temporary folder,
+    deleted at its end), or a folder where the table goes: one line before any measuring (it measured
+    for minutes first)."""
+    from click.testing import CliRunner
+
+    from gtx.cli import cli
+    from gtx.measure import calibrate
+
+    monkeypatch.setattr(calibrate, "_samples", lambda *a: pytest.fail("measured before checking the cache"))
+    if blocked == "cache":
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("GTX_CACHE", str(tmp_path / "file"))
+        message = f"gtx bench calibrate saves into gtx's cache, and GTX_CACHE={tmp_path / 'file'} cannot be used"
+    else:
+        monkeypatch.setenv("GTX_CACHE", str(tmp_path))
+        (tmp_path / "costs-cpu.json").mkdir()
+        message = "costs-cpu.json is not a file, so no calibration can be saved there: move it away"
+    result = CliRunner().invoke(cli, ["bench", "calibrate", "--device", "cpu"])
+    assert result.exit_code == 2 and message in result.output, result.output
+    errors = [line for line in result.output.splitlines() if not line.startswith("warning: ")]  # a busy machine's
+    assert len(errors) == 1 and errors[0].startswith("Error: "), result.output
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{bad",
+        "[1, 2]",
+        '{"dense": "abc"}',
+        '{"dense": [1, "x"]}',
+        '{"dense": [NaN, 0.001]}',  # an IndexError at the first sparse forward
+        '{"dense": [1e-9, -0.001]}',
+        '{"dense": [Infinity, 0]}',
+    ],
+)
 def test_a_broken_calibration_file_is_one_line_naming_it(tmp_path, monkeypatch, text):
     from gtx.backends import auto
 
@@ -458,7 +494,7 @@ def test_auto_chooses_flash_for_plain_attention_and_a_window_kernel_for_long_loc
 
 
 def test_runs_record_the_auto_plan(tmp_path):
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     args = [
         "run",
@@ -492,7 +528,7 @@ def test_runs_record_the_auto_plan(tmp_path):
 
 @pytest.mark.slow
 def test_targets_attention_local_8192():
-    """The issue's CPU targets, side by side in one process (run with -m slow)."""
+    """The CPU speed bars, side by side in one process (run with -m slow)."""
     df = bench.bench_attention(["local:w=32"], [8192], ["dense", "dgl", "auto"], repeats=3)
     ms = df.set_index("backend").ms
     assert ms["dense"] / ms["auto"] >= 10 and ms["dgl"] / ms["auto"] >= 2

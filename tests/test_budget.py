@@ -18,10 +18,10 @@ import torch
 from gtx.attention.module import Attention
 from gtx.data.batch import make_batch
 from gtx.errors import GtxError
-from gtx.experiments.build import build_attention, build_model
-from gtx.experiments.runner import RunConfig, resolve
 from gtx.graph.tokens import positions
 from gtx.plugins.registry import PATTERNS, load_plugins
+from gtx.run.build import build_attention, build_model
+from gtx.run.runner import RunConfig, resolve
 
 load_plugins()
 
@@ -41,6 +41,10 @@ SPECS = {
     "topk": ["topk:k=3", "topk(local:w=5):k=2"],
     "lsh": ["lsh:buckets=4"],
     "moba": ["moba:b=3,k=2", "moba:b=3,k=2,gate=block"],
+    "sinks": ["sinks:s=1,w=3"],
+    "vslash": ["vslash:v=2,sl=3,last=4,sink=1,local=1"],
+    "blocktopk": ["blocktopk:b=2,k=3"],
+    "quest": ["quest:p=2,k=2"],
     "nsa": ["nsa:l=4,d=2,s=4,n=4,w=3", "nsa:l=4,d=4,s=2,n=4,w=2,phi=mean"],
     "dsa": ["dsa:k=3,dense=0", "dsa:k=3", "dsa:k=6,b=3,dense=0"],
 }
@@ -132,7 +136,7 @@ def test_recorded_keys_are_the_keys_the_attention_weights_read(kind, monkeypatch
                 ), (spec, str(e))
                 continue
             torch.manual_seed(0)
-            attention = build_attention(r, "dense")
+            attention = build_attention(r)
             model = build_model(r, attention).eval()
             batch = make_batch(r.task, "train", [0, 1, 2], r.pattern)
             seen.clear()
@@ -149,81 +153,49 @@ def test_recorded_keys_are_the_keys_the_attention_weights_read(kind, monkeypatch
     assert checked >= 12
 
 
-TINY_RECALL = [
-    "--task",
-    "recall",
-    "--model",
-    "lm",
-    "--set",
-    "seq_len=32",
-    "--set",
-    "n_pairs=2",
-    "--set",
-    "n_train=24",
-    "--set",
-    "n_valid=4",
-    "--set",
-    "n_test=4",
-    "--epochs",
-    "1",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--batch-size",
-    "12",
-]
-
-
-def _run(tmp_path, *args):
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
-
-    result = CliRunner().invoke(cli, ["run", *TINY_RECALL, "--results", str(tmp_path), *args])
-    assert result.exit_code == 0, result.output
-    return result
+#: a tiny lm on recall, trained in two steps of 12 sequences (tiny_run's arguments)
+RECALL = {
+    "task": "recall",
+    "model": "lm",
+    "seq_len": 32,
+    "n_pairs": 2,
+    "n_train": 24,
+    "n_valid": 4,
+    "n_test": 4,
+    "batch_size": 12,
+}
 
 
 @pytest.mark.parametrize("universal", [False, True])
-def test_topk_rows_record_at_most_k_keys_per_query_in_plain_and_universal_models(tmp_path, universal):
-    from gtx.experiments.results import load
-
-    _run(tmp_path, "--pattern", "topk:k=4", *(["--set", "universal=true"] if universal else []))
-    rows = load(tmp_path)
+def test_topk_rows_record_at_most_k_keys_per_query_in_plain_and_universal_models(tmp_path, tiny_run, universal):
+    rows = tiny_run(tmp_path, pattern="topk:k=4", universal=universal, **RECALL).rows
     assert (rows.edges_per_query_dd <= 4).all() and (rows.edges_per_query_dd > 3).all() and (rows.density <= 1).all()
 
 
-def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_stage_they_trained_to(tmp_path):
-    from click.testing import CliRunner
+def test_dsa_runs_say_their_stage_and_are_no_full_attention_evaluated_in_the_stage_they_trained_to(
+    tmp_path, cli, tiny_run
+):
+    from gtx.records.results import load
 
-    from gtx.cli import cli
-    from gtx.experiments.results import load
-
-    sparse = _run(tmp_path, "--pattern", "dsa:k=8,dense=0")
-    assert "full attention" not in sparse.output and "note:" not in sparse.output, sparse.output
-    run_id = load(tmp_path).run_id.iloc[0]
+    sparse = tiny_run(tmp_path, pattern="dsa:k=8,dense=0", quiet=False, **RECALL)
+    assert "full attention" not in sparse.result.output and "note:" not in sparse.result.output, sparse.result.output
+    run_id = sparse.rows.run_id.iloc[0]
     # the spec's dense stage is 100 steps
-    again = CliRunner().invoke(cli, ["eval", run_id, "--pattern", "dsa:k=8", "--results", str(tmp_path)])
+    again = cli("eval", run_id, "--pattern", "dsa:k=8", "--results", sparse.folder)
     assert (
         again.exit_code == 0 and "(sparse stage, indexer trained 2 steps, freeze=false (from scratch))" in again.output
     ), again.output
-    evaluated = load(tmp_path).query("eval_of == @run_id")
+    evaluated = load(sparse.folder).query("eval_of == @run_id")
     assert (evaluated.edges_per_query_dd <= 8).all() and evaluated.pattern.str.contains("dense=100").all()
-    dense = _run(tmp_path / "warm", "--pattern", "dsa:k=8")
+    dense = tiny_run(tmp_path / "warm", pattern="dsa:k=8", quiet=False, **RECALL).result
     assert (
         "full attention" not in dense.output
         and "it ran in its dense stage, indexer trained 2 steps, freeze=false (from scratch)" in dense.output
     ), dense.output
 
 
-def test_nsa_counts_a_key_both_branches_read_once(tmp_path):
-    from gtx.experiments.results import load
-
-    _run(tmp_path, "--pattern", "nsa:l=8,d=4,s=8,n=4,w=8")
-    rows = load(tmp_path)
+def test_nsa_counts_a_key_both_branches_read_once(tmp_path, tiny_run):
+    rows = tiny_run(tmp_path, pattern="nsa:l=8,d=4,s=8,n=4,w=8", **RECALL).rows
     assert (rows.density <= 1).all() and (rows.density > 0.5).all()
     kept = [json.loads(m) for m in rows.metrics]
     assert all(
@@ -232,12 +204,12 @@ def test_nsa_counts_a_key_both_branches_read_once(tmp_path):
     )
 
 
-def test_the_note_judges_head_groups_and_chosen_keys_by_what_they_read(tmp_path):
-    full = _run(tmp_path, "--pattern", "heads(causal,full)")
+def test_the_note_judges_head_groups_and_chosen_keys_by_what_they_read(tmp_path, tiny_run):
+    full = tiny_run(tmp_path, pattern="heads(causal,full)", quiet=False, **RECALL).result
     assert "read (nearly) every key its queries could see in epoch 1's train phase (density dd 1.000)" in full.output, (
         full.output
     )
-    half = _run(tmp_path, "--pattern", "heads(local:w=1,full)")
+    half = tiny_run(tmp_path, pattern="heads(local:w=1,full)", quiet=False, **RECALL).result
     assert "note:" not in half.output, half.output
 
 
@@ -276,3 +248,13 @@ def test_a_full_sets_allowed_keys_total_is_the_per_query_counts_summed(stage, q_
         torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), n_src, n_dst, stage, q_lens, k_lens
     )
     assert allowed_total(edges) == float(allowed_keys(edges).sum())
+
+
+@pytest.mark.parametrize("spec, stage", [("dsa:k=8", "dense stage"), ("dsa:k=8,dense=0", "sparse stage")])
+def test_bench_attention_names_the_stage_a_method_with_stages_is_timed_in(spec, stage):
+    """dsa's default dense=100 times its dense stage (density 1.0) under the spec's label: the row says so."""
+    from gtx.measure.bench import AttentionCell, run_attention_cell
+
+    row = run_attention_cell(AttentionCell(spec, 64, "auto", repeats=1, warmup=0))
+    assert f"({stage}, indexer trained 0 steps" in row["choice"], row["choice"]
+    assert (row["density"] == 1.0) == (stage == "dense stage")

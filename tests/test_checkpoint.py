@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.experiments import checkpoint
-from gtx.experiments.results import load
+from gtx.records import checkpoint
+from gtx.records.results import load
 
 TINY = [
     "--set",
@@ -72,7 +72,7 @@ def test_every_epoch_writes_last_and_best_checkpoints(reference):
 
 
 def test_ctrl_c_keeps_what_is_done_and_resume_reproduces_the_uninterrupted_run(reference, tmp_path, monkeypatch):
-    from gtx.experiments import train
+    from gtx.run import train
 
     calls = {"n": 0}
     real = train.Trainer.train_epoch
@@ -215,10 +215,12 @@ def test_a_checkpoint_copied_into_another_runs_folder_is_refused(reference, tmp_
     state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])
     checkpoint.save(checkpoint.checkpoint_dir(tmp_path, "other-run") / checkpoint.LAST, state)
     result = gtx("run", "--resume", "other-run", "--results", tmp_path)
-    assert (
-        result.exit_code == 2
-        and f"is a checkpoint of run {json.loads(state['common'])['run_id']}, not of other-run" in result.output
-    )
+    claimed = json.loads(state["common"])["run_id"]
+    assert result.exit_code == 2 and f"is a checkpoint of run {claimed}, not of other-run" in result.output
+    # gtx eval would file its rows as an evaluation of the run the checkpoint claims, not of the one asked for
+    result = gtx("eval", "other-run", "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"is a checkpoint of run {claimed}, not of other-run whose folder holds it" in result.output
     assert not (tmp_path / "runs").exists()
 
 
@@ -231,7 +233,7 @@ def test_an_unwritable_output_place_fails_before_training(tmp_path, blocked):
 
 
 def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_path, monkeypatch):
-    from gtx.experiments import train
+    from gtx.run import train
 
     real = torch.nn.functional.cross_entropy
     calls = {"n": 0}
@@ -253,7 +255,7 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_earlier_epochs(tmp_p
 def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_rate(tmp_path, monkeypatch):
     """A first step's NaN (a plugin backend's NaN output, say) comes from the initial weights' forward:
     no learning rate makes it finite."""
-    from gtx.experiments import train
+    from gtx.run import train
 
     real = torch.nn.functional.cross_entropy
     monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **kw: real(*a, **kw) * float("nan"))
@@ -268,7 +270,7 @@ def test_a_nan_loss_before_any_update_points_at_the_attention_not_the_learning_r
 def test_a_nan_valid_loss_stops_before_its_weights_replace_the_last_good_checkpoint(tmp_path, monkeypatch):
     """The last steps of an epoch can leave the weights non-finite with a finite training loss: the
     valid loss then reads NaN, and neither that epoch's rows nor its weights are written."""
-    from gtx.experiments import runner
+    from gtx.run import runner
 
     real = runner.result_row
 
@@ -326,3 +328,164 @@ def test_every_command_that_takes_a_run_takes_its_short_id(reference, tmp_path):
         and "is ambiguous: it matches" in ambiguous.output
     )
     assert run_id in ambiguous.output  # the candidates are listed
+
+
+def no_space_for(name: str, nth: int):
+    """A ``replace_durably`` whose ``nth`` write of a file called ``name`` (or ending in it) finds the device full."""
+    import errno
+
+    from gtx import files
+
+    real, seen = files.replace_durably, {"n": 0}
+
+    def replace(tmp, path):
+        if path.name.endswith(name):
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(tmp, path)
+
+    return replace
+
+
+def test_a_full_device_mid_run_is_one_line_and_resume_reproduces_the_run(reference, tmp_path, monkeypatch):
+    """Epoch 2's checkpoint meets a full device: one line naming the folder and the epochs kept, every
+    file whole, and --resume (once there is room) gives the uninterrupted run's figures."""
+    from gtx import files
+
+    kept = 1
+    monkeypatch.setattr(files, "replace_durably", no_space_for(checkpoint.LAST, 2))
+    result = gtx("run", "--epochs", 4, "--seed", 3, "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    run_id = load(tmp_path).run_id.iloc[0]
+    assert f"run {run_id} stopped in epoch 2: no space left on the device of {tmp_path}" in result.output
+    assert f"epochs up to {kept} are kept in its checkpoint" in result.output
+    assert f"continue with: gtx run --resume {run_id} --results {tmp_path}" in result.output
+    assert checkpoint.load(checkpoint.checkpoint_dir(tmp_path, run_id) / checkpoint.LAST)["epoch"] == kept
+    assert not list(tmp_path.rglob(".*.tmp"))
+    monkeypatch.undo()
+    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+    assert result.exit_code == 0, result.output
+    trained = load(reference).query("eval_of.isna()").run_id.iloc[0]  # other tests add eval runs beside it
+    pd.testing.assert_frame_equal(figures(tmp_path), figures(reference, trained), rtol=1e-5)
+
+
+def test_a_full_device_before_anything_is_kept_says_so(tmp_path, monkeypatch):
+    from gtx import files
+
+    monkeypatch.setattr(files, "replace_durably", no_space_for(".pt", 1))
+    result = gtx("run", "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "stopped in epoch 1: no space left" in result.output and "nothing of it is kept" in result.output
+
+
+def test_a_results_folder_on_a_full_device_is_refused_before_training(tmp_path, monkeypatch):
+    import shutil
+
+    from gtx import files
+
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 100))
+    result = gtx("run", "--results", tmp_path, *TINY)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--results {tmp_path}: 0.0 MiB free on its device" in result.output and "epoch 1" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def _without(key):
+    def drop(state):
+        del state[key]
+
+    return drop
+
+
+DAMAGED = {  # a checkpoint field damaged, or written by a later gtx: what the one line says of it
+    "a run_config field a newer gtx adds": (
+        lambda s: s["run_config"].update(future=1),
+        "its run_config holds 'future', a field gtx",
+    ),
+    "a common field a newer gtx adds": (
+        lambda s: s.update(common=json.dumps({**json.loads(s["common"]), "future": 1})),
+        "its common holds 'future', a field gtx",
+    ),
+    "common not JSON": (lambda s: s.update(common="{not json"), "its common is not JSON"),
+    "rows not JSON": (lambda s: s.update(rows="[{"), "its rows is not JSON"),
+    "epoch as text": (lambda s: s.update(epoch="2"), "its epoch is '2', not a count"),
+    "a None config": (lambda s: s.update(run_config=None), "its run_config is a NoneType, not a mapping"),
+    "no vocab": (_without("vocab"), "lacks vocab"),
+    "no rng": (_without("rng"), "lacks rng"),
+}
+
+
+@pytest.mark.parametrize("command", ["eval", "resume"])
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_checkpoint_with_a_damaged_or_newer_field_is_one_line_naming_it(reference, tmp_path, damage, command):
+    """gtx eval and gtx run --resume read a checkpoint's fields: each damaged one (or one a newer gtx
+    wrote, named as such) is one line naming the checkpoint and the field, before anything is written."""
+    state = checkpoint.load(checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST)
+    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])  # resumable
+    run_id = json.loads(state["common"])["run_id"]
+    change, message = DAMAGED[damage]
+    change(state)
+    path = checkpoint.checkpoint_dir(tmp_path, run_id) / checkpoint.LAST
+    checkpoint.save(path, state)
+    if command == "eval":
+        result = gtx("eval", path, "--results", tmp_path)
+    else:
+        result = gtx("run", "--resume", run_id, "--results", tmp_path)
+    if (damage, command) == ("no rng", "eval"):  # evaluating needs no random state
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"checkpoint {path}" in result.output and message in result.output
+    if "newer" in damage:
+        assert "(written by a newer gtx); read it with the gtx that wrote it" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_beam_wider_than_the_target_vocabulary_is_refused_before_decoding(reference, tmp_path):
+    """--beam 100000 held 100,000 hypotheses per sample and ran out of memory (std::bad_alloc)."""
+    run_id = load(reference).query("eval_of.isna()").run_id.iloc[0]
+    best = checkpoint.checkpoint_dir(reference, run_id) / checkpoint.BEST
+    vocab = len(checkpoint.load(best)["vocab"]["tgt"])
+    result = gtx("eval", best, "--beam", 100_000, "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert (
+        f"--beam 100000: task 'copy' decodes from {vocab} target tokens; give a beam of at most {vocab}"
+        in result.output
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_eval_into_a_results_folder_it_cannot_write_is_refused_before_it_evaluates(reference, tmp_path, monkeypatch):
+    from gtx.run import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --results"))
+    (tmp_path / "runs").write_text("a file where a folder goes")
+    best = checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.BEST
+    result = gtx("eval", best, "--results", tmp_path)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "cannot create the folder" in result.output
+
+
+def test_a_run_trained_by_another_process_is_refused_and_a_dead_ones_lock_is_taken_over(reference, tmp_path):
+    """Two gtx run --resume of one run at once both trained it; the second is refused in one line. A
+    lock left by a killed process (its pid gone) does not stop the next resume."""
+    import socket
+
+    from gtx.records import claims
+
+    state = checkpoint.load(checkpoint.checkpoint_dir(reference, load(reference).run_id.iloc[0]) / checkpoint.LAST)
+    state["rows"] = json.dumps([r for r in checkpoint.rows_of(state) if r["split"] != "test"])  # resumable
+    run_id = json.loads(state["common"])["run_id"]
+    folder = checkpoint.checkpoint_dir(tmp_path, run_id)
+    checkpoint.save(folder / checkpoint.LAST, state)
+    with subprocess.Popen(["sleep", "60"]) as other:
+        (folder / claims.LOCK).write_text(f"{other.pid}@{socket.gethostname()}\n")
+        result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")
+        other.kill()
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"run {run_id} is being trained by process {other.pid}@" in result.output
+    assert not (tmp_path / "runs").exists() and (folder / claims.LOCK).exists()
+    result = gtx("run", "--resume", run_id, "--results", tmp_path, "--quiet")  # its process has ended
+    assert result.exit_code == 0, result.output
+    assert not (folder / claims.LOCK).exists() and (load(tmp_path).split == "test").sum() == 1

@@ -2,14 +2,13 @@
 end through the CLI, where a bad return is one line naming the plugin."""
 
 import math
+import textwrap
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx.cli import cli
 from gtx.errors import PluginError
 from gtx.graph.pattern import Pattern, check_edges
 from gtx.model.layers import Output
@@ -101,6 +100,27 @@ def test_model_outputs_are_accepted_or_named(logits, aux):
         assert logits.shape == (2, 3) and logits.is_floating_point()
 
 
+def changed(kind: str, base: str, name: str, body: str) -> str:
+    """A plugin's source registering ``name``: the built-in ``kind`` (task or model) ``base`` with the
+    class body ``body`` (its methods) over it, and the same config."""
+    registry = {"task": "TASKS", "model": "MODELS"}[kind]
+    return f"""
+import torch
+from gtx import hookimpl
+from gtx.model.layers import Output
+from gtx.plugins.registry import {registry}
+
+BASE = {registry}.get("{base}")
+
+class Changed(BASE.obj):
+{textwrap.indent(textwrap.dedent(body).strip(), "    ")}
+
+@hookimpl
+def register_{kind}s(register):
+    register("{name}", Changed, config=BASE.config)
+"""
+
+
 BAD_PLUGINS = {
     "float edges": (
         '''
@@ -117,100 +137,58 @@ BAD_PLUGINS = {
         def register_patterns(register):
             register("floaty", floaty)
     ''',
-        ["--pattern", "floaty"],
+        {"pattern": "floaty"},
         "pattern 'floaty' (ee edges for n_q=",
     ),
     "string metric": (
-        '''
-        from gtx import hookimpl
-        from gtx.plugins.registry import TASKS
-
-        COPY = TASKS.get("copy")
-
-        class Chatty(COPY.obj):
+        changed(
+            "task",
+            "copy",
+            "chatty",
+            '''
             """Copy, with a metric that is a sentence."""
             def phase_metrics(self, loss, groups, split):
                 return {"mood": "good"}
-
-        @hookimpl
-        def register_tasks(register):
-            register("chatty", Chatty, config=COPY.config)
-    ''',
-        ["--task", "chatty"],
+            ''',
+        ),
+        {"task": "chatty"},
         "task 'chatty' phase_metrics: metric 'mood' is 'good'",
     ),
     "wrong logits": (
-        '''
-        import torch
-        from gtx import hookimpl
-        from gtx.model.layers import Output
-        from gtx.plugins.registry import MODELS
-
-        TRANSFORMER = MODELS.get("transformer")
-
-        class Short(TRANSFORMER.obj):
+        changed(
+            "model",
+            "transformer",
+            "short",
+            '''
             """Drops a logit row."""
             def forward(self, batch):
-                out = super().forward(batch)
-                return Output(out.logits[1:])
-
-        @hookimpl
-        def register_models(register):
-            register("short", Short, config=TRANSFORMER.config)
-    ''',
-        ["--model", "short"],
+                return Output(super().forward(batch).logits[1:])
+            ''',
+        ),
+        {"model": "short"},
         "model 'short' (",
     ),
     "model raises": (
-        '''
-        from gtx import hookimpl
-        from gtx.plugins.registry import MODELS
-
-        TRANSFORMER = MODELS.get("transformer")
-
-        class Broken(TRANSFORMER.obj):
+        changed(
+            "model",
+            "transformer",
+            "broken",
+            '''
             """Fails to build."""
             def __init__(self, *a):
                 raise KeyError("weights")
-
-        @hookimpl
-        def register_models(register):
-            register("broken", Broken, config=TRANSFORMER.config)
-    ''',
-        ["--model", "broken"],
+            ''',
+        ),
+        {"model": "broken"},
         "raised while being built: KeyError",
     ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_PLUGINS))
-def test_a_bad_plugin_return_is_one_line_naming_the_plugin(case, plugin_dir, tmp_path):
-    source, args, message = BAD_PLUGINS[case]
+def test_a_bad_plugin_return_is_one_line_naming_the_plugin(case, plugin_dir, tmp_path, tiny_run):
+    source, choice, message = BAD_PLUGINS[case]
     folder = plugin_dir(bad=source)
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--plugins-dir",
-            str(folder),
-            *args,
-            "--results",
-            str(tmp_path),
-            "--epochs",
-            "1",
-            "--quiet",
-            "--set",
-            "n_train=16",
-            "--set",
-            "n_valid=4",
-            "--set",
-            "n_test=4",
-            "--dim",
-            "16",
-            "--heads",
-            "2",
-        ],
-    )
-    assert result.exit_code == 2, result.output
-    assert message in result.output and len(result.output.strip().splitlines()) == 1
-    assert not (tmp_path / "runs").exists()
+    bad = tiny_run(tmp_path, "--plugins-dir", folder, n_train=16, n_valid=4, n_test=4, exit_code=2, **choice)
+    assert message in bad.result.output and len(bad.result.output.strip().splitlines()) == 1
+    assert not (bad.folder / "runs").exists()

@@ -3,19 +3,15 @@
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from gtx.cli import cli
+from gtx import parse_pattern
+from gtx.cli import cli as gtx_cli
 
 BUILTIN = ["full", "causal", "bipartite", "local", "act", "strided", "fixed", "longformer", "bigbird", "dilated"]
 
 
-def invoke(*args):
-    return CliRunner().invoke(cli, list(args))
-
-
-def test_patterns_lists_builtins_with_parameters():
-    result = invoke("patterns")
+def test_patterns_lists_builtins_with_parameters(cli):
+    result = cli("patterns")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     for name in BUILTIN:
@@ -23,8 +19,8 @@ def test_patterns_lists_builtins_with_parameters():
     assert any(line.startswith("local") and "w: int = 4" in line for line in lines)
 
 
-def test_show_pattern_prints_each_stage():
-    result = invoke("show-pattern", "local:w=1", "--src-len", "4", "--tgt-len", "3")
+def test_show_pattern_prints_each_stage(cli):
+    result = cli("show-pattern", "local:w=1", "--src-len", "4", "--tgt-len", "3")
     assert result.exit_code == 0, result.output
     out = result.output
     assert "ee (encoder self-attention): 4 queries x 4 keys, 10 edges, density 0.625" in out
@@ -33,7 +29,7 @@ def test_show_pattern_prints_each_stage():
     assert "     0 ##..\n     1 ###.\n     2 .###\n     3 ..##" in out
 
 
-def test_bad_input_is_one_line_and_exit_code_2():
+def test_bad_input_is_one_line_and_exit_code_2(cli):
     for args, message in [
         (["show-pattern", "local:w=-1"], "Error: bad parameters for pattern 'local': w must be >= 0, got -1"),
         (["show-pattern", "local:x=3"], "Error: pattern 'local' has no parameter 'x'; its parameters: w: int = 4"),
@@ -47,19 +43,19 @@ def test_bad_input_is_one_line_and_exit_code_2():
         ),
         (["sweep", "--set", "dim=8", "--set", "dim=16"], "Error: --set dim=8 and --set dim=16 disagree; give dim once"),
     ]:
-        result = invoke(*args)
+        result = cli(*args)
         assert result.exit_code == 2, result.output
         assert result.output.strip().startswith(message), result.output
         assert len(result.output.strip().splitlines()) == 1
 
 
-def test_backends_lists_reference_and_availability():
-    result = invoke("backends")
+def test_backends_lists_reference_and_availability(cli):
+    result = cli("backends")
     assert result.exit_code == 0
     assert any(line.startswith("dense") and " yes " in line for line in result.output.splitlines())
 
 
-def test_plugins_json(plugin_dir):
+def test_plugins_json(plugin_dir, cli):
     folder = plugin_dir(
         hello="""
         from gtx import hookimpl
@@ -69,14 +65,14 @@ def test_plugins_json(plugin_dir):
             pass
         """
     )
-    result = invoke("plugins", "--plugins-dir", str(folder))
+    result = cli("plugins", "--plugins-dir", str(folder))
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert {"name": str(folder / "hello.py"), "hooks": ["register_commands"]} in data
-    assert len(json.loads(invoke("plugins", "--all").output)) > len(data)
+    assert len(json.loads(cli("plugins", "--all").output)) > len(data)
 
 
-def test_hook_register_commands(plugin_dir):
+def test_hook_register_commands(plugin_dir, cli):
     from gtx.plugins import registry as plugins
 
     folder = plugin_dir(
@@ -93,11 +89,10 @@ def test_hook_register_commands(plugin_dir):
         """
     )
     plugins.load_plugins(dirs=[folder])
-    plugins.call_each("register_commands", cli=cli)
     try:
-        assert invoke("hello").output == "hello from a plugin\n"
+        assert cli("hello", commands=True).output == "hello from a plugin\n"
     finally:
-        cli.commands.pop("hello")
+        gtx_cli.commands.pop("hello")
 
 
 def test_console_script_main_reports_plugin_errors(plugin_dir, monkeypatch, capsys):
@@ -120,7 +115,7 @@ def test_a_plugin_cannot_replace_a_gtx_command(plugin_dir, monkeypatch, capsys):
 
     from gtx.cli import main
 
-    run = cli.commands["run"]
+    run = gtx_cli.commands["run"]
     folder = plugin_dir(
         hijack="""
         import click
@@ -138,7 +133,7 @@ def test_a_plugin_cannot_replace_a_gtx_command(plugin_dir, monkeypatch, capsys):
         with pytest.raises(SystemExit) as info:
             main(["run"])
     finally:
-        cli.commands["run"] = run
+        gtx_cli.commands["run"] = run
     captured = capsys.readouterr()
     assert info.value.code == 2 and "hijacked" not in captured.out
     assert captured.err.strip() == (
@@ -163,13 +158,13 @@ def test_warnings_reach_the_user_as_one_line_without_a_source_path(tmp_path):
     assert len(lines) == 2 and lines[1].startswith("Error: no runs under") and ".py:" not in out.stderr
 
 
-def test_under_torchrun_only_rank_0_prints_an_error(monkeypatch, tmp_path):
-    args = ["run", "--set", "heads=-2", "--results", str(tmp_path)]
+def test_under_torchrun_only_rank_0_prints_an_error(monkeypatch, tmp_path, cli):
+    args = ["run", "--set", "heads=-2", "--results", tmp_path]
     monkeypatch.setenv("RANK", "1")
-    other = CliRunner().invoke(cli, args)
+    other = cli(*args)
     assert other.exit_code == 2 and other.output == ""  # the same error on every rank: said once
     monkeypatch.setenv("RANK", "0")
-    main = CliRunner().invoke(cli, args)
+    main = cli(*args)
     assert main.exit_code == 2 and "needs heads in [1, inf)" in main.output
 
 
@@ -209,8 +204,32 @@ def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
         ),
     ],
 )
-def test_bad_lengths_and_a_prompt_that_is_not_utf8_are_one_line(args, message):
-    result = CliRunner().invoke(cli, args)
+def test_bad_lengths_and_a_prompt_that_is_not_utf8_are_one_line(args, message, cli):
+    result = cli(*args)
     # a busy machine's note (gtx.cli.bench.busy_note) is a warning beside the error, not part of it
     said = [line for line in result.output.strip().splitlines() if not line.startswith("warning: ")]
     assert result.exit_code == 2 and len(said) == 1 and message in said[0], result.output
+
+
+def test_export_into_a_link_to_an_empty_folder_writes_the_folder_and_keeps_the_link(tmp_path, monkeypatch, cli):
+    """FOLDER a symlink to an empty folder: the export lands in the folder it points to (it was a
+    NotADirectoryError traceback: the finished export is renamed onto FOLDER, and a link is no folder)."""
+    from types import SimpleNamespace
+
+    from gtx.cli import pretrained
+
+    hf = SimpleNamespace(
+        config=SimpleNamespace(_attn_implementation="gtx"),
+        save_pretrained=lambda work: (work / "config.json").write_text("{}"),
+    )
+    model = SimpleNamespace(hf=hf, state_dict=dict)
+    vocab = SimpleNamespace(itos=["a", "b"])
+    r = SimpleNamespace(config=SimpleNamespace(task="copy"), chosen=parse_pattern("full"))
+    r.task = SimpleNamespace(tokenizer=None, tgt_vocab=vocab)
+    monkeypatch.setattr(pretrained, "trained_run", lambda *a: (model, r))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    result = cli("export", "some-run", str(tmp_path / "link"), "--results", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == tmp_path / "real"
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["README.md", "config.json", "gtx_vocab.json"]

@@ -7,15 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from test_frontier import RECALL, science
+from kit import TINY_MODEL, TINY_TRAIN
+from test_frontier import RECALL, TINY_RECALL, science
 
-from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import cluster
-from gtx.experiments import grid as gr
-from gtx.experiments import sweep as sw
-from gtx.experiments.results import load
+from gtx.records.results import load
+from gtx.sweeps import cluster
+from gtx.sweeps import grid as gr
+from gtx.sweeps import sweep as sw
 
 submitit = pytest.importorskip("submitit")  # the test extra installs it; CI always runs these
 
@@ -28,11 +27,9 @@ def test_executor_options_parse_numbers_and_flags():
         cluster.executor_options(["timeout_min"])
 
 
-def test_without_submitit_one_line_says_how_to_install(monkeypatch, tmp_path):
+def test_without_submitit_one_line_says_how_to_install(monkeypatch, tmp_path, cli):
     monkeypatch.setitem(sys.modules, "submitit", None)  # import submitit now raises ModuleNotFoundError
-    result = CliRunner().invoke(
-        cli, ["sweep", "--task", "copy", "--epochs", "1", "--launcher", "submitit", "--results", str(tmp_path / "r")]
-    )
+    result = cli("sweep", "--task", "copy", "--epochs", "1", "--launcher", "submitit", "--results", tmp_path / "r")
     assert (
         result.exit_code == 2
         and "pip install 'gtx[cluster]'" in result.output
@@ -49,32 +46,16 @@ def test_without_submitit_one_line_says_how_to_install(monkeypatch, tmp_path):
         ("cluster=nowhere", "nowhere"),
     ],
 )
-def test_refused_executor_options_start_nothing(tmp_path, opt, match):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "sweep",
-            "--task",
-            "copy",
-            "--epochs",
-            "1",
-            "--launcher",
-            "submitit",
-            "--executor-opt",
-            "cluster=local",
-            "--executor-opt",
-            opt,
-            "--results",
-            str(tmp_path / "r"),
-        ],
-    )
+def test_refused_executor_options_start_nothing(tmp_path, opt, match, cli):
+    submitit = ["--launcher", "submitit", "--executor-opt", "cluster=local", "--executor-opt", opt]
+    result = cli("sweep", "--task", "copy", "--epochs", "1", *submitit, "--results", tmp_path / "r")
     assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
         result.output
     )
     assert not (tmp_path / "r").exists()  # not even the empty sweeps/<name>/submitit/ folder
 
 
-def test_a_submitit_frontier_gives_the_local_frontiers_table(tmp_path):
+def test_a_submitit_frontier_gives_the_local_frontiers_table(tmp_path, cli):
     study = [
         *RECALL,
         "--family",
@@ -85,22 +66,9 @@ def test_a_submitit_frontier_gives_the_local_frontiers_table(tmp_path):
         "0",
         "--quiet",
     ]  # 2 patterns x 2 lengths
-    local = CliRunner().invoke(cli, ["frontier", *study, "-j", "2", "--results", str(tmp_path / "local")])
-    jobs = CliRunner().invoke(
-        cli,
-        [
-            "frontier",
-            *study,
-            "--launcher",
-            "submitit",
-            "--executor-opt",
-            "cluster=local",
-            "--executor-opt",
-            "timeout_min=10",
-            "--results",
-            str(tmp_path / "jobs"),
-        ],
-    )
+    local = cli("frontier", *study, "-j", "2", "--results", tmp_path / "local")
+    submitit = ["--launcher", "submitit", "--executor-opt", "cluster=local", "--executor-opt", "timeout_min=10"]
+    jobs = cli("frontier", *study, *submitit, "--results", tmp_path / "jobs")
     assert local.exit_code == 0 and jobs.exit_code == 0, local.output + jobs.output
     assert "4 cells: 4 done" in jobs.output and list((tmp_path / "jobs" / "sweeps").glob("*/submitit/*_log.out"))
     tables = [science(r.output.split("sweep ")[-1].split("\n", 1)[1]) for r in (local, jobs)]
@@ -122,24 +90,9 @@ def children(pid: int) -> list[int]:
 
 def test_a_preempted_cell_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
     res = tmp_path / "res"
-    settings = {
-        "n_pairs": "2",
-        "queries_per_key": "1",
-        "n_keys": "4",
-        "n_values": "4",
-        "n_train": "400",
-        "n_valid": "8",
-        "n_test": "8",
-        "train_min_len": "0",
-        "seq_len": "32",
-        "dim": "16",
-        "heads": "2",
-        "dim_ff": "16",
-        "layers": "1",
-        "batch_size": "8",
-        "epochs": "20",
-    }
-    grid = gr.make_grid(task=["recall"], model=["lm"], settings={k: [v] for k, v in settings.items()})
+    sizes = {"epochs": 20, "n_train": 400, "n_valid": 8, "n_test": 8, "seq_len": 32}
+    settings = {**TINY_MODEL, **TINY_TRAIN, **TINY_RECALL, **sizes}
+    grid = gr.make_grid(task=["recall"], model=["lm"], settings={k: [str(v)] for k, v in settings.items()})
     (cell,) = sw.plan(grid, res)
     executor = cluster.make_executor(tmp_path / "jobs", {"cluster": "local", "timeout_min": 10})
     job = executor.submit(cluster.CellJob(cell, res))

@@ -6,14 +6,12 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from click.testing import CliRunner
 from rows import row, seeds, three_seeds
 
-from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import results
-from gtx.experiments.compare import compare, compare_evals, format_compare
-from gtx.experiments.results import validate
+from gtx.records import results
+from gtx.records.compare import compare, compare_evals, format_compare
+from gtx.records.results import validate
 
 
 def test_compare_pivots_runs_and_relates_speed_to_full(tmp_path):
@@ -144,7 +142,7 @@ def test_compare_leaves_out_eval_rows_and_counts_a_cell_once():
     assert table.best_valid_token_acc_mean["full"] == pytest.approx((0.5 + 0.98 + 0.97) / 3)
 
 
-def test_compare_counts_finished_runs_and_names_those_it_leaves_out(tmp_path):
+def test_compare_counts_finished_runs_and_names_those_it_leaves_out(tmp_path, cli):
     """A run still training (or stopped) has no test rows: its best valid epoch so far is no seed's
     result, so it does not pool, and the command says which runs it left out."""
     df = three_seeds()
@@ -158,7 +156,7 @@ def test_compare_counts_finished_runs_and_names_those_it_leaves_out(tmp_path):
     (tmp_path / "runs").mkdir()
     for run_id, rows in pd.concat([df, training], ignore_index=True).groupby("run_id"):
         rows.to_csv(tmp_path / "runs" / f"{run_id}.csv", index=False)
-    result = CliRunner().invoke(cli, ["compare", "--results", str(tmp_path), "--format", "csv"])
+    result = cli("compare", "--results", tmp_path, "--format", "csv")
     assert result.exit_code == 0, result.output
     assert "left out 1 unfinished run(s), without test rows yet (still training, or stopped): live" in result.stderr
     # the table itself stays plain CSV

@@ -41,6 +41,7 @@ FIXED = [
     "fixed:l=16,c=2",
     "bigbird:b=16,r=1",
     "longformer:w=4,g=2",
+    "sinks:s=4,w=16",
     "local:w=8|strided:l=16",
     "heads(local:w=4,full)",
     "local:w=8+alibi",
@@ -56,6 +57,9 @@ CHOSEN = [
     "dsa:k=8,dense=0",
     "dsa:k=32,dense=0,b=16",
     "topk(local:w=32):k=4",
+    "vslash:v=8,sl=16,last=32,sink=2,local=4",
+    "blocktopk:b=16,k=3",
+    "quest:p=16,k=2",
 ]
 _rows: list[dict] = []
 
@@ -157,7 +161,7 @@ def test_every_backend_equals_dense_on_fixed_patterns(spec, dtype):
 
 @pytest.mark.parametrize("spec", CHOSEN)
 def test_content_chosen_and_trainable_patterns_equal_dense_under_the_same_choice(spec):
-    stages = ("dd",) if spec.startswith(("moba", "nsa", "dsa")) else ("ee", "dd")
+    stages = ("dd",) if spec.startswith(("moba", "nsa", "dsa", "vslash", "blocktopk", "quest")) else ("ee", "dd")
     for stage in stages:
         for backend in ("auto", "dense"):
             compare(spec, stage, backend, torch.float32)
@@ -257,8 +261,8 @@ def test_a_training_run_of_every_model_under_the_methods(tmp_path, model, precis
 def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     """The lm's loss and every parameter's gradient on one batch: CUDA against the CPU, float32."""
     from gtx.data.batch import IGNORE, batches
-    from gtx.experiments.build import build_attention, build_model
-    from gtx.experiments.runner import RunConfig, resolve
+    from gtx.run.build import build_attention, build_model
+    from gtx.run.runner import RunConfig, resolve
 
     settings = {
         "seq_len": "160",
@@ -272,7 +276,7 @@ def test_a_model_on_cuda_computes_what_it_computes_on_the_cpu(spec):
     }
     r = resolve(RunConfig(task="recall", model="lm", pattern=spec, device="cpu", settings=settings))
     torch.manual_seed(0)
-    cpu = build_model(r, build_attention(r, "auto")).eval()
+    cpu = build_model(r, build_attention(r)).eval()
     gpu = copy.deepcopy(cpu).to(CUDA)
     batch = next(batches(r.task, "train", r.pattern, 8))
     found = {}

@@ -6,39 +6,15 @@ import sys
 
 import pandas as pd
 import pytest
+from kit import TINY_COPY, TINY_MODEL, TINY_TRAIN, sets
 
-from gtx.experiments.distributed import World
-from gtx.experiments.results import load
-from gtx.experiments.train import PhaseStats
+from gtx.records.results import load
+from gtx.run.distributed import World
+from gtx.run.train import PhaseStats
 
-ARGS = [
-    "run",
-    "--epochs",
-    "2",
-    "--seed",
-    "1",
-    "--set",
-    "n_train=60",
-    "--set",
-    "n_valid=16",
-    "--set",
-    "n_test=16",
-    "--set",
-    "mean_len=5",
-    "--layers",
-    "1",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--batch-size",
-    "8",
-    "--set",
-    "dropout=0",
-    "--quiet",
-]
+#: the tiny copy run, 60 examples in batches of 8, without dropout: the same steps however many processes
+SETTINGS = {**TINY_MODEL, **TINY_TRAIN, **TINY_COPY, "n_train": 60, "n_valid": 16, "n_test": 16, "dropout": 0}
+ARGS = ["run", "--seed", "1", *sets({**SETTINGS, "epochs": 2}), "--quiet"]
 
 
 def test_two_processes_match_one_on_the_same_global_batches(tmp_path):
@@ -91,27 +67,11 @@ def test_world_shards_and_merges():
     assert merged.row()["tokens_per_s"] == pytest.approx(40 / 3)  # the global figure: all tokens over the slowest rank
 
 
-def test_a_sweep_runs_its_cells_data_parallel(tmp_path):
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
-
-    grid = [
-        "sweep",
-        "--seeds",
-        "1",
-        "--epochs",
-        "1",
-        *ARGS[5:-1],
-        "--nproc-per-node",
-        "2",
-        "--results",
-        str(tmp_path),
-        "--quiet",
-    ]
-    dry = CliRunner().invoke(cli, [*grid, "--dry-run"])
+def test_a_sweep_runs_its_cells_data_parallel(tmp_path, cli):
+    grid = ["sweep", "--seeds", "1", *sets(SETTINGS), "--nproc-per-node", "2", "--results", tmp_path, "--quiet"]
+    dry = cli(*grid, "--dry-run")
     assert dry.output.startswith("torchrun --standalone --nproc-per-node 2 -m gtx.cli run --task copy"), dry.output
-    result = CliRunner().invoke(cli, grid)
+    result = cli(*grid)
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
     assert df.run_id.nunique() == 1 and set(df.split) == {"train", "valid", "test"}  # one run, written by rank 0

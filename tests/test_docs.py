@@ -53,8 +53,8 @@ def test_every_hook_is_documented_with_its_signature():
 
 
 def test_documented_content_pattern_trains_and_keeps_fewer_edges(tmp_path):
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "content"
@@ -105,8 +105,8 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
 
     import torch
 
-    from gtx.experiments.results import load
     from gtx.plugins import registry as plugins
+    from gtx.records.results import load
 
     text = (DOCS / "writing-patterns.md").read_text()
     folder = tmp_path / "trainable"
@@ -162,19 +162,97 @@ def test_documented_trainable_pattern_trains_per_layer_and_reports_its_branches(
         plugins.unload_dir(folder)
 
 
+def sparq_by_definition(q, k, lens, count, r, local):
+    """SparQ's choice written out: per query t and head, the r components of q_t of largest magnitude; each
+    key j <= t scored sum over them of q_t[d] k_j[d]; the keys t - local < j <= t first; the ``count`` best
+    (all where fewer). Per query row, per head, a set of positions within the sample."""
+    chosen, start = [], 0
+    for n in lens:
+        for t in range(n):
+            row = []
+            for h in range(q.shape[1]):
+                dims = q[start + t, h].abs().topk(min(r, q.shape[-1])).indices
+                estimate = k[start : start + t + 1, h][:, dims] @ q[start + t, h, dims]
+                estimate[max(0, t - local + 1) :] = float("inf")
+                row.append(set(estimate.topk(min(count, t + 1)).indices.tolist()))
+            chosen.append(row)
+        start += n
+    return chosen
+
+
+def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_trains(tmp_path, monkeypatch):
+    """The walkthrough's plugin, loaded from a folder exactly as written: its choice equals SparQ's
+    written out; it hands the kernels a KeySelection, which the C kernel attends over on the CPU (no mask
+    over edges, no backend), equal to float64 dense attention over the chosen keys; and a run trains with it."""
+    import json
+
+    import torch
+
+    from gtx import KeySelection, build_graph, load_plugins, parse_pattern, selection
+    from gtx.attention.module import Attention
+    from gtx.attention.selection import keys as key_kernels
+    from gtx.backends import get_backend
+    from gtx.plugins import registry as plugins
+    from gtx.records.results import load
+
+    text = (DOCS / "writing-patterns.md").read_text()
+    folder = tmp_path / "published"
+    folder.mkdir()
+    (folder / "sparq.py").write_text(
+        re.search(r"<!-- selection-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    )
+    try:
+        load_plugins(dirs=[folder])
+        native = key_kernels._forward_native
+        ran = []  # the C kernel's forward calls
+        monkeypatch.setattr(key_kernels, "_forward_native", lambda *a: ran.append(1) or native(*a))
+        g = torch.Generator().manual_seed(0)
+        for lens, (count, r, local) in [([30, 17], (6, 3, 2)), ([41], (5, 8, 1)), ([9, 1, 25], (4, 1, 4))]:
+            q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+            pattern = parse_pattern(f"sparq:k={count},r={r},local={local}")
+            edges = build_graph(pattern, None, lens).edges["dd"]
+            sel = pattern.select(q, k, edges)
+            assert isinstance(sel, KeySelection)
+            want = sparq_by_definition(q, k, lens, count, r, local)
+            first = [start for start, n in zip([sum(lens[:i]) for i in range(len(lens))], lens) for _ in range(n)]
+            allowed = torch.zeros(len(q), 2, len(q), dtype=torch.bool)
+            for row in range(len(q)):
+                for h in range(2):
+                    assert set((sel.keys[row, h][sel.valid[row, h]] - first[row]).tolist()) == want[row][h], (row, h)
+                    allowed[row, h, [first[row] + j for j in want[row][h]]] = True
+            selection.kernels.take_ran()
+            calls = len(ran)
+            out = Attention(get_backend("dense"), pattern, 2)(q, k, v, edges)
+            recorded = selection.kernels.take_ran().get("dd", {})
+            assert len(ran) == calls + 1 and all(kernel == "c:keys" for kernel in recorded), recorded  # no backend
+            score = torch.einsum("thd,shd->ths", q.double(), k.double()).masked_fill(~allowed, float("-inf"))
+            want_out = torch.einsum("ths,shd->thd", score.softmax(-1), v.double()).float()
+            torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        args = ["run", "--task", "recall", "--model", "lm", "--pattern", "sparq:k=8,r=4,local=2", "--quiet"]
+        for key, value in {"seq_len": 64, "n_train": 16, "n_valid": 4, "n_test": 4}.items():
+            args += ["--set", f"{key}={value}"]
+        args += ["--dim", "16", "--heads", "2", "--dim-ff", "16", "--epochs", "1", "--results", str(tmp_path / "res")]
+        result = CliRunner().invoke(cli, [*args, "--plugins-dir", str(folder)])
+        assert result.exit_code == 0, result.output
+        rows = load(tmp_path / "res")
+        assert (rows.edges_per_query_dd <= 8).all() and rows.loss.notna().all()
+        for plan in rows.backend_plan:  # a mask over edges would send dd to the backend
+            assert all(kernel.endswith(":keys") for kernel in json.loads(plan).get("dd", {})), plan
+    finally:
+        plugins.unload_dir(folder)
+
+
 def test_the_cli_reference_is_current():
-    """docs/cli.md is every command's --help as the code prints it: regenerate it with
-    ``python -m gtx.cli.reference > docs/cli.md``."""
+    """docs/cli.md is every command's --help as the code prints it: regenerate it (and docs/methods.md)
+    with ``make docs``."""
     from gtx.cli.reference import markdown
 
-    assert (DOCS / "cli.md").read_text() == markdown(), (
-        "docs/cli.md is stale: python -m gtx.cli.reference > docs/cli.md"
-    )
+    assert (DOCS / "cli.md").read_text() == markdown(), "docs/cli.md is stale: make docs"
 
 
 def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry():
     """docs/methods.md holds every registered pattern and bias as their docstrings say (regenerate:
-    ``python -m gtx.cli.reference methods > docs/methods.md``); ``gtx patterns NAME`` prints the same entry."""
+    ``make docs``); ``gtx patterns NAME`` prints the same entry."""
     from click.testing import CliRunner
 
     from gtx.cli import cli
@@ -182,7 +260,7 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
     from gtx.plugins.registry import BIASES, PATTERNS
 
     text = (DOCS / "methods.md").read_text()
-    assert text == methods(), "docs/methods.md is stale: python -m gtx.cli.reference methods > docs/methods.md"
+    assert text == methods(), "docs/methods.md is stale: make docs"
     for name in PATTERNS.names():
         assert re.search(rf"^## {re.escape(name)}(\(PATTERN\))?$", text, re.M), f"docs/methods.md misses pattern {name}"
     for name in BIASES.names():
@@ -195,6 +273,19 @@ def test_the_methods_reference_is_current_and_gtx_patterns_name_prints_an_entry(
     )
     unknown = CliRunner().invoke(cli, ["patterns", "nosuch"])
     assert unknown.exit_code == 2 and "nosuch" in unknown.output and "local" in unknown.output
+
+
+def test_the_results_readme_is_the_layout_the_code_writes():
+    """results/README.md is generated from ``gtx.records.layout.ResultsFolder`` (``make docs``): each
+    place it lists, with the path the layout's method builds."""
+    from gtx.cli.reference import PAGES, results_readme
+    from gtx.records.layout import ResultsFolder
+
+    text = (ROOT / "results" / "README.md").read_text()
+    assert text == results_readme() and "results/README.md" in PAGES, "results/README.md is stale: make docs"
+    folder = ResultsFolder("")
+    for path in (folder.run_table("<run_id>"), folder.checkpoint_dir("<run_id>"), folder.claims(), folder.report()):
+        assert f"- `{path.as_posix()}" in text
 
 
 # Words that narrate how gtx was developed rather than say what it does, each specific enough to leave
@@ -211,7 +302,7 @@ NARRATION = {
     "a development log": r"\b(?:later|earlier) session\b|\bperf\b showed",
 }
 ROOT = DOCS.parent
-PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
 
 
 def narration(text: str) -> list[tuple[int, str]]:
@@ -249,6 +340,22 @@ def test_docs_narrate_no_development_history_and_link_nothing_outside_the_reposi
         name = page.relative_to(ROOT)
         problems += [f"{name}:{n}: narrates {what}" for n, what in narration(page.read_text())]
         problems += [f"{name}:{n}: link outside the repository: {target}" for n, target in links_outside(page)]
+    assert not problems, "\n".join(problems)
+
+
+def test_code_and_tests_narrate_no_development_history():
+    """What the code says (docstrings, --help text, messages, comments) and what the tests say is read
+    by users and contributors too: the DGL tutorial is named as such, not as "the seeds"."""
+    here = Path(__file__).resolve()
+    files = [
+        path
+        for folder in ("gtx", "patterns", "plugins", "tests", "bench")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != here  # this file holds the phrases it looks for
+    ]
+    problems = [
+        f"{path.relative_to(ROOT)}:{n}: narrates {what}" for path in files for n, what in narration(path.read_text())
+    ]
     assert not problems, "\n".join(problems)
 
 

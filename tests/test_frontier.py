@@ -9,17 +9,16 @@ import time
 
 import pytest
 import torch
-from click.testing import CliRunner
+from kit import TINY_MODEL, TINY_TRAIN, sets
 
-from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.cost import FlopCount
-from gtx.experiments.frontier_tables import load_frontiers
-from gtx.experiments.results import load
-from gtx.experiments.stats import tost_p
-from gtx.experiments.study import parse_family
 from gtx.pictures import plot
 from gtx.pictures.report import write_report
+from gtx.records.results import load
+from gtx.records.stats import tost_p
+from gtx.run.cost import FlopCount
+from gtx.sweeps.frontier_tables import load_frontiers
+from gtx.sweeps.study import parse_family
 
 
 def t_cdf_4(t):
@@ -122,7 +121,7 @@ def test_an_operator_after_the_budgets_applies_to_every_budget():
     ],
 )
 def test_margins_that_call_everything_equivalent_are_refused(margin, match):
-    from gtx.experiments.frontier import check_margin
+    from gtx.sweeps.frontier import check_margin
 
     with pytest.raises(GtxError, match=match):
         check_margin(margin, ["best_valid_query_acc"])
@@ -156,39 +155,12 @@ def test_flops_are_counted_per_linear_row_and_attended_edge():
     assert f.total == f.dense + f.attention
 
 
+#: recall at its smallest: 2 pairs of 4 keys and 4 values, each key queried once
+TINY_RECALL = {"n_pairs": 2, "queries_per_key": 1, "n_keys": 4, "n_values": 4, "train_min_len": 0}
+#: gtx frontier's options for a tiny lm on it: 24 training sequences, 2 epochs
 RECALL = [
-    "--task",
-    "recall",
-    "--model",
-    "lm",
-    "--set",
-    "n_pairs=2",
-    "--set",
-    "queries_per_key=1",
-    "--set",
-    "n_keys=4",
-    "--set",
-    "n_values=4",
-    "--set",
-    "n_train=24",
-    "--set",
-    "n_valid=8",
-    "--set",
-    "n_test=8",
-    "--set",
-    "train_min_len=0",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--layers",
-    "1",
-    "--batch-size",
-    "8",
-    "--epochs",
-    "2",
+    *("--task", "recall", "--model", "lm"),
+    *sets({**TINY_MODEL, **TINY_TRAIN, **TINY_RECALL, "epochs": 2, "n_train": 24, "n_valid": 8, "n_test": 8}),
 ]
 STUDY = ["--family", "local:w=4,24", "--lengths", "16,32", "--seeds", "0-1", "--margin", "0.5", "-j", "2", "--quiet"]
 FRONTIER = [sys.executable, "-m", "gtx.cli", "frontier"]
@@ -203,9 +175,9 @@ def science(output: str) -> list[list[str]]:
     return [[row[i] for i in keep] for row in rows]
 
 
-def test_frontier_end_to_end_killed_and_run_again(tmp_path):
+def test_frontier_end_to_end_killed_and_run_again(tmp_path, cli):
     ref = tmp_path / "ref"
-    first = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(ref)])
+    first = cli("frontier", *RECALL, *STUDY, "--results", ref)
     assert first.exit_code == 0, first.output
     assert "local:w=24' attends to every candidate at 15 tokens" in first.output  # dropped at length 16, kept at 32
     table = science(first.output.split("sweep ")[-1].split("\n", 1)[1])
@@ -217,7 +189,7 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
         ["recall", "lm", "32", "local", "24"],
     ]
     assert load(ref).query("split == 'test'").cell.nunique() == 10  # 5 points x 2 seeds
-    again = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(ref), "--dry-run"])
+    again = cli("frontier", *RECALL, *STUDY, "--results", ref, "--dry-run")
     assert again.exit_code == 0 and "gtx run" not in again.output  # every cell reused
     ((name, saved),) = load_frontiers(ref).items()  # the table as numbers, and its figure beside it
     assert (
@@ -244,7 +216,7 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert 0 < len(load(res).query("split == 'test'")) < 10  # killed midway
-    second = CliRunner().invoke(cli, ["frontier", *RECALL, *STUDY, "--results", str(res)])
+    second = cli("frontier", *RECALL, *STUDY, "--results", res)
     assert second.exit_code == 0, second.output
     test = load(res).query("split == 'test'")
     assert len(test) == 10 and test.cell.nunique() == 10  # every cell finished once
@@ -252,19 +224,19 @@ def test_frontier_end_to_end_killed_and_run_again(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
+def small(tmp_path_factory, cli):
     """A finished frontier of two cells (full and local:w=4 at 32 tokens, seed 0), and how it was asked for."""
     folder = tmp_path_factory.mktemp("small")
     args = ["frontier", *RECALL, "--lengths", "32", "--seeds", "0", "-j", "2", "--quiet", "--results", str(folder)]
-    result = CliRunner().invoke(cli, [*args, "--family", "local:w=4"])
+    result = cli(*args, "--family", "local:w=4")
     assert result.exit_code == 0, result.output
     return folder, args
 
 
-def test_table_only_names_the_budgets_and_cells_without_runs(small):
+def test_table_only_names_the_budgets_and_cells_without_runs(small, cli):
     folder, args = small
     before = sorted((folder / "frontiers").iterdir())
-    result = CliRunner().invoke(cli, [*args, "--family", "local:w=4,8", "--seeds", "0-1", "--table-only"])
+    result = cli(*args, "--family", "local:w=4,8", "--seeds", "0-1", "--table-only")
     assert result.exit_code == 1, result.output
     assert "partial frontier: 4 of 6 cells have no finished run" in result.output and "is not saved" in result.output
     assert (
@@ -275,13 +247,13 @@ def test_table_only_names_the_budgets_and_cells_without_runs(small):
     assert sorted((folder / "frontiers").iterdir()) == before  # a partial table is never saved
 
 
-def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypatch):
-    from gtx.experiments import claims
+def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypatch, cli):
+    from gtx.records import claims
 
     folder, args = small
     monkeypatch.setattr(claims, "claim", lambda results_dir, key: "4242@elsewhere")  # another frontier holds every cell
     monkeypatch.setattr(claims, "holder", lambda path: "4242@elsewhere")
-    result = CliRunner().invoke(cli, [*args, "--family", "local:w=4,8"])
+    result = cli(*args, "--family", "local:w=4,8")
     assert result.exit_code == 1, result.output
     assert (
         "recall lm seq_len=32: local 8, seed 0 (running in 4242@elsewhere)" in result.output
@@ -291,10 +263,10 @@ def test_cells_running_elsewhere_are_named_not_left_out_silently(small, monkeypa
     assert len(load_frontiers(folder)) == 1
 
 
-def test_each_reading_is_saved_under_its_metric_and_margin(small):
+def test_each_reading_is_saved_under_its_metric_and_margin(small, cli):
     folder, args = small
     for margin in ("0.5", "0.25"):
-        result = CliRunner().invoke(cli, [*args, "--family", "local:w=4", "--table-only", "--margin", margin])
+        result = cli(*args, "--family", "local:w=4", "--table-only", "--margin", margin)
         assert result.exit_code == 0, result.output
     names = sorted(load_frontiers(folder))
     assert len(names) == 3 and [n.rsplit("-", 2)[1:] for n in names] == [
@@ -327,6 +299,10 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small):
         (["--family", "moba:b=32,k=1,2", "--lengths", "16"], "moba"),
         (["--family", "local:w=4,8", "--lengths", "16", "--length-key", ""], "--length-key '': name the task setting"),
         (["--family", "local:w=4,8", "--lengths", "16,16"], "--lengths 16,16: a length named twice"),
+        (  # --dry-run: refused before the plan is printed (the cells ran, then the table refused it)
+            ["--family", "local:w=4,8", "--lengths", "16", "--metric", "nonexist", "--dry-run"],
+            "--metric nonexist: runs of task 'recall' do not record it; they record loss, query_acc, seq_acc",
+        ),
         (["--family", "local:w=4,8", "--lengths", "16,abc"], "'abc' is not a length"),
         (
             ["--family", "local:w=4,8", "--family", "local:w=4,8", "--lengths", "16"],
@@ -338,8 +314,8 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small):
         ),
     ],
 )
-def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match):
-    result = CliRunner().invoke(cli, ["frontier", *RECALL, *args, "--results", str(tmp_path / "r")])
+def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match, cli):
+    result = cli("frontier", *RECALL, *args, "--results", tmp_path / "r")
     assert result.exit_code == 2, result.output
     assert match in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "r" / "runs").exists()

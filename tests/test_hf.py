@@ -168,7 +168,7 @@ def test_run_trains_and_writes_rows(tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     df = load(tmp_path)
     assert (

@@ -3,13 +3,12 @@ token to int8 with a float scale (symmetric), the choice ranked by the dequantis
 with float32's choice on nearly every slot; the C kernel (VNNI, or its portable loop) chooses what the
 torch path's definition chooses, ties to the later key; the KL stays in float32."""
 
-import sys
-
 import pytest
 import torch
 
 from gtx import native
 from gtx.attention.module import Attention
+from gtx.attention.selection import choice, indexer
 from gtx.attention.selection.choice import int8_scores, quantised
 from gtx.attention.selection.indexer import index_scores, top_indexed
 from gtx.backends import get_backend
@@ -110,10 +109,9 @@ def test_dsa_chooses_in_int8_and_fits_its_indexer_by_a_float32_kl(spec, monkeypa
     torch.manual_seed(0)
     pattern = parse_pattern(f"{spec},index_precision=int8")
     attention = Attention(get_backend("auto"), pattern, 2, 8)
-    dsa = sys.modules[type(attention.trainable).__module__]
-    seen = []
-    for name, score in (("top_indexed", top_indexed), ("int8_scores", int8_scores)):
-        monkeypatch.setattr(dsa, name, lambda *a, _f=score, _n=name, **k: seen.append((_n, a[5:])) or _f(*a, **k))
+    seen = []  # dsa reaches both through the public toolkit, gtx.selection
+    for module, name, score in ((indexer, "top_indexed", top_indexed), (choice, "int8_scores", int8_scores)):
+        monkeypatch.setattr(module, name, lambda *a, _f=score, _n=name, **k: seen.append((_n, a[5:])) or _f(*a, **k))
     lens = [40, 25]
     q, k, v = (torch.randn(sum(lens), 2, 8) for _ in range(3))
     attention.begin_step(0)

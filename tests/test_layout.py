@@ -15,7 +15,9 @@ LAYERS = [
     ("backends",),
     ("attention",),
     ("model",),
-    ("experiments",),
+    ("records",),
+    ("run",),
+    ("sweeps",),
     ("measure",),
     ("pictures",),
     ("testing",),
@@ -123,3 +125,26 @@ def test_the_rooms_hold_what_their_names_say():
     assert not misplaced, "plugins in the wrong room:\n" + "\n".join(misplaced)
     assert not list((checkout / "plugins").glob("*.py")), "a built-in plugin goes in plugins/models/ or plugins/tasks/"
     assert {"engine", "layers", "act", "stack", "decode"} <= {p.stem for p in (ROOT / "model").glob("*.py")}
+
+
+def test_the_built_in_plugins_import_only_the_public_api():
+    """``patterns/`` and ``plugins/`` are ordinary plugins: every gtx name they use comes from
+    ``from gtx import ...`` (docs/api.md), at the top or inside a function, so what a built-in can
+    do a user's plugin can too."""
+    checkout = ROOT.parent
+    private = []
+    for path in sorted([*(checkout / "patterns").glob("*.py"), *(checkout / "plugins").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gtx":
+                if node.module != "gtx" or not {a.name for a in node.names} <= set(gtx.__all__):
+                    private.append(f"{path.relative_to(checkout)}:{node.lineno} from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                private += [
+                    f"{path.relative_to(checkout)}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("gtx")
+                ]
+    assert not private, (
+        "built-in plugins reaching past the public API (add what they need to gtx/__init__.py and docs/api.md):\n"
+        + "\n".join(private)
+    )

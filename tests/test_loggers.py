@@ -1,52 +1,18 @@
 """Run loggers: TensorBoard read back from its event file, a plugin's logger, a logger that raises."""
 
 import pytest
-from click.testing import CliRunner
-
-from gtx.cli import cli
-from gtx.experiments.results import load
-
-TINY = [
-    "--set",
-    "n_train=32",
-    "--set",
-    "n_valid=8",
-    "--set",
-    "n_test=8",
-    "--set",
-    "mean_len=5",
-    "--layers",
-    "1",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--batch-size",
-    "8",
-    "--quiet",
-    "--epochs",
-    "2",
-]
 
 
-def gtx(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def test_tensorboard_event_file_holds_each_epoch(tmp_path):
+def test_tensorboard_event_file_holds_each_epoch(tmp_path, tiny_run):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    result = gtx("run", "--log", "tensorboard", "--results", tmp_path, *TINY)
-    assert result.exit_code == 0, result.output
-    run_id = load(tmp_path).run_id.iloc[0]
-    events = EventAccumulator(str(tmp_path / "tensorboard" / run_id))
+    run = tiny_run(tmp_path, "--log", "tensorboard", epochs=2)
+    events = EventAccumulator(str(run.folder / "tensorboard" / run.rows.run_id.iloc[0]))
     events.Reload()
     valid = events.Scalars("valid/token_acc")
     assert [e.step for e in valid] == [1, 2]
-    df = load(tmp_path).query("split == 'valid'").sort_values("epoch")
+    df = run.rows.query("split == 'valid'").sort_values("epoch")
     assert [e.value for e in valid] == pytest.approx(df.token_acc.tolist())
     assert {"train/loss", "train/tokens_per_s", "test/seq_acc"} <= set(events.Tags()["scalars"])
 
@@ -54,7 +20,7 @@ def test_tensorboard_event_file_holds_each_epoch(tmp_path):
 LOGGER = '''
 import json
 from gtx import hookimpl
-from gtx.experiments.loggers import Logger
+from gtx.run.loggers import Logger
 
 class Recorder(Logger):
     """Writes what it is told into calls.jsonl."""
@@ -80,11 +46,10 @@ def register_loggers(register):
 '''
 
 
-def test_hook_register_loggers(tmp_path, plugin_dir):
+def test_hook_register_loggers(tmp_path, plugin_dir, tiny_run):
     folder = plugin_dir(my_logger=LOGGER)
-    result = gtx("run", "--plugins-dir", folder, "--log", "recorder", "--results", tmp_path, *TINY)
-    assert result.exit_code == 0, result.output
-    calls = (tmp_path / "calls.jsonl").read_text().splitlines()
+    run = tiny_run(tmp_path, "--plugins-dir", folder, "--log", "recorder", epochs=2)
+    calls = (run.folder / "calls.jsonl").read_text().splitlines()
     assert calls == [
         '["start", "copy"]',
         '["epoch_end", 1, ["train", "valid"]]',
@@ -93,19 +58,16 @@ def test_hook_register_loggers(tmp_path, plugin_dir):
     ]
 
 
-def test_a_logger_that_raises_is_named_and_the_rows_stay(tmp_path, plugin_dir):
+def test_a_logger_that_raises_is_named_and_the_rows_stay(tmp_path, plugin_dir, tiny_run):
     folder = plugin_dir(my_logger=LOGGER)
-    result = gtx("run", "--plugins-dir", folder, "--log", "broken", "--results", tmp_path, *TINY)
-    assert result.exit_code == 2
+    broken = tiny_run(tmp_path, "--plugins-dir", folder, "--log", "broken", epochs=2, exit_code=2)
     assert (
-        "logger 'broken' (plugin" in result.output
-        and "my_logger.py) raised: ConnectionError: tracking server unreachable" in result.output
+        "logger 'broken' (plugin" in broken.result.output
+        and "my_logger.py) raised: ConnectionError: tracking server unreachable" in broken.result.output
     )
-    assert sorted(load(tmp_path).split) == ["train", "valid"]  # epoch 1's rows were written before the logger ran
-    unknown = gtx("run", "--log", "mlflow", "--results", tmp_path / "u", *TINY)
+    assert sorted(broken.rows.split) == ["train", "valid"]  # epoch 1's rows were written before the logger ran
+    unknown = tiny_run(tmp_path / "u", "--log", "mlflow", epochs=2, exit_code=2)
     assert (
-        unknown.exit_code == 2
-        and "unknown logger 'mlflow'; known loggers: " in unknown.output
-        and "tensorboard" in unknown.output
+        "unknown logger 'mlflow'; known loggers: " in unknown.result.output and "tensorboard" in unknown.result.output
     )
     assert not (tmp_path / "u").exists()

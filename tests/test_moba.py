@@ -152,7 +152,7 @@ def test_many_tiles_run_in_chunks_and_still_agree():
 
 def test_the_plain_torch_tiles_used_off_the_cpu_agree(monkeypatch):
     # SDPA's fused kernel that returns the log-sum-exp exists on the CPU only; other devices run the tiles in torch ops
-    monkeypatch.setattr("gtx.attention.selection.blocks._FUSED_DEVICES", ())
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.FUSED_DEVICES", ())
     lens, block, top = [150, 61], 16, 3
     assert_agrees_with_definition(lens, block, top, 2)
 
@@ -253,9 +253,9 @@ def test_small_chunks_of_blocks_and_tiles_still_agree(monkeypatch, headroom):
     # the backward runs the own blocks' chunks last first and adds the chosen tiles of each chunk's keys
     # to it: several chunks of each, over samples and heads, check the order; headroom 0 rescales the
     # merged rows at every new maximum, where the default rarely does
-    monkeypatch.setattr("gtx.attention.selection.blocks._HEADROOM", headroom)
-    monkeypatch.setattr("gtx.attention.selection.blocks.BLOCK_ROWS", 5)
-    monkeypatch.setattr("gtx.attention.selection.blocks.TILES", 7)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles._HEADROOM", headroom)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.BLOCK_ROWS", 5)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.TILES", 7)
     assert_agrees_with_definition([130, 45, 61], 8, 3, 3)
 
 
@@ -264,8 +264,8 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
     chunk's partial outputs merge into the output as they come and the gradients go straight to their
     rows, where a buffer of every chosen block's output (4 q-sized here) and block-layout copies of
     the gradients held 6.5 and 7.3 q-sized tensors."""
-    monkeypatch.setattr("gtx.attention.selection.blocks.BLOCK_ROWS", 16)
-    monkeypatch.setattr("gtx.attention.selection.blocks.TILES", 16)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.BLOCK_ROWS", 16)
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.TILES", 16)
     n, heads, dim = 2048, 2, 32
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, heads, dim, generator=g, requires_grad=True) for _ in range(3))
@@ -281,7 +281,7 @@ def test_the_chosen_blocks_merge_a_chunk_at_a_time(monkeypatch, peak_bytes):
 def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     """Off the CPU both the own blocks' and the chosen tiles' chunks are ``ACCELERATOR_CHUNKS`` times
     larger (a GPU pays ~20 launches a chunk whatever its size); on the CPU they keep their sizes."""
-    from gtx.attention.selection import blocks as selection
+    from gtx.attention.selection import token_tiles as selection
 
     monkeypatch.setattr(selection, "BLOCK_ROWS", 2)
     monkeypatch.setattr(selection, "TILES", 2)
@@ -289,9 +289,82 @@ def test_chunks_are_larger_on_an_accelerator(monkeypatch):
     q, k = (torch.randn(n, heads, 8, generator=torch.Generator().manual_seed(0)) for _ in range(2))
     pattern = parse_pattern("moba:b=16,k=3")
     edges = build_graph(pattern, None, [n]).edges["dd"]
-    plan = selection._TokenBlockPlan(pattern.select(q, k, edges), heads, "cpu")
+    plan = selection.TokenBlockPlan(pattern.select(q, k, edges), heads, "cpu")
     cpu_rows, cpu_chunks = len(plan.block_rows()), len(list(plan.chunks()))
     plan.scale = 4  # what a plan on an accelerator holds (ACCELERATOR_CHUNKS there)
     assert plan.n_rows == 64 and cpu_rows == 32 and len(plan.block_rows()) == 8
     assert len(list(plan.chunks())) == -(-plan.n_tiles // 8) < cpu_chunks == -(-plan.n_tiles // 2)
     assert selection.ACCELERATOR_CHUNKS > 1
+
+
+def grouped(sel, group):
+    """``sel`` with one choice per ``group`` heads: the first head's of each group, shared."""
+    from dataclasses import replace
+
+    if isinstance(sel, TokenBlockSelection):
+        return replace(sel, blocks=sel.blocks[:, ::group].clone(), valid=sel.valid[:, ::group].clone(), group=group)
+    return replace(sel, key_blocks=sel.key_blocks[:, ::group].clone(), valid=sel.valid[:, ::group].clone(), group=group)
+
+
+@pytest.mark.parametrize("gate", ["token", "block"])
+@pytest.mark.parametrize("group", [2, 4])
+def test_a_choice_shared_by_a_head_group_is_its_copy_per_head(gate, group):
+    """A selection with a row per group of heads (``group``) attends, counts and lists edges as the
+    same choice copied to every head of the group: values and gradients equal, bit for bit."""
+    from gtx.attention.checks import check_selection
+    from gtx.attention.selection.blocks import attend_blocks
+
+    lens, heads = [29, 14], 4
+    g = torch.Generator().manual_seed(group)
+    q, k, v = (torch.randn(sum(lens), heads, 8, generator=g) for _ in range(3))
+    pattern = parse_pattern(f"moba:b=4,k=3,gate={gate}")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    shared = grouped(pattern.select(q, k, edges), group)
+    copied = shared.per_head()
+    assert copied.group == 1 and (copied.valid.shape[1], shared.valid.shape[1]) == (heads, heads // group)
+    check_selection("mine", shared, edges, heads)
+    attend = attend_token_blocks if gate == "token" else attend_blocks
+    got, grads = values_and_grads(lambda *x: attend(*x, edges, shared), q, k, v)
+    want, want_grads = values_and_grads(lambda *x: attend(*x, edges, copied), q, k, v)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert torch.equal(shared.per_query(), copied.per_query())
+    if gate == "token":
+        assert torch.equal(shared.as_mask(edges), copied.as_mask(edges))
+
+
+@pytest.mark.parametrize("gate", ["token", "block"])
+def test_a_head_group_that_does_not_fit_the_heads_is_one_line(gate):
+    from dataclasses import replace
+
+    from gtx.attention.checks import check_selection
+    from gtx.errors import PluginError
+
+    lens = [12]
+    q, k = (torch.randn(12, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    pattern = parse_pattern(f"moba:b=4,k=2,gate={gate}")
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    sel = pattern.select(q, k, edges)
+    for bad, message in (
+        (replace(grouped(sel, 2), group=3), "groups of 3 heads, which does not divide the 4 heads"),
+        (replace(grouped(sel, 2), group=4), "expected \\((12|1), 1,"),
+    ):
+        with pytest.raises(PluginError, match=f"pattern 'mine' selected .*{message}") as err:
+            check_selection("mine", bad, edges, 4)
+        assert "\n" not in str(err.value)
+
+
+def test_the_kernels_that_ran_are_recorded_per_stage(monkeypatch):
+    """Each call records the kernel that ran under its stage (a run's backend_plan reports them)."""
+    from gtx.attention.selection.blocks import attend_blocks
+    from gtx.attention.selection.kernels import take_ran
+
+    monkeypatch.setenv("GTX_KERNELS", "torch")
+    q, k, v = (torch.randn(12, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    token, block = parse_pattern("moba:b=4,k=2"), parse_pattern("moba:b=4,k=2,gate=block")
+    edges = build_graph(token, None, [12]).edges["dd"]
+    take_ran()
+    attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
+    attend_blocks(q, k, v, edges, block.select(q, k, edges))
+    monkeypatch.setattr("gtx.attention.selection.token_tiles.FUSED_DEVICES", ())  # as on a GPU without triton
+    attend_token_blocks(q, k, v, edges, token.select(q, k, edges))
+    assert take_ran() == {"dd": {"cpu-flash:token-blocks": 1, "sdpa:blocks": 1, "torch:token-blocks": 1}}

@@ -465,6 +465,24 @@ def test_a_failing_compiler_is_remembered_not_retried_by_every_process(fresh, tm
     assert len(calls.read_text().split()) == tries == 9 and len(fresh()) == 2
 
 
+def test_a_library_whose_loading_ends_the_process_is_remembered_as_a_failed_build(fresh, tmp_path, monkeypatch):
+    """CC='gcc -fsanitize=address' built a library whose loading aborts the process (the sanitizer's
+    runtime must come first): every later run died. Here a library that ends its loader: tried in a
+    child process, remembered as a failed build, never loaded by this one."""
+    (tmp_path / "die.c").write_text(
+        '#include <unistd.h>\n__attribute__((constructor)) static void die(void) { write(2, "dying\\n", 6); _exit(1); }\n'
+    )
+    calls = tmp_path / "calls"
+    deadly = script(tmp_path / "deadly", f'echo x >> "{calls}"; exec {REAL_CC} "$@" "{tmp_path / "die.c"}"')
+    monkeypatch.setenv("CC", deadly)
+    assert native.library("keys_kernel") is None
+    (line,) = fresh()
+    assert f"does not build with CC={deadly} (built, but loading it ends the process: dying)" in line, line
+    tries = len(calls.read_text().split())
+    monkeypatch.setattr(native, "_said", set())  # as a new process
+    assert native.library("keys_kernel") is None and len(calls.read_text().split()) == tries == 5
+
+
 def test_the_cache_key_holds_the_cpus_model_where_there_is_no_proc_cpuinfo(tmp_path, monkeypatch):
     """macOS: the architecture's name alone let a cache copied from a newer Mac run unknown instructions."""
     script(tmp_path / "sysctl", 'echo "machdep.cpu.brand_string: Apple M9"')

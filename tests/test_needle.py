@@ -6,11 +6,8 @@ import re
 import sys
 
 import pytest
-from click.testing import CliRunner
 
-from gtx.cli import cli
 from gtx.data.vocab import ModelVocab, Tokenizer
-from gtx.experiments.results import load
 from gtx.plugins.registry import MODELS, TASKS
 
 NEEDLE = TASKS.get("needle")
@@ -106,7 +103,7 @@ def test_phase_metrics_mirror_recall():
     assert math.isnan(make().phase_metrics(1.0, {}, "valid")["needle_acc"])
 
 
-def test_written_with_a_models_tokenizer(tmp_path):
+def test_written_with_a_models_tokenizer(tmp_path, tiny_run):
     pytest.importorskip("transformers")
     from pretrained import save_tiny
 
@@ -121,69 +118,15 @@ def test_written_with_a_models_tokenizer(tmp_path):
         assert tokenizer.detokenize(answer(tokens, groups)).strip() == value and value.isdigit()
         tail = tokenizer.tokenize(text.rsplit(" What is", 1)[1])  # question and answer, written whole
         assert tokens[-len(tail) :] == tail
-    # the brief's context=64 holds no filler at this tokenizer's ~1 token per character: the needle alone is ~30 tokens
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "needle",
-            "--model",
-            "hf",
-            "--set",
-            f"path={folder}",
-            "--set",
-            "context=120",
-            "--set",
-            "n_valid=5",
-            "--set",
-            "n_test=5",
-            "--epochs",
-            "0",
-            "--quiet",
-            "--results",
-            str(tmp_path / "r"),
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    metrics = json.loads(load(tmp_path / "r").query("split == 'test'").metrics.iloc[0])
+    # context=64 holds no filler at this tokenizer's ~1 token per character: the needle alone is ~30 tokens
+    scored = tiny_run(tmp_path, task="needle", model="hf", path=folder, context=120, n_valid=5, n_test=5, epochs=0)
+    metrics = json.loads(scored.rows.query("split == 'test'").metrics.iloc[0])
     assert set(metrics["needle_acc_by_depth"]) == set(DEPTHS) and 0 <= metrics["needle_acc"] <= 1
 
 
-def test_tiny_run_reports_accuracy_per_depth(tmp_path):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "needle",
-            "--model",
-            "lm",
-            "--set",
-            "context=96",
-            "--set",
-            "n_train=64",
-            "--set",
-            "n_valid=10",
-            "--set",
-            "n_test=10",
-            "--set",
-            "depths=0,1",
-            "--dim",
-            "32",
-            "--heads",
-            "2",
-            "--dim-ff",
-            "64",
-            "--epochs",
-            "1",
-            "--quiet",
-            "--results",
-            str(tmp_path),
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    df = load(tmp_path)
+def test_tiny_run_reports_accuracy_per_depth(tmp_path, tiny_run):
+    sizes = {"context": 96, "n_train": 64, "n_valid": 10, "n_test": 10, "dim": 32, "dim_ff": 64}
+    df = tiny_run(tmp_path, task="needle", model="lm", depths="0,1", **sizes).rows
     assert set(df.split) == {"train", "valid", "test"} and set(df.task) == {"needle"}
     metrics = json.loads(df.query("split == 'test'").metrics.iloc[0])
     assert metrics["needles_by_depth"] == {"depth=0.00": 20, "depth=1.00": 20}  # 5 examples per depth, 4 digits each
@@ -193,21 +136,16 @@ def test_tiny_run_reports_accuracy_per_depth(tmp_path):
 @pytest.mark.parametrize(
     "settings, match",
     [
-        (["depths=0,1.5"], "depths='0,1.5': every depth is a fraction of the filler, in [0, 1]"),
-        (["depths=half"], "depths='half': write fractions separated by commas"),
-        (["depths=0,,1"], "write fractions separated by commas"),
-        (["depths=0.5,0.501"], "two depths share the group depth=0.50; give each depth once"),
-        (["context=40"], "context=40 holds no filler"),
-        (["n_names=25"], "n_names"),
-        (["digits=0"], "digits"),
+        ({"depths": "0,1.5"}, "depths='0,1.5': every depth is a fraction of the filler, in [0, 1]"),
+        ({"depths": "half"}, "depths='half': write fractions separated by commas"),
+        ({"depths": "0,,1"}, "write fractions separated by commas"),
+        ({"depths": "0.5,0.501"}, "two depths share the group depth=0.50; give each depth once"),
+        ({"context": 40}, "context=40 holds no filler"),
+        ({"n_names": 25}, "n_names"),
+        ({"digits": 0}, "digits"),
     ],
 )
-def test_bad_settings_are_one_line(tmp_path, settings, match):
-    args = [a for s in settings for a in ("--set", s)]
-    result = CliRunner().invoke(
-        cli, ["run", "--task", "needle", "--model", "lm", *args, "--epochs", "1", "--results", str(tmp_path)]
-    )
-    assert result.exit_code == 2 and match in result.output and len(result.output.strip().splitlines()) == 1, (
-        result.output
-    )
-    assert not (tmp_path / "runs").exists()
+def test_bad_settings_are_one_line(tmp_path, tiny_run, settings, match):
+    bad = tiny_run(tmp_path, task="needle", model="lm", exit_code=2, **settings)
+    assert match in bad.result.output and len(bad.result.output.strip().splitlines()) == 1, bad.result.output
+    assert not (bad.folder / "runs").exists()

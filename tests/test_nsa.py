@@ -161,7 +161,7 @@ def test_blocks_of_rows_are_larger_on_an_accelerator_and_still_agree(monkeypatch
     """Off the CPU the compressed branch's blocks of rows are ``chunk_scale`` times larger (a GPU pays
     its launches per block, whatever its size): here 3x blocks of 16 (choice: 8) rows, a shorter sample
     among them."""
-    from gtx.attention.selection import blocks as selection
+    from gtx.attention.selection import token_tiles as selection
 
     assert selection.chunk_scale("cpu") == 1 and selection.chunk_scale("meta") == selection.ACCELERATOR_CHUNKS > 1
     monkeypatch.setattr(compressed, "ROWS", 16)
@@ -203,6 +203,20 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
         torch.testing.assert_close(
             a, b.float(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}"
         )
+
+
+def test_a_group_of_heads_shares_one_row_of_the_selection():
+    """``g`` heads share one choice: the selection holds a row per group (``group=g``), not a copy per head."""
+    import sys
+
+    lens, heads = [40, 17], 4
+    attention = Attention(get_backend("auto"), parse_pattern("nsa:l=6,d=3,s=8,n=5,w=12,g=2"), heads, 8)
+    module = attention.trainable
+    nsa = sys.modules[type(module).__module__]
+    q, k = (torch.randn(sum(lens), heads, 8, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    kc = module.compress(k, lens, module.phi_k).detach()
+    sel = nsa.choose_blocks(q, kc, lens, compressed.block_ends(kc.shape[1], 6, 3, "cpu"), module.config)
+    assert sel.group == 2 and sel.blocks.shape == sel.valid.shape == (sum(lens), heads // 2, 4)
 
 
 @pytest.mark.parametrize("spec", ["nsa:l=8,d=4,s=16,n=4,w=5", "nsa:l=6,d=3,s=8,n=5,w=12,g=2"])
@@ -276,7 +290,7 @@ def test_no_future_key_reaches_a_query_through_any_branch():
 
 
 def test_each_layer_has_its_own_nsa_and_the_results_record_each_branch(tmp_path):
-    from gtx.experiments import results
+    from gtx.records import results
 
     args = [
         "run",
@@ -475,7 +489,7 @@ def test_the_gated_selected_branch_and_the_window_hold_no_gated_or_contiguous_co
     weights) holds no more than without one, and the window (blocksparse) reads a gradient in its
     output's layout as it is, where a gated copy of the gradient and a contiguous copy of it held one
     q-sized tensor more each."""
-    from gtx.attention.selection import blocks as selection
+    from gtx.attention.selection import token_tiles as selection
     from gtx.backends import blocksparse
 
     for module, name, value in ((selection, "BLOCK_ROWS", 4), (selection, "TILES", 4), (selection, "GATE_ROWS", 64)):
@@ -509,13 +523,13 @@ def test_blocks_of_rows_and_chunks_of_tiles_read_no_value_back_per_block(monkeyp
     """A value read from a tensor (``int``, ``bool``, ``.item()``) waits for a GPU's queue: the compressed
     branch's blocks of rows and the chosen tiles' chunks are laid out from host lists, not a read each
     (a read per block would be 438 of them in an NSA step of 2 layers at 16384 tokens)."""
-    from gtx.attention.selection import blocks as selection
+    from gtx.attention.selection import token_tiles as selection
 
     monkeypatch.setattr(selection, "TILES", 2)
     n, heads = 512, 2
     q, k = (torch.randn(n, heads, 8, generator=torch.Generator().manual_seed(0)) for _ in range(2))
     pattern = parse_pattern("moba:b=16,k=3")
-    plan = selection._TokenBlockPlan(pattern.select(q, k, build_graph(pattern, None, [n]).edges["dd"]), heads, "cpu")
+    plan = selection.TokenBlockPlan(pattern.select(q, k, build_graph(pattern, None, [n]).edges["dd"]), heads, "cpu")
     ends = compressed.block_ends((n - 8) // 4 + 1, 8, 4, "cpu")
     (chunks, blocks), reads = value_reads(
         lambda: (list(plan.chunks()), list(compressed._row_blocks([n, 300], ends, 16)))

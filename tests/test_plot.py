@@ -2,6 +2,7 @@
 results figure and the HTML report render from a results folder, and bad input is one line, exit 2."""
 
 import base64
+import html
 import io
 import json
 import os
@@ -15,21 +16,16 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from click.testing import CliRunner
+from rows import row as schema_row
 
-from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.results import COLUMNS, SCHEMA_VERSION, load, write_run
 from gtx.graph.pattern import STAGES
 from gtx.graph.spec import parse_pattern
 from gtx.pictures import plot
 from gtx.pictures.report import write_report
+from gtx.records.results import load, write_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def gtx(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def image_of(path_or_bytes) -> np.ndarray:
@@ -91,23 +87,23 @@ def test_a_short_last_block_counts_only_its_positions():
     assert grid.shape == (4, 4) and np.allclose(grid, 1.0)
 
 
-def test_more_than_1e5_positions_is_an_error():
+def test_more_than_1e5_positions_is_an_error(cli):
     with pytest.raises(GtxError, match="cannot plot 100,001 positions; the limit is 100,000 per side"):
         plot.pattern("local:w=1", 100_001)
-    result = gtx("plot", "pattern", "local:w=1", "--tgt-len", 100_001, "--stages", "dd")
+    result = cli("plot", "pattern", "local:w=1", "--tgt-len", 100_001, "--stages", "dd")
     assert result.exit_code == 2 and result.output.count("\n") == 1 and "limit is 100,000" in result.output
 
 
-def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
+def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
-    result = gtx("plot", "pattern", "local:w=1", "--src-len", 8, "--tgt-len", 6)
+    result = cli("plot", "pattern", "local:w=1", "--src-len", 8, "--tgt-len", 6)
     assert result.exit_code == 0, result.output
     assert result.output.strip() == "pattern-local-w-1.png"
     image_of(tmp_path / "pattern-local-w-1.png")
-    result = gtx("plot", "pattern", "local:w=2", "--stages", "dd", "-o", tmp_path / "new" / "deeper" / "p.svg")
+    result = cli("plot", "pattern", "local:w=2", "--stages", "dd", "-o", tmp_path / "new" / "deeper" / "p.svg")
     assert result.exit_code == 0, result.output
     assert "<svg" in (tmp_path / "new" / "deeper" / "p.svg").read_text()  # missing parents are created
-    result = gtx("plot", "pattern", "full", "--src-len", 4, "-o", tmp_path / "p", "--format", "pdf")
+    result = cli("plot", "pattern", "full", "--src-len", 4, "-o", tmp_path / "p", "--format", "pdf")
     # the path as given: no suffix appended
     assert result.exit_code == 0 and (tmp_path / "p").read_bytes().startswith(b"%PDF")
 
@@ -125,23 +121,23 @@ def test_plot_pattern_writes_png_svg_and_pdf(tmp_path, monkeypatch):
         (["-o", "x.png", "--format", "pdf"], "x.png is named .png but --format is pdf; name it .pdf"),
     ],
 )
-def test_bad_plot_input_is_one_line_exit_2(tmp_path, monkeypatch, args, message):
+def test_bad_plot_input_is_one_line_exit_2(tmp_path, monkeypatch, args, message, cli):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "a-folder").mkdir()
-    result = gtx("plot", "pattern", "local:w=1", "--src-len", 4, *args)
+    result = cli("plot", "pattern", "local:w=1", "--src-len", 4, *args)
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert message in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder"]  # nothing written
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_folder_is_an_error(tmp_path):
+def test_a_read_only_folder_is_an_error(tmp_path, cli):
     folder = tmp_path / "ro"
     folder.mkdir()
     folder.chmod(0o500)
     try:
-        result = gtx("plot", "pattern", "local:w=1", "--src-len", 4, "-o", folder / "p.png")
+        result = cli("plot", "pattern", "local:w=1", "--src-len", 4, "-o", folder / "p.png")
         assert result.exit_code == 2 and "cannot write" in result.output
     finally:
         folder.chmod(0o700)
@@ -153,41 +149,14 @@ def test_a_read_only_folder_is_an_error(tmp_path):
 
 
 def row(run_id, pattern, seed, split, epoch, acc, tps=1000.0, **kw):
-    base = {c: None for c in COLUMNS}
-    base.update(
-        schema_version=SCHEMA_VERSION,
-        run_id=run_id,
-        started_at="2026-01-01T00:00:00+00:00",
-        task="copy",
-        model="transformer",
-        pattern=pattern,
-        backend="dgl",
-        device="cpu",
-        seed=seed,
-        epoch=epoch,
-        split=split,
-        loss=1.0 - acc,
-        token_acc=acc,
-        seq_acc=np.nan if split == "train" else acc / 2,
-        tokens_per_s=tps,
-        wall_s=1.0,
-        peak_mem_mb=10.0,
-        context_len=12,
-        density=0.5,
-        edges_per_query_ee=3.0,
-        edges_per_query_dd=2.0,
-        edges_per_query_ed=3.0,
-        act_mean_steps=np.nan,
-        n_params=10,
-        metrics="{}",
-        backend_plan="{}",
-        config=json.dumps({"pattern": pattern, "seed": seed, "dim": 16}),
-        gtx_version="0",
-        torch_version="0",
-        dgl_version="0",
-    )
-    base.update(kw)
-    return base
+    """A row of one seed's run: loss 1 - acc, seq_acc half of acc (none in training), a configuration to show."""
+    kw = {
+        "loss": 1.0 - acc,
+        "context_len": 12,
+        "config": json.dumps({"pattern": pattern, "seed": seed, "dim": 16}),
+        **kw,
+    }
+    return schema_row(run_id, pattern, split, epoch, acc, np.nan if split == "train" else acc / 2, tps, seed=seed, **kw)
 
 
 def fake_results(folder) -> None:
@@ -255,7 +224,7 @@ def test_task_metrics_come_from_the_metrics_json(tmp_path):
     assert plot.run_table(load(tmp_path), [], "bpc").value.tolist() == [2.0]  # lower is better: the minimum
 
 
-def test_results_figure_and_command(tmp_path):
+def test_results_figure_and_command(tmp_path, cli):
     fake_results(tmp_path)
     fig = plot.results(load(tmp_path))
     assert len(fig.axes) == 2 and fig.axes[0].get_title() == "task=copy, model=transformer"
@@ -266,11 +235,11 @@ def test_results_figure_and_command(tmp_path):
     }
     front = next(line for line in fig.axes[0].get_lines() if line.get_label() == "Pareto front")
     assert list(front.get_xdata()) == [1050.0, 3050.0]  # mean tokens/s: full is slower but better, so both are on it
-    result = gtx("plot", "results", "--results", tmp_path)
+    result = cli("plot", "results", "--results", tmp_path)
     assert result.exit_code == 0, result.output
     assert result.output.strip() == str(tmp_path / "plots" / "results.png")
     image_of(tmp_path / "plots" / "results.png")
-    result = gtx(
+    result = cli(
         "plot",
         "results",
         "--results",
@@ -285,7 +254,7 @@ def test_results_figure_and_command(tmp_path):
     assert result.exit_code == 0 and "<svg" in (tmp_path / "r.svg").read_text()
 
 
-def test_results_and_report_plot_each_tasks_own_metric(tmp_path):
+def test_results_and_report_plot_each_tasks_own_metric(tmp_path, cli):
     """text is judged by bpc (lower is better), recall by query_acc, copy by token_acc: as gtx compare picks them."""
     fake_results(tmp_path)
     for task, metrics in (("text", lambda a: {"bpc": 3.0 - a}), ("recall", lambda a: {"query_acc": a / 4})):
@@ -322,19 +291,19 @@ def test_results_and_report_plot_each_tasks_own_metric(tmp_path):
     # mean bpc of the two seeds, not their token_acc
     assert sorted(text_panel.get_lines()[0].get_ydata()) == pytest.approx([2.45])
     # one panel holding three metrics: refused, one line
-    result = gtx("plot", "results", "--results", tmp_path, "--by", "model")
+    result = cli("plot", "results", "--results", tmp_path, "--by", "model")
     assert (
         result.exit_code == 2
         and "holds tasks judged by different metrics" in result.output
         and result.output.count("\n") == 1
     )
-    assert gtx("report", "--results", tmp_path).exit_code == 0
+    assert cli("report", "--results", tmp_path).exit_code == 0
     assert "each task&#x27;s own metric" in (tmp_path / "report.html").read_text()
 
 
-def test_no_runs_is_one_line_exit_2(tmp_path):
+def test_no_runs_is_one_line_exit_2(tmp_path, cli):
     for args in (["plot", "results"], ["report"]):
-        result = gtx(*args, "--results", tmp_path / "empty")
+        result = cli(*args, "--results", tmp_path / "empty")
         assert result.exit_code == 2 and result.output.count("\n") == 1 and "no runs under" in result.output
 
 
@@ -353,7 +322,7 @@ class Page(HTMLParser):
         self.text.append(data)
 
 
-def test_report_is_one_self_contained_page(tmp_path):
+def test_report_is_one_self_contained_page(tmp_path, cli):
     fake_results(tmp_path)
     # still training
     write_run(
@@ -361,7 +330,7 @@ def test_report_is_one_self_contained_page(tmp_path):
         "full-s2",
         [row("full-s2", "full", 2, "train", 1, 0.1, 1000.0), row("full-s2", "full", 2, "valid", 1, 0.1)],
     )
-    result = gtx("report", "--results", tmp_path)
+    result = cli("report", "--results", tmp_path)
     assert result.exit_code == 0, result.output
     path = tmp_path / "report.html"
     assert result.output.strip() == str(path)
@@ -379,12 +348,12 @@ def test_report_is_one_self_contained_page(tmp_path):
     assert write_report(tmp_path, tmp_path / "sub" / "r.html").exists()
 
 
-def test_report_and_plots_never_write_over_a_results_table(tmp_path):
+def test_report_and_plots_never_write_over_a_results_table(tmp_path, cli):
     fake_results(tmp_path)
     table = next((tmp_path / "runs").glob("*.csv"))
     before = table.read_bytes()
     for args in (["report", "-o", table], ["plot", "results", "--format", "png", "-o", table]):
-        result = gtx(*args[:-2], "--results", tmp_path, *args[-2:])
+        result = cli(*args[:-2], "--results", tmp_path, *args[-2:])
         assert result.exit_code == 2 and "holds data (.csv file); it is not replaced" in result.output, result.output
     assert table.read_bytes() == before
 
@@ -396,9 +365,9 @@ def test_report_and_plots_never_write_over_a_results_table(tmp_path):
         (["--by", "nosuch"], "cannot group by ['nosuch']"),
     ],
 )
-def test_report_with_a_bad_metric_or_grouping_is_one_line_and_writes_nothing(tmp_path, args, message):
+def test_report_with_a_bad_metric_or_grouping_is_one_line_and_writes_nothing(tmp_path, args, message, cli):
     fake_results(tmp_path)
-    result = gtx("report", "--results", tmp_path, *args)
+    result = cli("report", "--results", tmp_path, *args)
     assert result.exit_code == 2 and message in result.output and not (tmp_path / "report.html").exists()
 
 
@@ -420,13 +389,13 @@ NOT_FRONTIERS = {
 
 
 @pytest.mark.parametrize("case", list(NOT_FRONTIERS))
-def test_report_names_a_file_among_the_frontiers_that_is_no_frontier_table(tmp_path, case):
+def test_report_names_a_file_among_the_frontiers_that_is_no_frontier_table(tmp_path, case, cli):
     content, message = NOT_FRONTIERS[case]
     fake_results(tmp_path)
     where = tmp_path / "frontiers" / "x.csv"
     where.parent.mkdir()
     where.mkdir() if content is None else where.write_bytes(content)
-    result = gtx("report", "--results", tmp_path)
+    result = cli("report", "--results", tmp_path)
     assert result.exit_code == 2 and message in result.output and "x.csv" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "report.html").exists()
 
@@ -456,37 +425,13 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     assert (np.abs(rgb[..., 0] - rgb[..., 2]) > 0.3).sum() > 50
 
 
-def test_real_runs_plot_and_report(tmp_path):
-    tiny = [
-        "--layers",
-        "1",
-        "--epochs",
-        "2",
-        "--dim",
-        "16",
-        "--heads",
-        "2",
-        "--dim-ff",
-        "16",
-        "--batch-size",
-        "8",
-        "--quiet",
-        "--set",
-        "n_train=40",
-        "--set",
-        "n_valid=10",
-        "--set",
-        "n_test=10",
-        "--set",
-        "mean_len=5",
-    ]
+def test_real_runs_plot_and_report(tmp_path, cli, tiny_run):
     for pattern in ("full", "local:w=1"):
-        result = gtx("run", "--pattern", pattern, "--results", tmp_path, *tiny)
-        assert result.exit_code == 0, result.output
-    assert gtx("plot", "results", "--results", tmp_path).exit_code == 0
-    image_of(tmp_path / "plots" / "results.png")
-    assert gtx("report", "--results", tmp_path).exit_code == 0
-    assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 3
+        folder = tiny_run(tmp_path, pattern=pattern, epochs=2).folder
+    assert cli("plot", "results", "--results", folder).exit_code == 0
+    image_of(folder / "plots" / "results.png")
+    assert cli("report", "--results", folder).exit_code == 0
+    assert (folder / "report.html").read_text().count("data:image/png;base64,") == 3
 
 
 def test_bench_attention_figure(tmp_path):
@@ -505,43 +450,15 @@ def test_bench_attention_figure(tmp_path):
 # Trained models: attention weights and ACT steps
 # ---------------------------------------------------------------------------------------------
 
-TINY_RUN = [
-    "--task",
-    "copy",
-    "--epochs",
-    1,
-    "--set",
-    "n_train=40",
-    "--set",
-    "n_valid=10",
-    "--set",
-    "n_test=10",
-    "--set",
-    "mean_len=5",
-    "--dim",
-    16,
-    "--heads",
-    2,
-    "--dim-ff",
-    16,
-    "--batch-size",
-    8,
-    "--quiet",
-]
-
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, tiny_run):
     """Checkpoints of two tiny runs, trained once: a transformer under local:w=1 and a ut with ACT."""
     folder = tmp_path_factory.mktemp("trained")
-    for args in (
-        ["--model", "transformer", "--pattern", "local:w=1", "--layers", 2],
-        ["--model", "ut", "--pattern", "local:w=1", "--set", "max_depth=3"],
-    ):
-        result = gtx("run", *TINY_RUN, *args, "--results", folder)
-        assert result.exit_code == 0, result.output
-    found = {p.parent.name.split("-")[3]: p for p in folder.glob("checkpoints/*/best.pt")}
-    return {"transformer": found["transformer"], "ut": found["ut"], "results": folder}
+    tiny_run(folder, model="transformer", pattern="local:w=1", layers=2)
+    results = tiny_run(folder, model="ut", pattern="local:w=1", max_depth=3).folder
+    found = {p.parent.name.split("-")[3]: p for p in results.glob("checkpoints/*/best.pt")}
+    return {"transformer": found["transformer"], "ut": found["ut"], "results": results}
 
 
 class Spy:
@@ -725,10 +642,10 @@ def test_act_figure_shows_the_models_step_counts(trained):
     assert plot_model.act_figure  # the drawing half of plot.act
 
 
-def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
+def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
     run_id = trained["transformer"].parent.name
-    result = gtx(
+    result = cli(
         "plot", "attention", run_id, "--results", trained["results"], "--example", 2, "--layer", 0, "--head", 1
     )
     assert result.exit_code == 0, result.output
@@ -736,9 +653,9 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
     picture = Path(trained["results"]) / "plots" / f"attention-{run_id}-test-2.png"
     assert result.output.strip() == str(picture)
     image_of(picture)
-    result = gtx("plot", "attention", trained["ut"], "--split", "valid", "-o", tmp_path / "a.svg")
+    result = cli("plot", "attention", trained["ut"], "--split", "valid", "-o", tmp_path / "a.svg")
     assert result.exit_code == 0 and "<svg" in (tmp_path / "a.svg").read_text()
-    result = gtx("plot", "act", trained["ut"], "--example", 0, "--example", 1)
+    result = cli("plot", "act", trained["ut"], "--example", 0, "--example", 1)
     assert result.exit_code == 0, result.output
     image_of(tmp_path / "results" / "plots" / f"act-{trained['ut'].parent.name}-test.png")
 
@@ -763,12 +680,12 @@ def test_plot_attention_and_act_commands(trained, tmp_path, monkeypatch):
         (["act", "no-such-run"], "no run 'no-such-run' among"),
     ],
 )
-def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch, args, message):
+def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch, args, message, cli):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "foreign.pt").write_text("not a checkpoint")
     command, ref, *rest = args
     ref = trained.get(ref, ref)
-    result = gtx("plot", command, ref, *rest, "--results", trained["results"])
+    result = cli("plot", command, ref, *rest, "--results", trained["results"])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert message in result.output
 
@@ -783,7 +700,7 @@ def test_bad_model_plot_input_is_one_line_exit_2(trained, tmp_path, monkeypatch,
         ("nsa:l=8,d=4,s=8,n=4,w=16", ["dd"], "at most 15 compressed + 32 selected + 16 window keys per query"),
     ],
 )
-def test_content_chosen_patterns_say_their_keys_are_chosen_at_run_time_and_their_budget(spec, stages, budget):
+def test_content_chosen_patterns_say_their_keys_are_chosen_at_run_time_and_their_budget(spec, stages, budget, cli):
     fig = plot.pattern(spec, src_len=64)
     title = fig._suptitle.get_text()
     assert "keys are chosen among them at run time" in title and f"({', '.join(stages)}): {budget}" in title, title
@@ -791,7 +708,7 @@ def test_content_chosen_patterns_say_their_keys_are_chosen_at_run_time_and_their
     for stage in stages:  # never "density 1.000 of the causal triangle": the candidates are not what a query reads
         assert "density" not in panels[stage] and "candidates (keys chosen at run time)" in panels[stage]
     assert all("density" in t for s, t in panels.items() if s not in stages)  # full attention there, read as drawn
-    shown = gtx("show-pattern", spec, "--src-len", 64, "--tgt-len", 64, "--max-width", 8).output
+    shown = cli("show-pattern", spec, "--src-len", 64, "--tgt-len", 64, "--max-width", 8).output
     assert f"shown are the candidates; {budget}" in shown
 
 
@@ -803,3 +720,52 @@ def test_head_groups_get_a_row_of_panels_each():
         and titles[0].startswith("heads 1/2: local:w=1")
         and titles[3].startswith("heads 2/2: strided:l=3")
     )
+
+
+def test_report_counts_and_draws_evaluations_as_evaluations_not_runs(tmp_path):
+    """A gtx eval under another pattern was counted in the page's runs, its pattern drawn as the runs'
+    and its configuration summarised as a run of its own."""
+    fake_results(tmp_path)
+    evaluation = row("full-s0-eval", "local:w=2", 0, "test", 2, 0.5, eval_of="full-s0")
+    write_run(tmp_path, "full-s0-eval", [evaluation])
+    page = Page()
+    page.feed(write_report(tmp_path).read_text())
+    text = " ".join("".join(page.text).split())
+    assert "4 runs and 1 evaluations of them (gtx eval)" in text
+    assert "patterns: full, local:w=1; evaluated under local:w=2." in text
+    assert "local:w=2 (evaluations only: gtx eval)" in text
+    assert "full-s0-eval: evaluation of run full-s0 under local:w=2 / dgl on its test split" in text
+
+
+def test_throughput_error_bars_and_axes_stop_at_zero(tmp_path):
+    """Two seeds at 100 and 4,000 tokens/s: mean +- std reached below zero, and the axis with it."""
+    for seed, tps in ((0, 100.0), (1, 4000.0)):
+        rows = [row(f"r{seed}", "full", seed, split, 1, 0.5, tps) for split in ("train", "valid", "test")]
+        write_run(tmp_path, f"r{seed}", rows)
+    fig = plot.results(load(tmp_path))
+    top = fig.axes[0]
+    (bars,) = [c for c in top.containers if c.has_xerr]
+    xs = [x for segment in bars.lines[2][0].get_segments() for x, _ in segment]
+    assert min(xs) == 0.0 and max(xs) == pytest.approx(2050 + np.std([100, 4000], ddof=1))
+    assert top.get_xlim()[0] >= 0 and top.get_ylim()[0] >= 0
+
+
+def test_the_report_table_puts_the_verdict_beside_the_metric_and_fits_1400_px(tmp_path):
+    """At 1400 px the table hid welch_p, vs_full and pareto behind a sideways scroll: they now follow
+    the judged metric's interval, headers break after their underscores, and the unbreakable text of
+    a row (about 7.5 px a character at the table's .85em, plus each cell's padding and border) fits."""
+    import re
+
+    fake_results(tmp_path)
+    text = write_report(tmp_path).read_text()
+    table = text[text.index("<table>") : text.index("</table>")]
+    heads = re.findall(r"<th>(.*?)</th>", table)
+    names = [h.replace("<wbr>", "") for h in heads]
+    at = names.index("ci95")
+    assert names[at + 1 : at + 4] == ["vs_full", "welch_p", "pareto"]
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+    widths = [
+        max(max(len(piece) for piece in head.split("<wbr>")), *(len(html.unescape(r[i])) for r in cells))
+        for i, head in enumerate(heads)
+    ]
+    assert sum(7.5 * w + 2 * 0.4 * 13.6 + 1 for w in widths) < 1400 - 2 * 16

@@ -116,11 +116,8 @@ def test_pattern_raising_while_building_edges_is_named(plugin_dir):
         parse_pattern("bad").edges("ee", 2, 2)
 
 
-def test_a_backend_whose_available_raises_or_takes_no_device_is_named(plugin_dir):
-    from click.testing import CliRunner
-
+def test_a_backend_whose_available_raises_or_takes_no_device_is_named(plugin_dir, cli):
     from gtx.backends import get_backend
-    from gtx.cli import cli
 
     folder = plugin_dir(
         old_style="""
@@ -141,7 +138,7 @@ def test_a_backend_whose_available_raises_or_takes_no_device_is_named(plugin_dir
     plugins.load_plugins(dirs=[folder])
     with pytest.raises(PluginError, match=r"backend 'mine' of .*old_style.py raised in available\(device\): TypeError"):
         get_backend("mine")
-    listed = CliRunner().invoke(cli, ["backends", "--plugins-dir", str(folder)])
+    listed = cli("backends", "--plugins-dir", folder)
     assert listed.exit_code == 2 and "old_style.py raised in available(device)" in listed.output
     assert "Traceback" not in listed.output
 
@@ -153,12 +150,8 @@ def test_a_backend_whose_available_raises_or_takes_no_device_is_named(plugin_dir
         ("return v[:1]", r"returned \(1, 2, 8\) for ee attention, not \(n_dst, H, Dv\) = \(\d+, 2, 8\)"),
     ],
 )
-def test_a_plugin_backend_failing_in_a_run_is_one_line_naming_it(plugin_dir, tmp_path, body, message):
+def test_a_plugin_backend_failing_in_a_run_is_one_line_naming_it(plugin_dir, tmp_path, tiny_run, body, message):
     import re
-
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
 
     folder = plugin_dir(
         failing=f"""
@@ -176,10 +169,9 @@ def test_a_plugin_backend_failing_in_a_run_is_one_line_naming_it(plugin_dir, tmp
             register("failing", Failing())
         """
     )
-    sizes = ["--set", "n_train=16", "--set", "n_valid=4", "--set", "n_test=4", "--layers", "1", "--dim", "16"]
-    args = ["run", "--backend", "failing", "--plugins-dir", str(folder), "--results", str(tmp_path), *sizes]
-    result = CliRunner().invoke(cli, [*args, "--heads", "2", "--dim-ff", "16", "--epochs", "1"])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    args = ["--backend", "failing", "--plugins-dir", folder]
+    result = tiny_run(tmp_path, *args, n_train=16, n_valid=4, n_test=4, exit_code=2).result
+    assert "Traceback" not in result.output, result.output
     assert re.search(r"backend 'failing' of .*failing.py " + message, result.output), result.output
 
 

@@ -21,10 +21,10 @@ from gtx.attention.module import Attention
 from gtx.backends import get_backend
 from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments.checkpoint import checkpoint_dir
-from gtx.experiments.results import load
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import MODELS, TASKS
+from gtx.records.checkpoint import checkpoint_dir
+from gtx.records.results import load
 
 TEXT = ["--task", "text", "--set", "context=32", "--set", "train_tokens=600", "--set", "eval_tokens=300", "--quiet"]
 
@@ -35,6 +35,8 @@ def folders(tmp_path_factory):
     return {
         **{family: save_tiny(root / family, family) for family in ("llama", "gpt2")},
         "mistral": save_tiny(root / "mistral", "mistral", sliding_window=8),
+        # an embedding padded past the tokenizer's ids, as Qwen2's (151,936 rows for 151,665 ids): 320 rows for 300
+        "qwen2-padded": save_tiny(root / "qwen2-padded", "qwen2", rows=320),
     }
 
 
@@ -67,11 +69,12 @@ def test_the_folder_gives_sizes_positions_and_tokenizer(folders):
     assert tokenizer.vocab.decode(tokenizer.vocab.encode(tokens)) == tokens  # ids are the tokenizer's own
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2-padded"])
 def test_untrained_bits_per_byte_are_transformers_own(folders, tmp_path, family):
     """--epochs 0 scores the folder's weights: valid bpc is the nats of transformers' own model's
     predictions of the same windows over the bytes they write, in bits (Mistral: within its sliding
-    window of 8 keys, shorter than the windows of 32 tokens)."""
+    window of 8 keys, shorter than the windows of 32 tokens; Qwen2's padded embedding: a softmax over
+    all its 320 rows, as transformers' own)."""
     result = run(folders[family], *TEXT, "--epochs", "0", "--results", str(tmp_path))
     assert result.exit_code == 0, result.output
     df = load(tmp_path)
@@ -83,6 +86,64 @@ def test_untrained_bits_per_byte_are_transformers_own(folders, tmp_path, family)
     task.tokenizer = tokenizer
     expected = reference_bpc(folders[family], tokenizer, [window for window, _ in task.splits()["valid"]])
     assert json.loads(df.query("split == 'valid'").metrics.iloc[0])["bpc"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_padded_embedding_is_read_id_for_id(folders):
+    """The vocabulary is the embedding's rows: the tokenizer's ids (300, and a special token), then
+    rows that write no text."""
+    m, tokenizer, _ = model(folders["qwen2-padded"], "full")
+    assert len(tokenizer.vocab) == m.hf.get_input_embeddings().num_embeddings == 320
+    known = len(tokenizer.hf)
+    assert known == 301 and tokenizer.vocab.decode(range(known, 320)) == [""] * (320 - known)
+    tokens = tokenizer.tokenize("the lazy dog")
+    assert tokenizer.detokenize([*tokens, *tokenizer.vocab.decode([310])]) == "the lazy dog"
+
+
+def test_a_special_token_past_the_embedding_is_one_line_where_the_text_writes_it(tmp_path):
+    """A token added to the tokenizer beside its 300 written ones, past the model's 300 rows: text
+    without it reads as ever; a text that writes it out is refused, naming it."""
+    import transformers
+
+    folder = save_tiny(tmp_path / "model", "llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    tokenizer.save_pretrained(folder)
+    _, tokenizer, _ = model(folder, "full")
+    assert len(tokenizer.hf) == 301 and len(tokenizer.vocab) == 300
+    assert tokenizer.detokenize(tokenizer.tokenize("the lazy dog")) == "the lazy dog"
+    with pytest.raises(
+        GtxError, match=r"the text holds token '<extra>' \(id 300\), past the model's 300 embedding rows"
+    ):
+        tokenizer.tokenize("the <extra> dog")
+
+
+def test_a_bfloat16_folder_runs_in_float32_and_its_row_says_so(folders, tmp_path):
+    half = save_tiny(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    result = run(half, *TEXT, "--epochs", "0", "--results", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    assert json.loads(load(tmp_path / "r").config.iloc[0])["model_config"]["weights"] == "bfloat16, run in float32"
+    m, _, _ = model(half, "full")
+    assert {p.dtype for p in m.parameters()} == {torch.float32}
+    assert MODELS.get("hf").config(path=str(folders["llama"])).weights == "float32"
+
+
+def test_a_run_stores_its_path_absolute_and_rebuilds_from_another_folder(folders, tmp_path, monkeypatch):
+    """--set path=llama, typed relative to the working folder, is stored absolute: gtx eval of the
+    run from another folder loads the same model (it read 'has no config.json')."""
+    results = tmp_path / "r"
+    monkeypatch.chdir(folders["llama"].parent)
+    result = run("llama", *TEXT, "--epochs", "1", "--results", str(results))
+    assert result.exit_code == 0, result.output
+    run_id, absolute = load(results).run_id.iloc[0], str(folders["llama"].resolve())
+    state = torch.load(checkpoint_dir(results, run_id) / "last.pt", weights_only=False)
+    assert state["run_config"]["settings"]["path"] == absolute
+    assert json.loads(load(results).config.iloc[0])["settings"]["path"] == absolute
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    again = CliRunner().invoke(cli, ["eval", run_id, "--results", str(results), "--split", "valid"])
+    assert again.exit_code == 0, again.output
 
 
 def test_three_patterns_untrained_compare(folders, tmp_path):
@@ -215,9 +276,13 @@ def test_generate_and_export_a_fine_tuned_run_by_its_short_id(tuned, tmp_path):
     out = tmp_path / "exported"
     exported = CliRunner().invoke(cli, ["export", tail, str(out), "--results", str(results)])
     assert exported.exit_code == 0, exported.output
-    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors"} <= {
+    assert {"config.json", "model.safetensors", "tokenizer.json", "gtx_pattern.safetensors", "README.md"} <= {
         p.name for p in out.iterdir()
     }
+    # a plain loader runs full attention over weights trained under dsa: said on export and in the folder
+    said = "a plain transformers loader runs full causal attention over these weights, which computes something else"
+    assert said in exported.output and "--pattern 'dsa:k=8" in exported.output
+    assert said in (out / "README.md").read_text()
     trained = torch.load(checkpoint_dir(results, run_id) / "best.pt", weights_only=False)["model"]
     # transformers' own attention: the folder names no gtx
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
@@ -256,3 +321,13 @@ def test_prefill_lengths_are_checked_against_memory_with_their_logits(monkeypatc
     ):
         prefill.check_lengths("llama", {"dim": "16"}, [99_999_999])
     prefill.check_lengths("llama", {"dim": "16"}, [4096])
+
+
+@pytest.mark.parametrize(
+    "spec, same", [("full", True), ("causal", True), ("local:w=16", False), ("full+alibi", False), ("topk:k=4", False)]
+)
+def test_an_export_says_when_a_plain_loader_runs_something_else(spec, same):
+    """transformers' own attention is full causal attention: an export under anything else says so."""
+    from gtx.cli.pretrained import runs_as_transformers
+
+    assert runs_as_transformers(parse_pattern(spec)) is same

@@ -45,6 +45,12 @@ FAMILIES = {
         [5, None],
     ),
     "gpt2": ({"scale_attn_by_inverse_layer_idx": True}, [None, None]),  # layer i's scores over i + 1
+    "olmo2": ({"eos_token_id": 0, "pad_token_id": 0}, [None, None]),  # q and k normalised before RoPE
+    # rotary on half of each head's 8 dimensions; attention and MLP in parallel
+    "gpt_neox": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        [None, None],
+    ),
 }
 LENGTHS = [12, 7, 10]  # packed in one row; each longer than the windows
 
@@ -168,11 +174,6 @@ def _more_tokens(path):
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
-def _more_rows(w):
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        w[name] = torch.cat([w[name], torch.zeros(10, w[name].shape[1])])
-
-
 REFUSED = {
     "a layer's weights missing": ({"weights": drop_layer_1}, "9 missing (model.layers.1.input_layernorm.weight, ...)"),
     "an unexpected weight": ({"weights": lambda w: w.update(extra=torch.zeros(2))}, "1 unexpected (extra)"),
@@ -230,11 +231,16 @@ REFUSED = {
     "a family beside path": ({"args": ["--set", "family=nosuch"]}, "family='nosuch' beside path="),
     "a tokenizer of more tokens than the model": (
         {"edit": _more_tokens},
-        "its tokenizer has 305 tokens but its model 300 (vocab_size in config.json)",
+        "its tokenizer has 305 tokens but its model 300 (vocab_size in the model's config)",
     ),
-    "a model of more tokens than the tokenizer": (
-        {"config": {"vocab_size": 310}, "weights": _more_rows},
-        "its tokenizer has 300 tokens but its model 310",
+    "a negative sliding window": (
+        {"family": "mistral", "sliding_window": 5, "config": {"sliding_window": -4}},
+        "sliding_window=-4 in the model's config (layer 0) is no window: give a whole number of keys from 1 up, or null",
+    ),
+    "an unknown rope_type": (
+        {"config": {"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}},
+        'rope_type="bogus" (rope_scaling in the model\'s config) is no rotary embedding transformers computes; '
+        "choose default, linear, dynamic, yarn",
     ),
 }
 

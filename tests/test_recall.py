@@ -6,14 +6,11 @@ import sys
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtx.cli import cli
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
-from gtx.experiments.results import load
 from gtx.plugins.registry import TASKS
 
 SMALL = dict(seq_len=64, n_pairs=4, n_keys=8, n_values=8, n_train=40, n_valid=10, n_test=10)
@@ -144,28 +141,10 @@ def test_bad_settings_name_the_setting_and_the_fix(overrides, message):
     assert message in str(e.value)
 
 
-def test_bad_settings_through_the_cli_are_one_line(tmp_path):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "recall",
-            "--model",
-            "lm",
-            "--results",
-            str(tmp_path / "r"),
-            "--set",
-            "seq_len=64",
-            "--set",
-            "n_pairs=16",
-        ],
-    )
-    assert (
-        result.exit_code == 2
-        and "bad settings for task 'recall': seq_len=64 is too small for n_pairs=16" in result.output
-    )
-    assert not (tmp_path / "r").exists()
+def test_bad_settings_through_the_cli_are_one_line(tmp_path, tiny_run):
+    bad = tiny_run(tmp_path, task="recall", model="lm", seq_len=64, n_pairs=16, exit_code=2)
+    assert "bad settings for task 'recall': seq_len=64 is too small for n_pairs=16" in bad.result.output
+    assert not bad.folder.exists()
 
 
 @settings(max_examples=60, deadline=None)
@@ -210,35 +189,8 @@ def test_bad_settings_in_splits_become_gtx_errors(monkeypatch):
         task.splits()
 
 
-def test_tiny_run_reports_query_accuracy_by_distance(tmp_path):
-    args = [
-        "run",
-        "--task",
-        "recall",
-        "--model",
-        "lm",
-        "--pattern",
-        "local:w=4",
-        "--results",
-        str(tmp_path),
-        "--epochs",
-        "1",
-        "--layers",
-        "1",
-        "--dim",
-        "16",
-        "--heads",
-        "2",
-        "--dim-ff",
-        "16",
-        "--batch-size",
-        "8",
-        "--quiet",
-        *[a for k, v in TINY.items() for a in ("--set", f"{k}={v}")],
-    ]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    df = load(tmp_path)
+def test_tiny_run_reports_query_accuracy_by_distance(tmp_path, tiny_run):
+    df = tiny_run(tmp_path, task="recall", model="lm", pattern="local:w=4", **TINY).rows
     assert set(df.split) == {"train", "valid", "test"} and set(df.task) == {"recall"}
     metrics = json.loads(df[df.split == "test"].metrics.iloc[0])
     assert 0 <= metrics["query_acc"] <= 1
@@ -246,19 +198,10 @@ def test_tiny_run_reports_query_accuracy_by_distance(tmp_path):
     assert list(metrics["queries_by_distance"]) == sorted(metrics["queries_by_distance"])
 
 
-def test_a_length_past_the_models_positions_is_refused_before_the_data_is_made(tmp_path, monkeypatch):
+def test_a_length_past_the_models_positions_is_refused_before_the_data_is_made(tmp_path, monkeypatch, tiny_run):
     """seq_len=100,000,000 once generated gigabytes of data before the check: the declared length is checked first."""
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
-    from gtx.plugins.registry import TASKS
-
     made = []
     monkeypatch.setattr(TASKS.get("recall").obj, "generate", lambda self: made.append(1))
-    result = CliRunner().invoke(
-        cli, ["run", "--task", "recall", "--model", "lm", "--set", "seq_len=100000000", "--results", str(tmp_path)]
-    )
-    assert (
-        result.exit_code == 2 and "has sequences of 99999999 tokens but model 'lm' has positions for" in result.output
-    ), result.output
+    result = tiny_run(tmp_path, task="recall", model="lm", seq_len=100000000, exit_code=2).result
+    assert "has sequences of 99999999 tokens but model 'lm' has positions for" in result.output, result.output
     assert not made and not any(tmp_path.iterdir())

@@ -2,14 +2,15 @@
 
 import multiprocessing as mp
 import os
+import re
 
 import numpy as np
 import pandas as pd
 import pytest
 from rows import row
 
-from gtx.experiments.compare import compare
-from gtx.experiments.results import COLUMNS, load, validate, write_run
+from gtx.records.compare import compare
+from gtx.records.results import COLUMNS, load, validate, write_run
 
 
 def test_schema_is_enforced():
@@ -43,6 +44,29 @@ def test_load_skips_a_file_with_broken_json_and_a_folder_named_like_a_run(tmp_pa
         f"skipping {broken}",
         f"skipping {tmp_path / 'runs' / 'x.csv'}",
     ]
+
+
+@pytest.mark.parametrize(
+    "kw, column, said",
+    [
+        ({"acc": 7.5}, "token_acc", "holds 7.5, which it cannot: a finite number in [0, 1]"),
+        ({"seq": -0.5}, "seq_acc", "holds -0.5, which it cannot: a finite number in [0, 1]"),
+        ({"tps": np.inf}, "tokens_per_s", "holds inf, which it cannot: a finite number in [0, inf)"),
+        ({"density": 2.0}, "density", "holds 2.0"),
+        ({"loss": -np.inf}, "loss", "holds -inf"),
+    ],
+)
+def test_a_number_a_column_cannot_hold_is_refused_on_write_and_skipped_on_load(tmp_path, kw, column, said):
+    """An accuracy past 1, an infinite speed (a hand-edited or foreign file): never written, and a
+    file holding one is skipped with a warning naming it and the column (runs, compare, show printed it)."""
+    with pytest.raises(ValueError, match=re.escape(f"column {column} of row 1 {said}")):
+        write_run(tmp_path, "r1", [row(), row(**kw)])
+    write_run(tmp_path, "good", [row(run_id="good")])
+    bad = tmp_path / "runs" / "edited.csv"
+    pd.DataFrame([row(run_id="edited"), row(run_id="edited", **kw)]).to_csv(bad, index=False)
+    with pytest.warns(UserWarning, match=f"skipping {bad}: results: column {column} of row 1 holds"):
+        df = load(tmp_path)
+    assert list(df.run_id) == ["good"]
 
 
 def test_write_and_load_round_trip(tmp_path):
@@ -98,10 +122,7 @@ def test_older_files_load_with_the_added_columns_missing(tmp_path):
     assert compare(load(tmp_path), ["task", "context_len"]).runs.sum() == 3
 
 
-def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_path):
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
+def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_path, cli):
     from gtx.errors import GtxError
 
     write_run(tmp_path, "ok", [row(run_id="ok", split=split) for split in ("valid", "test")])
@@ -115,7 +136,7 @@ def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_pat
     with pytest.raises(GtxError, match="schema version 999"):
         write_run(tmp_path, "newer", [row(run_id="newer")])
     for command in ("runs", "compare"):
-        result = CliRunner().invoke(cli, [command, "--results", str(tmp_path)])
+        result = cli(command, "--results", tmp_path)
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
         assert "schema version 999" in result.output and "move it out of" in result.output
     assert newer.read_bytes() == before

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from gtx.cli import cli
-from gtx.experiments.results import load
+from gtx.records.results import load
 
 TINY = [
     "--set",
@@ -77,12 +77,16 @@ def test_mission_command_shape_ut_local(tmp_path):
     "model, settings", [("ut", {}), ("lm", {"universal": "true"}), ("encoder", {"universal": "true"})]
 )
 def test_act_given_to_a_model_that_adds_act_itself_is_wrapped_once(model, settings):
-    from gtx.experiments.config import resolve_configs
-    from gtx.experiments.runner import RunConfig
+    from gtx.run.config import resolve_configs
+    from gtx.run.runner import RunConfig
 
     for spec in ("act(local:w=2)", "local:w=2"):
         config = RunConfig(task="copy", model=model, pattern=spec, settings=settings)
         assert resolve_configs(config).pattern.spec == "act(local:w=2)"  # what the run's header and rows say
+    # the chosen pattern itself wrapped, bias and union included
+    for spec, run in (("local:w=2+alibi", "act(local:w=2+alibi)"), ("local|strided:l=4", "act(local:w=4|strided:l=4)")):
+        configs = resolve_configs(RunConfig(task="copy", model=model, pattern=spec, settings=settings))
+        assert configs.pattern.spec == run and configs.chosen.spec == run[4:-1]
 
 
 @pytest.mark.parametrize(
@@ -147,8 +151,11 @@ def test_models_and_tasks_list_like_patterns():
         assert any(line.startswith(name) for line in tasks.splitlines()), name
     # what a pretrained model's tokenizer writes
     assert [line.split()[0] for line in tasks.splitlines() if "lm, text" in line] == [
+        "cwe",
         "needle",
+        "niah",
         "text",
+        "vt",
     ]
 
 
@@ -248,8 +255,22 @@ def test_translation_end_to_end_with_beam_and_bleu(tmp_path):
     assert metrics["beam"] == 3 and 0 <= metrics["bleu"] <= 100
 
 
+def test_a_task_beam_wider_than_its_target_vocabulary_is_refused_before_training(tmp_path):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    for stem in ("train", "val", "test"):
+        (data / f"{stem}.src").write_text("a b\nb c\n")
+        (data / f"{stem}.tgt").write_text("x y\ny z\n")
+    result = gtx(
+        "run", "--task", "translation", "--set", f"data_dir={data}", "--set", "beam=100000", "--results", str(tmp_path)
+    )
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "--set beam=100000: task 'translation' decodes from" in result.output and "epoch" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cell_key_names_the_experiment_not_how_it_was_spelled():
-    from gtx.experiments.runner import RunConfig, cell_key
+    from gtx.run.runner import RunConfig, cell_key
 
     key = cell_key(RunConfig(pattern="local", settings={"epochs": "4", "dim": "16"}))
     assert key == cell_key(RunConfig(pattern="local:w=4", settings={"train.epochs": "4", "model.dim": "16"}))
@@ -260,6 +281,15 @@ def test_cell_key_names_the_experiment_not_how_it_was_spelled():
     )
     # equal settings, other task
     assert key != cell_key(RunConfig(task="sort", pattern="local", settings={"epochs": "4", "dim": "16"}))
+
+
+def test_the_backend_is_found_once_when_the_run_is_resolved():
+    """The resolved run holds its backend, checked on its device; the attention it builds uses that one."""
+    from gtx.run.build import build_attention
+    from gtx.run.config import RunConfig, resolve
+
+    r = resolve(RunConfig(backend="dense", settings={"dim": "16", "heads": "2", "n_train": "8", "n_valid": "4"}))
+    assert r.backend.name == "dense" and build_attention(r).backend is r.backend
 
 
 def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp_path):
@@ -280,3 +310,15 @@ def test_a_run_stopped_by_max_steps_labels_every_row_with_the_epoch_that_ran(tmp
     assert df[["split", "epoch"]].values.tolist() == [["train", 1], ["valid", 1], ["test", 1]]
     summary = result.output[result.output.index("split") :].splitlines()
     assert [line.split()[0] for line in summary[1:4]] == ["train", "valid", "test"]
+
+
+@pytest.mark.parametrize("given", [["--batch-size", "100000000"], ["--set", "batch_size=41"]])
+def test_a_batch_larger_than_the_training_data_is_refused_before_training(tmp_path, given):
+    small = [a for a in TINY if a not in ("--batch-size", "8")]  # 40 training examples
+    result = gtx("run", "--layers", "1", *given, "--results", str(tmp_path), *small)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "task 'copy' has 40 training examples, fewer than one batch; give at most 40" in result.output
+    assert not (tmp_path / "runs").exists()
+    if given[0] == "--batch-size":  # one batch of all of them is allowed
+        whole = gtx("run", "--layers", "1", "--batch-size", "40", "--epochs", "1", "--results", str(tmp_path), *small)
+        assert whole.exit_code == 0, whole.output

@@ -6,37 +6,11 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from click.testing import CliRunner
+from kit import invoke
+from rows import row as schema_row
 
-from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint, results, runs
-
-TINY = [
-    "--set",
-    "n_train=32",
-    "--set",
-    "n_valid=8",
-    "--set",
-    "n_test=8",
-    "--set",
-    "mean_len=4",
-    "--layers",
-    "1",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--batch-size",
-    "8",
-    "--quiet",
-]
-
-
-def gtx(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from gtx.records import checkpoint, results, runs
 
 
 def config(task="copy", epochs=2, n_train=300, **train):
@@ -51,46 +25,11 @@ def config(task="copy", epochs=2, n_train=300, **train):
     )
 
 
-def row(
-    run_id,
-    split,
-    epoch,
-    task="copy",
-    acc=0.5,
-    loss=1.0,
-    metrics="{}",
-    started="2026-01-01T00:00:00+00:00",
-    cfg=None,
-    **kw,
-):
-    base = {c: None for c in results.COLUMNS}  # every schema column, whatever the schema version
-    base.update(
-        schema_version=results.SCHEMA_VERSION,
-        run_id=run_id,
-        started_at=started,
-        task=task,
-        model="transformer",
-        pattern="full",
-        backend="auto",
-        device="cpu",
-        seed=0,
-        epoch=epoch,
-        split=split,
-        loss=loss,
-        token_acc=acc,
-        seq_acc=np.nan,
-        tokens_per_s=100.0,
-        wall_s=1.0,
-        n_params=10,
-        metrics=metrics,
-        backend_plan="{}",
-        config=cfg or config(task),
-        gtx_version="0",
-        torch_version="0",
-        dgl_version="0",
+def row(run_id, split, epoch, task="copy", acc=0.5, pattern="full", cfg=None, **kw):
+    """rows.row of a run on ``task`` that records no seq_acc, configured as config(task) unless ``cfg``."""
+    return schema_row(
+        run_id, pattern, split, epoch, acc, np.nan, 100.0, task=task, backend="auto", config=cfg or config(task), **kw
     )
-    base.update(kw)
-    return base
 
 
 def epochs(run_id, n, test=False, **kw):
@@ -107,15 +46,15 @@ def folder(tmp_path):
         "20260103-000000-copy-transformer-ccc333",
     )
     results.write_run(tmp_path, done, epochs(done, 2, test=True, acc=0.9))
-    results.write_run(tmp_path, killed, epochs(killed, 1, started="2026-01-02T00:00:00+00:00", cfg=config(epochs=4)))
+    results.write_run(tmp_path, killed, epochs(killed, 1, started_at="2026-01-02T00:00:00+00:00", cfg=config(epochs=4)))
     (checkpoint.checkpoint_dir(tmp_path, killed) / checkpoint.LAST).parent.mkdir(parents=True)
     (checkpoint.checkpoint_dir(tmp_path, killed) / checkpoint.LAST).write_bytes(b"")  # only its presence counts
-    results.write_run(tmp_path, lost, epochs(lost, 1, started="2026-01-03T00:00:00+00:00", cfg=config(n_train=600)))
+    results.write_run(tmp_path, lost, epochs(lost, 1, started_at="2026-01-03T00:00:00+00:00", cfg=config(n_train=600)))
     ev = "20260104-000000-copy-transformer-eval-ddd444"
     results.write_run(
         tmp_path,
         ev,
-        [row(ev, "test", 2, acc=0.7, eval_of=done, pattern="local:w=2", started="2026-01-04T00:00:00+00:00")],
+        [row(ev, "test", 2, acc=0.7, eval_of=done, pattern="local:w=2", started_at="2026-01-04T00:00:00+00:00")],
     )
     text = "20260105-000000-text-lm-eee555"
     bpc = [
@@ -129,7 +68,7 @@ def folder(tmp_path):
 
 
 def listed(folder, *args) -> pd.DataFrame:
-    result = gtx("runs", "--results", folder, "--format", "csv", *args)
+    result = invoke("runs", "--results", folder, "--format", "csv", *args)
     assert result.exit_code == 0, result.output
     return pd.read_csv(io.StringIO(result.output), keep_default_na=False).set_index("run_id")
 
@@ -174,19 +113,19 @@ def test_differing_keeps_a_prefix_where_two_groups_share_a_name():
     assert runs.differing([lm, ut]) == [{"dim": 16, "epochs": 1}, {"act": True, "dim": 64, "epochs": 2}]
 
 
-def test_runs_errors_are_one_line(folder, tmp_path_factory):
+def test_runs_errors_are_one_line(folder, tmp_path_factory, cli):
     empty = tmp_path_factory.mktemp("empty")
-    result = gtx("runs", "--results", empty)
+    result = cli("runs", "--results", empty)
     assert (
         result.exit_code == 2
         and result.output == f"Error: no runs under {empty / 'runs'}; run `gtx run` first, or pass --results DIR\n"
     )
-    result = gtx("runs", "--results", folder, "--task", "sort")
+    result = cli("runs", "--results", folder, "--task", "sort")
     assert result.exit_code == 2 and result.output.count("\n") == 1 and "no runs match --task sort" in result.output
-    assert gtx("runs", "--results", folder, "--format", "markdown").output.startswith("| run_id ")
+    assert cli("runs", "--results", folder, "--format", "markdown").output.startswith("| run_id ")
 
 
-def test_show_finds_a_run_by_id_prefix_or_suffix(folder):
+def test_show_finds_a_run_by_id_prefix_or_suffix(folder, cli):
     df = results.load(folder)
     done = "20260101-000000-copy-transformer-aaa111"
     assert runs.find_run(df, done) == runs.find_run(df, "aaa111") == runs.find_run(df, "20260101") == done
@@ -196,11 +135,11 @@ def test_show_finds_a_run_by_id_prefix_or_suffix(folder):
         GtxError, match=r"no run 'aaa112' among 5 runs; closest: 20260101-000000-copy-transformer-aaa111"
     ):
         runs.find_run(df, "aaa112")
-    result = gtx("show", "bbb", "--results", folder)
+    result = cli("show", "bbb", "--results", folder)
     assert result.exit_code == 2 and result.output.startswith("Error: no run 'bbb'") and result.output.count("\n") == 1
-    shown = gtx("show", "ddd444", "--results", folder).output
+    shown = cli("show", "ddd444", "--results", folder).output
     assert "eval_of     20260101-000000-copy-transformer-aaa111" in shown and "status      eval of aaa111" in shown
-    shown = gtx("show", "bbb222", "--results", folder).output
+    shown = cli("show", "bbb222", "--results", folder).output
     assert (
         "status      incomplete, resumable" in shown
         and "last.pt" in shown
@@ -208,16 +147,16 @@ def test_show_finds_a_run_by_id_prefix_or_suffix(folder):
     )
 
 
-def test_a_real_run_listed_and_shown(tmp_path):
-    assert gtx("run", "--epochs", 1, "--pattern", "local:w=2", "--results", tmp_path, *TINY).exit_code == 0
-    run_id = results.load(tmp_path).run_id.iloc[0]
-    table = listed(tmp_path)
+def test_a_real_run_listed_and_shown(tmp_path, cli, tiny_run):
+    run = tiny_run(tmp_path, pattern="local:w=2", n_train=32)
+    folder, run_id = run.folder, run.rows.run_id.iloc[0]
+    table = listed(folder)
     assert (
         table.loc[run_id, "status"] == "finished"
         and table.loc[run_id, "pattern"] == "local:w=2"
         and table.loc[run_id, "settings"] == ""
     )
-    shown = gtx("show", runs.short_id(run_id), "--results", tmp_path)
+    shown = cli("show", runs.short_id(run_id), "--results", folder)
     assert shown.exit_code == 0, shown.output
     lines = shown.output.splitlines()
     assert lines[0] == f"run         {run_id}" and "n_train=32" in shown.output
@@ -232,20 +171,20 @@ def test_a_real_run_listed_and_shown(tmp_path):
         ("best.pt", "1"),
         ("last.pt", "1"),
     ]
-    config = json.loads(gtx("show", run_id, "--results", tmp_path, "--format", "json").output)
+    config = json.loads(cli("show", run_id, "--results", folder, "--format", "json").output)
     assert config["train"]["epochs"] == 1 and config["task_config"]["n_train"] == 32
-    assert gtx("eval", run_id, "--results", tmp_path, "--pattern", "local:w=1").exit_code == 0
-    df = results.load(tmp_path)
+    assert cli("eval", run_id, "--results", folder, "--pattern", "local:w=1").exit_code == 0
+    df = results.load(folder)
     # as if killed before its test
-    results.write_run(tmp_path, run_id, df[(df.run_id == run_id) & (df.split != "test")].to_dict("records"))
-    table = listed(tmp_path)
+    results.write_run(folder, run_id, df[(df.run_id == run_id) & (df.split != "test")].to_dict("records"))
+    table = listed(folder)
     assert list(table.status) == ["incomplete, resumable", f"eval of {runs.short_id(run_id)}"] and list(
         table.pattern
     ) == ["local:w=2", "local:w=1"]
 
 
 def test_one_resolver_names_runs_by_id_prefix_or_tail_in_tables_and_checkpoints(tmp_path):
-    from gtx.experiments import runref
+    from gtx.records import runref
 
     results.write_run(tmp_path, "20260101-000000-copy-lm-aaa111", [row("20260101-000000-copy-lm-aaa111", "train", 1)])
     (tmp_path / "checkpoints" / "20260102-000000-copy-lm-bbb222").mkdir(parents=True)  # killed before its first rows

@@ -3,10 +3,8 @@ and the runner's checks for them."""
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from gtx.backends import get_backend
-from gtx.cli import cli
 from gtx.data.batch import IGNORE, make_batch
 from gtx.data.task import Task
 from gtx.data.vocab import Vocab
@@ -84,7 +82,7 @@ def test_lm_batch_shifts_tokens_and_ignores_unscored():
 
 @pytest.mark.parametrize("universal", [False, True])
 def test_lm_trains(universal):
-    from gtx.experiments.train import TrainConfig, Trainer
+    from gtx.run.train import TrainConfig, Trainer
 
     task, model, pattern = lm(universal)
     trainer = Trainer(model, TrainConfig(lr_factor=2.0, warmup=10), 16, torch.device("cpu"), task)
@@ -113,32 +111,9 @@ def test_encoder_pools_each_sample_alone():
     torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_groups_are_scored_and_counted(plugin_dir, tmp_path):
+def test_groups_are_scored_and_counted(plugin_dir, tmp_path, tiny_run):
     folder = plugin_dir(counting=LM_TASK)
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "counting",
-            "--model",
-            "lm",
-            "--plugins-dir",
-            str(folder),
-            "--epochs",
-            "1",
-            "--dim",
-            "16",
-            "--heads",
-            "2",
-            "--dim-ff",
-            "16",
-            "--results",
-            str(tmp_path),
-            "--quiet",
-        ],
-    )
-    assert result.exit_code == 0, result.output
+    tiny_run(tmp_path, "--plugins-dir", folder, task="counting", model="lm")
     from gtx.plugins.registry import TASKS
 
     task = TASKS.get("counting").obj("counting", TASKS.get("counting").config())
@@ -148,44 +123,27 @@ def test_groups_are_scored_and_counted(plugin_dir, tmp_path):
     assert (batch.group_ids[~scored] == -1).all() and set(batch.group_ids[scored].tolist()) == {0, 1}
 
 
-def gtx_run(*args):
-    return CliRunner().invoke(cli, ["run", "--quiet", "--dim", "16", "--heads", "2", "--dim-ff", "16", *args])
-
-
-def test_form_mismatch_lists_the_models_that_fit(tmp_path):
-    result = gtx_run("--task", "copy", "--model", "lm", "--results", str(tmp_path / "r"))
+def test_form_mismatch_lists_the_models_that_fit(tmp_path, tiny_run):
+    bad = tiny_run(tmp_path, task="copy", model="lm", exit_code=2)
     assert (
-        result.exit_code == 2
-        and "model 'lm' does not serve seq2seq tasks such as 'copy'; models that do: transformer, ut" in result.output
+        "model 'lm' does not serve seq2seq tasks such as 'copy'; models that do: transformer, ut" in bad.result.output
     )
-    result = gtx_run("--task", "listops", "--model", "encoder", "--results", str(tmp_path / "r"))
-    assert result.exit_code == 2 and "models that do: transformer, ut" in result.output
-    assert not (tmp_path / "r").exists()
+    bad = tiny_run(tmp_path, task="listops", model="encoder", exit_code=2)
+    assert "models that do: transformer, ut" in bad.result.output
+    assert not bad.folder.exists()
 
 
-def test_context_beyond_the_positions_is_one_line(plugin_dir, tmp_path):
+def test_context_beyond_the_positions_is_one_line(plugin_dir, tmp_path, tiny_run):
     folder = plugin_dir(counting=LM_TASK)
-    result = gtx_run(
-        "--task",
-        "counting",
-        "--model",
-        "lm",
-        "--plugins-dir",
-        str(folder),
-        "--set",
-        "max_len=8",
-        "--results",
-        str(tmp_path / "r"),
-    )
-    assert result.exit_code == 2
+    bad = tiny_run(tmp_path, "--plugins-dir", folder, task="counting", model="lm", max_len=8, exit_code=2)
     assert (
         "task 'counting' has sequences of 11 tokens but model 'lm' has positions for 8; raise --set max_len=11"
-        in result.output
+        in bad.result.output
     )
-    assert not (tmp_path / "r").exists()
+    assert not bad.folder.exists()
 
 
-def test_a_pattern_leaking_under_lm_is_one_line_and_writes_nothing(plugin_dir, tmp_path):
+def test_a_pattern_leaking_under_lm_is_one_line_and_writes_nothing(plugin_dir, tmp_path, tiny_run):
     leaky = '''
 from gtx import hookimpl
 from gtx.graph.pattern import Pattern, everything
@@ -198,58 +156,16 @@ def register_patterns(register):
     register("leaky", leaky)
 '''
     folder = plugin_dir(counting=LM_TASK, leaky=leaky)
-    result = gtx_run(
-        "--task",
-        "counting",
-        "--model",
-        "lm",
-        "--pattern",
-        "leaky",
-        "--plugins-dir",
-        str(folder),
-        "--results",
-        str(tmp_path / "r"),
-    )
-    assert (
-        result.exit_code == 2
-        and "stage dd" in result.output
-        and "lets position 0 see later position 1" in result.output
-    )
-    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+    bad = tiny_run(tmp_path, "--plugins-dir", folder, task="counting", model="lm", pattern="leaky", exit_code=2)
+    output = bad.result.output
+    assert "stage dd" in output and "lets position 0 see later position 1" in output
+    assert len(output.strip().splitlines()) == 1 and not bad.folder.exists()
 
 
-def test_a_pattern_that_is_full_attention_here_is_called_out(tmp_path):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--pattern",
-            "bigbird",
-            "--results",
-            str(tmp_path),
-            "--max-steps",
-            "1",
-            "--dim",
-            "16",
-            "--heads",
-            "2",
-            "--dim-ff",
-            "16",
-            "--layers",
-            "1",
-            "--set",
-            "n_train=16",
-            "--set",
-            "n_valid=4",
-            "--set",
-            "n_test=4",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    assert "note: pattern bigbird" in result.output and "is (nearly) full attention" in result.output
-    from gtx.experiments.results import load
-
-    assert (load(tmp_path).density > 0.99).all()
+def test_a_pattern_that_is_full_attention_here_is_called_out(tmp_path, tiny_run):
+    run = tiny_run(tmp_path, pattern="bigbird", max_steps=1, quiet=False)
+    assert "note: pattern bigbird" in run.result.output and "is (nearly) full attention" in run.result.output
+    assert (run.rows.density > 0.99).all()
 
 
 def test_vocab_of_an_lm_task_is_shared():
@@ -258,27 +174,12 @@ def test_vocab_of_an_lm_task_is_shared():
     assert task.src_vocab is task.tgt_vocab and isinstance(task.src_vocab, Vocab)
 
 
-def test_task_train_defaults_apply_under_the_users_settings(plugin_dir, tmp_path):
+def test_task_train_defaults_apply_under_the_users_settings(plugin_dir, tmp_path, tiny_run):
     import json
-
-    from gtx.experiments.results import load
 
     folder = plugin_dir(counting=LM_TASK)
     for extra, batch_size in (([], 4), (["--batch-size", "3"], 3), (["--set", "train.batch_size=2"], 2)):
-        out = tmp_path / str(batch_size)
-        result = gtx_run(
-            "--task",
-            "counting",
-            "--model",
-            "lm",
-            "--plugins-dir",
-            str(folder),
-            "--max-steps",
-            "1",
-            "--results",
-            str(out),
-            *extra,
-        )
-        assert result.exit_code == 0, result.output
-        train = json.loads(load(out).config.iloc[0])["train"]
+        args = [tmp_path / str(batch_size), "--plugins-dir", folder, *extra]
+        run = tiny_run(*args, task="counting", model="lm", max_steps=1, batch_size=None)  # no batch size of the kit's
+        train = json.loads(run.rows.config.iloc[0])["train"]
         assert train["batch_size"] == batch_size and train["warmup"] == 7

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gtx.experiments.stats import paired_p, pareto_front, summarize, verdict, welch_p
+from gtx.records.stats import paired_p, pareto_front, summarize, verdict, welch_p
 
 
 def test_summary_mean_std_and_t_interval_by_hand():

@@ -12,40 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from kit import TINY_COPY, TINY_MODEL, TINY_TRAIN, sets
 
-from gtx.cli import cli
 from gtx.errors import GtxError
-from gtx.experiments import grid as gr
-from gtx.experiments import sweep as sw
-from gtx.experiments.config import RunConfig, resolve_configs
-from gtx.experiments.results import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.records.results import COLUMNS, JSON_COLUMNS, SCHEMA_VERSION, load, write_run
+from gtx.run.config import RunConfig, resolve_configs
+from gtx.sweeps import grid as gr
+from gtx.sweeps import sweep as sw
 
-TINY = [
-    "--set",
-    "n_train=40",
-    "--set",
-    "n_valid=10",
-    "--set",
-    "n_test=10",
-    "--set",
-    "mean_len=5",
-    "--dim",
-    "16",
-    "--heads",
-    "2",
-    "--dim-ff",
-    "16",
-    "--batch-size",
-    "8",
-    "--layers",
-    "1",
-]
+TINY = {**TINY_MODEL, **TINY_TRAIN, **TINY_COPY}  # --set values of a tiny sweep: a tiny model, copy, one epoch
 SWEEP = [sys.executable, "-m", "gtx.cli", "sweep"]
-
-
-def gtx(*args):
-    return CliRunner().invoke(cli, ["sweep", *map(str, args)])
 
 
 def complete_files(results) -> dict[str, bytes]:
@@ -147,9 +123,10 @@ def test_plan_skips_complete_cells_resumes_checkpointed_ones_restarts_the_rest(t
     assert "--seed 2" in lines[1] and "--seed 4" in lines[2] and "--seed 5" in lines[3]
 
 
-def test_dry_run_prints_one_quoted_command_per_cell_and_writes_nothing(tmp_path):
+def test_dry_run_prints_one_quoted_command_per_cell_and_writes_nothing(tmp_path, cli):
     res = tmp_path / "res"
-    result = gtx(
+    result = cli(
+        "sweep",
         "--pattern",
         "full",
         "--pattern",
@@ -182,13 +159,14 @@ def test_dry_run_prints_one_quoted_command_per_cell_and_writes_nothing(tmp_path)
     assert "'local|strided:l=4'" in result.output  # shell-quoted
     assert not res.exists()
     # a spelling of one experiment twice (local is local:w=4) is one cell
-    twice = gtx("--pattern", "local", "--pattern", "local:w=4", "--results", res, "--dry-run", "--quiet")
+    twice = cli("sweep", "--pattern", "local", "--pattern", "local:w=4", "--results", res, "--dry-run", "--quiet")
     assert len(twice.output.splitlines()) == 1
 
 
-def test_every_task_and_model_is_a_cell_of_its_own(tmp_path):
+def test_every_task_and_model_is_a_cell_of_its_own(tmp_path, cli):
     res = tmp_path / "res"
-    result = gtx(
+    result = cli(
+        "sweep",
         "--task",
         "copy,sort",
         "--model",
@@ -209,7 +187,7 @@ def test_every_task_and_model_is_a_cell_of_its_own(tmp_path):
     assert len(argvs) == 16 and len(cells) == 16  # copy and sort have equal settings: their names keep them apart
 
 
-def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are_rekeyed(tmp_path):
+def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are_rekeyed(tmp_path, cli):
     res = tmp_path / "res"
     grid = gr.make_grid(task=["copy", "sort"])
     copy, sort = sw.plan(grid, res)
@@ -217,13 +195,8 @@ def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are
     assert [c.action for c in sw.plan(grid, res)] == ["skip", "run"]
     # a schema-3 file stored a key that task names could collide in: its key is recomputed from its stored settings
     c = resolve_configs(RunConfig(task="sort"))
-    settings = json.dumps(
-        {
-            "model_config": dataclasses.asdict(c.model),
-            "task_config": dataclasses.asdict(c.task),
-            "train": dataclasses.asdict(c.train),
-        }
-    )
+    stored = {"model_config": c.model, "task_config": c.task, "train": c.train}
+    settings = json.dumps({key: dataclasses.asdict(part) for key, part in stored.items()})
     fake_run(
         res,
         "old",
@@ -240,7 +213,7 @@ def test_a_finished_run_of_one_task_is_never_taken_for_another_and_old_files_are
     )
     assert load(res).drop_duplicates("run_id").set_index("run_id").cell.to_dict() == {"c": copy.key, "old": sort.key}
     assert [(c.action, c.rekeyed) for c in sw.plan(grid, res)] == [("skip", False), ("skip", True)]
-    said = gtx("--task", "copy,sort", "--results", res, "--dry-run")
+    said = cli("sweep", "--task", "copy,sort", "--results", res, "--dry-run")
     assert said.exit_code == 0 and "1 of the complete cells are runs written before results schema 4" in said.output
     # no settings stored
     fake_run(res, "old", copy.key, ["train", "valid", "test"], "2026-01-01T00:00:00", schema_version=3, config="{}")
@@ -263,7 +236,7 @@ train.warmup = 10
 """
 
 
-def test_grid_file_with_options_overriding_its_keys(tmp_path):
+def test_grid_file_with_options_overriding_its_keys(tmp_path, cli):
     path = tmp_path / "grid.toml"
     path.write_text(GRID.format(res=tmp_path / "res"))
     grid = gr.read_grid_file(path)
@@ -274,12 +247,12 @@ def test_grid_file_with_options_overriding_its_keys(tmp_path):
         "share_embeddings": ["true"],
         "train.warmup": ["10"],
     }
-    lines = gtx(path, "--dry-run", "--quiet").output.splitlines()
+    lines = cli("sweep", path, "--dry-run", "--quiet").output.splitlines()
     assert len(lines) == 8 and all(
         f"--results {tmp_path / 'res'}" in line and "--set share_embeddings=true" in line for line in lines
     )
-    lines = gtx(
-        path, "--seeds", "3", "--set", "epochs=5", "--results", tmp_path / "other", "--dry-run", "--quiet"
+    lines = cli(
+        "sweep", path, "--seeds", "3", "--set", "epochs=5", "--results", tmp_path / "other", "--dry-run", "--quiet"
     ).output.splitlines()
     assert len(lines) == 2 and all(
         "--seed 3" in line and "epochs=5" in line and "--set dim=16" in line and "other" in line for line in lines
@@ -298,9 +271,9 @@ def test_grid_file_with_options_overriding_its_keys(tmp_path):
         ('device = "tpu"\n', "grid.toml: device must be auto, cpu or cuda"),
     ],
 )
-def test_bad_grid_file_is_one_line_naming_the_file(tmp_path, text, message):
+def test_bad_grid_file_is_one_line_naming_the_file(tmp_path, text, message, cli):
     (tmp_path / "grid.toml").write_text(text)
-    result = gtx(tmp_path / "grid.toml", "--results", tmp_path / "res")
+    result = cli("sweep", tmp_path / "grid.toml", "--results", tmp_path / "res")
     assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1, (
         result.output
     )
@@ -329,9 +302,9 @@ def test_bad_grid_file_is_one_line_naming_the_file(tmp_path, text, message):
         (["--results", "/dev/null"], "--results /dev/null: cannot create the folder"),
     ],
 )
-def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
+def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message, cli):
     res = tmp_path / "res"
-    result = gtx("--results", res, *args)  # a later --results wins
+    result = cli("sweep", "--results", res, *args)  # a later --results wins
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     # click's own: usage too
@@ -342,23 +315,23 @@ def test_bad_input_fails_before_any_cell_runs(tmp_path, args, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has the GPU the sweep asks for")
-def test_a_sweep_on_a_device_this_machine_lacks_fails_before_any_cell_runs(tmp_path):
+def test_a_sweep_on_a_device_this_machine_lacks_fails_before_any_cell_runs(tmp_path, cli):
     """Each cell failed on its own, one per seed, with exit status 2 in its log."""
     res = tmp_path / "res"
-    result = gtx("--device", "cuda", "--seeds", "0-1", "--results", res)
+    result = cli("sweep", "--device", "cuda", "--seeds", "0-1", "--results", res)
     assert result.exit_code == 2 and result.output.strip() == (
         "Error: --device cuda: no CUDA GPU is visible to torch here; use --device cpu (or auto)"
     )
     assert not res.exists()
 
 
-def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
+def test_a_comma_before_a_pattern_name_starts_a_new_pattern(cli):
     names = ["full", "local", "strided", "bigbird", "heads"]
     assert gr.split_patterns("full,local:w=4", names) == ["full", "local:w=4"]
     assert gr.split_patterns("bigbird:b=2,r=1", names) == ["bigbird:b=2,r=1"]
     assert gr.split_patterns("heads(local:w=2,strided:l=4),full", names) == ["heads(local:w=2,strided:l=4)", "full"]
     assert gr.split_patterns("local:w=2|strided:l=4, full", names) == ["local:w=2|strided:l=4", "full"]
-    result = gtx("--pattern", "full,local:w=4", "--pattern", "bigbird:b=2,r=1", "--dry-run", "--quiet")
+    result = cli("sweep", "--pattern", "full,local:w=4", "--pattern", "bigbird:b=2,r=1", "--dry-run", "--quiet")
     assert [shlex.split(line)[shlex.split(line).index("--pattern") + 1] for line in result.output.splitlines()] == [
         "full",
         "local:w=4",
@@ -366,17 +339,15 @@ def test_a_comma_before_a_pattern_name_starts_a_new_pattern():
     ]
 
 
-def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path):
-    from gtx.experiments import claims
+def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_over(tmp_path, cli):
+    from gtx.records import claims
+    from gtx.records.layout import ResultsFolder
 
     res = tmp_path / "res"
-    args = ["--epochs", "1", *TINY, "--results", res]
-    pairs = [
-        v.split("=") if flag == "--set" else (flag[2:].replace("-", "_"), v) for flag, v in zip(TINY[::2], TINY[1::2])
-    ]
-    (cell,) = sw.plan(gr.make_grid(settings={k: [v] for k, v in [*pairs, ("epochs", "1")]}), res)
+    args = [*sets(TINY), "--results", res]
+    (cell,) = sw.plan(gr.make_grid(settings={k: [str(v)] for k, v in TINY.items()}), res)
     assert claims.claim(res, cell.key) is None  # held by this (living) process
-    result = gtx(*args)
+    result = cli("sweep", *args)
     assert result.exit_code == 0 and "0 done, 0 skipped, 0 failed, 1 run by another sweep" in result.output, (
         result.output
     )
@@ -384,14 +355,14 @@ def test_a_cell_another_sweep_holds_is_not_run_twice_and_a_stale_claim_is_taken_
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     # its sweep was killed
-    (claims.claim_dir(res) / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")
-    result = gtx(*args)
-    assert result.exit_code == 0 and "1 done" in result.output and not (claims.claim_dir(res) / cell.key).exists(), (
-        result.output
-    )
+    (ResultsFolder(res).claims() / cell.key).write_text(f"{dead.pid}@{__import__('socket').gethostname()}\n")
+    result = cli("sweep", *args)
+    assert (
+        result.exit_code == 0 and "1 done" in result.output and not (ResultsFolder(res).claims() / cell.key).exists()
+    ), result.output
 
 
-def test_sweep_runs_every_cell_once_then_skips_them(tmp_path):
+def test_sweep_runs_every_cell_once_then_skips_them(tmp_path, cli):
     res = tmp_path / "res"
     args = [
         "--pattern",
@@ -400,15 +371,13 @@ def test_sweep_runs_every_cell_once_then_skips_them(tmp_path):
         "local:w=1",
         "--seeds",
         "0,1",
-        "--epochs",
-        "1",
-        *TINY,
+        *sets(TINY),
         "-j",
         "2",
         "--results",
         res,
     ]
-    result = gtx(*args)
+    result = cli("sweep", *args)
     assert result.exit_code == 0, result.output
     assert "4 cells: 4 done, 0 skipped, 0 failed" in result.output
     assert "0/4 done, 2 running" in result.output  # a log's progress lines count the cells running (-j 2)
@@ -419,17 +388,16 @@ def test_sweep_runs_every_cell_once_then_skips_them(tmp_path):
     logs = sorted(p.name for p in (res / "sweeps").glob("grid-*/logs/*.log"))
     assert logs == ["0.log", "1.log", "2.log", "3.log"]
     before = {p: p.read_bytes() for p in (res / "runs").iterdir()}
-    again = gtx(*args)
+    again = cli("sweep", *args)
     assert again.exit_code == 0 and "4 cells: 0 done, 4 skipped, 0 failed" in again.output, again.output
     assert {p: p.read_bytes() for p in (res / "runs").iterdir()} == before
-    assert gtx(*args, "--dry-run", "--quiet").output == ""
+    assert cli("sweep", *args, "--dry-run", "--quiet").output == ""
 
 
-def test_a_failing_cell_is_reported_and_the_others_complete(tmp_path):
+def test_a_failing_cell_is_reported_and_the_others_complete(tmp_path, cli):
     res = tmp_path / "res"
     # heads=3 passes planning (the settings parse) but the model rejects dim 16 at run time
-    tiny = TINY[: TINY.index("--heads")] + TINY[TINY.index("--heads") + 2 :]  # heads from --set alone
-    result = gtx("--epochs", "1", *tiny, "--set", "heads=2,3", "-j", "2", "--results", res)
+    result = cli("sweep", *sets({**TINY, "heads": "2,3"}), "-j", "2", "--results", res)
     assert result.exit_code == 1, result.output
     log = next((res / "sweeps").glob("grid-*/logs/1.log"))
     assert (
@@ -441,9 +409,9 @@ def test_a_failing_cell_is_reported_and_the_others_complete(tmp_path):
     assert (df.split == "test").sum() == 1 and df.run_id.nunique() == 1
 
 
-def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(tmp_path):
+def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(tmp_path, cli):
     res = tmp_path / "res"
-    args = ["--seeds", "0-2", "--epochs", "30", *TINY, "-j", "1", "--results", str(res), "--quiet"]
+    args = ["--seeds", "0-2", *sets({**TINY, "epochs": 30}), "-j", "1", "--results", str(res), "--quiet"]
     proc = subprocess.Popen(
         [*SWEEP, *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -469,7 +437,7 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
     assert 1 <= len(complete) < 3
     earlier = {run_id: set(zip(rows.epoch, rows.split)) for run_id, rows in load(res).groupby("run_id")}
 
-    result = CliRunner().invoke(cli, ["sweep", *args])
+    result = cli("sweep", *args)
     assert result.exit_code == 0, result.output
     assert f"3 cells: {3 - len(complete)} done, {len(complete)} skipped, 0 failed" in result.output
     df = load(res)
@@ -484,7 +452,7 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["sweep", "--epochs", "1", *TINY], "with 0 of the 1 cells of sweep grid-"),
+        (["sweep", *sets(TINY)], "with 0 of the 1 cells of sweep grid-"),
         (
             [
                 "frontier",
@@ -496,33 +464,48 @@ def test_killed_sweep_finishes_when_run_again_without_losing_or_repeating_a_run(
                 "local:w=4,8",
                 "--lengths",
                 "64",
-                *TINY[:6],
-                *TINY[8:],
+                *sets({**TINY, "mean_len": None}),  # recall has no mean_len
             ],
             "with 0 of the 3 cells of sweep grid-",
         ),
     ],
 )
-def test_ctrl_c_exits_130_in_one_line_saying_how_to_finish(tmp_path, monkeypatch, args, message):
+def test_ctrl_c_exits_130_in_one_line_saying_how_to_finish(tmp_path, monkeypatch, args, message, cli):
     """As gtx run does (exit 130, the shell's code for SIGINT), not click's "Aborted!" and exit 1."""
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sw, "execute", interrupted)
-    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path), "--quiet"])
+    result = cli(*args, "--results", tmp_path, "--quiet")
     assert result.exit_code == 130, result.output
     assert len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("Error: interrupted (Ctrl-C)") and message in result.output
     assert "run the same command again to finish" in result.output
 
 
-def test_ctrl_c_in_any_command_exits_130_in_one_line(tmp_path, monkeypatch):
-    from gtx.experiments import results
+def test_ctrl_c_in_any_command_exits_130_in_one_line(tmp_path, monkeypatch, cli):
+    from gtx.records import results
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(results, "load", interrupted)
-    result = CliRunner().invoke(cli, ["runs", "--results", str(tmp_path)])
+    result = cli("runs", "--results", tmp_path)
     assert result.exit_code == 130 and result.output.strip() == "Error: gtx runs interrupted (Ctrl-C)", result.output
+
+
+def test_a_sweeps_cells_keep_their_logs_where_the_layout_says_and_refuse_submitit_options_run_here(tmp_path):
+    """``SweepCells``: the local launcher's logs under ``sweeps/<name>/logs``, submitit's under
+    ``sweeps/<name>/submitit``; --executor-opt without --launcher submitit is one line, before anything runs."""
+    from gtx.records.layout import ResultsFolder
+    from gtx.sweeps.launch import SweepCells
+
+    here, jobs = SweepCells("g", [], tmp_path), SweepCells("g", [], tmp_path, launcher="submitit")
+    assert here.log_dir() == ResultsFolder(tmp_path).sweep_logs("g") == tmp_path / "sweeps" / "g" / "logs"
+    assert jobs.log_dir() == ResultsFolder(tmp_path).sweep_jobs("g")
+    with pytest.raises(GtxError, match="--executor-opt is for --launcher submitit"):
+        SweepCells("g", [], tmp_path, executor_opts=("timeout_min=5",))
+    with pytest.raises(GtxError, match="--launcher slurm: choose local or submitit"):
+        SweepCells("g", [], tmp_path, launcher="slurm")
+    assert not (tmp_path / "sweeps").exists()

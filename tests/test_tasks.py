@@ -1,6 +1,7 @@
 """Task generators: determinism, disjoint splits, vocabularies, caching, metrics."""
 
 import json
+import warnings
 
 import pytest
 
@@ -149,6 +150,31 @@ def test_an_unreadable_cached_file_is_made_again_with_a_warning(text):
     assert again == first and json.loads(path.read_text())["config"]["seed"] == 124
 
 
+@pytest.mark.parametrize("edit", ["settings", "examples", "no checksum"])
+def test_a_cached_file_other_than_its_settings_make_is_made_again_with_a_warning(edit):
+    """A cached file that parses but holds other data (another settings' file copied over it, an edited
+    example, one without the checksum): trained on as it was; now made again from the settings."""
+    first = make("copy", n_train=20, n_valid=5, n_test=5, seed=125).splits()
+    (path,) = [f for f in (cache_dir() / "data" / "copy").glob("*.json") if '"seed": 125' in f.read_text()]
+    data = json.loads(path.read_text())
+    if edit == "settings":
+        data["config"]["seed"] = 7
+        why = "it holds the data of other settings"
+    elif edit == "examples":
+        data["train"][0] = [["z"], ["z"]]
+        why = "its examples are not those it was written with"
+    else:
+        del data["sha256"]
+        why = "its examples are not those it was written with"
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=f"cached data {path}: {why}"):
+        again = make("copy", n_train=20, n_valid=5, n_test=5, seed=125).splits()
+    assert again == first
+    with warnings.catch_warnings():  # the file made again is whole: read without a word
+        warnings.simplefilter("error")
+        assert make("copy", n_train=20, n_valid=5, n_test=5, seed=125).splits() == first
+
+
 def test_batches_are_flat_and_graphs_match(tiny_task):
     batch = next(batches(tiny_task, "train", parse_pattern("local:w=1"), 5))
     lens = batch.graph.src_lens
@@ -163,26 +189,21 @@ def test_batches_are_flat_and_graphs_match(tiny_task):
 @pytest.mark.parametrize(
     "task, model, settings, length",
     [
-        ("copy", "transformer", ["mean_len=1e9"], 1000000001),
-        ("sort", "ut", ["mean_len=1e9"], 1000000001),
-        ("reverse", "transformer", ["test_len=1000000000"], 500000011),
-        ("listops", "ut", ["min_len=5000", "max_len=6000"], 5002),
+        ("copy", "transformer", {"mean_len": "1e9"}, 1000000001),
+        ("sort", "ut", {"mean_len": "1e9"}, 1000000001),
+        ("reverse", "transformer", {"test_len": 1000000000}, 500000011),
+        ("listops", "ut", {"min_len": 5000, "max_len": 6000}, 5002),
     ],
 )
 def test_lengths_past_the_models_positions_are_refused_before_the_data(
-    task, model, settings, length, monkeypatch, tmp_path
+    task, model, settings, length, monkeypatch, tmp_path, tiny_run
 ):
     """mean_len=1e9 once generated gigabytes of letters first, and listops drew trees for hours; the
     transformer and the UT have a table of 4096 positions and no max_len setting to raise."""
-    from click.testing import CliRunner
-
-    from gtx.cli import cli
-
     made = []
     monkeypatch.setattr(TASKS.get(task).obj, "generate", lambda self: made.append(1))
-    args = ["run", "--task", task, "--model", model, *(a for s in settings for a in ("--set", s))]
-    result = CliRunner().invoke(cli, [*args, "--results", str(tmp_path)])
-    assert result.exit_code == 2 and not made and not any(tmp_path.iterdir())
+    result = tiny_run(tmp_path, task=task, model=model, exit_code=2, **settings).result
+    assert not made and not any(tmp_path.iterdir())
     assert result.output.strip().endswith(
         f"task {task!r} has sequences of {length} tokens but model {model!r} has positions for 4096; "
         "shorten the task's sequences"

@@ -8,14 +8,11 @@ import re
 import zipfile
 
 import pytest
-from click.testing import CliRunner
 
-from gtx.cli import cli
 from gtx.data.batch import make_batch
 from gtx.data.task import SPLITS
 from gtx.data.vocab import UNK
 from gtx.errors import GtxError
-from gtx.experiments.results import load
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import TASKS
 
@@ -138,59 +135,15 @@ def test_builtin_corpus_is_the_king_james_bible():
     assert len(data["train"]) == (int(len(text) * 0.9) - 1) // 512 and len(data["valid"]) == len(data["test"]) == 2
 
 
-def test_tiny_run_reports_bpc(tmp_path):
-    args = [
-        "run",
-        "--task",
-        "text",
-        "--model",
-        "lm",
-        "--pattern",
-        "local:w=8",
-        "--set",
-        "context=32",
-        "--set",
-        "train_tokens=2048",
-        "--set",
-        "eval_tokens=256",
-        "--dim",
-        "16",
-        "--heads",
-        "2",
-        "--dim-ff",
-        "16",
-        "--layers",
-        "1",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "2",
-        "--results",
-        str(tmp_path),
-        "--quiet",
-    ]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    df = load(tmp_path)
+def test_tiny_run_reports_bpc(tmp_path, tiny_run):
+    text = {"context": 32, "train_tokens": 2048, "eval_tokens": 256}
+    df = tiny_run(tmp_path, task="text", model="lm", pattern="local:w=8", batch_size=4, max_steps=2, **text).rows
     assert set(df.split) == {"train", "valid", "test"} and (df.context_len == 32).all()
     for _, row in df.iterrows():
         assert json.loads(row.metrics)["bpc"] == pytest.approx(row.loss / math.log(2))
-    bad = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            "--task",
-            "text",
-            "--model",
-            "lm",
-            "--set",
-            f"data_file={tmp_path / 'nope'}",
-            "--results",
-            str(tmp_path / "r"),
-        ],
-    )
-    assert bad.exit_code == 2 and "Error: bad settings for task 'text': data_file" in bad.output
-    assert not (tmp_path / "r").exists()
+    bad = tiny_run(tmp_path / "bad", task="text", model="lm", data_file=tmp_path / "nope", exit_code=2)
+    assert "Error: bad settings for task 'text': data_file" in bad.result.output
+    assert not (tmp_path / "bad").exists()
 
 
 def test_unknown_characters_are_unk(tmp_path):

@@ -53,15 +53,19 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
         )
 
     if isinstance(chosen, KeySelection):
-        keys, valid = chosen.keys, chosen.valid
+        keys, valid, group = chosen.keys, chosen.valid, chosen.group
+        if not isinstance(group, int) or group < 1 or heads % group:
+            bad(f"a head group of {group!r}; a group is a whole number of heads that divides the {heads} heads")
         if (
             keys.dtype not in (torch.long, torch.int32)
             or valid.dtype != torch.bool
+            or keys.dim() != 3
             or keys.shape != valid.shape
-            or keys.shape[:2] != (edges.n_dst, heads)
+            or keys.shape[:2] != (edges.n_dst, heads // group)
         ):
             bad(
-                f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) int64 or int32 / bool"
+                f"keys {tuple(keys.shape)} {keys.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected "
+                f"({edges.n_dst}, {heads // group}, K) int64 or int32 / bool ({heads} heads in groups of {group})"
             )
         root = edges.root
         q_lens = torch.as_tensor(root.q_lens if root.q_lens is not None else [root.n_dst], device=keys.device)
@@ -79,17 +83,19 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
             )
         if (outside & valid).any():
             q, h, j = (int(x) for x in (outside & valid).nonzero()[0])
-            bad(f"key {int(keys[q, h, j])} for query {q} in head {h}, outside the query's sample or after it")
+            heads_of = f"head {h}" if group == 1 else f"heads {h * group}..{h * group + group - 1}"
+            bad(f"key {int(keys[q, h, j])} for query {q} in {heads_of}, outside the query's sample or after it")
     elif isinstance(chosen, TokenBlockSelection):
         blocks, valid = chosen.blocks, chosen.valid
+        rows = _group_rows(chosen.group, heads, bad)
         if (
             blocks.dtype != torch.long
             or valid.dtype != torch.bool
             or blocks.shape != valid.shape
-            or blocks.shape[:-1] != (edges.n_dst, heads)
+            or blocks.shape[:-1] != (edges.n_dst, rows)
         ):
             bad(
-                f"blocks {tuple(blocks.shape)} {blocks.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {heads}, K) long / bool"
+                f"blocks {tuple(blocks.shape)} {blocks.dtype} / valid {tuple(valid.shape)} {valid.dtype}, expected ({edges.n_dst}, {rows}, K) long / bool"
             )
         if tuple(chosen.lens) != edges.sample_lens()[0]:
             bad(
@@ -102,6 +108,12 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
         if ((blocks >= (position // chosen.block)[:, None, None]) & valid).any() or ((blocks < 0) & valid).any():
             bad("a block that is not before the query's own block")
     elif isinstance(chosen, BlockSelection):
+        rows = _group_rows(chosen.group, heads, bad)
+        kb, valid = chosen.key_blocks, chosen.valid
+        if kb.dim() != 4 or kb.shape != valid.shape or tuple(kb.shape[:2]) != (len(chosen.lens), rows):
+            bad(
+                f"key blocks {tuple(kb.shape)} / valid {tuple(valid.shape)}, expected ({len(chosen.lens)}, {rows}, n_blocks, K)"
+            )
         n = chosen.key_blocks.shape[2]
         own = chosen.key_blocks[..., 0] == torch.arange(n, device=chosen.key_blocks.device)
         earlier = chosen.key_blocks[..., 1:] < torch.arange(n, device=chosen.key_blocks.device)[:, None]
@@ -111,3 +123,10 @@ def check_selection(spec: str, chosen, edges: EdgeSet, heads: int) -> None:
             or not bool(chosen.valid[..., 0].all())
         ):
             bad("a block other than the query's own in slot 0, or a later block")
+
+
+def _group_rows(group, heads: int, bad) -> int:
+    """The rows a block selection of heads in groups of ``group`` has: heads // group, group dividing heads."""
+    if not isinstance(group, int) or group < 1 or heads % group:
+        bad(f"a choice shared by groups of {group} heads, which does not divide the {heads} heads")
+    return heads // group

@@ -27,6 +27,7 @@ import torch
 from gtx.attention.budget import Account, on_active
 from gtx.attention.checks import check_keep, check_selection
 from gtx.attention.selection.blocks import BlockSelection, TokenBlockSelection, attend_blocks, attend_token_blocks
+from gtx.attention.selection.kernels import take_ran
 from gtx.attention.selection.keys import KeySelection, attend_keys
 from gtx.attention.trainable import Run
 from gtx.backends import Backend
@@ -138,7 +139,12 @@ class Attention(torch.nn.Module):
         return self.backend.name
 
     def reset_choices(self) -> dict:
-        return self.backend.reset_choices()
+        """What ran per stage since the last call: the backend's choices and the selection kernels
+        (``gtx.attention.selection.kernels``), each by name with its count of calls."""
+        out = self.backend.reset_choices()
+        for stage, kernels in take_ran().items():
+            out.setdefault(stage, {}).update(kernels)
+        return out
 
     def take_reads(self) -> dict[str, tuple[float, float, float]]:
         """Per stage, (keys read, queries, keys allowed) summed over the calls since the last take:

@@ -109,7 +109,8 @@ def costs(table: str) -> dict[str, tuple[float, float]]:
 
 
 def _calibrated(path: Path) -> dict[str, tuple[float, float]]:
-    """A calibration file's constants: per candidate, two finite numbers; anything else is one line."""
+    """A calibration file's constants: per candidate, two finite numbers >= 0 (seconds per unit of
+    work, seconds per call); anything else is one line (a NaN or a negative cost chose no candidate)."""
     try:
         found = json.loads(path.read_text())
         pairs = {str(k): (float(a), float(b)) for k, (a, b) in found.items()}
@@ -117,6 +118,12 @@ def _calibrated(path: Path) -> dict[str, tuple[float, float]]:
         raise GtxError(
             f"{path} is not a calibration table ({type(e).__name__}): delete it, or write it again with gtx bench calibrate"
         ) from None
+    for kind, pair in pairs.items():
+        if not all(math.isfinite(x) and x >= 0 for x in pair):
+            raise GtxError(
+                f"{path} is not a calibration table ({kind}'s costs {pair[0]}, {pair[1]} are not finite numbers >= 0): "
+                "delete it, or write it again with gtx bench calibrate"
+            )
     return pairs
 
 

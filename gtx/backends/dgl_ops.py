@@ -1,4 +1,4 @@
-"""dgl backends: dgl's fused message passing, and the seeds' own formulation as a speed baseline."""
+"""dgl backends: dgl's fused message passing, and the DGL tutorial's own formulation as a speed baseline."""
 
 import torch
 
@@ -48,7 +48,7 @@ class DGLBackend(Backend):
 
 
 def src_dot_dst(src_field: str, dst_field: str, out_field: str):
-    """The seeds' score UDF: per edge, the dot product of the source's key and the destination's query."""
+    """The DGL tutorial's score UDF: per edge, the dot product of the source's key and the destination's query."""
 
     def func(edges):
         return {out_field: (edges.src[src_field] * edges.dst[dst_field]).sum(-1, keepdim=True)}
@@ -57,7 +57,7 @@ def src_dot_dst(src_field: str, dst_field: str, out_field: str):
 
 
 def scaled_exp(field: str, scale_constant: float):
-    """The seeds' exp UDF, without their clamp of the scaled score to [-5, 5] (which changes the function)."""
+    """The DGL tutorial's exp UDF, without their clamp of the scaled score to [-5, 5] (which changes the function)."""
 
     def func(edges):
         return {field: torch.exp(edges.data[field] / scale_constant)}
@@ -66,14 +66,14 @@ def scaled_exp(field: str, scale_constant: float):
 
 
 class DGLSeedBackend(DGLBackend):
-    """The seeds' formulation: apply_edges score and exp (UDFs), send_and_recv of weighted values and of scores, wv / z."""
+    """The DGL tutorial's formulation: apply_edges score and exp (UDFs), send_and_recv of weighted values and of scores, wv / z."""
 
     name = "dgl-seed"
-    supports_bias = False  # the seeds' formulation, kept as it was
+    supports_bias = False  # the DGL tutorial's formulation, kept as it was
 
     @float32_sums
     def __call__(self, q, k, v, edges):
-        """The tutorial's ``propagate_attention``, kept to measure the speed-up over the seeds in the
+        """The tutorial's ``propagate_attention``, kept to measure the speed-up over the DGL tutorial in the
         same run: Python UDFs for the score and the exp, built-in message passing for the sums. One
         change: no clamp of scores to [-5, 5] before ``exp``, which computes a different function;
         without it the result equals softmax attention (unstable for scores beyond ~80, like any

@@ -18,14 +18,22 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from pathlib import Path
 
 import click
 import pandas as pd
 
 from gtx import __version__
 from gtx.cli.bench import bench
-from gtx.cli.common import CliError, GtxGroup, check_shortcuts, key_value, plugins_dir_option, progress_lines
+from gtx.cli.common import (
+    CliError,
+    GtxGroup,
+    check_shortcuts,
+    device_option,
+    key_value,
+    plugins_dir_option,
+    progress_lines,
+    results_option,
+)
 from gtx.cli.frontier import frontier
 from gtx.cli.listing import backends, models, patterns, plugins_list, show_pattern, tasks
 from gtx.cli.plot import plot, report
@@ -33,11 +41,12 @@ from gtx.cli.pretrained import export, generate
 from gtx.cli.runs import runs, show
 from gtx.cli.sweep import sweep
 from gtx.errors import GtxError, PluginError
-from gtx.experiments.distributed import is_main_process
-from gtx.experiments.results import format_table
-from gtx.experiments.runner import DEFAULT_BACKEND
-from gtx.experiments.train import TrainConfig
 from gtx.plugins.registry import call_each, load_plugins
+from gtx.records.layout import ResultsFolder
+from gtx.records.results import format_table
+from gtx.run.distributed import is_main_process
+from gtx.run.runner import DEFAULT_BACKEND
+from gtx.run.train import TrainConfig
 
 
 @click.group(cls=GtxGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,6 +64,11 @@ def cli():
     show_default=True,
     help="Pattern spec, e.g. local:w=4 or 'local:w=2|strided:l=8' (gtx patterns).",
 )
+@click.option(
+    "--decode-pattern",
+    help="The pattern each generated token reads its keys by, where the task is scored by generation "
+    "(the prompt is read under --pattern) [default: --pattern].",
+)
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="Attention backend (gtx backends).")
 @click.option(
     "--epochs",
@@ -70,15 +84,8 @@ def cli():
 @click.option("--dim", type=click.IntRange(min=1), help="Model width d_model (model setting).")
 @click.option("--dim-ff", type=click.IntRange(min=1), help="Feed-forward width (model setting).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of initialisation, dropout and shuffling.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder for the results tables.",
-)
+@device_option()
+@results_option()
 @click.option(
     "--set",
     "settings",
@@ -106,6 +113,7 @@ def run(
     task,
     model,
     pattern,
+    decode_pattern,
     backend,
     epochs,
     max_steps,
@@ -129,8 +137,8 @@ def run(
     over N processes (data parallel)."""
     from tqdm import tqdm
 
-    from gtx.experiments.runner import RunConfig
-    from gtx.experiments.runner import run as run_experiment
+    from gtx.run.runner import RunConfig
+    from gtx.run.runner import run as run_experiment
 
     if resume is not None:  # the checkpoint's configuration is the run's: an option given beside it would be ignored
         ctx = click.get_current_context()
@@ -152,6 +160,7 @@ def run(
         "heads": heads,
         "dim": dim,
         "dim_ff": dim_ff,
+        "decode_pattern": decode_pattern,
     }
     given = {k: str(v) for k, v in shortcuts.items() if v is not None}
     check_shortcuts(given, settings)
@@ -184,32 +193,31 @@ def run(
 
 def _summary(rows: pd.DataFrame, results_dir: str) -> None:
     """Some rows as ``gtx show`` prints them (the task's own metrics beside the common columns), and their file."""
-    from gtx.experiments.runs import rows_table
+    from gtx.records.runs import rows_table
 
     click.echo(format_table(rows_table(rows)))
-    click.echo(f"results: {Path(results_dir) / 'runs' / (rows.run_id.iloc[0] + '.csv')}")
+    click.echo(f"results: {ResultsFolder(results_dir).run_table(rows.run_id.iloc[0])}")
 
 
 @cli.command(name="eval")
 @click.argument("checkpoint")
 @click.option("--split", type=click.Choice(["train", "valid", "test"]), default="test", show_default=True)
-@click.option("--beam", type=click.IntRange(min=1), help="Beam width for decoding (seq2seq) [default: the task's].")
+@click.option(
+    "--beam",
+    type=click.IntRange(min=1),
+    help="Beam width for decoding (seq2seq), at most the target vocabulary's size [default: the task's].",
+)
 @click.option("--pattern", help="Evaluate under this pattern instead of the one it was trained with.")
 @click.option("--backend", help="Attention backend [default: the run's].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--results",
-    "results_dir",
-    type=click.Path(file_okay=False),
-    help="Folder to append to [default: the checkpoint's].",
-)
+@device_option()
+@results_option("Folder to append to [default: the checkpoint's].", default=None)
 @plugins_dir_option
 def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_dir):
     """Evaluate a trained model: CHECKPOINT is a .pt file or a run under --results (its best.pt): its id,
     a unique prefix, or the 6 hex digits `gtx runs` prints.
 
     The rows are appended as a run of their own whose eval_of column names the trained run."""
-    from gtx.experiments.evaluation import evaluate_checkpoint
+    from gtx.run.evaluation import evaluate_checkpoint
 
     rows = evaluate_checkpoint(
         checkpoint, results_dir, split=split, beam=beam, pattern=pattern, backend=backend, device=device
@@ -224,14 +232,7 @@ def eval_checkpoint(checkpoint, split, beam, pattern, backend, device, results_d
 
 
 @cli.command()
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder of results tables.",
-)
+@results_option()
 @click.option(
     "--by",
     default="task,model,pattern,backend",
@@ -266,13 +267,13 @@ def compare(results_dir, by, metric, evals, fmt):
     Runs pool only when they are one experiment (everything but the seed equal); where the --by
     columns leave several in one group, the group is split and a settings column says what differs.
     Only finished runs count (they have test rows); runs still training or stopped are named on stderr."""
-    from gtx.experiments.compare import compare as compare_runs
-    from gtx.experiments.compare import compare_evals, format_compare
-    from gtx.experiments.results import load
+    from gtx.records.compare import compare as compare_runs
+    from gtx.records.compare import compare_evals, format_compare
+    from gtx.records.results import load
 
     df = load(results_dir)
     if df.empty:
-        raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
+        raise CliError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
     table = (compare_evals if evals else compare_runs)(df, [by], metric)
     click.echo(format_compare(table, fmt))
     if unfinished := table.attrs.get("unfinished"):  # said apart from the table, which stays parseable

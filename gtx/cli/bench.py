@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import click
 
-from gtx.cli.common import GtxGroup, key_value, lengths_option, names_option
-from gtx.experiments.results import format_table
+from gtx.cli.common import (
+    GtxGroup,
+    device_option,
+    key_value,
+    lengths_option,
+    names_option,
+    plugins_dir_option,
+    results_option,
+)
 from gtx.graph.spec import parse_pattern
 from gtx.plugins.registry import BACKENDS, load_plugins
+from gtx.records.results import format_table
 
 
 @click.group(cls=GtxGroup)
@@ -72,23 +80,17 @@ def busy_note(busy: float | None = None, cores: int | None = None) -> str | None
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed repeats (median).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@device_option()
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+@results_option()
 @click.option("--plot/--no-plot", default=True, show_default=True, help="Also write a log-log PNG.")
-@click.option(
-    "--plugins-dir",
-    "plugins_dirs",
-    multiple=True,
-    type=click.Path(file_okay=False),
-    help="Plugin folders (also for the subprocesses).",
-)
+@plugins_dir_option(passed="Folder of plugin .py files to load, also in the processes that time each row (repeatable).")
 def bench_attention(
     patterns, lengths, backends, forward, heads, head_dim, repeats, device, fmt, results_dir, plot, plugins_dirs
 ):
     """Forward + backward (or, with --forward, forward) time and peak memory per (pattern, length, backend)."""
-    from gtx.experiments.runner import resolve_device
     from gtx.measure import bench as gtx_bench
+    from gtx.run.runner import resolve_device
 
     load_plugins(dirs=plugins_dirs)
     dev = resolve_device(device)
@@ -118,7 +120,7 @@ def bench_attention(
 
 
 @bench.command(name="calibrate")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@device_option()
 @click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
@@ -129,8 +131,8 @@ def bench_attention(
 )
 def bench_calibrate(device, heads, head_dim, forward):
     """Measure the auto backend's cost constants on this machine and save them for auto to use."""
-    from gtx.experiments.runner import resolve_device
     from gtx.measure.calibrate import calibrate
+    from gtx.run.runner import resolve_device
 
     tables = calibrate(
         str(resolve_device(device)), heads, head_dim, forward=forward, log=lambda s: click.echo(s, err=True)
@@ -187,16 +189,10 @@ def bench_calibrate(device, heads, head_dim, forward):
     show_default=True,
     help="Also measure each row's peak memory, each in a fresh process.",
 )
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@device_option()
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
-@click.option(
-    "--plugins-dir",
-    "plugins_dirs",
-    multiple=True,
-    type=click.Path(file_okay=False),
-    help="Plugin folders (also for the subprocesses).",
-)
+@results_option()
+@plugins_dir_option(passed="Folder of plugin .py files to load, also in the processes that time each row (repeatable).")
 def bench_train(
     task,
     model,
@@ -274,7 +270,7 @@ def bench_train(
     help="gtx backends, comma-separated: a row per pattern and backend (e.g. auto,flex,blocksparse).",
 )
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv"]), default="table", show_default=True)
-@click.option("--results", "results_dir", default="results", show_default=True, type=click.Path(file_okay=False))
+@results_option()
 def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, results_dir):
     """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,
     against the same weights on transformers' own SDPA; peak memory growth per row. Needs pip install -e '.[hf]'.

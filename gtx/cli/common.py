@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments.distributed import is_main_process
 from gtx.plugins.registry import load_plugins
+from gtx.run.distributed import is_main_process
 
 
 class CliError(click.ClickException):
@@ -41,8 +41,33 @@ class GtxGroup(click.Group):
         raise cli_error(error) from None
 
 
-def plugins_dir_option(f):
-    """``--plugins-dir DIR`` on every command: load that folder's ``*.py`` plugins first."""
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def results_option(help: str = "Folder of the results tables.", default: str | None = "results", path: bool = False):
+    """``--results DIR`` as ``results_dir``: every command that reads or writes a results folder
+    declares it here (a str, or a ``Path`` with ``path``; None where a command derives its default)."""
+    return click.option(
+        "--results",
+        "results_dir",
+        default=default,
+        show_default=default is not None,
+        type=click.Path(file_okay=False, path_type=Path if path else None),
+        help=help,
+    )
+
+
+def device_option(default: str | None = "auto", help: str | None = None):
+    """``--device auto|cpu|cuda``: auto takes the GPU where torch sees one."""
+    return click.option(
+        "--device", type=click.Choice(DEVICES), default=default, show_default=default is not None, help=help
+    )
+
+
+def plugins_dir_option(f=None, *, passed: str | None = None):
+    """``--plugins-dir DIR`` on every command: load that folder's ``*.py`` plugins first. ``passed``:
+    the help of a command that also hands the folders to processes of its own (then given to it as
+    ``plugins_dirs``)."""
 
     def load(ctx, param, value):
         try:
@@ -51,15 +76,17 @@ def plugins_dir_option(f):
             raise cli_error(e) from None
         return value
 
-    return click.option(
+    option = click.option(
         "--plugins-dir",
+        "plugins_dirs",
         multiple=True,
-        type=click.Path(file_okay=False, path_type=Path),
+        type=click.Path(file_okay=False),
         callback=load,
-        expose_value=False,
+        expose_value=passed is not None,
         is_eager=True,
-        help="Folder of plugin .py files to load (repeatable; also GTX_PLUGINS_DIR).",
-    )(f)
+        help=passed or "Folder of plugin .py files to load (repeatable; also GTX_PLUGINS_DIR).",
+    )
+    return option if f is None else option(f)
 
 
 def key_value(ctx, param, values):

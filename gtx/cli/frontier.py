@@ -1,4 +1,4 @@
-"""``gtx frontier``: the click layer over gtx.experiments.frontier (registered on the group by gtx/cli/__init__.py)."""
+"""``gtx frontier``: the click layer over gtx.sweeps.frontier (registered on the group by gtx/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import click
 from gtx.cli.common import cli_error, lengths_option
 from gtx.cli.sweep import grid_options, read_grid, run_cells
 from gtx.errors import GtxError
-from gtx.experiments import frontier as fr
-from gtx.experiments import frontier_tables as tables
-from gtx.experiments import sweep as sw
-from gtx.experiments.study import Study, parse_family
+from gtx.sweeps import frontier as fr
+from gtx.sweeps import frontier_tables as tables
+from gtx.sweeps import sweep as sw
+from gtx.sweeps.launch import SweepCells
+from gtx.sweeps.study import Study, parse_family
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,6 +84,7 @@ def frontier(
     try:
         fr.check_margin(margin)  # before anything runs
         grid, results_dir, jobs = read_grid(None, (), **options)
+        fr.check_metric(grid.task, metric)  # before the cells run, not after
         fr.check_margin(margin, fr.study_metrics(grid.task, metric))
         study = Study([parse_family(f) for f in families], [str(n) for n in lengths], grid, length_key)
         cells, points = fr.plan_study(study, results_dir)
@@ -92,24 +94,27 @@ def frontier(
             0
             if table_only
             else run_cells(
-                cells,
-                sw.sweep_name(None, cells),
-                results_dir,
-                jobs,
+                SweepCells(
+                    sw.sweep_name(None, cells),
+                    cells,
+                    results_dir,
+                    jobs,
+                    launcher=launcher,
+                    executor_opts=executor_opts,
+                    nproc=nproc,
+                    plugins_dirs=options["plugins_dirs"],
+                ),
                 dry_run,
                 quiet,
-                options["plugins_dirs"],
-                launcher,
-                executor_opts,
-                nproc,
             )
         )
         if dry_run:
             return
-        from gtx.experiments.results import format_table, load
         from gtx.files import atomic_write
         from gtx.pictures import plot
         from gtx.pictures.figure import save
+        from gtx.records.layout import ResultsFolder
+        from gtx.records.results import format_table, load
 
         df = load(results_dir)
         table = fr.frontier_table(cells, points, df, margin, metric)
@@ -138,9 +143,10 @@ def frontier(
             raise click.exceptions.Exit(1)
         name = fr.reading_name(cells, table, margin)
         # not with_suffix: the margin's own dot would be taken for one
-        saved = tables.frontier_dir(results_dir) / f"{name}.csv"
+        folder = ResultsFolder(results_dir).frontiers()
+        saved = folder / f"{name}.csv"
         atomic_write(saved, table.to_csv(index=False))
-        figure = save(plot.frontier(table), tables.frontier_dir(results_dir) / f"{name}.png")
+        figure = save(plot.frontier(table), folder / f"{name}.png")
         if not quiet:
             click.echo(f"\nfrontier table: {saved}; figure: {figure} (gtx report shows both)", err=True)
         if failed:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import GtxGroup, csv_list, plugins_dir_option
+from gtx.cli.common import GtxGroup, csv_list, plugins_dir_option, results_option
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.pictures import plot as gtx_plot
+from gtx.records.layout import ResultsFolder
 
-RESULTS_HELP = "Folder of results tables (gtx run --results)."
 FORMAT_HELP = "png, svg or pdf [default: the suffix of -o, else png]."
 
 
@@ -64,9 +64,7 @@ def plot_pattern(spec, src_len, tgt_len, stages, max_cells, output, fmt):
 
 
 @plot.command(name="results")
-@click.option(
-    "--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP
-)
+@results_option(path=True)
 @click.option(
     "--by", default="task,model", show_default=True, help="Columns that split the runs into panels (comma-separated)."
 )
@@ -84,7 +82,7 @@ def plot_results(results_dir, by, metric, output, fmt):
     """Each task's metric against training speed per pattern (mean and std over seeds, Pareto front), and learning curves."""
     df = _load(results_dir)
     fig = gtx_plot.results(df, by=csv_list(by), metric=metric)
-    click.echo(gtx_plot.save(fig, output or results_dir / "plots" / f"results.{fmt or 'png'}", fmt))
+    click.echo(gtx_plot.save(fig, output or ResultsFolder(results_dir).plot(f"results.{fmt or 'png'}"), fmt))
 
 
 CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/<run_id>/best.pt)."
@@ -100,14 +98,7 @@ CHECKPOINT_HELP = "Where a run's checkpoint is looked up (<results>/checkpoints/
     help="Layer to draw, 0-based (ACT models: step) [default: the last; ACT: the step with the most queries active].",
 )
 @click.option("--head", type=int, help="Head to draw, 0-based [default: the mean over heads].")
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(path_type=Path),
-    help=CHECKPOINT_HELP,
-)
+@results_option(CHECKPOINT_HELP, path=True)
 @click.option(
     "-o",
     "--output",
@@ -131,9 +122,9 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
         gtx_plot.save(
             fig,
             output
-            or results_dir
-            / "plots"
-            / f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}",
+            or ResultsFolder(results_dir).plot(
+                f"attention-{_run_name(checkpoint, results_dir)}-{split}-{example}.{fmt or 'png'}"
+            ),
             fmt,
         )
     )
@@ -151,14 +142,7 @@ def plot_attention(checkpoint, example, split, layer, head, results_dir, output,
     help="Example index in --split (repeatable).",
 )
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
-@click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(path_type=Path),
-    help=CHECKPOINT_HELP,
-)
+@results_option(CHECKPOINT_HELP, path=True)
 @click.option(
     "-o",
     "--output",
@@ -178,7 +162,8 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
     click.echo(
         gtx_plot.save(
             fig,
-            output or results_dir / "plots" / f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}",
+            output
+            or ResultsFolder(results_dir).plot(f"act-{_run_name(checkpoint, results_dir)}-{split}.{fmt or 'png'}"),
             fmt,
         )
     )
@@ -186,16 +171,14 @@ def plot_act(checkpoint, examples, split, results_dir, output, fmt):
 
 def _run_name(ref: str, results_dir: Path) -> str:
     """The run id of a checkpoint under <results>/checkpoints/<run_id>/, else the file's stem."""
-    from gtx.experiments.runref import find_checkpoint
+    from gtx.records.runref import find_checkpoint
 
     path = find_checkpoint(ref, results_dir)
-    return path.parent.name if path.parent.parent.name == "checkpoints" else path.stem
+    return path.parent.name if path.parent.parent.name == ResultsFolder(results_dir).checkpoints().name else path.stem
 
 
 @click.command()
-@click.option(
-    "--results", "results_dir", default="results", show_default=True, type=click.Path(path_type=Path), help=RESULTS_HELP
-)
+@results_option(path=True)
 @click.option("--by", default="task,model", show_default=True, help="Panels of the results plot (comma-separated).")
 @click.option("--metric", help="Metric of the results plot (as in gtx plot results) [default: each task's own].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="File to write [default: <results>/report.html].")
@@ -209,9 +192,9 @@ def report(results_dir, by, metric, output):
 
 
 def _load(results_dir: Path):
-    from gtx.experiments.results import load
+    from gtx.records.results import load
 
     df = load(results_dir)
     if df.empty:
-        raise GtxError(f"no runs under {results_dir / 'runs'}; run `gtx run` first, or pass --results DIR")
+        raise GtxError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
     return df

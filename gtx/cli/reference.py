@@ -1,20 +1,25 @@
-"""References generated from the code, which tests/test_docs.py checks are current:
+"""Pages generated from the code, which tests/test_docs.py checks are current:
+``python -m gtx.cli.reference .`` (``make docs``, from the checkout) writes each whole or not at all:
 
-python -m gtx.cli.reference cli > docs/cli.md           # every command's --help, at 100 columns
-python -m gtx.cli.reference methods > docs/methods.md   # every pattern and score bias (gtx patterns NAME)
+- docs/cli.md: every command's --help, at 100 columns;
+- docs/methods.md: every pattern and score bias (what ``gtx patterns NAME`` prints);
+- results/README.md: the results folder's layout (``gtx.records.layout``).
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+from pathlib import Path
 
 import click
+
+from gtx.files import atomic_write
 
 WIDTH = 100
 HEADER = """# Command-line reference
 
-Every `gtx` command's `--help`, generated from the code (`python -m gtx.cli.reference cli > docs/cli.md`;
+Every `gtx` command's `--help`, generated from the code (`make docs`;
 a test fails when this file is stale). The README shows the commands in use.
 """
 
@@ -50,8 +55,8 @@ def markdown() -> str:
 
 METHODS_HEADER = """# Methods: the pattern library and score biases
 
-Every built-in pattern and score bias, generated from its docstring and signature (`python -m
-gtx.cli.reference methods > docs/methods.md`; a test fails when this file is stale or misses one).
+Every built-in pattern and score bias, generated from its docstring and signature (`make
+docs`; a test fails when this file is stale or misses one).
 `gtx patterns NAME` prints the same entry. A spec is `name:key=value,...`; patterns compose with
 `|` (union), `&` (intersection) and wrappers such as `heads(...)`, `act(...)` and `topk(...)`, and
 take a bias with `+name` ([writing-patterns.md](writing-patterns.md)).
@@ -100,5 +105,28 @@ def methods() -> str:
     return "\n".join([METHODS_HEADER, *entries])
 
 
+def results_readme() -> str:
+    from gtx.records.layout import readme
+
+    return readme()
+
+
+#: each generated page by its path in the checkout
+PAGES = {"docs/cli.md": markdown, "docs/methods.md": methods, "results/README.md": results_readme}
+
+
+def write_pages(root: Path) -> list[Path]:
+    """Write every generated page under ``root`` (the checkout), each atomically: a page is replaced
+    only once its new text exists (a shell redirect empties it before the code has run)."""
+    written = []
+    for name, make in PAGES.items():
+        atomic_write(root / name, make())
+        written.append(root / name)
+    return written
+
+
 if __name__ == "__main__":
-    print({"cli": markdown, "methods": methods}[sys.argv[1]](), end="")
+    if len(sys.argv) != 2 or not all((Path(sys.argv[1]) / name).parent.is_dir() for name in PAGES):
+        sys.exit(f"usage: python -m gtx.cli.reference CHECKOUT (writes {', '.join(PAGES)} there)")
+    for path in write_pages(Path(sys.argv[1])):
+        print(f"wrote {path}")

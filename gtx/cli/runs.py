@@ -1,36 +1,27 @@
-"""``gtx runs`` and ``gtx show RUN``: what the runs of a results folder were (the logic: gtx/experiments/runs.py)."""
+"""``gtx runs`` and ``gtx show RUN``: what the runs of a results folder were (the logic: gtx/records/runs.py)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from gtx.cli.common import CliError, plugins_dir_option
-from gtx.experiments import results
-from gtx.experiments import runs as runlist
+from gtx.cli.common import CliError, plugins_dir_option, results_option
 from gtx.plugins.registry import task_metrics
-
-results_option = click.option(
-    "--results",
-    "results_dir",
-    default="results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder of results tables.",
-)
+from gtx.records import results
+from gtx.records import runs as runlist
+from gtx.records.layout import ResultsFolder
 
 
 def _load(results_dir: str):
     df = results.load(results_dir)
     if df.empty:
-        raise CliError(f"no runs under {Path(results_dir) / 'runs'}; run `gtx run` first, or pass --results DIR")
+        raise CliError(f"no runs under {ResultsFolder(results_dir).runs()}; run `gtx run` first, or pass --results DIR")
     return df
 
 
 @click.command()
-@results_option
+@results_option()
 @click.option("--task", help="Only runs of this task.")
 @click.option("--model", help="Only runs of this model.")
 @click.option("--pattern", help="Only runs of this pattern (its canonical spec, as listed).")
@@ -52,14 +43,14 @@ def runs(results_dir, task, model, pattern, fmt):
     if df.empty:
         asked = " ".join(f"--{k} {v}" for k, v in chosen.items() if v is not None)
         raise CliError(
-            f"no runs match {asked} under {Path(results_dir) / 'runs'}; `gtx runs` without filters lists them all"
+            f"no runs match {asked} under {ResultsFolder(results_dir).runs()}; `gtx runs` without filters lists them all"
         )
     click.echo(results.format_table(runlist.summary(df, results_dir, task_metrics()), fmt))
 
 
 @click.command()
 @click.argument("run")
-@results_option
+@results_option()
 @click.option(
     "--format",
     "fmt",

@@ -1,4 +1,4 @@
-"""``gtx sweep``: the click layer over gtx.experiments.sweep (registered on the group by gtx/cli/__init__.py)."""
+"""``gtx sweep``: the click layer over gtx.sweeps.sweep (registered on the group by gtx/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from pathlib import Path
 
 import click
 
-from gtx.cli.common import check_shortcuts, cli_error, set_once
+from gtx.cli.common import check_shortcuts, cli_error, device_option, plugins_dir_option, results_option, set_once
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments import grid as gr
-from gtx.experiments import sweep as sw
-from gtx.experiments.config import resolve_device
-from gtx.files import writable_dir
+from gtx.sweeps import grid as gr
+from gtx.sweeps import sweep as sw
+from gtx.sweeps.launch import SweepCells
 
 # gtx run's shortcut options, here as comma lists: each is the --set key of the same name
 SHORTCUTS = ("epochs", "max_steps", "batch_size", "layers", "heads", "dim", "dim_ff")
@@ -67,15 +66,8 @@ def grid_options(f):
             metavar="KEY=V1[,V2...]",
             help="A setting as in gtx run; a comma list sweeps it, one value is a constant (repeatable).",
         ),
-        click.option(
-            "--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device of every run [default: auto]."
-        ),
-        click.option(
-            "--results",
-            "results_dir",
-            type=click.Path(file_okay=False),
-            help="Results folder shared by the runs [default: results].",
-        ),
+        device_option(default=None, help="Device of every run [default: auto]."),
+        results_option("Results folder shared by the runs [default: results].", default=None),
         click.option(
             "-j", "--jobs", type=click.IntRange(min=1), help="Cells run at once, each in its own process [default: 1]."
         ),
@@ -107,13 +99,7 @@ def grid_options(f):
             help="Processes per cell: above 1, each cell is one data-parallel run under torchrun (rank 0 writes).",
         ),
         click.option("--quiet", is_flag=True, help="No progress line; the summary and failures still print."),
-        click.option(
-            "--plugins-dir",
-            "plugins_dirs",
-            multiple=True,
-            type=click.Path(file_okay=False),
-            help="Plugin folders (also passed to every run).",
-        ),
+        plugins_dir_option(passed="Folder of plugin .py files to load, also in every run (repeatable)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -148,18 +134,8 @@ def sweep(grid_file, patterns, dry_run, quiet, launcher, executor_opts, nproc, *
     try:
         grid, results_dir, jobs = read_grid(grid_file, patterns, **options)
         cells = sw.plan(grid, results_dir)
-        if run_cells(
-            cells,
-            sw.sweep_name(grid_file, cells),
-            results_dir,
-            jobs,
-            dry_run,
-            quiet,
-            options["plugins_dirs"],
-            launcher,
-            executor_opts,
-            nproc,
-        ):
+        launch = dict(launcher=launcher, executor_opts=executor_opts, nproc=nproc, plugins_dirs=options["plugins_dirs"])
+        if run_cells(SweepCells(sw.sweep_name(grid_file, cells), cells, results_dir, jobs, **launch), dry_run, quiet):
             raise click.exceptions.Exit(1)
     except GtxError as e:  # also when called outside the gtx group, which converts them itself
         raise cli_error(e) from None
@@ -188,36 +164,21 @@ def read_grid(
     return grid, results_dir or file_results or "results", jobs or file_jobs or 1
 
 
-def run_cells(
-    cells: list[sw.Cell],
-    name: str,
-    results_dir,
-    jobs: int,
-    dry_run: bool,
-    quiet: bool,
-    plugins_dirs,
-    launcher: str = "local",
-    executor_opts: tuple[str, ...] = (),
-    nproc: int = 1,
-) -> int:
-    """Run (or with ``dry_run`` print) the cells not yet complete, with a progress line; the number that failed.
-    ``launcher`` ``submitit``: one job per cell (``gtx.experiments.cluster``), ``executor_opts`` its options."""
-    if executor_opts and launcher != "submitit":
-        raise GtxError("--executor-opt is for --launcher submitit; with the local launcher use -j N")
-    counts = sw.Counts(name, len(cells), sum(c.action == "skip" for c in cells))
-    rekeyed = sum(c.rekeyed for c in cells)
-    if rekeyed and not quiet:
+def run_cells(sweep: SweepCells, dry_run: bool, quiet: bool) -> int:
+    """Run (or with ``dry_run`` print) the sweep's cells not yet complete, with a progress line; the number that failed."""
+    counts = sweep.counts()
+    if sweep.rekeyed() and not quiet:
         click.echo(
-            f"sweep {name}: {rekeyed} of the complete cells are runs written before results schema 4, matched by keys recomputed "
-            "from their stored settings (schema 3's keys could mix tasks)",
+            f"sweep {sweep.name}: {sweep.rekeyed()} of the complete cells are runs written before results schema 4, matched by "
+            "keys recomputed from their stored settings (schema 3's keys could mix tasks)",
             err=True,
         )
     if dry_run:
-        for line in sw.dry_run_lines(cells, results_dir, plugins_dirs, nproc):
+        for line in sweep.dry_run_lines():
             click.echo(line)
         if not quiet:
             click.echo(
-                f"sweep {name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run",
+                f"sweep {sweep.name}: {counts.total} cells, {counts.skipped} complete, {counts.total - counts.skipped} to run",
                 err=True,
             )
         return 0
@@ -244,36 +205,18 @@ def run_cells(
 
     started = time.monotonic()
     try:
-        if launcher == "submitit":
-            from gtx.experiments import cluster
-
-            log_dir = Path(results_dir) / "sweeps" / name / "submitit"
-            # refused options: before any job, and before the folder is made (cluster.make_executor)
-            executor = cluster.make_executor(log_dir, cluster.executor_options(executor_opts))
-            on_change(counts)
-            failures = cluster.submit(
-                cells, counts, executor, results_dir, plugins_dirs, on_change, on_failure, nproc=nproc
-            )
-        else:
-            # checked before any cell starts: the devices (here, where they run) and the log folder
-            for device in sorted({c.config.device for c in cells if c.action != "skip"}):
-                resolve_device(device)
-            log_dir = writable_dir(writable_dir(results_dir) / "sweeps" / name / "logs", "sweep log folder")
-            on_change(counts)
-            failures = sw.execute(
-                cells, counts, log_dir, results_dir, jobs, plugins_dirs, on_change, on_failure, nproc=nproc
-            )
+        failures = sweep.run(counts, on_change, on_failure)
     except KeyboardInterrupt:  # the cells running are stopped (sw.execute, cluster.submit); finished ones stay
         click.echo(clear, nl=False, err=True)
         raise Interrupted(
-            f"interrupted (Ctrl-C) with {counts.done} of the {counts.total - counts.skipped} cells of sweep {name} done; "
+            f"interrupted (Ctrl-C) with {counts.done} of the {counts.total - counts.skipped} cells of sweep {sweep.name} done; "
             "run the same command again to finish: finished cells are kept and skipped"
         ) from None
     if clear:
         click.echo(err=True)
     other = f", {counts.elsewhere} run by another sweep (run this one again when it ends)" if counts.elsewhere else ""
     click.echo(
-        f"sweep {name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
-        f"in {time.monotonic() - started:.1f} s; logs in {log_dir}"
+        f"sweep {sweep.name}: {counts.total} cells: {counts.done} done, {counts.skipped} skipped, {counts.failed} failed{other} "
+        f"in {time.monotonic() - started:.1f} s; logs in {sweep.log_dir()}"
     )
     return len(failures)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from gtx.data.vocab import Vocab
 from gtx.errors import GtxError, plugin_code
-from gtx.files import atomic_write, cache_dir
+from gtx.files import NoSpace, atomic_write, cache_dir
 from gtx.plugins import checks
 
 # Vocab: task plugins import it here
@@ -62,6 +62,11 @@ class Task:
         tokenizer: set by the runner before any data is made when the model reads text with its own
             tokenizer (a pretrained model; ``gtx.data.vocab.Tokenizer``): a ``text`` task then writes
             with ``tokenizer.tokenize`` and its vocabulary is ``tokenizer.vocab``. None otherwise.
+
+    Scored by generation (``new_tokens() > 0``, lm form): beside the teacher-forced pass, a model
+    that generates continues each valid and test example's prompt (its first ``prompt_len`` tokens)
+    greedily by up to ``new_tokens()`` tokens, and ``score_text`` scores the text it wrote
+    (``gtx.run.generation``).
     """
 
     form = "seq2seq"
@@ -85,7 +90,7 @@ class Task:
         if self.tokenizer is not None and not self.text:
             raise GtxError(
                 f"task {self.name!r} writes its own symbols, not text, so a model with its own tokenizer cannot read it; "
-                "give it a task written in text (gtx tasks lists them: text, needle)"
+                "give it a task written in text (gtx tasks lists them: text, needle, niah, vt, cwe)"
             )
 
     def splits(self) -> dict[str, list[Example]]:
@@ -110,11 +115,28 @@ class Task:
         if path.exists():
             try:
                 data = json.loads(path.read_text())
-                return {s: [tuple(e) for e in data[s]] for s in SPLITS}
-            except (OSError, ValueError, KeyError, TypeError) as e:  # a cache: made again, never a settings error
+                splits = {s: [tuple(e) for e in data[s]] for s in SPLITS}
+                # a file named by other settings' hash, or edited: what these settings make is made again
+                if data.get("config") != json.loads(key):
+                    why = "it holds the data of other settings"
+                elif data.get("sha256") != _digest(splits):
+                    why = "its examples are not those it was written with (or an older gtx wrote it)"
+                else:
+                    return splits
+                warnings.warn(f"cached data {path}: {why}; making it again", stacklevel=2)
+            except (
+                OSError,
+                ValueError,
+                KeyError,
+                TypeError,
+                AttributeError,
+            ) as e:  # a cache: made again, never a settings error
                 warnings.warn(f"cached data {path} is unreadable ({type(e).__name__}); making it again", stacklevel=2)
         data = self.generate()
-        atomic_write(path, json.dumps({"config": json.loads(key), **data}))
+        try:
+            atomic_write(path, json.dumps({"config": json.loads(key), "sha256": _digest(data), **data}))
+        except NoSpace as e:  # a cache: the run goes on without it
+            warnings.warn(f"task data not cached: no space left on the device of {e.folder}", stacklevel=2)
         return data
 
     def vocabularies(self, train: list[Example]) -> tuple[Vocab, Vocab]:
@@ -140,6 +162,28 @@ class Task:
         group name to (correct, scored) targets (lm tasks with groups)."""
         return {}
 
+    def new_tokens(self) -> int:
+        """Tokens generated after each example's prompt where the task is scored by generation; 0: it is not."""
+        return 0
+
+    def prompt_len(self, split: str, index: int) -> int:
+        """The tokens of example ``index`` of ``split`` that are its prompt (lm): by default those up
+        to the first scored prediction's input, the answer's tokens following."""
+        groups = self.splits()[split][index][1]
+        return next((i for i, g in enumerate(groups) if g), len(groups)) + 1
+
+    def score_text(self, split: str, index: int, text: str) -> float:
+        """The outcome, in [0, 1], of the text a model generated after example ``index``'s prompt."""
+        raise NotImplementedError
+
+    def write(self, text: str) -> list[str]:
+        """A text as this task's tokens: the model's tokenizer's, else one token per character."""
+        return self.tokenizer.tokenize(text) if self.tokenizer is not None else list(text)
+
+    def read(self, tokens: Sequence[str]) -> str:
+        """The text of this task's tokens (``write``'s inverse)."""
+        return self.tokenizer.detokenize(tokens) if self.tokenizer is not None else "".join(tokens)
+
     def max_decode_len(self, src_len: int) -> int:
         """Most target tokens greedy/beam decoding may emit for a source of this length (with <eos>)."""
         return 2 * src_len + 10
@@ -150,6 +194,11 @@ class Task:
 
     def seq_acc(self, hypotheses, references) -> float:
         return sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
+
+
+def _digest(splits: dict[str, list[Example]]) -> str:
+    """A checksum of a task's examples, as the cache writes them (tuples as lists)."""
+    return hashlib.sha256(json.dumps([splits[s] for s in SPLITS]).encode()).hexdigest()
 
 
 def grouped_accuracy(groups: dict[str, tuple[int, int]], metric: str, by: str, counted: str) -> dict:

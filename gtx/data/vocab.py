@@ -45,7 +45,8 @@ class ModelVocab(Vocab):
 
 class Tokenizer:
     """What a model that reads text with its own tokenizer gives the tasks (``GraphModel.tokenizer``):
-    ``vocab`` (a ``ModelVocab``), ``tokenize(text) -> tokens`` and ``detokenize(tokens) -> text``."""
+    ``vocab`` (a ``ModelVocab``), ``tokenize(text) -> tokens`` and ``detokenize(tokens) -> text``;
+    where it has them, its chat template (``chat``) and the tokens that end a text (``stop_tokens``)."""
 
     vocab: Vocab
 
@@ -58,3 +59,12 @@ class Tokenizer:
     def n_bytes(self, tokens: Sequence[str]) -> int:
         """UTF-8 bytes of the text these tokens write: what bits per byte divide by."""
         return len(self.detokenize(tokens).encode("utf-8"))
+
+    def chat(self, turns: Sequence[tuple[str, str]]) -> str | None:
+        """The conversation ``turns`` ((role, text) pairs: ``user``, ``assistant``) in the model's chat
+        template, up to where the assistant's next turn begins; None: the model has no chat template."""
+        return None
+
+    def stop_tokens(self) -> list[str]:
+        """The tokens after which a generated text has ended (an end-of-sequence token), if any."""
+        return []

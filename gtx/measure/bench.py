@@ -334,9 +334,10 @@ def bench_attention(
 def save(df: pd.DataFrame, results_dir: str | Path, kind: str) -> Path:
     """Write a benchmark table under ``<results>/bench/`` (atomically) and return its path."""
     from gtx.files import atomic_write
+    from gtx.records.layout import ResultsFolder
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(results_dir) / "bench" / f"{kind}-{stamp}.csv"
+    path = ResultsFolder(results_dir).bench(kind, stamp)
     atomic_write(path, df.to_csv(index=False))
     return path
 

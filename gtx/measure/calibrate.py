@@ -33,9 +33,15 @@ def calibrate(
     candidates may run: flex on the CPU); fit seconds = a * work + overhead per candidate (least
     relative squared error) and save each table where ``auto`` reads it. Returns the fitted
     constants per table ("cpu", "cpu-forward", ...)."""
-    from gtx.backends.auto import table_name
+    from gtx.backends.auto import costs_path, table_name
+    from gtx.errors import GtxError
+    from gtx.files import lasting_cache
 
     dev = torch.device(device)
+    lasting_cache("gtx bench calibrate")  # before minutes of measuring, not after them
+    for grad in (True, False) if forward else (True,):
+        if (path := costs_path(table_name(dev, grad))).exists() and not path.is_file():
+            raise GtxError(f"{path} is not a file, so no calibration can be saved there: move it away, then calibrate")
     out = {}
     for grad in (True, False) if forward else (True,):
         table = table_name(dev, grad)

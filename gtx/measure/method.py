@@ -31,6 +31,7 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
     trainable method's auxiliary losses) on the stage it serves, as a training step runs it;
     ``read()``: (keys read, queries, keys allowed) of the last step (``gtx.attention.budget``)."""
     from gtx.attention.module import Attention
+    from gtx.attention.trainable import stages_of
     from gtx.backends import get_backend
 
     stage = method_stage(pattern)
@@ -53,6 +54,9 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
             inputs=torch.randn(8, width, device=device),
         )
     attention.take_reads(), attention.take_losses(), attention.reset_choices(), attention.reset_stats()
+    # every step below is a run's first (step 0): the stage a method with stages (DSA) is in now is the
+    # one they run in (dsa's dense stage unless dense=0), named in the row beside the density it reads
+    described = stages_of(layer)
     reads = []
 
     def step():
@@ -67,6 +71,7 @@ def method_cell(cell, pattern, device: torch.device, gen: torch.Generator):
 
     def choice():
         counts = attention.reset_choices().get(stage, {})
-        return f"{stage}: " + (max(counts, key=counts.get) if counts else "its own kernels")
+        ran = f"{stage}: " + (max(counts, key=counts.get) if counts else "its own kernels")
+        return f"{ran} ({described})" if described else ran
 
     return step, choice, lambda: reads[0]

@@ -34,8 +34,8 @@ class _Vocab:
 
 def _config(family: str, settings: dict[str, str], length: int):
     """The hf model's config from ``--set`` strings, checked as ``gtx run`` checks them."""
-    from gtx.experiments.config import build_configs
     from gtx.plugins.registry import MODELS
+    from gtx.run.config import build_configs
 
     return build_configs(
         {"family": family, "max_len": str(length), **settings}, {"model": ("hf", MODELS.get("hf").config)}

@@ -25,11 +25,11 @@ from gtx.backends import Backend
 from gtx.data.batch import Batch, batches, make_batch
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint
-from gtx.experiments.config import RunConfig, resolve_device
-from gtx.experiments.runref import find_checkpoint
 from gtx.graph.pattern import STAGES
 from gtx.graph.tokens import EdgeSet
+from gtx.records import checkpoint
+from gtx.records.runref import find_checkpoint
+from gtx.run.config import resolve_device
 
 FALLBACK_BACKEND = "torch"  # any device, takes score biases: for a checkpoint whose backend is unusable here
 
@@ -42,15 +42,15 @@ def load_model(
     pattern: str | None = None,
 ):
     """(model, resolved, state): the trained model of a checkpoint (a .pt path, or a run under
-    ``results_dir``: ``runref.find_checkpoint``) in eval mode on ``device``, its resolved configuration (``gtx.experiments.config.resolve``)
+    ``results_dir``: ``runref.find_checkpoint``) in eval mode on ``device``, its resolved configuration (``gtx.run.config.resolve``)
     and the checkpoint dict. ``backend``: the checkpoint's by default, ``torch`` where that one is
     unusable on ``device``; ``pattern``: the run's own by default. GtxError (one line) for a missing or foreign checkpoint."""
-    from gtx.experiments.evaluation import trained_model  # the runner's own path: what trains is what is probed
     from gtx.plugins.registry import BACKENDS
+    from gtx.run.evaluation import trained_model  # the runner's own path: what trains is what is probed
 
     path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
-    trained = RunConfig(**state["run_config"])
+    trained = checkpoint.run_config(state)
     if backend is None:
         usable = BACKENDS.get(trained.backend).obj.available(resolve_device(device)) is None
         backend = trained.backend if usable else FALLBACK_BACKEND
@@ -171,7 +171,7 @@ def recording(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
     attention = getattr(model, "attention", None)
     if not isinstance(attention, Attention):
         raise GtxError(
-            f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.experiments.runner"
+            f"model {type(model).__name__} does not attend through gtx.attention.Attention; build it with gtx.run.runner"
         )
     if attention.pattern is not None and attention.pattern.trainable is not None:
         raise GtxError(

@@ -7,7 +7,7 @@
 - ``TorchTransformer``: the ``transformer`` model as ``torch.nn.Transformer`` with padding masks.
 
 Both read a gtx ``Batch`` and return ``Output`` logits (len(batch.targets), V) flat over samples,
-so ``gtx.experiments.train.Trainer`` trains them with the same optimiser, schedule, loss and clipping as the
+so ``gtx.run.train.Trainer`` trains them with the same optimiser, schedule, loss and clipping as the
 gtx models. Padding is built inside ``forward`` and counts as the reference's cost.
 
 ``TrainCell`` describes one row of ``gtx bench train`` (a gtx backend, the bound or a reference)
@@ -265,22 +265,29 @@ class TrainCell:
 
     def resolve(self):
         """The cell's ``Resolved`` run; its batches are built under NO_EDGES where the step reads no edges."""
-        from gtx.experiments.runner import RunConfig, resolve
+        from gtx.run.runner import DEFAULT_BACKEND, RunConfig, resolve
 
-        pattern = self.pattern if self.gtx else NO_EDGES
+        pattern, backend = (self.pattern, self.backend) if self.gtx else (NO_EDGES, DEFAULT_BACKEND)
         return resolve(
-            RunConfig(task=self.task, model=self.model, pattern=pattern, device=self.device, settings=self.settings)
+            RunConfig(
+                task=self.task,
+                model=self.model,
+                pattern=pattern,
+                backend=backend,
+                device=self.device,
+                settings=self.settings,
+            )
         )
 
     def build(self, resolved):
         """(``Trainer`` of the cell's model for the resolved run ``resolved``, its attention backend or None), seeded alike."""
-        from gtx.experiments.build import build_attention
-        from gtx.experiments.train import Trainer
+        from gtx.run.build import build_attention
+        from gtx.run.train import Trainer
 
         torch.manual_seed(0)
         be = None
         if self.gtx or self.backend == SkipAttention.name:
-            attention = build_attention(resolved, self.backend) if self.gtx else SkipAttention()
+            attention = build_attention(resolved) if self.gtx else SkipAttention()
             be = attention.backend if self.gtx else attention
             net = resolved.model_cls(resolved.model_config, resolved.task.src_vocab, resolved.task.tgt_vocab, attention)
         else:

@@ -125,10 +125,10 @@ def bench_train(bench: TrainBench, log=lambda s: None) -> pd.DataFrame:
 
 def _variants(bench: TrainBench) -> list[_Variant]:
     """Every row's model, built in this process: per model variant, the gtx rows, the bound, the references."""
-    from gtx.experiments.runner import resolve_device
     from gtx.graph.spec import parse_pattern
     from gtx.measure.reference import NO_EDGES, TORCH_TRANSFORMER, SkipAttention, TrainCell, references
     from gtx.plugins.registry import MODELS
+    from gtx.run.runner import resolve_device
 
     patterns = [bench.patterns] if isinstance(bench.patterns, str) else bench.patterns
     specs = [parse_pattern(p).spec for p in patterns]

@@ -89,7 +89,7 @@ def update_graph(
     post: Sequence[NodePair],
     backend: Backend,
 ) -> None:
-    """One attention sub-layer, as in the seeds: ``pre`` functions compute ``q`` (on the query type)
+    """One attention sub-layer, as in the DGL tutorial: ``pre`` functions compute ``q`` (on the query type)
     and ``k``, ``v`` (on the key type), attention propagates over ``edges`` into ``wv`` on the query
     type, and ``post`` functions finish the layer (output projection, residual, feed-forward).
 

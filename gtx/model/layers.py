@@ -150,7 +150,7 @@ class Embeddings(nn.Module):
     """Token embedding times ``scale`` plus sinusoidal position, then dropout; source and target
     share one table (and the output projection) when ``share`` and the vocabularies are equal.
 
-    The seeds multiply by sqrt(d) (11.3 at d = 128): with xavier-initialised tables that drowns the
+    The DGL tutorial multiplies by sqrt(d) (11.3 at d = 128): with xavier-initialised tables that drowns the
     unit-amplitude positions, which copy/sort must learn to attend by first; no scale leaves the
     token content faint. Copy, 1 layer, 1 head, 128 dims, 4 epochs, seed 0, valid token / greedy
     sequence accuracy: scale 11.3: 99.55% / 93.5%; 1: 99.74% / 97.5%; 4 (default): 99.89% / 98.5%."""
@@ -284,7 +284,7 @@ class GraphModel(nn.Module):
         self.attention = value
 
     def init_weights(self) -> None:
-        """Xavier-uniform for every matrix, as in the seeds (embeddings too: with the sqrt(d) scale and
+        """Xavier-uniform for every matrix, as in the DGL tutorial (embeddings too: with the sqrt(d) scale and
         a tied output projection, N(0, 1) embeddings give huge initial logits)."""
         for p in self.parameters():
             if p.dim() > 1:

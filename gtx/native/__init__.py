@@ -12,8 +12,11 @@ another target for ``-march`` (``x86-64-v3``: AVX2 without AVX-512, as on many s
 SSE2 alone), so that one machine builds and tests what another's CPU runs; ``build_flags()`` says
 which flags this process builds with. A built library is synced to
 disk before it is moved into place, with its size and SHA-256 beside it, and checked against them
-before it is loaded: one cut short (a crash, a full disk) is rebuilt, never loaded. A build that
-fails is remembered beside it (``<name>-<key>.failed``, for a day), not retried by every process.
+before it is loaded: one cut short (a crash, a full disk) is rebuilt, never loaded. Before it is
+moved into place, a new library is loaded by a child process: one whose loading ends the process
+(``CC='gcc -fsanitize=address'``: the sanitizer's runtime must come first) counts as a failed build.
+A build that fails is remembered beside it (``<name>-<key>.failed``, for a day), not retried by
+every process.
 Without a usable compiler or cache, or with ``GTX_NATIVE=0``, ``load`` returns None and the callers
 use their torch path; each reason is logged once per process, on one line.
 """
@@ -29,6 +32,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +57,8 @@ FLAGS = [
 ARCH_VARIABLE = "GTX_NATIVE_ARCH"  # -march's target instead of native: another CPU's build on this one
 OPENMP = ["-fopenmp"]  # a kernel's parts on the OpenMP team torch's threads form (the kernels' ON_PARTS)
 RETRY_AFTER = 24 * 3600  # seconds a failed build is remembered
+# in every cache key: libraries built before their loading was tried in a child process are built again
+PROBED = "loaded by a child first"
 SLOWER = "topk, dsa and dropout run on their torch path, several times slower on the CPU"
 HERE = Path(__file__).parent
 
@@ -165,10 +171,31 @@ def _build(argv: list[str], flags: list[str], source: Path, target: Path) -> str
             return str(e)
         if proc.returncode != 0 or not built.is_file():
             return proc.stderr or proc.stdout or f"exit status {proc.returncode}"
+        if (error := _ends_its_loader(built)) is not None:
+            return error
         data = built.read_bytes()
         replace_durably(built, target)
     atomic_write(_sidecar(target), f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
     return None
+
+
+def _ends_its_loader(path: Path) -> str | None:
+    """None where a child process loads the library at ``path`` and goes on; else, in one line, what
+    ended it. A library can end the process that loads it (a sanitizer's runtime that must be loaded
+    first aborts it): tried here, such a build is remembered as failed instead of ending every run."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1])", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"built, but loading it could not be tried ({e})"
+    if proc.returncode == 0:
+        return None
+    said = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    return f"built, but loading it ends the process: {said[-1][:200] if said else f'exit status {proc.returncode}'}"
 
 
 def _failed_recently(marker: Path) -> str | None:
@@ -205,7 +232,7 @@ def library(name: str) -> Path | None:
         errors = []
         for flags, lacks in _variants():
             key = hashlib.sha256(
-                "\0".join([*texts, *argv, identity, *FLAGS, *flags, _cpu_features()]).encode()
+                "\0".join([*texts, *argv, identity, *FLAGS, *flags, _cpu_features(), PROBED]).encode()
             ).hexdigest()[:16]
             target, marker = folder / f"{name}-{key}.so", folder / f"{name}-{key}.failed"
             if _verified(target):

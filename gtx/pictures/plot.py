@@ -6,7 +6,7 @@ a notebook shows it inline, a script or the CLI writes it with ``save``, and not
 matplotlib's global backend or keeps figures alive in pyplot's registry.
 
     from gtx.pictures import plot
-    from gtx.experiments import results
+    from gtx.records import results
     plot.pattern("local:w=64|strided:l=64", src_len=4096, stages=["dd"])
     plot.results(results.load("results"), by=["task", "model"])  # each task's own metric: bpc for text, query_acc for recall
 """

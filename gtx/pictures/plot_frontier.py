@@ -1,6 +1,6 @@
 """The frontier figure (``gtx.pictures.plot.frontier``): accuracy against budget and against cost, per length.
 
-Drawn from ``gtx.experiments.frontier.frontier_table``'s numbers, or the same table read back from
+Drawn from ``gtx.sweeps.frontier.frontier_table``'s numbers, or the same table read back from
 the CSV ``gtx frontier`` writes under ``<results>/frontiers/``.
 """
 
@@ -12,8 +12,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from gtx.errors import GtxError
-from gtx.experiments.study import FULL
 from gtx.pictures.figure import new_figure
+from gtx.sweeps.study import FULL
 
 NEEDED = ["task", "model", "length", "family", "pattern", "mean", "ci_low", "ci_high", "edges_per_query", "train_flops"]
 
@@ -27,7 +27,7 @@ def frontier(table: pd.DataFrame) -> Figure:
     if table.empty or missing:
         raise GtxError(
             f"not a frontier table: {'no rows' if table.empty else 'missing ' + ', '.join(missing)}; "
-            "give gtx.experiments.frontier.frontier_table's or a <results>/frontiers/*.csv"
+            "give gtx.sweeps.frontier.frontier_table's or a <results>/frontiers/*.csv"
         )
     where = list(table.columns[: table.columns.get_loc("family")])  # task, model, length, swept settings
     panels = list(table.groupby(where, sort=False))

@@ -11,10 +11,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import task_metric
-from gtx.experiments.results import lower_is_better, metric_values, training_runs
-from gtx.experiments.stats import pareto_front
 from gtx.pictures.figure import new_figure
+from gtx.records.compare import task_metric
+from gtx.records.results import lower_is_better, metric_range, metric_values, training_runs
+from gtx.records.stats import pareto_front
 
 MAX_COLUMNS = 3  # groups side by side in the results figure: 7 in one row made it 3920 px wide
 
@@ -102,7 +102,7 @@ def results(df: pd.DataFrame, by: Sequence[str] = ("task", "model"), metric: str
     per pattern with error bars of the std over its runs (seeds) on both axes, the Pareto front as a
     dashed step line. Bottom: the valid metric per epoch, mean over runs, shaded +-1 std. ``metric``
     None: each task's own (``own_metric``: bpc for text, query_acc for recall), so a panel must not
-    mix tasks judged by different metrics. Computed from ``gtx.experiments.results.load``'s per-epoch
+    mix tasks judged by different metrics. Computed from ``gtx.records.results.load``'s per-epoch
     rows; GtxError if there are no runs, the metric has no values, or a panel would mix metrics."""
     by = list(by)
     if df.empty:
@@ -143,14 +143,16 @@ def _tradeoff(ax, runs: pd.DataFrame, points: list[str], colors: dict, metric: s
         sy=("value", "std"),
         n=("run_id", "count"),
     )
+    y_range = metric_range(metric)
     for key, s in stats.iterrows():
         label = _label(key)
-        # std of a single run is NaN: no bar rather than no point
+        # std of a single run is NaN: no bar rather than no point; a bar ends where the values can
+        # (tokens/s at 0, an accuracy at 0 and 1), never past it (throughput's reached -2,000)
         ax.errorbar(
             s.x,
             s.y,
-            xerr=np.nan_to_num(s.sx),
-            yerr=np.nan_to_num(s.sy),
+            xerr=_bar(s.x, s.sx, (0.0, np.inf)),
+            yerr=_bar(s.y, s.sy, y_range),
             fmt="o",
             capsize=3,
             color=colors[label],
@@ -162,8 +164,17 @@ def _tradeoff(ax, runs: pd.DataFrame, points: list[str], colors: dict, metric: s
     ax.step(fx, fy, where="pre", color="0.4", linestyle="--", linewidth=1, zorder=0, label="Pareto front")
     ax.plot(fx, fy, linestyle="none", marker="o", markersize=13, markerfacecolor="none", markeredgecolor="0.4")
     ax.set(xlabel="training tokens/s (last epoch)", ylabel=f"{metric} ({'higher' if higher else 'lower'} is better)")
+    # the autoscaled view's margin must not reach below what the values can be (0 tokens/s, an accuracy of 0)
+    ax.set_xlim(left=max(ax.get_xlim()[0], 0.0))
+    ax.set_ylim(bottom=max(ax.get_ylim()[0], y_range[0]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _bar(mean: float, std: float, limits: tuple[float, float]) -> list[list[float]]:
+    """An error bar of +-std about ``mean`` as matplotlib takes it ([[below], [above]]), cut at ``limits``."""
+    std = float(np.nan_to_num(std))
+    return [[max(0.0, min(std, mean - limits[0]))], [max(0.0, min(std, limits[1] - mean))]]
 
 
 def _curves(ax, curves: pd.DataFrame, points: list[str], colors: dict, base: str) -> None:
@@ -174,8 +185,14 @@ def _curves(ax, curves: pd.DataFrame, points: list[str], colors: dict, base: str
         label = _label(key)
         s = rows.groupby("epoch").value.agg(["mean", "std"]).fillna({"std": 0.0})  # one run: no band
         ax.plot(s.index, s["mean"], marker=".", color=colors[label], label=label)
+        low, high = metric_range(base)
         ax.fill_between(
-            s.index, s["mean"] - s["std"], s["mean"] + s["std"], color=colors[label], alpha=0.2, linewidth=0
+            s.index,
+            (s["mean"] - s["std"]).clip(lower=low),
+            (s["mean"] + s["std"]).clip(upper=high),
+            color=colors[label],
+            alpha=0.2,
+            linewidth=0,
         )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="epoch", ylabel=f"valid {base} (mean +- std over runs)")

@@ -72,7 +72,7 @@ def register_commands(cli):
 def register_loggers(register):
     """Register run loggers: ``register(name, logger_cls)``; ``gtx run --log NAME`` (repeatable) uses one.
 
-    ``logger_cls(run_id, results_dir)`` is a ``gtx.experiments.loggers.Logger``: ``start(config)`` before the
+    ``logger_cls(run_id, results_dir)`` is a ``gtx.run.loggers.Logger``: ``start(config)`` before the
     first epoch (``config``: the run's resolved configuration, a JSON-ready dict), ``epoch_end(epoch,
     rows)`` after each epoch's rows are written (``rows``: that epoch's train and valid rows, dicts
     in the results schema), ``end(rows, status)`` once, with every row of the run and ``status``

@@ -47,7 +47,7 @@ def _builtin_dirs() -> tuple[Path, ...]:
 
 
 BUILTIN_DIRS = _builtin_dirs()
-DEFAULT_PLUGINS = ("gtx.backends", "gtx.experiments.loggers")
+DEFAULT_PLUGINS = ("gtx.backends", "gtx.run.loggers")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
 
 pm = pluggy.PluginManager("gtx")

@@ -7,9 +7,7 @@ sample's final states (mean pooling, as LRA's encoders do) and predicts one labe
 import torch
 from torch import nn
 
-from gtx import hookimpl
-from gtx.model.layers import Output
-from gtx.model.stack import SelfAttentionStack, StackConfig
+from gtx import Output, SelfAttentionStack, StackConfig, hookimpl
 
 
 class EncoderClassifier(SelfAttentionStack):

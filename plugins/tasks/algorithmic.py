@@ -5,9 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gtx import hookimpl
-from gtx.data.task import Task, Vocab, disjoint_splits
-from gtx.values import setting
+from gtx import Task, Vocab, disjoint_splits, hookimpl, setting
 
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 DIGITS = [str(d) for d in range(10)]
@@ -24,7 +22,7 @@ class LetterConfig:
 
 
 class LetterTask(Task):
-    """Sequences of letters a-z with lengths int(N(15, 3)) clipped to >= 1 (the seeds' data)."""
+    """Sequences of letters a-z with lengths int(N(15, 3)) clipped to >= 1 (the DGL tutorial's data)."""
 
     def transform(self, seq: list[str]) -> list[str]:
         raise NotImplementedError

@@ -9,9 +9,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from gtx import hookimpl
-from gtx.data.task import Task, edit_distance, stable_fraction
-from gtx.values import setting
+from gtx import Task, edit_distance, hookimpl, setting, stable_fraction
 
 WORD = re.compile(r"[a-z']+\Z")
 

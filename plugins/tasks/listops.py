@@ -13,9 +13,7 @@ is classification accuracy. ``preset=lra`` takes the paper's sizes: 500-2000 tok
 import random
 from dataclasses import dataclass, field
 
-from gtx import hookimpl
-from gtx.data.task import Task, Vocab
-from gtx.values import setting
+from gtx import Task, Vocab, hookimpl, setting
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
 CLOSE = "]"

@@ -30,9 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gtx import hookimpl
-from gtx.data.task import Task, Vocab, disjoint_splits, grouped_accuracy
-from gtx.values import setting
+from gtx import Task, Vocab, disjoint_splits, grouped_accuracy, hookimpl, setting
 
 FILLER = (
     "The grass is green and the sky is blue.",

@@ -53,9 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gtx import hookimpl
-from gtx.data.task import Task, Vocab, disjoint_splits, grouped_accuracy
-from gtx.values import setting
+from gtx import Task, Vocab, disjoint_splits, grouped_accuracy, hookimpl, setting
 
 FIRST_BUCKET = 32  # distances 0..31 share the first bucket: within a local:w=32 window
 PLACEMENTS = ("power", "uniform")

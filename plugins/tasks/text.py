@@ -37,9 +37,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gtx import hookimpl
-from gtx.data.task import Task, Vocab
-from gtx.values import setting
+from gtx import Task, Vocab, hookimpl, setting
 
 BUILTIN = Path(__file__).resolve().parent / "data" / "kjv.txt.xz"
 PERCENT = (90, 95)  # the train/valid and valid/test boundaries, in percent of the text

@@ -9,10 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gtx import hookimpl
-from gtx.data.task import Task, Vocab
-from gtx.errors import GtxError
-from gtx.values import setting
+from gtx import GtxError, Task, Vocab, hookimpl, setting
 
 FILES = {"train": "train", "valid": "val", "test": "test"}
 

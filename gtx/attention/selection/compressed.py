@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gtx.attention.selection.blocks import chunk_scale, pad_samples, unpad_samples
+from gtx.attention.selection.blocks import pad_samples, unpad_samples
 from gtx.attention.selection.choice import softmax_
+from gtx.attention.selection.kernels import record, use_triton
+from gtx.attention.selection.token_tiles import chunk_scale
 
 ROWS = 512  # query rows attended at once
 # query rows weighed at once for a choice: its scores are rows x compressed blocks, so smaller
@@ -54,12 +56,21 @@ def attend_compressed(
     lens: list[int],
     ends: torch.Tensor,
     weight: torch.Tensor | None = None,
+    stage: str = "dd",
 ) -> torch.Tensor:
     """Each query over the compressed blocks it sees: q (n, H, D) pre-scaled rows of samples
     ``lens``; kc, vc (B, m, H, D) the samples' compressed keys and values; ``weight`` (n, H) or None:
     each output row scaled by it (NSA's gate). Returns (n, H, Dv), on SDPA's kernel a block of query
     rows at a time, each block recomputed in the backward (checkpoint) with its mask and weights:
-    the backward keeps q, kc, vc and the weight, not SDPA's state, the masks or the output."""
+    the backward keeps q, kc, vc and the weight, not SDPA's state, the masks or the output. Where
+    ``kernels.use_triton``, one fused Triton kernel runs it instead (``triton_blocks.compressed``);
+    the kernel that ran is recorded under ``stage``."""
+    if use_triton(q.device):
+        from gtx.attention.selection import triton_blocks
+
+        record(stage, "triton:compressed")
+        return triton_blocks.compressed(q, kc, vc, lens, ends, weight)
+    record(stage, "sdpa:compressed")
     qp = pad_samples(q, lens, max(lens)).transpose(1, 2)  # (B, H, L, D)
     kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, H, m, D)
     wp = None if weight is None else pad_samples(weight[..., None], lens, max(lens)).transpose(1, 2)  # (B, H, L, 1)

@@ -6,8 +6,9 @@ and one index key per token k (N, d). Nothing here holds an n x n matrix: the ch
 of query rows at a time; the KL reads only the kept keys. On the CPU in float32 the C kernels of
 ``index_kernel.c`` fuse each step (scores and a candidate buffer with quickselect; scores, KL and
 its gradients), and ``dense_kernel.c`` the dense KL's element-wise steps between torch's products;
-elsewhere the same definitions run as torch ops. The choice may score in int8 (``top_indexed``'s
-``precision``), the KL always in float32.
+where ``kernels.use_triton`` says (CUDA by default; before the C kernels), the Triton kernels of
+``triton_index`` (the choice in float32, the sparse KL); elsewhere the same definitions run as torch ops. The choice may
+score in int8 (``top_indexed``'s ``precision``), the KL always in float32.
 
 Positions enter before scoring: ``rotate`` turns the leading dimensions of index queries and keys
 by their tokens' positions (``rotary_angles``), so the kernels score rotated vectors as any others.
@@ -22,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gtx import native
+from gtx.attention.selection import kernels
 from gtx.attention.selection.choice import PRECISIONS, int8_scores, top_native, top_scored
 from gtx.graph.tokens import EdgeSet
 
@@ -81,24 +83,37 @@ def kl_masked(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 def top_indexed(iq, w, ik, edges: EdgeSet, count: int, precision: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """Per query, the ``count`` candidate keys (complete or causal, ``edges.root.structure``) with the
-    highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C
-    kernel) and valid (n, K) (invalid slots hold key 0). No gradient. ``precision`` "int8": ranked by
+    highest index score, equal scores preferring the later key: key ids (n, K) (int32 from the C and
+    Triton kernels) and valid (n, K) (invalid slots hold key 0). No gradient. ``precision`` "int8": ranked by
     the scores of queries and keys quantised per token (``gtx.attention.selection.choice.int8_scores``), as
-    DeepSeek's indexer runs in FP8; on the CPU on int8 dot products."""
+    DeepSeek's indexer runs in FP8; on the CPU on int8 dot products. Records the kernel that ran under
+    ``edges.stage`` (``kernels.record``: ``triton:index``, ``c:index`` or ``torch:index``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"index precision {precision!r}: one of {', '.join(PRECISIONS)}")
     int8 = precision == "int8"
+    if not int8 and kernels.use_triton(iq.device):
+        from gtx.attention.selection import triton_index  # imports triton: only where it runs
+
+        if triton_index.serves(iq.shape[1], iq.shape[2], count):
+            kernels.record(edges.stage, "triton:index")
+            return triton_index.top_indexed(iq, w, ik, edges, count)
     if native.kernel("index_kernel", iq, w, ik) is None:
+        kernels.record(edges.stage, "torch:index")
         score = int8_scores if int8 else index_scores
         return top_scored(
             edges, count, lambda block, keys: score(iq[block], w[block], ik[keys]), ROWS, later_first=True
         )
+    kernels.record(edges.stage, "c:index")
     return top_native(iq, w, ik, edges, count, int8=int8)
 
 
 def index_kl(p, iq, w, ik, keys, valid) -> torch.Tensor:
     """sum over queries of KL(p || softmax(I over the kept keys)): targets p (n, K) over keys (n, K)
     (valid (n, K)); gradients reach iq, w and ik only. Never an (n, K, d) copy of index keys."""
+    if kernels.use_triton(iq.device):
+        from gtx.attention.selection import triton_index
+
+        return triton_index.index_kl(p, iq, w, ik, keys, valid)
     if native.kernel("index_kernel", iq, w, ik) is not None:
         return _IndexKL.apply(p, iq, w, ik, keys, valid)
 

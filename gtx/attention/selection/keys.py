@@ -1,9 +1,11 @@
 """Token-level selections: per query and head, the keys it reads (``topk``, ``dsa``).
 
-``attend_keys`` runs a ``KeySelection`` on the CPU in float32 on a C kernel (``keys_kernel.c``) that
-reads the selected keys where they lie; elsewhere a block of query rows at a time, gathering them.
-Either way the backward recomputes the scores from the saved log-sum-exp, as FlashAttention does,
-and no n x K x D copy of the keys exists.
+``attend_keys`` runs a ``KeySelection`` on one of three kernels (``gtx.attention.selection.kernels``
+chooses): fused Triton kernels (``triton_keys``: on CUDA, or under Triton's interpreter); on the
+CPU in float32 a C kernel (``keys_kernel.c``) that reads the selected keys where they lie;
+elsewhere torch ops over a block of query rows at a time, gathering them. Each backward recomputes
+the scores from the saved log-sum-exp, as FlashAttention does, and no n x K x D copy of the keys
+outlives a block of rows.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gtx import native
+from gtx.attention.selection import kernels
 from gtx.graph.tokens import EdgeSet
 
 RANGE_SHIFT = (
@@ -27,33 +30,57 @@ _ACCELERATOR_CHUNK = 1 << 24
 
 @dataclass
 class KeySelection:
-    """Per query and head, the keys it attends to: ``keys`` (n_dst, H, K) key ids (int64, or int32 as
-    the C kernels make them), ``valid`` (n_dst, H, K) (a query with fewer candidates than K leaves
-    slots invalid). Made from complete or causal candidates without listing their edges (``topk``);
-    a selection shared by the heads may be an expanded view."""
+    """Per query and head group, the keys it attends to: ``keys`` (n_dst, H // group, K) key ids
+    (int64, or int32 as the C kernels make them) and ``valid`` (n_dst, H // group, K) bool (a query
+    with fewer candidates than K leaves slots invalid; an invalid slot's id still lies among the
+    keys). Head h reads row h // group: ``group`` adjacent heads share one choice (1: each head its
+    own, as ``topk``'s; H: one for all, as DSA's indexer makes it), and a kernel reads a shared key's
+    heads as one span. Made from complete or causal candidates without listing their edges."""
 
     keys: torch.Tensor
     valid: torch.Tensor
+    group: int = 1
+
+    def per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` and ``valid`` as (n_dst, H, K), one row per head: a view where each head has its
+        own row or all share one (head stride 0), else a copy."""
+        if self.group == 1:
+            return self.keys, self.valid
+        if self.keys.shape[1] == 1:
+            heads = self.group
+            return self.keys.expand(-1, heads, -1), self.valid.expand(-1, heads, -1)
+        return self.keys.repeat_interleave(self.group, 1), self.valid.repeat_interleave(self.group, 1)
 
     def per_query(self) -> torch.Tensor:
         """(n_dst,) keys each query reads, the mean over heads (``gtx.attention.budget``)."""
-        return self.valid.sum(-1).to(torch.float64).mean(1)
+        return self.valid.sum(-1).to(torch.float64).mean(1)  # each group holds as many heads: its mean is theirs
 
     def edges_per_head(self) -> float:
         return float(self.per_query().sum())
 
     def as_mask(self, edges: EdgeSet) -> torch.Tensor:
         """The same choice as a keep mask (E, H) over the candidate edges."""
-        hit = (self.keys[edges.dst] == edges.src[:, None, None]) & self.valid[edges.dst]  # (E, H, K)
-        return hit.any(-1)
+        hit = (self.keys[edges.dst] == edges.src[:, None, None]) & self.valid[edges.dst]  # (E, H // group, K)
+        hit = hit.any(-1)
+        return hit if self.group == 1 else hit.repeat_interleave(self.group, 1)
 
 
 def attend_keys(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, edges: EdgeSet, sel: KeySelection, probs: bool = False
 ):
-    """Attention of each query and head over its selected keys: (n, H, D) in and out. ``probs``: also
-    the attention weights averaged over the heads, (n, K), without gradient (DSA's indexer target)."""
-    out, mean_p = _KeyAttention.apply(q, k, v, sel.keys, sel.valid)
+    """Attention of each query and head over its selected keys: q (n, H, D), k (N, H, D), v (N, H, E)
+    in, (n, H, E) out in q's dtype (scores q . k: q arrives scaled). ``probs``: also the attention
+    weights averaged over the heads, (n, K) without gradient (DSA's indexer target; float32 on the
+    Triton and C kernels, q's dtype on torch ops). Records the kernel that ran under ``edges.stage``
+    (``kernels.record``: ``triton:keys``, ``c:keys`` or ``torch:keys``)."""
+    if kernels.use_triton(q.device):
+        from gtx.attention.selection import triton_keys  # imports triton: only where it runs
+
+        kernels.record(edges.stage, "triton:keys")
+        out, mean_p = triton_keys.attend(q, k, v, sel.keys, sel.valid, sel.group, probs)
+    else:
+        kernels.record(edges.stage, "c:keys" if native.kernel("keys_kernel", q, k, v) is not None else "torch:keys")
+        out, mean_p = _KeyAttention.apply(q, k, v, *sel.per_head())
     out = out if edges.keep is None else out * edges.keep[:, None, None].to(out.dtype)
     return (out, mean_p) if probs else out
 

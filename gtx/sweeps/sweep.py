@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint, claims
-from gtx.experiments.grid import MAX_CELLS, Grid
+from gtx.records import checkpoint, claims
+from gtx.sweeps.grid import MAX_CELLS, Grid
 
 
 @dataclass
@@ -53,7 +53,7 @@ def _label(config, swept: Iterable[str]) -> str:
 def cell_states(results_dir: str | Path) -> dict[str, tuple[bool, str, bool]]:
     """cell key -> (has a complete run, run id of its latest run, its complete runs predate schema 4),
     from the training rows under ``results_dir`` (``results.load`` recomputes the older files' keys)."""
-    from gtx.experiments.results import KEYED_SINCE, load
+    from gtx.records.results import KEYED_SINCE, load
 
     df = load(results_dir)
     df = df[df.eval_of.isna() & df.cell.notna()]
@@ -76,8 +76,8 @@ def last_checkpoint(results_dir: str | Path, run_id: str) -> Path:
 def plan(grid: Grid, results_dir: str | Path) -> list[Cell]:
     """Every distinct cell, checked and keyed (seed varies slowest, so an interrupted sweep leaves whole seeds);
     raises GtxError naming the first bad cell before anything runs."""
-    from gtx.experiments.runner import RunConfig, cell_key
     from gtx.plugins.registry import BACKENDS
+    from gtx.run.runner import RunConfig, cell_key
 
     for name in grid.backend:
         BACKENDS.get(name)  # cell_key does not look at the backend; availability is the run's business
@@ -236,7 +236,7 @@ def execute(
     """Run the cells not marked skip, ``jobs`` at a time, each as ``python -m gtx.cli run ...`` (under
     torchrun with ``nproc`` processes when ``nproc`` > 1) with its
     output appended to ``log_dir/<index>.log``; a failing cell is reported and the others go on. A
-    cell is claimed first (``gtx.experiments.claims``): one that another sweep holds is counted, not run."""
+    cell is claimed first (``gtx.records.claims``): one that another sweep holds is counted, not run."""
     queue = [c for c in cells if c.action != "skip"]
     env = child_env(jobs * nproc)
     log_dir.mkdir(parents=True, exist_ok=True)

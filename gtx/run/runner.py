@@ -1,10 +1,10 @@
 """The runner: train and evaluate a run, checkpoint it, resume it; append its
-results. Knows nothing of click. (A checkpoint evaluated: ``gtx.experiments.evaluation``.)
+results. Knows nothing of click. (A checkpoint evaluated: ``gtx.run.evaluation``.)
 
-    from gtx.experiments.runner import RunConfig, run
+    from gtx.run.runner import RunConfig, run
     table = run(RunConfig(task="sort", model="ut", pattern="local:w=4", settings={"dim": "64"}))
 
-A run writes, after every epoch, its checkpoint (``gtx.experiments.checkpoint``) and then its rows: a run
+A run writes, after every epoch, its checkpoint (``gtx.records.checkpoint``) and then its rows: a run
 killed at any moment leaves a checkpoint holding at least the rows on disk, so ``resume`` never
 duplicates or loses an epoch.
 """
@@ -22,25 +22,26 @@ import torch
 
 from gtx.attention.module import Attention
 from gtx.attention.trainable import check_untrained, stages_of
-from gtx.backends import get_backend
 from gtx.data.batch import batches
 from gtx.errors import GtxError, Interrupted
-from gtx.experiments import checkpoint, distributed
-from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
-from gtx.experiments.config import (
-    DEFAULT_BACKEND,
+from gtx.files import NoSpace, check_space
+from gtx.records import checkpoint, claims
+from gtx.records.layout import ResultsFolder
+from gtx.records.results import SCHEMA_VERSION, scalar_metrics, write_run
+from gtx.records.run_config import DEFAULT_BACKEND, RunConfig
+from gtx.records.runref import resolve_run
+from gtx.run import distributed
+from gtx.run.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
+from gtx.run.config import (
     Resolved,
-    RunConfig,
     cell_key,
     complete_note,
     resolve,
     resolve_configs,
     resolve_device,
 )
-from gtx.experiments.loggers import Loggers
-from gtx.experiments.results import SCHEMA_VERSION, scalar_metrics, write_run
-from gtx.experiments.runref import resolve_run
-from gtx.experiments.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
+from gtx.run.loggers import Loggers
+from gtx.run.train import NonFiniteLoss, PhaseStats, Trainer, evaluate
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -70,22 +71,23 @@ def _resume_state(run_id: str, results_dir: str) -> tuple[dict, RunConfig]:
         raise GtxError(f"--resume: {e}") from None
     path = checkpoint.checkpoint_dir(results_dir, run_id) / checkpoint.LAST
     if not path.is_file():
-        known = sorted(p.parent.name for p in (Path(results_dir) / "checkpoints").glob(f"*/{checkpoint.LAST}"))
+        folder = ResultsFolder(results_dir).checkpoints()
+        known = sorted(p.parent.name for p in folder.glob(f"*/{checkpoint.LAST}"))
         raise GtxError(
-            f"--resume {run_id}: no checkpoint of that run under {Path(results_dir) / 'checkpoints'} (killed in its first epoch, "
+            f"--resume {run_id}: no checkpoint of that run under {folder} (killed in its first epoch, "
             f"or removed); resumable runs there: {', '.join(known[-5:]) or '(none)'}"
         )
     state = checkpoint.load(path)
-    owner = json.loads(state["common"])["run_id"]
-    if owner != run_id:
-        raise GtxError(
-            f"--resume {run_id}: {path} is a checkpoint of run {owner}, not of {run_id}; resume {owner} from its own folder"
-        )
+    checkpoint.require(state, path, checkpoint.RESUMABLE)
+    try:
+        checkpoint.owner(state, path)
+    except GtxError as e:
+        raise GtxError(f"--resume {run_id}: {e}") from None
     if any(row["split"] == "test" for row in checkpoint.rows_of(state)):
         raise GtxError(
             f"--resume {run_id}: that run is finished (it has test rows); start a new run, or gtx eval {path.parent / checkpoint.BEST}"
         )
-    return state, RunConfig(**{**state["run_config"], "results_dir": results_dir})
+    return state, dataclasses.replace(checkpoint.run_config(state), results_dir=results_dir)
 
 
 @dataclasses.dataclass
@@ -107,6 +109,7 @@ class _Run:
     say: Callable[[str], None]
     progress: Progress | None
     note: str | None = None  # the full-attention note, said at most once
+    kept: int = 0  # the epoch its last.pt holds (0: none), what --resume continues after
 
     @property
     def checkpoints(self) -> Path:
@@ -166,16 +169,17 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     if resume is not None:
         state, config = _resume_state(resume, config.results_dir)
     resolved = resolve(config)
+    config = resolved.config  # its settings as resolved: what the checkpoint stores
     if not resolved.train.epochs and state is None:
         check_untrained(resolved.chosen, resolved.model_config, "--epochs 0")
-    if resolved.train.epochs and not get_backend(config.backend, resolved.device).trains_on(resolved.device):
+    if resolved.train.epochs and not resolved.backend.trains_on(resolved.device):
         raise GtxError(
             f"backend {config.backend!r} has no backward on {resolved.device}, so it cannot train; train with --backend "
             f"auto and evaluate under {config.backend!r} (gtx eval RUN --backend {config.backend}), or run --epochs 0"
         )
     world, resolved.device = distributed.setup(resolved.device)
     torch.manual_seed(config.seed)
-    attention = build_attention(resolved, config.backend)
+    attention = build_attention(resolved)
     model = build_model(resolved, attention)
     width = getattr(resolved.model_config, "dim", 128)
     trainer = Trainer(model, resolved.train, width, resolved.device, resolved.task, world)
@@ -198,6 +202,9 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     run = _Run(
         config, resolved, world, attention, model, trainer, common, rows, start, best, state, results_dir, say, progress
     )
+    run.kept = start - 1
+    if resolved.train.epochs and world.main:  # a full device is refused before an epoch is trained for nothing
+        check_space(results_dir, 3 * sum(p.numel() * p.element_size() for p in model.parameters()))
     run.note = complete_note(resolved)
     if run.note:
         say(run.note)
@@ -233,6 +240,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         decode_limit=train.decode_valid,
         precision=train.precision,
         on_batch=run.tick(f"epoch {epoch} valid", "valid", train.eval_batch_size),
+        decode_pattern=resolved.decode,
     )
     run.judge(valid, epoch)
     new.append(result_row(run.common, epoch, "valid", valid, run.attention, stages_of(run.model)))
@@ -252,8 +260,9 @@ def _finite(run: _Run, row: dict) -> None:
 
 
 def _save_epoch(run: _Run, epoch: int, new: list[dict], loggers: Loggers) -> None:
-    """Checkpoint (last, and best on a new lowest validation loss), then the rows: on disk, a
-    checkpoint always holds at least the rows written."""
+    """Checkpoint (best on a new lowest validation loss, then last), then the rows: on disk, a
+    checkpoint always holds at least the rows written, and best.pt is never older than the
+    best_valid_loss last.pt records (a run stopped between the two redoes the epoch on resume)."""
     run.rows += new
     best_now = new[-1]["loss"] < run.best
     run.best = min(run.best, new[-1]["loss"])
@@ -271,9 +280,10 @@ def _save_epoch(run: _Run, epoch: int, new: list[dict], loggers: Loggers) -> Non
         "rng": rng,
         "vocab": {"src": task.src_vocab.itos, "tgt": task.tgt_vocab.itos},
     }
-    checkpoint.save(run.checkpoints / checkpoint.LAST, run.snapshot)
     if best_now:
         checkpoint.save(run.checkpoints / checkpoint.BEST, run.snapshot)
+    checkpoint.save(run.checkpoints / checkpoint.LAST, run.snapshot)
+    run.kept = epoch
     write_run(run.results_dir, run.common["run_id"], run.rows)
     loggers.call("epoch_end", epoch, new)
 
@@ -290,6 +300,7 @@ def _test(run: _Run, last: int) -> None:
         beam=getattr(resolved.task_config, "beam", 1),
         precision=resolved.train.precision,
         on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
+        decode_pattern=resolved.decode,
     )
     run.rows.append(result_row(run.common, last, "test", test, run.attention, stages_of(run.model)))
     _finite(run, run.rows[-1])
@@ -312,19 +323,30 @@ def run(
     per-batch callback (the CLI's progress bar). Under torchrun, every rank calls this; rank 0 writes.
     """
     run = _prepare(config, resume, progress, log)
+    if not run.world.main:
+        return _train_and_test(run, config)
+    with claims.run_lock(run.checkpoints, run.common["run_id"], run.results_dir):  # one process trains a run
+        return _train_and_test(run, config)
+
+
+def _train_and_test(run: _Run, config: RunConfig) -> pd.DataFrame:
+    """``run``'s epochs from its start, then its test split; what stops it is one line."""
     run_id, epochs = run.common["run_id"], run.resolved.train.epochs
     loggers = Loggers(config.loggers if run.world.main else [], run_id, run.results_dir)
     loggers.call("start", json.loads(run.common["config"]))
     # last: the latest epoch that trained (--max-steps can stop inside one), what the test row is labelled
     epoch = last = run.start - 1
+    where = f"in epoch {run.start}"
     status = "failed"
     run.attention.reset_choices(), run.attention.take_reads(), run.attention.reset_stats()
     try:
         for epoch in range(run.start, epochs + 1) if epochs else [0]:
             if run.trainer.done:
                 break
+            where = f"in epoch {epoch}"
             _save_epoch(run, epoch, _epoch(run, epoch), loggers)
             last = epoch
+        where = "in its test phase"
         _test(run, last)
         status = "finished"
     except NonFiniteLoss as e:
@@ -340,6 +362,14 @@ def run(
             else "lower --set lr_factor, or raise --set warmup"
         )
         raise GtxError(f"run {run_id} stopped in epoch {epoch}: {e}; {kept}; {fix}") from None
+    except NoSpace as e:
+        kept = (
+            f"epochs up to {run.kept} are kept in its checkpoint; free space there, then continue with: "
+            f"gtx run --resume {run_id} --results {run.results_dir}"
+            if run.kept
+            else "nothing of it is kept; free space there, then run it again"
+        )
+        raise GtxError(f"run {run_id} stopped {where}: no space left on the device of {e.folder}; {kept}") from None
     except KeyboardInterrupt:
         status = "interrupted"
         raise RunInterrupted(

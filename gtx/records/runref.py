@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint
+from gtx.records import checkpoint
+from gtx.records.layout import ResultsFolder
 
 
 def short_id(run_id: str) -> str:
@@ -24,9 +25,9 @@ def short_id(run_id: str) -> str:
 
 def run_ids(results_dir: str | Path) -> list[str]:
     """Every run under ``results_dir`` (results table or checkpoint folder), oldest first (ids start with their start time)."""
-    root = Path(results_dir)
-    tables = {p.stem for p in (root / "runs").glob("*.csv") if not p.name.startswith(".")}  # '.': a table being written
-    folders = {p.name for p in (root / "checkpoints").glob("*") if p.is_dir()}
+    root = ResultsFolder(results_dir)
+    tables = {p.stem for p in root.runs().glob("*.csv") if not p.name.startswith(".")}  # '.': a table being written
+    folders = {p.name for p in root.checkpoints().glob("*") if p.is_dir()}
     return sorted(tables | folders)
 
 

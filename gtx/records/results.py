@@ -19,6 +19,7 @@ import pandas as pd
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
 from gtx.files import atomic_write
+from gtx.records.layout import ResultsFolder
 
 SCHEMA_VERSION = 5
 KEYED_SINCE = 4  # cell and experiment keys as today's: older files are rekeyed on load
@@ -34,6 +35,9 @@ ADDED = {
 }
 #: the resolved configs an experiment's identity holds, as stored in the ``config`` column
 CONFIG_PARTS = ("model_config", "task_config", "train")
+#: settings added after runs were stored, per config part, at the value under which a run does what
+#: runs did before them: left out of what a run stores and of its identity there, so no run's keys change
+OPTIONAL_SETTINGS = {"train": {"decode_pattern": ""}}
 
 #: name -> pandas dtype, in column order
 COLUMNS: dict[str, str] = {
@@ -57,7 +61,7 @@ COLUMNS: dict[str, str] = {
     "tokens_per_s": "float64",  # tokens computed per second of wall time (decoder tokens; encoder tokens for classify)
     "wall_s": "float64",  # wall time of the phase (s)
     "peak_mem_mb": "float64",  # CUDA: peak allocated in the phase; CPU: peak RSS of the process
-    "flops": "float64",  # floating-point operations of the phase, counted (gtx.experiments.cost); train: forward and backward
+    "flops": "float64",  # floating-point operations of the phase, counted (gtx.run.cost); train: forward and backward
     "attn_flops": "float64",  # the attention's share of flops (q.k and the sum over v, on the edges attended); NaN before schema 5
     "context_len": "Int64",  # the longest sequence of the phase (tokens); <NA> in schema 1 files
     # keys read over the keys the stages allow (dd: the causal triangle; plus keys a method offers, NSA's compressed ones);
@@ -70,7 +74,7 @@ COLUMNS: dict[str, str] = {
     "edges_per_query_ed": "float64",
     "act_mean_steps": "float64",  # mean steps per node (ACT models), else NaN
     "n_params": "int64",
-    "metrics": "string",  # JSON: task metrics (bleu, per, ...) and decode timing
+    "metrics": "string",  # JSON: task metrics (bleu, per, ...), decode timing; tasks scored by generation: each sample's outcome
     "backend_plan": "string",  # JSON: what the backend chose per stage, where it chooses
     "config": "string",  # JSON: the full resolved run configuration
     "gtx_version": "string",
@@ -113,10 +117,46 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
         broken = [i for i, text in df[column].dropna().items() if _not_json(text)]
         if broken:
             raise ValueError(f"results: column {column} of row {broken[0]} is not JSON")
+    for column, (low, high) in RANGES.items():
+        values = df[column].astype("float64")
+        # a share summed in floats (keys read, mean over heads) may pass 1 by a rounding error
+        outside = values.notna() & ~(values.between(low, high * (1 + 1e-9)) & np.isfinite(values))
+        if outside.any():
+            i = outside.idxmax()
+            interval = f"[{low:g}, {high:g}]" if np.isfinite(high) else f"[{low:g}, inf)"
+            raise ValueError(
+                f"results: column {column} of row {i} holds {values[i]}, which it cannot: a finite number in {interval}"
+            )
     return df
 
 
 JSON_COLUMNS = ("metrics", "backend_plan", "config")
+#: the values a numeric column can hold (NaN aside where the column allows it); never infinite.
+#: Accuracies and density are shares (density: keys read over keys allowed, never above 1); the rest
+#: counts, sizes, times and losses.
+RANGES: dict[str, tuple[float, float]] = {
+    **{c: (0.0, 1.0) for c in ("token_acc", "seq_acc", "density")},
+    **{
+        c: (0.0, np.inf)
+        for c in (
+            "schema_version",
+            "seed",
+            "epoch",
+            "loss",
+            "tokens_per_s",
+            "wall_s",
+            "peak_mem_mb",
+            "flops",
+            "attn_flops",
+            "context_len",
+            "edges_per_query_ee",
+            "edges_per_query_dd",
+            "edges_per_query_ed",
+            "act_mean_steps",
+            "n_params",
+        )
+    },
+}
 
 
 def _not_json(text: str) -> bool:
@@ -136,13 +176,20 @@ def identity_keys(
     (schema 3 merged the task's settings over its name: two tasks with equal settings shared a key)."""
     ident = {
         "names": {"task": task, "model": model, "pattern": pattern, "backend": backend},
-        **{k: configs[k] for k in CONFIG_PARTS},
+        **{k: stored_settings(k, configs[k]) for k in CONFIG_PARTS},
     }
 
     def digest(d: dict) -> str:
         return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     return digest({**ident, "seed": seed}), digest(ident)
+
+
+def stored_settings(part: str, settings: dict) -> dict:
+    """One resolved config (``part``: ``train``, ...) as a run stores it: ``OPTIONAL_SETTINGS`` at their
+    as-before value left out."""
+    skip = OPTIONAL_SETTINGS.get(part, {})
+    return {k: v for k, v in settings.items() if k not in skip or v != skip[k]}
 
 
 def _rekey(df: pd.DataFrame) -> pd.DataFrame:
@@ -171,7 +218,7 @@ def write_run(results_dir: str | Path, run_id: str, rows: Sequence[dict]) -> Pat
     """Validate and (re)write one run's rows atomically; returns the file. One line, nothing written,
     where that file exists with a newer schema (``check_known_schema``)."""
     df = validate(pd.DataFrame(list(rows)))
-    path = Path(results_dir) / "runs" / f"{run_id}.csv"
+    path = ResultsFolder(results_dir).run_table(run_id)
     try:
         on_disk = pd.read_csv(path, usecols=["schema_version"], dtype=str).schema_version
     except (OSError, ValueError, pd.errors.ParserError):  # none yet, or one load would skip
@@ -186,7 +233,7 @@ def load(results_dir: str | Path) -> pd.DataFrame:
     Files written before schema 4 get their ``cell`` and ``experiment`` recomputed (``_rekey``); a
     file that does not parse or fit the schema is skipped with a warning, one of a newer schema
     refused (``check_known_schema``)."""
-    files = sorted((Path(results_dir) / "runs").glob("*.csv"))  # temporary files start with '.'
+    files = sorted(ResultsFolder(results_dir).runs().glob("*.csv"))  # temporary files start with '.'
     frames = []
     for f in files:
         try:
@@ -337,8 +384,8 @@ def cell_text(v) -> str:
 
 
 def scalar_metrics(metrics: dict) -> dict[str, float]:
-    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode timing left out."""
-    return {k: v for k, v in metrics.items() if isinstance(v, float) and k != "decode_s"}
+    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode and generation timing left out."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and k not in ("decode_s", "generate_s")}
 
 
 def metrics_json(d: dict) -> str:

@@ -4,42 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from gtx.attention.module import check_budget, check_pattern, check_trainable
-from gtx.backends import get_backend
+from gtx.backends import Backend, get_backend
 from gtx.data.batch import make_batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
-from gtx.experiments.results import identity_keys
-from gtx.experiments.train import PhaseStats, TrainConfig, check_precision
 from gtx.graph.pattern import Pattern
-from gtx.graph.spec import parse_pattern
+from gtx.graph.spec import build_pattern, parse_pattern
 from gtx.model.layers import model_forms
 from gtx.plugins.registry import LOGGERS, MODELS, TASKS
+from gtx.records.results import identity_keys, stored_settings
+from gtx.records.run_config import RunConfig
+from gtx.run.train import PhaseStats, TrainConfig, check_precision
 from gtx.values import out_of_range, parse_scalar
 
-DEFAULT_BACKEND = "auto"
 MAX_SEED = 2**31 - 1  # seeds derived from it (per epoch, per rank) stay within torch's and numpy's 64-bit range
 NEARLY_COMPLETE = 0.99  # density from which a pattern counts as full attention (complete_note)
-
-
-@dataclass
-class RunConfig:
-    """One experiment. ``settings`` are ``key=value`` strings for the model, task or training
-    configs (``dim=64``; prefix ``model.``, ``task.`` or ``train.`` where a key is ambiguous)."""
-
-    task: str = "copy"
-    model: str = "transformer"
-    pattern: str = "full"
-    backend: str = DEFAULT_BACKEND
-    device: str = "auto"
-    seed: int = 0
-    results_dir: str = "results"
-    settings: dict[str, str] = field(default_factory=dict)
-    loggers: list[str] = field(default_factory=list)  # names registered by register_loggers (--log)
 
 
 @dataclass
@@ -55,6 +39,7 @@ class Resolved:
     pattern: Pattern  # what the graphs use: the chosen pattern, wrapped by the model's modifier (ut: act)
     chosen: Pattern  # the pattern as chosen, canonical: the results' ``pattern`` column
     device: torch.device
+    backend: Backend  # ``config.backend`` found and checked usable on ``device``, once
     density: dict[str, float]  # per stage, on the first training batch: 1.0 is full attention
     cell: str  # Configs.keys(): the results' ``cell`` column
     experiment: str  # ... and its ``experiment`` column (the cell without the seed)
@@ -66,8 +51,13 @@ class Resolved:
             "device": str(self.device),
             "model_config": dataclasses.asdict(self.model_config),
             "task_config": dataclasses.asdict(self.task_config),
-            "train": dataclasses.asdict(self.train),
+            "train": stored_settings("train", dataclasses.asdict(self.train)),
         }
+
+    @property
+    def decode(self) -> Pattern:
+        """The pattern generated tokens read their keys by (``train.decode_pattern``; empty: the run's)."""
+        return parse_pattern(self.train.decode_pattern) if self.train.decode_pattern else self.pattern
 
 
 def parse_value(kind: str, name: str, key: str, raw: str, typ) -> object:
@@ -165,7 +155,11 @@ def resolve_configs(config: RunConfig) -> Configs:
             "train": ("train", TrainConfig),
         },
     )
+    config = dataclasses.replace(config, settings=_as_resolved(config.settings, cfg))
     chosen = parse_pattern(config.pattern)
+    if cfg["train"].decode_pattern:  # canonical, and empty where it is the run's own: one experiment either way
+        decode = parse_pattern(cfg["train"].decode_pattern).spec
+        cfg["train"].decode_pattern = "" if decode == chosen.spec else decode
     model_cls = model_entry.obj
     wrap = _modifier(model_cls, cfg["model"])
     if chosen.dynamic and not wrap:
@@ -174,8 +168,24 @@ def resolve_configs(config: RunConfig) -> Configs:
             f"not have: it would do nothing; use a model with ACT ({', '.join(_act_models())}), or drop the act(...)"
         )
     # a pattern already filtered at run time (act(P) given to a model that adds act itself) is not wrapped twice
-    pattern = parse_pattern(f"{wrap}({chosen.spec})") if wrap and not chosen.dynamic else chosen
+    pattern = build_pattern(wrap, {}, chosen) if wrap and not chosen.dynamic else chosen
     return Configs(config, task_entry, model_entry, cfg["model"], cfg["task"], cfg["train"], chosen, pattern)
+
+
+def _as_resolved(settings: dict[str, str], configs: dict[str, object]) -> dict[str, str]:
+    """``settings`` with each text setting as its config resolved it (hf's ``path``: absolute), so
+    that a run stored with them rebuilds the same from any working folder."""
+    out = {}
+    for key, raw in settings.items():
+        scope, _, short = key.rpartition(".")
+        owner = configs[scope] if scope else next(c for c in configs.values() if short in _fields(c))
+        value = getattr(owner, short)
+        out[key] = value if isinstance(value, str) else raw
+    return out
+
+
+def _fields(config) -> set[str]:
+    return {f.name for f in dataclasses.fields(config)}
 
 
 def _modifier(model_cls, model_config) -> str | None:
@@ -221,12 +231,36 @@ def check_positions(config: RunConfig, model_config, max_len: int | None, length
     )
 
 
+def check_batch_size(config: RunConfig, train: TrainConfig, examples: int) -> None:
+    """One line when a batch size the user gave is larger than the training split: a number that
+    cannot be meant (the task's own default may be, for a small split: one batch an epoch)."""
+    given = any(key.rpartition(".")[2] == "batch_size" for key in config.settings)
+    if given and train.epochs and train.batch_size > examples:
+        raise GtxError(
+            f"--batch-size {train.batch_size}: task {config.task!r} has {examples:,} training examples, fewer than one "
+            f"batch; give at most {examples:,} (one batch an epoch), or more examples"
+        )
+
+
+def check_beam(beam: int, task: Task, given: str) -> None:
+    """One line when a beam (``given``: the option that set it, with its value) is wider than the target vocabulary: its
+    hypotheses per sample times the batch are held at once (a beam of 100,000 ran out of memory),
+    and a wider beam than the tokens a step chooses from is not what anyone means."""
+    if task.form == "seq2seq" and beam > len(task.tgt_vocab):
+        raise GtxError(
+            f"{given}: task {task.name!r} decodes from {len(task.tgt_vocab)} target tokens; "
+            f"give a beam of at most {len(task.tgt_vocab)}"
+        )
+
+
 def resolve(config: RunConfig) -> Resolved:
     """Check everything a run needs, in the order a user fixes it; writes nothing."""
     c = resolve_configs(config)
+    config = c.config  # its text settings as resolved
     device = resolve_device(config.device)
     check_precision(c.train.precision)
-    check_pattern(c.pattern, get_backend(config.backend, device), getattr(c.model, "heads", None))
+    backend = get_backend(config.backend, device)
+    check_pattern(c.pattern, backend, getattr(c.model, "heads", None))
     task = c.task_entry.obj(config.task, c.task)
     tokenizer = getattr(c.model_entry.obj, "tokenizer", None)
     task.tokenizer = tokenizer(c.model) if tokenizer else None
@@ -237,9 +271,12 @@ def resolve(config: RunConfig) -> Resolved:
         )
     max_len = getattr(c.model, "max_len", None) or getattr(c.model_entry.obj, "positions", None)
     task.check_tokenizer()
+    _check_decode(config, c, task, get_backend(config.backend, device))
     # before the data: a length past the model's is made for nothing
     check_positions(config, c.model, max_len, task.declared_len())
     task.splits()  # generates or loads the data: a missing data_dir fails here
+    check_batch_size(config, c.train, len(task.splits()["train"]))
+    check_beam(getattr(c.task, "beam", 1), task, f"--set beam={getattr(c.task, 'beam', 1)}")
     check_positions(config, c.model, max_len, task.context_len())
     probe = PhaseStats()
     # builds and checks the pattern's edges: a leak fails here
@@ -248,9 +285,46 @@ def resolve(config: RunConfig) -> Resolved:
     check_budget(c.chosen, list(probe.edges), task.context_len())
     heads, dim = getattr(c.model, "heads", None), getattr(c.model, "dim", None)
     check_trainable(c.chosen, list(probe.edges), heads, dim, config.model, task.context_len())
+    if c.train.decode_pattern:
+        check_budget(parse_pattern(c.train.decode_pattern), ["dd"], task.context_len())
     return Resolved(
-        config, task, c.model_entry.obj, c.model, c.task, c.train, c.pattern, c.chosen, device, density, *c.keys()
+        config,
+        task,
+        c.model_entry.obj,
+        c.model,
+        c.task,
+        c.train,
+        c.pattern,
+        c.chosen,
+        device,
+        backend,
+        density,
+        *c.keys(),
     )
+
+
+def _check_decode(config: RunConfig, c: Configs, task: Task, backend) -> None:
+    """One line for a decode pattern that would change nothing (a task not scored by generation, a
+    model that does not generate) or that the model cannot attend with (another pattern's parameters)."""
+    if not c.train.decode_pattern:
+        return
+    decode = parse_pattern(c.train.decode_pattern)
+    if not task.new_tokens() or not hasattr(c.model_entry.obj, "generate"):
+        why = (
+            f"task {config.task!r} is not scored by generation"
+            if not task.new_tokens()
+            else f"model {config.model!r} does not generate"
+        )
+        raise GtxError(
+            f"--decode-pattern {decode.spec}: {why}, so no token is decoded under it; drop it, or run a task scored "
+            "by generation (niah, vt, cwe) with a model that generates (hf)"
+        )
+    if decode.trainable is not None:
+        raise GtxError(
+            f"--decode-pattern {decode.spec} attends with parameters of its own, which the run's pattern "
+            f"{c.chosen.spec!r} does not give the model; decode under a pattern without them, or run with --pattern {decode.spec}"
+        )
+    check_pattern(decode, backend, getattr(c.model, "heads", None))
 
 
 def complete_note(

@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass, field
 
 from gtx.errors import GtxError
-from gtx.experiments.grid import Grid, split_list
 from gtx.graph.spec import parse_pattern
+from gtx.sweeps.grid import Grid, split_list
 
 FULL = "full"  # every frontier's baseline
 KEY_RE = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(.*)\Z", re.S)

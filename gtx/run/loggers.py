@@ -13,7 +13,8 @@ from pathlib import Path
 
 from gtx import hookimpl
 from gtx.errors import GtxError, plugin_code
-from gtx.experiments.results import scalar_metrics
+from gtx.records.layout import ResultsFolder
+from gtx.records.results import scalar_metrics
 
 SCALARS = ("loss", "token_acc", "seq_acc", "tokens_per_s", "wall_s", "density", "act_mean_steps")
 
@@ -51,7 +52,7 @@ class TensorBoardLogger(Logger):
             raise GtxError(
                 "--log tensorboard needs the tensorboard package: pip install tensorboard (or -e '.[tensorboard]')"
             ) from None
-        self.writer = SummaryWriter(str(self.results_dir / "tensorboard" / run_id))
+        self.writer = SummaryWriter(str(ResultsFolder(self.results_dir).tensorboard(run_id)))
 
     def start(self, config: dict) -> None:
         self.writer.add_text("config", f"```\n{json.dumps(config, indent=2, sort_keys=True)}\n```")

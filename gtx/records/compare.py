@@ -17,7 +17,9 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.results import (
+from gtx.graph.pattern import STAGES
+from gtx.plugins.registry import task_metrics as registered_task_metrics
+from gtx.records.results import (
     COLUMNS,
     cell_text,
     differing,
@@ -31,9 +33,7 @@ from gtx.experiments.results import (
     settings_text,
     training_runs,
 )
-from gtx.experiments.stats import paired_p, pareto_front, summarize, verdict, welch_p
-from gtx.graph.pattern import STAGES
-from gtx.plugins.registry import task_metrics as registered_task_metrics
+from gtx.records.stats import paired_p, pareto_front, summarize, verdict, welch_p
 
 #: compare()'s per-run metrics before the task's own (``best_valid_<name>``) and the speed
 RUN_METRICS = ["best_valid_token_acc", "best_valid_seq_acc", "best_valid_loss", "test_seq_acc"]

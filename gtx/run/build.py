@@ -1,5 +1,5 @@
 """What a run is made of: its attention and model built from a resolved configuration, its id, its
-folders checked before it trains, and its rows (the columns of ``gtx.experiments.results``)."""
+folders checked before it trains, and its rows (the columns of ``gtx.records.results``)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,20 @@ import torch
 import gtx
 from gtx.attention.module import Attention
 from gtx.attention.trainable import starts_trained
-from gtx.backends import get_backend
 from gtx.errors import PluginError, plugin_code
-from gtx.experiments import checkpoint
-from gtx.experiments.config import Resolved
-from gtx.experiments.results import metrics_json
-from gtx.experiments.train import PhaseStats
 from gtx.files import check_writable, writable_dir
 from gtx.plugins.registry import MODELS
+from gtx.records import checkpoint
+from gtx.records.layout import ResultsFolder
+from gtx.records.results import metrics_json
+from gtx.run.config import Resolved
+from gtx.run.train import PhaseStats
 
 
-def build_attention(resolved: Resolved, backend: str) -> Attention:
+def build_attention(resolved: Resolved) -> Attention:
     """The run's backend, with its pattern's run-time parts (head groups, biases, selections, trainable attention)."""
     heads, dim = getattr(resolved.model_config, "heads", None), getattr(resolved.model_config, "dim", None)
-    backend = get_backend(backend, resolved.device)
-    return Attention.for_width(backend, resolved.pattern, heads, dim, starts_trained(resolved.model_config))
+    return Attention.for_width(resolved.backend, resolved.pattern, heads, dim, starts_trained(resolved.model_config))
 
 
 def build_model(resolved: Resolved, attention: Attention) -> torch.nn.Module:
@@ -53,11 +52,17 @@ def versions() -> dict[str, str]:
 def checked_results_dir(name: str, run_id: str | None = None) -> Path:
     """The results folder, created; the places a run writes to later (``runs/`` and, for ``run_id``,
     its checkpoint folder) checked before the first step, so no trained epoch is lost to them."""
-    results_dir = writable_dir(Path(name))
-    check_writable(results_dir / "runs", "results folder")
+    check_results_dir(name, run_id)
+    return writable_dir(Path(name))
+
+
+def check_results_dir(name: str, run_id: str | None = None) -> None:
+    """What ``checked_results_dir`` checks, creating nothing: for work that writes only at its end
+    (``gtx eval``), before that work."""
+    results_dir = check_writable(Path(name))
+    check_writable(ResultsFolder(results_dir).runs(), "results folder")
     if run_id:
         check_writable(checkpoint.checkpoint_dir(results_dir, run_id), "checkpoint folder")
-    return results_dir
 
 
 def new_run_id(task: str, model: str, kind: str = "") -> tuple[str, dt.datetime]:

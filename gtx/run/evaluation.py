@@ -16,12 +16,20 @@ from gtx.attention.trainable import stages_of
 from gtx.data.batch import batches
 from gtx.data.task import SPLITS
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint
-from gtx.experiments.build import build_attention, build_model, checked_results_dir, new_run_id, result_row, versions
-from gtx.experiments.config import Resolved, RunConfig, resolve
-from gtx.experiments.results import SCHEMA_VERSION, write_run
-from gtx.experiments.runref import find_checkpoint
-from gtx.experiments.train import evaluate
+from gtx.records import checkpoint
+from gtx.records.results import SCHEMA_VERSION, write_run
+from gtx.records.runref import find_checkpoint
+from gtx.run.build import (
+    build_attention,
+    build_model,
+    check_results_dir,
+    checked_results_dir,
+    new_run_id,
+    result_row,
+    versions,
+)
+from gtx.run.config import Resolved, RunConfig, check_beam, resolve
+from gtx.run.train import evaluate
 
 
 def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.Module, Resolved, Attention]:
@@ -31,7 +39,7 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     one line."""
     resolved = resolve(config)
     checkpoint.check_vocab(state, resolved.task, path)
-    attention = build_attention(resolved, config.backend)
+    attention = build_attention(resolved)
     model = build_model(resolved, attention)
     checkpoint.check_shapes(model, state, path, config.model, resolved.chosen.spec)
     try:
@@ -73,8 +81,10 @@ def evaluate_checkpoint(
         raise GtxError(f"--split {split}: choose one of {', '.join(SPLITS)}")
     path = find_checkpoint(ref, results_dir or "results")
     state = checkpoint.load(path)
-    trained = RunConfig(**state["run_config"])
+    checkpoint.owner(state, path)  # its rows name the run it claims: the run asked for
+    trained = checkpoint.run_config(state)
     results_dir = results_dir or str(path.parent.parent.parent)  # <results>/checkpoints/<run_id>/best.pt
+    check_results_dir(results_dir)  # before the evaluation, whose rows it would lose
     config = dataclasses.replace(
         trained,
         pattern=pattern or trained.pattern,
@@ -84,6 +94,8 @@ def evaluate_checkpoint(
         loggers=[],
     )
     model, resolved, attention = trained_model(path, state, config)
+    beam = beam or getattr(resolved.task_config, "beam", 1)
+    check_beam(beam, resolved.task, f"--beam {beam}")
     source = json.loads(state["common"])
     stats = evaluate(
         model,
@@ -91,8 +103,9 @@ def evaluate_checkpoint(
         batches(resolved.task, split, resolved.pattern, resolved.train.eval_batch_size),
         resolved.pattern,
         resolved.device,
-        beam=beam or getattr(resolved.task_config, "beam", 1),
+        beam=beam,
         precision=resolved.train.precision,
+        decode_pattern=resolved.decode,
     )
     run_id, started = new_run_id(config.task, config.model, "-eval")
     setup = {

@@ -10,10 +10,11 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import p_text, pm_text
-from gtx.experiments.results import cell_text, format_table, lower_is_better
-from gtx.experiments.stats import pareto_front
-from gtx.experiments.study import FULL
+from gtx.records.compare import p_text, pm_text
+from gtx.records.layout import ResultsFolder
+from gtx.records.results import cell_text, format_table, lower_is_better
+from gtx.records.stats import pareto_front
+from gtx.sweeps.study import FULL
 
 
 def equivalent_budgets(table: pd.DataFrame) -> pd.DataFrame:
@@ -93,20 +94,15 @@ def format_frontier(table: pd.DataFrame, fmt: str = "table") -> str:
     return format_table(view, fmt)
 
 
-def frontier_dir(results_dir) -> Path:
-    """Where ``gtx frontier`` keeps each study's table (``<name>.csv``) and figure (``<name>.png``)."""
-    return Path(results_dir) / "frontiers"
-
-
 #: what every saved frontier table holds, with the columns read as numbers
 FRONTIER_NEEDS = {"task": False, "model": False, "length": False, "family": False, "budget": False, "pattern": False,
                   "metric": False, "runs": True, "mean": True}  # fmt: skip
 
 
 def load_frontiers(results_dir) -> dict[str, pd.DataFrame]:
-    """Every frontier table saved under ``results_dir`` (``frontier_dir``), by name, as numbers;
+    """Every frontier table saved under ``results_dir`` (``ResultsFolder.frontiers``), by name, as numbers;
     GtxError naming a file there that is no frontier table (another program's, cut short, not text)."""
-    return {p.stem: _read_frontier(p) for p in sorted(frontier_dir(results_dir).glob("*.csv"))}
+    return {p.stem: _read_frontier(p) for p in sorted(ResultsFolder(results_dir).frontiers().glob("*.csv"))}
 
 
 def _read_frontier(path: Path) -> pd.DataFrame:

@@ -3,13 +3,13 @@
     families = [parse_family("local:w=16,32,64"), parse_family("moba:b=16,k=2,4")]
     study = Study(families, lengths=["256", "512"], grid=make_grid(task=["recall"], model=["lm"], seeds="0-2"))
     cells, points = plan_study(study, "results")      # sweep cells: full and every budget at every length
-    ...run them as a sweep (gtx.experiments.sweep.execute)...
+    ...run them as a sweep (gtx.sweeps.sweep.execute)...
     table = frontier_table(cells, points, load("results"), margin=0.01)
-    smallest = equivalent_budgets(table)             # gtx.experiments.frontier_tables: reading a table
+    smallest = equivalent_budgets(table)             # gtx.sweeps.frontier_tables: reading a table
 
-The axes (``Family``, ``parse_family``, ``Study``) are ``gtx.experiments.study``'s. A *family* is a
+The axes (``Family``, ``parse_family``, ``Study``) are ``gtx.sweeps.study``'s. A *family* is a
 pattern with one budget parameter given several values (``moba:b=16,k=2,4,8``:
-``k`` is the budget). Its cells are ordinary sweep cells (``gtx.experiments.sweep``), so they resume,
+``k`` is the budget). Its cells are ordinary sweep cells (``gtx.sweeps.sweep``), so they resume,
 run in parallel and are reused by any later sweep or frontier that asks for the same experiment. A
 budget that attends to every candidate at a length is dropped there with a note: it would measure
 full attention under another name. Equivalence with ``full`` is a TOST (``stats.tost_p``) at a stated
@@ -28,13 +28,13 @@ import numpy as np
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments.compare import FALLBACK_METRIC, SPEED, run_table
-from gtx.experiments.grid import Grid
-from gtx.experiments.results import finished, lower_is_better, metric_range
-from gtx.experiments.stats import summarize, tost_p
-from gtx.experiments.study import FULL, Study
-from gtx.experiments.sweep import Cell, plan, sweep_name
 from gtx.graph.spec import parse_pattern
+from gtx.records.compare import FALLBACK_METRIC, SPEED, run_table
+from gtx.records.results import finished, lower_is_better, metric_range
+from gtx.records.stats import summarize, tost_p
+from gtx.sweeps.grid import Grid
+from gtx.sweeps.study import FULL, Study
+from gtx.sweeps.sweep import Cell, plan, sweep_name
 
 ALPHA = 0.05
 NEARLY_FULL = 1 - 1e-9  # a fixed pattern's density at or above this attends to everything it may
@@ -90,9 +90,9 @@ def _full_budgets(grid: Grid, specs: list[str], length: str) -> dict[str, str]:
     ``grid``'s first seed, model and settings as ``gtx run`` would (data, positions, the edges)."""
     from gtx.attention.module import full_budget
     from gtx.data.batch import make_batch
-    from gtx.experiments.config import resolve
-    from gtx.experiments.runner import RunConfig
-    from gtx.experiments.train import PhaseStats
+    from gtx.run.config import resolve
+    from gtx.run.runner import RunConfig
+    from gtx.run.train import PhaseStats
 
     out = {}
     for model in grid.model:
@@ -158,6 +158,33 @@ def check_margin(margin: float, metrics: Iterable[str] = ()) -> None:
             )
 
 
+def check_metric(tasks: Iterable[str], metric: str | None) -> None:
+    """One line, before anything runs, where ``metric`` is none that runs of a task record: the
+    results' own (token_acc, seq_acc, loss, test_seq_acc) or the task's (``Task.metric``, and what its
+    ``phase_metrics`` and, for seq2seq, ``metrics`` return, asked of a task made with its defaults;
+    a task that cannot answer without its data is not judged)."""
+    from gtx.plugins.registry import TASKS
+    from gtx.records.compare import RUN_METRICS
+    from gtx.records.results import scalar_metrics
+
+    if metric is None:
+        return
+    for name in dict.fromkeys(tasks):
+        entry = TASKS.get(name)
+        known = {m.removeprefix("best_valid_") for m in RUN_METRICS} | {getattr(entry.obj, "metric", FALLBACK_METRIC)}
+        try:
+            task = entry.obj(name, entry.config())
+            known |= set(scalar_metrics(task.phase_metrics(1.0, {}, "valid")))
+            if task.form == "seq2seq":
+                known |= set(scalar_metrics(task.metrics([["a"]], [["a"]])))
+        except Exception:  # a plugin's task that needs its data to say: not judged here
+            continue
+        if metric.removeprefix("best_valid_") not in known:
+            raise GtxError(
+                f"--metric {metric}: runs of task {name!r} do not record it; they record {', '.join(sorted(known))}"
+            )
+
+
 def study_metrics(tasks: Iterable[str], metric: str | None) -> list[str]:
     """The metric each task's frontier is judged by: ``metric`` for all, else each task's own (``Task.metric``)."""
     from gtx.plugins.registry import task_metrics
@@ -176,7 +203,8 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
     """One line per budget (task, model, length, the study's swept settings, family and budget) with
     cells in ``missing``: their seeds, and which of them another sweep or frontier on ``results_dir``
     is running now (``claims``)."""
-    from gtx.experiments.claims import claim_dir, holder
+    from gtx.records.claims import holder
+    from gtx.records.layout import ResultsFolder
 
     swept = _swept(cells, {p.length_key for p in points.values()})
     groups: dict[str, list[str]] = {}
@@ -185,7 +213,7 @@ def describe_missing(missing: list[Cell], cells: list[Cell], points: dict[str, P
         c = cell.config
         settings = " ".join(f"{k}={c.settings[k]}" for k in swept)
         where = " ".join(f"{c.task} {c.model} {point.length_key.partition('.')[2]}={point.length} {settings}".split())
-        who = holder(claim_dir(results_dir) / cell.key)
+        who = holder(ResultsFolder(results_dir).claims() / cell.key)
         groups.setdefault(f"{where}: {point.family or FULL} {point.budget}", []).append(
             f"{c.seed}" + (f" (running in {who})" if who else "")
         )

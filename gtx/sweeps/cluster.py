@@ -7,7 +7,7 @@ Each cell is one job running ``gtx run`` in a child process. The job decides wha
 starts, not when it was submitted: skip a cell already complete, resume its latest run from the
 checkpoint, or run it afresh, so a job requeued after preemption or a time-out (submitit's
 ``checkpoint``: the child is stopped, the job resubmitted) continues from the last epoch it saved.
-The sweep's claims (``gtx.experiments.claims``) are not used here: the scheduler runs each job once,
+The sweep's claims (``gtx.records.claims``) are not used here: the scheduler runs each job once,
 and a claim left by a node that died would block its requeued job on another.
 """
 
@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gtx.errors import GtxError
-from gtx.experiments.sweep import (
+from gtx.files import writable_dir
+from gtx.sweeps.sweep import (
     Cell,
     Counts,
     Failure,
@@ -32,7 +33,6 @@ from gtx.experiments.sweep import (
     launcher_argv,
     run_args,
 )
-from gtx.files import writable_dir
 
 INSTALL = "pip install 'gtx[cluster]' (or pip install submitit)"
 
@@ -69,7 +69,7 @@ def executor_options(items: Iterable[str]) -> dict[str, object]:
 def make_executor(folder: Path, options: dict[str, object]):
     """submitit's AutoExecutor in ``folder`` (``options["cluster"]``: slurm, local or debug; default:
     slurm where there is one, else local), its other options checked by submitit: one GtxError line.
-    submitit makes its folder at once, so the options are tried in a scratch folder first: refused
+    submitit makes its folder at once, so the options are tried in a temporary folder first: refused
     ones leave nothing under ``folder``, which is then made (``writable_dir``)."""
     submitit = _submitit()
     options = dict(options)

@@ -1,6 +1,6 @@
 """What a run was: the runs of a results folder listed, and one run described. No click.
 
-    from gtx.experiments import results, runs
+    from gtx.records import results, runs
     df = results.load("results")
     print(results.format_table(runs.summary(df, "results", {"text": "bpc"})))
     print(runs.describe(df, runs.find_run(df, "b54179"), "results"))
@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 
 from gtx.errors import GtxError
-from gtx.experiments import checkpoint
-from gtx.experiments.results import (
+from gtx.records import checkpoint
+from gtx.records.results import (
     CONFIG_PARTS,
     differing,
     format_table,
@@ -32,7 +32,7 @@ from gtx.experiments.results import (
     settings_text,
     value_text,
 )
-from gtx.experiments.runref import match_run, short_id
+from gtx.records.runref import match_run, short_id
 
 SUMMARY_COLUMNS = [
     "run_id",

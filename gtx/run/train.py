@@ -15,14 +15,15 @@ from gtx.attention.module import Attention
 from gtx.data.batch import IGNORE, Batch
 from gtx.data.task import Task
 from gtx.errors import GtxError
-from gtx.experiments.cost import BACKWARD, FlopCount
-from gtx.experiments.distributed import World
 from gtx.graph.pattern import STAGES, Pattern
 from gtx.graph.tokens import possible_edges
 from gtx.memory import peak_mb
 from gtx.model.decode import decode
 from gtx.model.layers import GraphModel
 from gtx.plugins import checks
+from gtx.run.cost import BACKWARD, FlopCount
+from gtx.run.distributed import World
+from gtx.run.generation import generates, generation_metrics
 from gtx.values import setting
 
 
@@ -40,7 +41,16 @@ class TrainConfig:
     warmup: int = setting(200, "Noam warm-up steps", "[1, inf)")
     label_smoothing: float = setting(0.1, range="[0, 1)")
     clip_norm: float = setting(1.0, "gradient norm clip (0: off)", "[0, inf)")
-    decode_valid: int = setting(-1, "valid examples decoded per epoch for seq_acc (-1: all, 0: none)", "[-1, inf)")
+    decode_valid: int = setting(
+        -1,
+        "valid examples decoded per epoch for seq_acc, or generated for a task scored by generation (-1: all, 0: none)",
+        "[-1, inf)",
+    )
+    decode_pattern: str = setting(
+        "",
+        "the pattern each generated token's query reads its keys by, where a task is scored by generation "
+        "(the prompt is read under the run's pattern); empty: the run's pattern",
+    )
     precision: str = setting(
         "float32",
         "float32, or bfloat16: autocast, matrix products and attention in bfloat16, weights, "
@@ -89,7 +99,7 @@ class PhaseStats:
     groups: dict = field(default_factory=dict)  # group name -> [correct, scored]
     wall_s: float = 0.0
     peak_mem_mb: float = float("nan")
-    flops: float = 0.0  # counted (gtx.experiments.cost), a training step's backward included
+    flops: float = 0.0  # counted (gtx.run.cost), a training step's backward included
     attn_flops: float = 0.0  # the attention's share of them; NaN for a model that attends by itself
     extra: dict = field(default_factory=dict)
     split: str = ""  # the split the batches came from
@@ -313,16 +323,20 @@ def evaluate(
     beam: int = 1,
     precision: str = "float32",
     on_batch: Callable[[], None] = lambda: None,
+    decode_pattern: Pattern | None = None,
 ) -> PhaseStats:
     """Teacher-forced loss and token accuracy over the batches, and the task's phase metrics; for
     seq2seq tasks then decode up to ``decode_limit`` examples (-1: all) for sequence accuracy and
     the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
-    accuracy (one target per sample)."""
+    accuracy (one target per sample). A task scored by generation, with a model that generates,
+    has up to ``decode_limit`` of its prompts continued, each new token under ``decode_pattern``
+    (None: ``pattern``), and the texts scored (``gtx.run.generation``), timed separately."""
     model.eval()
     attention = getattr(model, "attention", None)
     attention = attention if isinstance(attention, Attention) else None
     stats, hyps, refs, decode_s = PhaseStats(), [], [], 0.0
     examples = task.splits()
+    generate_limit = decode_limit if generates(model, task) else 0
     decode_limit = decode_limit if task.form == "seq2seq" else 0
     with Meter(device) as meter:
         for batch in batches:
@@ -354,4 +368,11 @@ def evaluate(
             f"task {task.name!r} metrics", {"seq_acc": task.seq_acc(hyps, refs), **task.metrics(hyps, refs)}
         )
         stats.extra.update(**decoded, decoded=len(hyps), decode_s=decode_s, beam=beam)
+    if generate_limit:  # at the run's precision, as the teacher-forced pass
+        dtype = check_precision(precision)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            generated = generation_metrics(model, task, stats.split, pattern, decode_pattern or pattern, generate_limit)
+        stats.extra.update(generated)
+        if attention is not None:
+            attention.take_reads()  # the teacher-forced pass's reads are the row's, not generation's
     return stats
