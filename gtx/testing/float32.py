@@ -26,8 +26,7 @@ How far those runs spread around the reference, per element (their root mean squ
 float32 arithmetic can move that element on that input. ``Reference.check(got)`` accepts a float32
 result whose every element lies within ``SPREADS`` times that spread, plus ``SPREADS`` roundings of
 the element itself and of its output's root mean square (``_bound``) and float32's underflow
-(``UNDERFLOW``), of the float64 one. A wrong term, index
-or scale moves results by far more.
+(``UNDERFLOW``), of the float64 one. A wrong term, index or scale moves results by far more.
 
 ``fn`` returns a tensor or a sequence of tensors (None where a gradient is absent); it computes in
 the inputs' dtype (its modules converted with ``.double()``; it may rank or count in float32), and
@@ -69,6 +68,7 @@ REDUCTIONS = {"sum", "mean", "nansum", "cumsum"}  # along argument 1's dims (non
 SCATTERS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "embedding_dense_backward"}
 SOFTMAX = {"_softmax", "_safe_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}
 SOFTMAX |= {"logsumexp"}
+HELD = 4  # the latest sums held: a backward forms dp and the values' gradient before softmax's
 
 
 def _scores(q, k, mask, causal: bool, scale):
@@ -115,7 +115,8 @@ def _count(x: torch.Tensor, dims) -> int:
 def _terms(name: str, args: tuple) -> int:
     """How many terms each element of a summing op's result adds up (at most)."""
     if name in PRODUCTS:
-        return args[1 if name.startswith("add") or name.startswith("badd") else 0].shape[-1] + 1
+        added = name.startswith(("add", "badd"))  # and the tensor they add to
+        return args[1 if added else 0].shape[-1] + added
     if name in REDUCTIONS:
         return _count(args[0], args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
     if name in ("index_add", "index_add_"):
@@ -145,6 +146,10 @@ class _Rounding(TorchDispatchMode):
     def __init__(self, generator: torch.Generator, dtype: torch.dtype):
         super().__init__()
         self.generator, self.dtype = generator, dtype
+        # the latest sums (or tensors shaped like one, formed from it) and their sum |terms|, laid out
+        # alike: a softmax backward's dp, where a kernel forms sum p dp from the output instead (held, so
+        # that their storage is not another tensor's)
+        self.sums: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _ours(self, x) -> bool:
         return isinstance(x, torch.Tensor) and x.dtype == self.dtype and x.numel() > 0
@@ -166,6 +171,31 @@ class _Rounding(TorchDispatchMode):
         """An elementary function's argument as its reduction takes it: ``ARGUMENT`` roundings off."""
         return self._rounded(x, ARGUMENT)
 
+    def _magnitude(self, x: torch.Tensor) -> torch.Tensor | None:
+        """sum |terms| for x where x is (a view of) one of the latest sums, else None."""
+        for held, magnitude in self.sums:
+            if x.untyped_storage().data_ptr() == held.untyped_storage().data_ptr():
+                return magnitude.as_strided(x.shape, x.stride(), x.storage_offset())
+        return None
+
+    def _held(self, out: torch.Tensor, magnitude: torch.Tensor) -> None:
+        """Hold ``out`` (a sum, or formed from one) with its magnitudes laid out in storage as it is."""
+        laid = torch.empty_strided(out.shape, out.stride(), dtype=magnitude.dtype)
+        if out.storage_offset() == 0 and laid.untyped_storage().nbytes() == out.untyped_storage().nbytes():
+            self.sums = [(out, laid.copy_(magnitude)), *self.sums[: HELD - 1]]
+
+    def _carried(self, args, out) -> None:
+        """A tensor shaped like one of the latest sums and formed from it (its gradient masked, a NaN
+        zeroed) is held too, with its magnitudes."""
+        if not self.sums or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.shape == out.shape and a is not out:
+                magnitude = self._magnitude(a)
+                if magnitude is not None:
+                    self._held(out, magnitude)
+                    return
+
     def _softmax(self, name: str, out: torch.Tensor, args: tuple) -> torch.Tensor:
         """The softmax family's errors: the denominator's sum (one per row), the exponent's rounding."""
         x, dim = args[0], args[1]
@@ -174,9 +204,15 @@ class _Rounding(TorchDispatchMode):
         if name in ("_softmax_backward_data", "_log_softmax_backward_data"):
             grad, y, dim = args[0], args[1], args[2]
             n, weights = y.shape[dim], y.exp() if name.startswith("_log") else y
-            terms = (grad * (1.0 if name.startswith("_log") else y)).abs().sum(dim, keepdim=True)
-            row = list(terms.shape)
-            return self._moved(out, -weights * terms * self._u(row, math.sqrt(n)))
+            share = 1.0 if name.startswith("_log") else y
+            terms = (grad * share).abs().sum(dim, keepdim=True)
+            magnitude = self._magnitude(grad)
+            if magnitude is not None:
+                # dp a product just formed (a view of it): a kernel that forms sum p dp from the output
+                # instead errs by the size of dp's terms, where dp's own may cancel (a query of one key:
+                # dp - sum p dp = 0 exactly)
+                terms = torch.maximum(terms, (magnitude * share).abs().sum(dim, keepdim=True))
+            return self._moved(out, -weights * terms * self._u(list(terms.shape), math.sqrt(n)))
         n = x.shape[dim]
         finite = x.isfinite() & (x.abs() < 1e300)  # masked entries (-inf, finfo.min) stay out
         lse = torch.logsumexp(torch.where(finite, x, -math.inf), dim, keepdim=True).nan_to_num(neginf=0.0)
@@ -190,9 +226,10 @@ class _Rounding(TorchDispatchMode):
         aliases = func.is_view or any(
             r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
         )
-        if aliases or name in EXACT:
-            return func(*args, **kwargs)
-        return self._run(func, name, args, kwargs)
+        out = func(*args, **kwargs) if aliases or name in EXACT else self._run(func, name, args, kwargs)
+        if not aliases and out is not None:
+            self._carried(args, out)
+        return out
 
     def _run(self, func, name: str, args: tuple, kwargs: dict):
         if name in FUSED:  # the fused kernel's steps, each op with its errors
@@ -228,6 +265,8 @@ class _Rounding(TorchDispatchMode):
         if name in SOFTMAX and self._ours(outs[0]):
             outs[0] = self._softmax(name, outs[0], args)
         outs = [self._rounded(o, RESULT if function else 1.0) if self._ours(o) else o for o in outs]
+        if magnitude is not None and not mutable and len(outs) == 1:
+            self._held(outs[0], magnitude)
         return self._results(out, outs, mutable)
 
     def _results(self, out, outs: list, mutable: bool):
