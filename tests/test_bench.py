@@ -616,6 +616,31 @@ def test_gtx_busy_check_0_looks_at_nothing(monkeypatch):
     assert load.busy_note("these timings") is None
 
 
+def test_bench_and_run_warn_once_on_a_busy_machine_and_go_on(tmp_path, monkeypatch):
+    """One line on stderr as each starts, from the load it reads (a fake here: every core busy); not an error."""
+    from gtx.measure import load
+
+    reads = []
+    monkeypatch.setenv("GTX_BUSY_CHECK", "1")
+    monkeypatch.setattr(load, "busy_cores", lambda *a, **k: reads.append(1) or float(load.usable_cores()))
+    run = CliRunner().invoke(
+        cli,
+        ["run", "--task", "copy", "--model", "transformer", "--pattern", "full", "--epochs", "0", "--quiet"]
+        + [f"--set={k}={v}" for k, v in TINY_COPY.items()]
+        + ["--results", str(tmp_path)],
+    )
+    assert run.exit_code == 0, run.output
+    (line,) = [line for line in run.stderr.splitlines() if line.startswith("warning: ")]
+    assert line.startswith("warning: other processes keep") and "its wall_s and tokens_per_s do not compare" in line
+    assert "warning" not in run.stdout and reads == [1]
+    args = ["bench", "attention", "--lengths", "16", "--backends", "dense", "--repeats", "1", "--no-plot"]
+    bench = CliRunner().invoke(cli, [*args, "--results", str(tmp_path)])
+    assert bench.exit_code == 0, bench.output
+    assert [line for line in bench.stderr.splitlines() if line.startswith("warning: ")] == [
+        line.replace("its wall_s and tokens_per_s", "these timings")
+    ] and reads == [1, 1]
+
+
 @pytest.mark.slow
 def test_busy_cores_counts_a_process_that_spins_now_and_not_one_that_has_finished():
     """The real reading, on this machine: marked slow, and skipped unless the machine is quiet (other

@@ -425,3 +425,16 @@ def test_every_test_a_method_entry_names_exists():
             assert f"def {name}(" in sources[file], (file, name)
         for name in re.findall(r"``(test_\w+)``", checked):
             assert any(f"def {name}(" in text for text in sources.values()), name
+
+
+def test_ci_runs_the_readmes_test_command_and_says_its_machine_before_the_tests():
+    """.ci/run: the README's test command, with ``python -m gtx.native`` (the CPU, its vector
+    instructions, torch's threads, the C kernels' flags) after the installs, before lint and tests."""
+    root = DOCS.parent
+    command = re.search(r"## Install and run the tests\n\n```bash\n(.*?)\n```", (root / "README.md").read_text()).group(
+        1
+    )
+    installs, tests = command.split(" && ruff check ")
+    assert (root / ".ci" / "run").read_text().strip().splitlines()[-1] == (
+        f"{installs} && python -m gtx.native && ruff check {tests}"
+    )

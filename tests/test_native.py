@@ -326,6 +326,16 @@ def test_gtx_native_arch_builds_for_that_target_under_its_own_key(fresh, tmp_pat
     assert fresh() == []
 
 
+def test_python_m_gtx_native_says_the_machine_and_the_flags_in_two_lines(capsys):
+    """What CI prints first: the CPU and torch's threads, then the compiler and flags the kernels build with."""
+    import runpy
+
+    runpy.run_module("gtx.native", run_name="__main__")
+    machine, flags = capsys.readouterr().out.splitlines()
+    assert machine.startswith("machine: ") and f"threads {torch.get_num_threads()}" in machine
+    assert flags.startswith("C kernels: ") and "-O3" in flags.split()  # the test run builds them
+
+
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "gcc '-O2"])
 def test_a_compiler_that_is_not_there_gives_the_torch_path_and_one_line_naming_cc(cc, fresh, monkeypatch):
     monkeypatch.setenv("CC", cc)
