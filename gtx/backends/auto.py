@@ -31,6 +31,7 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -302,11 +303,17 @@ class AutoBackend(Backend):
 
 
 def time_candidates(
-    backends: dict[str, Backend], inputs, edges: EdgeSet, biased: bool = False, rounds: int = 3
+    backends: dict[str, Backend],
+    inputs,
+    edges: EdgeSet,
+    biased: bool = False,
+    rounds: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Seconds per call of each backend on copies of ``inputs`` (q, k, v), backward included when
     gradients are on: the fastest of ``rounds`` calls, taken in turns so that a slow spell of a shared
-    machine hits every candidate; a first untimed call builds each backend's plan for the edges."""
+    machine hits every candidate; a first untimed call builds each backend's plan for the edges.
+    ``clock``: seconds, read before and after each call."""
     bias = inputs[3].detach() if biased else None  # timing must not add gradient to learned biases
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3])
     q, k, v = (t.detach().requires_grad_(grad) for t in inputs[:3])
@@ -321,10 +328,10 @@ def time_candidates(
     best = {}
     for round_ in range(rounds + 1):
         for name, backend in backends.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             call(backend)
             if round_:
-                best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
+                best[name] = min(best.get(name, math.inf), clock() - t0)
     return best
 
 

@@ -16,6 +16,7 @@ docs/cli.md holds every command's help (reference.py writes it).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
@@ -137,6 +138,7 @@ def run(
     over N processes (data parallel)."""
     from tqdm import tqdm
 
+    from gtx.measure.load import busy_note
     from gtx.run.runner import RunConfig
     from gtx.run.runner import run as run_experiment
 
@@ -186,6 +188,11 @@ def run(
         return progress_lines(description, total, lambda s: click.echo(s, err=True), unit=unit)
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
+    # one process looks, alone: torchrun's other ranks are this run's own load, not another's
+    alone = is_main_process() and os.environ.get("WORLD_SIZE", "1") == "1"
+    note = busy_note("its wall_s and tokens_per_s") if alone else None
+    if note:
+        click.echo(f"warning: {note}", err=True)
     rows = run_experiment(config, progress=progress, log=log, resume=resume)
     if is_main_process():
         _summary(rows[(rows.epoch == rows.epoch.max())], results_dir)

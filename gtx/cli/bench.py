@@ -21,35 +21,11 @@ from gtx.records.results import format_table
 @click.group(cls=GtxGroup)
 def bench():
     """Benchmarks: attention kernels, training throughput, a transformers model's prefill. Tables land under <results>/bench/."""
-    note = busy_note()
+    from gtx.measure.load import busy_note
+
+    note = busy_note("these timings")
     if note:
         click.echo(f"warning: {note}", err=True)
-
-
-def busy_note(busy: float | None = None, cores: int | None = None) -> str | None:
-    """A warning when other processes keep cores busy (``busy``: how many, measured now by
-    ``gtx.measure.bench.busy_cores``): torch's threads in several processes spin against each other
-    (measured 30-40x slower), so timings taken now do not compare with a quiet run's."""
-    import os
-
-    from gtx.measure.bench import busy_cores
-
-    if busy is None:
-        busy = busy_cores()
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if busy is None or busy <= max(0.5, 0.25 * cores):
-        return None
-    threads = os.environ.get("OMP_NUM_THREADS")
-    advice = (
-        "quote only ratios measured side by side in one run"
-        if threads == "1"
-        else "set OMP_NUM_THREADS=1 and quote only ratios measured side by side"
-    )
-    return (
-        f"other processes keep {busy:.1f} of {cores} cores busy: they share this machine, so these timings do not "
-        f"compare with a quiet run's; {advice}"
-    )
 
 
 @bench.command(name="attention")
