@@ -15,5 +15,5 @@ slow:  ## the benchmarks and long runs left out of the default tests
 cuda:  ## every backend and method on a CUDA GPU
 	$(PYTHON) -m pytest -q -m cuda
 
-docs:  ## regenerate every generated page: docs/cli.md, docs/methods.md, results/README.md
+docs:  ## regenerate every generated page: docs/cli.md, docs/methods.md, results/README.md, docs/results.md's tables
 	$(PYTHON) -m gtx.cli.reference .

@@ -35,6 +35,9 @@ from gtx import (
     selection,
 )
 
+# dsa's definition version (results rows and figure tables record it): 1 took the index keys from the attention's keys
+# and turned nothing by position; 2 takes index keys and head weights from the layer's input and turns a rope share
+DEFINITION = 2
 # query rows per block of the dense stage's KL: a block's buffers are a few rows x keys (its scores
 # per head, targets, index scores), one block per torch thread at a time, so small blocks keep the
 # peak near the model without attention's at long lengths
@@ -177,12 +180,13 @@ def _check_definition(module, state_dict, prefix, *args) -> None:
     if f"{prefix}indexer.wk.weight" not in state_dict or (key in state_dict and int(state_dict[key]) == rotated):
         return
     was = (
-        "under an earlier definition (index keys from the attention's keys, nothing turned by position)"
+        f"under definition {DEFINITION - 1} (index keys from the attention's keys, nothing turned by position)"
         if key not in state_dict
         else f"turning {int(state_dict[key])} index dimensions by position"
     )
     raise GtxError(
-        f"the checkpoint's dsa indexer ({prefix}indexer) was trained {was}; this pattern's reads the layer's input and turns "
+        f"the checkpoint's dsa indexer ({prefix}indexer) was trained {was}; this pattern's (definition {DEFINITION}) reads "
+        "the layer's input and turns "
         f"{rotated} of {module.config.index_dim}: its choices would mean something else; train under this pattern, or evaluate "
         "the checkpoint under one without an indexer"
     )
@@ -344,4 +348,4 @@ FREEZE = {"auto": None, "true": True, "false": False}
 
 @hookimpl
 def register_patterns(register):
-    register("dsa", dsa)
+    register("dsa", dsa, definition=DEFINITION)

@@ -63,4 +63,5 @@ def moba(b: int = 64, k: int = 4, gate: str = "token") -> Pattern:
 
 @hookimpl
 def register_patterns(register):
-    register("moba", moba)
+    # definition 2: each token chooses its blocks, k counting every block read (1 chose per query block: gate=block)
+    register("moba", moba, definition=2)

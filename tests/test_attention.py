@@ -1,6 +1,8 @@
 """Beyond fixed masks: head groups, score biases and content-selected edges agree with the dense
 reference on values and gradients, stay within their candidates, and fail one line at a time."""
 
+import copy
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -17,6 +19,7 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
 from gtx.selection.blocks import BlockSelection, attend_blocks
 from gtx.selection.keys import KeySelection, attend_keys
+from gtx.testing.float32 import float64_reference
 
 SPECS = [
     "heads(local:w=1,strided:l=3)",
@@ -45,9 +48,21 @@ def run(attention, q, k, v, edges):
     out = attention(q, k, v, edges)
     params = list(attention.parameters())
     grads = torch.autograd.grad(
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [q, k, v, *params], materialize_grads=True
+        (out * torch.linspace(-1, 1, out.numel()).to(out.dtype).view_as(out)).sum(),
+        [q, k, v, *params],
+        materialize_grads=True,
     )
     return out, grads
+
+
+def flat(attention, edges):
+    """(q, k, v) -> attention's output and the gradients of q, k, v and its parameters (``run``)."""
+
+    def on(q, k, v):
+        out, grads = run(attention, *(x.detach().requires_grad_() for x in (q, k, v)), edges)
+        return out, *grads
+
+    return on
 
 
 @settings(max_examples=40, deadline=None)
@@ -66,16 +81,20 @@ def test_every_backend_agrees_with_dense_on_values_and_gradients(spec, lens, sta
     reference = Attention(get_backend("dense"), pattern, heads)
     for table in reference.parameters():  # learned biases: away from zero, so that their gradients are tested
         table.data = torch.randn(table.shape, generator=torch.Generator().manual_seed(seed))
-    want, want_grads = run(reference, q, k, v, edges)
+    want = float64_reference(flat(copy.deepcopy(reference).double(), edges), q, k, v)
     from gtx.backends.blocksparse import BlockSparseBackend
 
-    for backend in [*map(get_backend, BACKENDS), BlockSparseBackend(4)]:  # blocks of 4: several per sample here
+    for backend in [*map(get_backend, ["dense", *BACKENDS]), BlockSparseBackend(4)]:  # blocks of 4: several a sample
         attention = Attention(backend, pattern, heads)
         attention.load_state_dict(reference.state_dict())
-        got, grads = run(attention, q, k, v, edges)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for a, b in zip(grads, want_grads):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        want.check(flat(attention, edges)(q, k, v), f"{spec} on {type(backend).__name__}")
+
+
+def one_head(edges: EdgeSet, h: int, q, k, v):
+    """Dense attention of head h over ``edges``, in float64 (``gtx.testing.float32``)."""
+    return float64_reference(
+        lambda q, k, v: get_backend("dense")(q, k, v, edges), *(x[:, h : h + 1] for x in (q, k, v))
+    )
 
 
 def explicit_edges(sel: BlockSelection, head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +129,11 @@ def test_block_gated_moba_is_causal_attention_over_the_blocks_it_names(lens, b, 
     sel = pattern.select(q.detach(), keys.detach(), edges)
     assert sel.valid[..., 0].all() and (sel.valid.sum(-1) <= k).all()  # k blocks in all, the own one included
     out = attend_blocks(q, keys, v, edges, sel)
-    dense = get_backend("dense")
     for h in range(2):
         src, dst = explicit_edges(sel, h)
         assert (src <= dst).all()  # never a future key
         sub = EdgeSet(src, dst, edges.n_src, edges.n_dst, "dd", edges.q_lens, edges.k_lens)
-        want = dense(q[:, h : h + 1], keys[:, h : h + 1], v[:, h : h + 1], sub)
-        torch.testing.assert_close(out[:, h : h + 1], want, atol=1e-5, rtol=1e-5)
+        one_head(sub, h, q, keys, v).check(out[:, h : h + 1], f"head {h}")
     (gq,) = torch.autograd.grad(out.sum(), q)
     assert torch.isfinite(gq).all()
     listed = sum(len(explicit_edges(sel, h)[0]) for h in range(2)) / 2
@@ -143,12 +160,7 @@ def test_topk_without_edges_is_dense_attention_over_the_keys_it_names(lens, coun
         sub = EdgeSet(
             edges.src[keep[:, h]], edges.dst[keep[:, h]], edges.n_src, edges.n_dst, stage, edges.q_lens, edges.k_lens
         )
-        torch.testing.assert_close(
-            out[:, h : h + 1],
-            get_backend("dense")(q[:, h : h + 1], keys[:, h : h + 1], v[:, h : h + 1], sub),
-            atol=1e-5,
-            rtol=1e-5,
-        )
+        one_head(sub, h, q, keys, v).check(out[:, h : h + 1], f"head {h}")
     assert torch.isfinite(torch.autograd.grad(out.sum(), q)[0]).all()
 
 
@@ -377,11 +389,9 @@ def test_hook_register_biases(plugin_dir, tmp_path):
     pattern = parse_pattern("local:w=2+sinks:n=2")
     edges = build_graph(pattern, [9], None).edges["ee"]
     q, k, v = inputs(9, 9, 2)
-    want, want_grads = run(Attention(get_backend("dense"), pattern, 2), q, k, v, edges)
-    got, grads = run(Attention(get_backend("torch"), pattern, 2), q, k, v, edges)
-    torch.testing.assert_close(got, want)
-    assert grads[3].abs().sum() > 0  # the learned score trains
-    torch.testing.assert_close(grads[3], want_grads[3])
+    got = flat(Attention(get_backend("torch"), pattern, 2), edges)(q, k, v)
+    assert got[4].abs().sum() > 0  # the learned score trains
+    float64_reference(flat(Attention(get_backend("dense"), pattern, 2).double(), edges), q, k, v).check(got, "sinks")
 
 
 @pytest.mark.parametrize(
@@ -497,14 +507,14 @@ def test_the_key_attention_blocks_are_larger_off_the_cpu_and_any_block_agrees(mo
     ids = torch.randint(0, n, (n, heads, count), generator=g)
     valid = torch.rand(n, heads, count, generator=g) > 0.2
 
-    def run():
+    def run(q, k, v, grad):
         out, lse, mean_p = keys._forward_torch(q, k, v, ids, valid)
         return out, lse, mean_p, *keys._backward_torch(q, k, v, ids, valid, grad, out, lse)
 
-    whole = run()
+    want = float64_reference(run, q, k, v, grad)
+    want.check(run(q, k, v, grad), "blocks of 256 rows")
     monkeypatch.setattr(keys, "_CHUNK", 1)  # one row a block
-    for a, b in zip(whole, run()):
-        torch.testing.assert_close(a, b)
+    want.check(run(q, k, v, grad), "one row a block")
 
 
 def test_the_key_attention_backward_takes_inputs_of_any_strides():
@@ -519,7 +529,10 @@ def test_the_key_attention_backward_takes_inputs_of_any_strides():
     keys = torch.randint(0, n, (n, heads, count), generator=g)
     valid = torch.rand(n, heads, count, generator=g) > 0.2
     lse = torch.randn(n, heads, generator=g)
-    strided = _backward_torch(q, k, v, keys, valid, grad, out, lse)
-    contiguous = _backward_torch(q, k.contiguous(), v, keys, valid, grad, out, lse)
-    for a, b in zip(strided, contiguous):
-        torch.testing.assert_close(a, b)
+
+    def backward(q, k, v, grad, out, lse):
+        return _backward_torch(q, k, v, keys, valid, grad, out, lse)
+
+    want = float64_reference(backward, q, k.contiguous(), v, grad, out, lse)
+    want.check(backward(q, k, v, grad, out, lse), "keys transposed")
+    want.check(backward(q, k.contiguous(), v, grad, out, lse), "keys contiguous")

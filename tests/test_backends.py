@@ -12,6 +12,7 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import EdgeSet, build_graph
 from gtx.model.engine import propagate_attention
 from gtx.plugins.registry import BACKENDS
+from gtx.testing.float32 import float64_reference
 
 # the backends that compute gradients on the CPU (flex runs there without gradients only: tested below)
 BACKEND_NAMES = [
@@ -42,22 +43,38 @@ def graphs(max_len: int, densities: list[float], **more):
     return given(seed=st.integers(0, 2**16), n_q=n, n_k=n, density=st.sampled_from(densities), **more)
 
 
-def attention_and_grads(backend, edges, heads=2, dim=4, dim_v=3, seed=0, dtype=torch.float32):
+def drawn(edges, heads=2, dim=4, dim_v=3, seed=0, dtype=torch.float32):
+    """Seeded random q, k, v for ``edges`` and the weights of an uneven loss on the output."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(edges.n_dst, heads, dim, generator=gen, dtype=dtype, requires_grad=True)
-    k = torch.randn(edges.n_src, heads, dim, generator=gen, dtype=dtype, requires_grad=True)
-    v = torch.randn(edges.n_src, heads, dim_v, generator=gen, dtype=dtype, requires_grad=True)
-    out = propagate_attention(q, k, v, edges, backend)
-    weights = torch.randn(out.shape, generator=gen, dtype=dtype)
-    (out * weights).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    q = torch.randn(edges.n_dst, heads, dim, generator=gen, dtype=dtype)
+    k = torch.randn(edges.n_src, heads, dim, generator=gen, dtype=dtype)
+    v = torch.randn(edges.n_src, heads, dim_v, generator=gen, dtype=dtype)
+    return q, k, v, torch.randn(edges.n_dst, heads, dim_v, generator=gen, dtype=dtype)
+
+
+def attention_of(backend, edges):
+    """(q, k, v, weights) -> the output of ``backend`` on ``edges`` and the gradients of q, k and v."""
+
+    def run(q, k, v, weights):
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = propagate_attention(*xs, edges, backend)
+        return out.detach(), *torch.autograd.grad((out * weights).sum(), xs, materialize_grads=True)
+
+    return run
+
+
+def attention_and_grads(backend, edges, **kw):
+    """The output and q, k, v gradients of ``backend`` on ``drawn(edges, **kw)``."""
+    return attention_of(backend, edges)(*drawn(edges, **kw))
+
+
+def dense_float64(edges, **kw):
+    """The dense backend on ``drawn(edges, **kw)`` in float64, and the bound float32 holds to it."""
+    return float64_reference(attention_of(get_backend("dense"), edges), *drawn(edges, **kw))
 
 
 def assert_agree(name, edges, **kw):
-    ref = attention_and_grads(get_backend("dense"), edges, **kw)
-    got = attention_and_grads(get_backend(name), edges, **kw)
-    for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {what}")
+    dense_float64(edges, **kw).check(attention_and_grads(get_backend(name), edges, **kw), f"{name} (out, dq, dk, dv)")
 
 
 @pytest.mark.parametrize("name", BACKEND_NAMES)
@@ -115,10 +132,9 @@ def test_blocksparse_any_block_size(block, seed, n_q, n_k, density):
     from gtx.backends.blocksparse import BlockSparseBackend
 
     edges = random_edges(seed, n_q, n_k, density, allow_empty=True)
-    ref = attention_and_grads(get_backend("dense"), edges, seed=seed)
-    got = attention_and_grads(BlockSparseBackend(block), edges, seed=seed)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    dense_float64(edges, seed=seed).check(
+        attention_and_grads(BlockSparseBackend(block), edges, seed=seed), "blocksparse"
+    )
 
 
 @pytest.mark.parametrize("spec", ["local:w=3", "bigbird:b=2,r=1", "full"])
@@ -132,8 +148,11 @@ def test_blocksparse_in_chunks_of_query_blocks_agrees_with_dense(monkeypatch, sp
     monkeypatch.setattr(blocksparse, "BAND_CHUNK_KEYS", 1)
     edges = build_graph(parse_pattern(spec), None, [11, 30]).edges["dd"]
     assert len(blocksparse._chunks(blocksparse.plan(edges, 4))) == -(-41 // 4)
-    ref = attention_and_grads(get_backend("dense"), edges, heads=2, dim=8, dim_v=8, dtype=dtype)
     got = attention_and_grads(blocksparse.BlockSparseBackend(4), edges, heads=2, dim=8, dim_v=8, dtype=dtype)
+    if dtype == torch.float32:
+        dense_float64(edges, heads=2, dim=8, dim_v=8).check(got, f"{spec} (out, dq, dk, dv)")
+        return
+    ref = attention_and_grads(get_backend("dense"), edges, heads=2, dim=8, dim_v=8, dtype=dtype)
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a, b, msg=f"{spec} {what}")
 
@@ -145,10 +164,8 @@ def test_act_subsets_reuse_the_full_plan_and_agree(name):
     sub = edges.filter_dst(keep)
     assert sub.parent is edges and torch.equal(sub.keep, keep)
     assert torch.equal(sub.filter_dst(torch.arange(50) < 25).keep, keep & (torch.arange(50) < 25))
-    ref = attention_and_grads(get_backend("dense"), sub)
     got = attention_and_grads(get_backend(name), sub)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    dense_float64(sub).check(got, f"{name} (out, dq, dk, dv)")
     assert (got[0][~keep] == 0).all()
 
 
@@ -172,6 +189,11 @@ def test_flex_on_cpu_refuses_gradients_in_one_line():
     assert "\n" not in str(e.value)
 
 
+def dense_forward(edges, q, k, v):
+    """The dense backend's output on q, k, v in float64, and the bound float32 holds to it."""
+    return float64_reference(lambda q, k, v: get_backend("dense")(q, k, v, edges), q, k, v)
+
+
 @pytest.mark.parametrize(
     "spec, lens",
     [
@@ -189,8 +211,7 @@ def test_flex_compiled_forward_on_cpu_matches_dense(spec, lens):
     q, k, v = (torch.randn(edges.n_dst, 2, 8, generator=gen) for _ in range(3))
     with torch.no_grad():
         got = get_backend("flex")(q, k, v, edges)
-        want = get_backend("dense")(q, k, v, edges)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    dense_forward(edges, q, k, v).check(got, "flex")
 
 
 def test_flex_compiled_forward_with_bit_tiles_on_cpu():
@@ -205,8 +226,7 @@ def test_flex_compiled_forward_with_bit_tiles_on_cpu():
     q, k, v = (torch.randn(edges.n_dst, 2, 8, generator=gen) for _ in range(3))
     with torch.no_grad(), mock.patch.object(flex, "ADJACENCY_MAX", 0):
         got = flex.flex_attention(q, k, v, flex.block_mask(edges))
-    want = get_backend("dense")(q, k, v, edges)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    dense_forward(edges, q, k, v).check(got, "flex")
 
 
 def test_flex_refuses_a_lookup_past_int32_offsets_in_one_line():
@@ -245,8 +265,8 @@ def test_flex_block_mask_matches_dense_forward_on_cpu(seed, n_q, n_k, density, t
     with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(flex, "ADJACENCY_MAX", 0 if tiles else 1 << 28):
         warnings.simplefilter("ignore")
         got = flex_attention(q * 8**-0.5, k, v, block_mask(edges, 16), compile=False)
-    want = propagate_attention(q, k, v, edges, get_backend("dense"))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    dense = get_backend("dense")
+    float64_reference(lambda q, k, v: propagate_attention(q, k, v, edges, dense), q, k, v).check(got, "flex")
 
 
 def test_hook_register_backends():
@@ -323,15 +343,14 @@ def reference_attention(q, k, v, edges):
 
 def assert_matches_reference(backend, edges, heads=2, dim=4, dim_v=3, seed=0):
     """Outputs and q, k, v gradients of ``backend`` equal the reference's."""
-    got = attention_and_grads(backend, edges, heads, dim, dim_v, seed)
+    got = attention_and_grads(backend, edges, heads=heads, dim=dim, dim_v=dim_v, seed=seed)
 
     class Reference(Backend):
         def __call__(self, q, k, v, edges):
             return reference_attention(q * q.shape[-1] ** 0.5, k, v, edges)  # undo propagate_attention's scaling
 
-    want = attention_and_grads(Reference(), edges, heads, dim, dim_v, seed)
-    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{what}")
+    want = float64_reference(attention_of(Reference(), edges), *drawn(edges, heads, dim, dim_v, seed))
+    want.check(got, f"{type(backend).__name__} (out, dq, dk, dv)")
 
 
 def plain_attention_sets():
@@ -390,6 +409,48 @@ def test_plain_attention_runs_flash_and_matches_the_reference(case, name, call_w
     if name == "auto":
         for auto in ("auto", "auto-tuned"):
             assert get_backend(auto).choose(edges, 2, 4, torch.device("cpu")) == f"flash-{structure}"
+
+
+@pytest.mark.parametrize("call_work", PLANS)
+@pytest.mark.parametrize("name", ["dense", "auto"])
+@pytest.mark.parametrize("case", PLAIN, ids=[c[0] for c in PLAIN])
+def test_grouped_keys_and_values_give_what_repeated_ones_give(case, name, call_work, monkeypatch):
+    """Grouped-query k and v (half q's heads) reach plain attention's SDPA as they are (enable_gqa),
+    the packed kernel and the log-sum-exp kernel repeated: out and log-sum-exp equal the repeated heads'."""
+    from gtx.backends import repeat_kv
+
+    _, edges, _ = case
+    use_plan(monkeypatch, call_work)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(edges.n_dst, 4, 8, generator=g)
+    k, v = (torch.randn(edges.n_src, 2, 8, generator=g) for _ in range(2))
+    backend = get_backend(name)
+    torch.testing.assert_close(backend(q, k, v, edges), backend(q, repeat_kv(k, 4), repeat_kv(v, 4), edges))
+    (out, sums), (out_r, sums_r) = (
+        backend.with_lse(q, k, v, edges),
+        backend.with_lse(q, *(repeat_kv(x, 4) for x in (k, v)), edges),
+    )
+    torch.testing.assert_close(out, out_r)
+    assert (sums is None) == (sums_r is None) and (sums is None or torch.allclose(sums, sums_r))
+
+
+@pytest.mark.parametrize("spec", ["full", "local:w=3", "topk(full):k=2"])
+@pytest.mark.parametrize("name", ["auto", "dense", "blocksparse", "torch"])
+def test_attention_repeats_grouped_heads_for_kernels_that_need_them(spec, name):
+    from gtx.attention.module import Attention
+    from gtx.backends import repeat_kv
+
+    pattern = parse_pattern(spec)
+    edges = build_graph(pattern, None, [7, 5]).edges["dd"]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(edges.n_dst, 4, 8, generator=g)
+    k, v = (torch.randn(edges.n_src, 2, 8, generator=g) for _ in range(2))
+    attention = Attention(get_backend(name), pattern, 4, 8)
+    want = attention(q, repeat_kv(k, 4), repeat_kv(v, 4), edges)
+    torch.testing.assert_close(attention(q, k, v, edges), want)
+    assert torch.equal(repeat_kv(k, 4)[:, 1], k[:, 0]) and torch.equal(repeat_kv(k, 4)[:, 2], k[:, 1])
+    with pytest.raises(ValueError, match="must divide"):
+        repeat_kv(torch.zeros(3, 3, 2), 4)
 
 
 @settings(max_examples=25, deadline=None)
@@ -517,15 +578,10 @@ def test_the_packed_kernel_is_attention_over_each_querys_key_range(heads, dim, d
                 torch.set_num_threads(before)
             outs.append(out.detach()), sums.append(lse)
         assert all(torch.equal(a, b) for a, b in zip((outs[0], sums[0], *grads[0]), (outs[1], sums[1], *grads[1])))
-        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
         adj = torch.zeros(edges.n_dst, edges.n_src, dtype=torch.bool)
         adj[edges.dst, edges.src] = True
-        s = torch.einsum("qhd,khd->hqk", qd, kd).masked_fill(~adj, float("-inf"))
-        want = torch.einsum("hqk,khe->qhe", s.softmax(-1).nan_to_num(0.0), vd)
-        torch.testing.assert_close(outs[0], want.float(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(sums[0], s.logsumexp(-1).t().float(), atol=1e-5, rtol=1e-5)
-        for got, ref in zip(grads[0], torch.autograd.grad((want * weights.double()).sum(), (qd, kd, vd))):
-            torch.testing.assert_close(got, ref.float(), atol=1e-4, rtol=1e-4)
+        want = float64_reference(over_keys(adj), q, k, v, weights)
+        want.check((outs[0], sums[0], *grads[0]), f"{spec} {stage} (out, lse, dq, dk, dv)")
 
 
 @settings(max_examples=15, deadline=None)
@@ -571,15 +627,22 @@ def test_the_packed_kernel_on_any_ranges_in_tiles_or_query_by_query(seed, lens, 
         finally:
             torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     keys = torch.arange(n)
     adj = (keys >= ranges.ranges[:, :1]) & (keys < ranges.ranges[:, 1:])
-    s = torch.einsum("qhd,khd->hqk", qd, kd).masked_fill(~adj, float("-inf"))
-    want = torch.einsum("hqk,khe->qhe", s.softmax(-1).nan_to_num(0.0), vd)
-    torch.testing.assert_close(runs[0][0], want.float(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(runs[0][1], s.logsumexp(-1).t().float(), atol=1e-5, rtol=1e-5)
-    for got, ref in zip(runs[0][2:], torch.autograd.grad((want * weights.double()).sum(), (qd, kd, vd))):
-        torch.testing.assert_close(got, ref.float(), atol=1e-4, rtol=1e-4)
+    float64_reference(over_keys(adj), q, k, v, weights).check(runs[0], "packed (out, lse, dq, dk, dv)")
+
+
+def over_keys(adj):
+    """(q, k, v, weights) -> softmax attention of each query over its keys in ``adj`` (n_q, n_k) (output 0
+    and log-sum-exp -inf where it has none), its log-sum-exps, and the gradients of q, k, v."""
+
+    def run(q, k, v, weights):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        s = torch.einsum("qhd,khd->hqk", q, k).masked_fill(~adj, float("-inf"))
+        out = torch.einsum("hqk,khe->qhe", s.softmax(-1).nan_to_num(0.0), v)
+        return out, s.logsumexp(-1).t(), *torch.autograd.grad((out * weights).sum(), (q, k, v))
+
+    return run
 
 
 def test_edge_ranges_are_found_only_where_each_query_reads_one_run_of_its_samples_keys():
@@ -698,24 +761,23 @@ def test_plain_attention_gives_each_querys_log_sum_exp_with_the_same_output(case
     out, lse = backend.with_lse(q, k, v, edges)
     torch.testing.assert_close(out, backend(q, k, v, edges), atol=0, rtol=0)
     weights = torch.linspace(-1, 1, out.numel()).view_as(out)
-    torch.testing.assert_close(
-        torch.autograd.grad((out * weights).sum(), (q, k, v)),
-        torch.autograd.grad((backend(q, k, v, edges) * weights).sum(), (q, k, v)),
-    )
     adj = torch.zeros(edges.n_dst, edges.n_src, dtype=torch.bool)
     adj[edges.dst, edges.src] = True
-    scores = torch.einsum("qhd,khd->qhk", q.double(), k.double()).masked_fill(~adj[:, None], float("-inf"))
     assert lse.shape == (edges.n_dst, 2) and not lse.requires_grad
-    torch.testing.assert_close(lse, scores.logsumexp(-1).float(), atol=1e-5, rtol=1e-5)
+    want = float64_reference(over_keys(adj), q, k, v, weights)
+    want.check((out, lse, *torch.autograd.grad((out * weights).sum(), (q, k, v))), "with_lse (out, lse, dq, dk, dv)")
+    plain = backend(q, k, v, edges)
+    want.check((plain, lse, *torch.autograd.grad((plain * weights).sum(), (q, k, v))), "the plain call")
 
 
 def test_attention_that_is_not_plain_gives_no_log_sum_exp():
     edges = build_graph(parse_pattern("local:w=3"), None, [9]).edges["dd"]
     q, k, v = (torch.randn(9, 2, 4) for _ in range(3))
+    want = dense_forward(edges, q, k, v)
     for name in ("auto", "dense", "dgl"):
         out, lse = get_backend(name).with_lse(q, k, v, edges)
         assert lse is None
-        torch.testing.assert_close(out, get_backend("dense")(q, k, v, edges))
+        want.check(out, f"{name}.with_lse")
 
 
 def test_batches_of_one_pattern_and_lengths_share_their_edges_on_an_accelerator():

@@ -110,6 +110,7 @@ def test_eval_under_its_own_and_another_pattern_appends_eval_rows(reference, tmp
     trained_test = df[(df.run_id == run_id) & (df.split == "test")]
     assert np.isclose(ev.token_acc.iloc[0], trained_test.token_acc.iloc[0])  # same weights, same data: same figures
     path = checkpoint.checkpoint_dir(reference, run_id) / checkpoint.BEST
+    assert set(df.definitions) == {"{}"}  # full declares no definition version: the run and its evaluation record none
     other = invoke("eval", path, "--pattern", "local:w=1", "--split", "valid", "--results", results)
     assert other.exit_code == 0, other.output
     assert "evaluated under local:w=1 on valid" in other.output
@@ -384,6 +385,10 @@ DAMAGED = {  # a checkpoint field damaged, or written by a later gtx: what the o
         "its common holds 'future', a field gtx",
     ),
     "common not JSON": (lambda s: s.update(common="{not json"), "its common is not JSON"),
+    "definitions not versions": (
+        lambda s: s.update(common=json.dumps({**json.loads(s["common"]), "definitions": '{"dsa": "two"}'})),
+        "its common holds definitions that are not JSON of methods' versions",
+    ),
     "rows not JSON": (lambda s: s.update(rows="[{"), "its rows is not JSON"),
     "epoch as text": (lambda s: s.update(epoch="2"), "its epoch is '2', not a count"),
     "a None config": (lambda s: s.update(run_config=None), "its run_config is a NoneType, not a mapping"),

@@ -206,7 +206,7 @@ def test_a_long_phase_writes_a_progress_line_every_ten_seconds_to_a_log():
 )
 def test_bad_lengths_and_a_prompt_that_is_not_utf8_are_one_line(args, message, cli):
     result = cli(*args)
-    # a busy machine's note (gtx.cli.bench.busy_note) is a warning beside the error, not part of it
+    # a busy machine's note (gtx.measure.load.busy_note) is a warning beside the error, not part of it
     said = [line for line in result.output.strip().splitlines() if not line.startswith("warning: ")]
     assert result.exit_code == 2 and len(said) == 1 and message in said[0], result.output
 

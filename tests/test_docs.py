@@ -6,6 +6,7 @@ from pathlib import Path
 
 from gtx import testing
 from gtx.plugins import hookspecs
+from gtx.testing.float32 import float64_reference
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 #: the settings of a tiny recall run of an lm with a plugin's pattern (the kit's tiny_run)
@@ -84,6 +85,14 @@ def sparq_by_definition(q, k, lens, count, r, local):
     return chosen
 
 
+def over_allowed(q, k, v, allowed):
+    """Softmax attention of each query (n, H, D) over its allowed (n, H, n) keys."""
+    import torch
+
+    score = torch.einsum("thd,shd->ths", q, k).masked_fill(~allowed, float("-inf"))
+    return torch.einsum("ths,shd->thd", score.softmax(-1), v)
+
+
 def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_trains(
     tmp_path, monkeypatch, plugin_dir, tiny_run
 ):
@@ -123,9 +132,7 @@ def test_documented_published_method_chooses_as_sparq_runs_on_the_c_kernel_and_t
         out = Attention(get_backend("dense"), pattern, 2)(q, k, v, edges)
         recorded = selection.kernels.take_ran().get("dd", {})
         assert len(ran) == calls + 1 and all(kernel == "c:keys" for kernel in recorded), recorded  # no backend
-        score = torch.einsum("thd,shd->ths", q.double(), k.double()).masked_fill(~allowed, float("-inf"))
-        want_out = torch.einsum("ths,shd->thd", score.softmax(-1), v.double()).float()
-        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        float64_reference(over_allowed, q, k, v, allowed).check(out, "sparq on the C kernel")
     pattern, small = "sparq:k=8,r=4,local=2", {"n_train": 16, "n_valid": 4, "n_test": 4}
     rows = tiny_run(tmp_path, "--plugins-dir", folder, pattern=pattern, **{**TINY_RECALL, **small}).rows
     assert (rows.edges_per_query_dd <= 8).all() and rows.loss.notna().all()
@@ -305,3 +312,16 @@ def test_every_test_a_method_entry_names_exists():
             assert f"def {name}(" in sources[file], (file, name)
         for name in re.findall(r"``(test_\w+)``", checked):
             assert any(f"def {name}(" in text for text in sources.values()), name
+
+
+def test_ci_runs_the_readmes_test_command_and_says_its_machine_before_the_tests():
+    """.ci/run: the README's test command, with ``python -m gtx.native`` (the CPU, its vector
+    instructions, torch's threads, the C kernels' flags) after the installs, before lint and tests."""
+    root = DOCS.parent
+    command = re.search(r"## Install and run the tests\n\n```bash\n(.*?)\n```", (root / "README.md").read_text()).group(
+        1
+    )
+    installs, tests = command.split(" && ruff check ")
+    assert (root / ".ci" / "run").read_text().strip().splitlines()[-1] == (
+        f"{installs} && python -m gtx.native && ruff check {tests}"
+    )

@@ -11,6 +11,7 @@ makes zeros common); the main attention is a softmax over them. Training
 (the V3.2 report): a dense stage in which the indexer fits KL(mean over heads of the dense attention
 || softmax(I)), the model frozen when asked (or by default when the run starts trained), then sparse attention and the KL over the kept tokens."""
 
+import copy
 import json
 import math
 import sys
@@ -18,6 +19,7 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
+from paths import both_hold
 
 from gtx.attention.module import Attention
 from gtx.backends import get_backend
@@ -25,6 +27,7 @@ from gtx.cli import cli
 from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import build_graph
 from gtx.selection.indexer import index_scores
+from gtx.testing.float32 import float64_reference
 
 
 def published_frequencies(r):
@@ -84,12 +87,13 @@ def test_the_indexer_scores_equal_deepseeks_indexer_with_its_rotary_angles(n, he
         for p in module.indexer.parameters():
             p.normal_(0.5 if p.dim() == 1 else 0.0, p.shape[-1] ** -0.5)
     qr, x = torch.randn(n, 48), torch.randn(n, 48)
-    iq, w, ik = module.indexer(qr, x, torch.arange(n))
-    got = index_scores(iq, w, ik)
-    want = indexer_by_definition(module.indexer.double(), qr.double(), x.double())
-    torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    got = index_scores(*module.indexer(qr, x, torch.arange(n)))
+    unturned = index_scores(*module.indexer(qr, x, torch.zeros(n, dtype=torch.long)))
+    module.indexer.double()
+    definition = float64_reference(lambda qr, x: indexer_by_definition(module.indexer, qr, x), qr, x)
+    definition.check(got, "the indexer's scores")
     if share:  # the positions matter: without them the scores are another function
-        unturned = index_scores(*module.indexer.float()(qr, x, torch.zeros(n, dtype=torch.long)))
+        want = definition.values[0]
         assert (unturned.double() - want).abs().max() > 0.05 * want.abs().max()
 
 
@@ -137,25 +141,32 @@ def twins(spec, lens, seed, heads=2, dim=8):
 @pytest.mark.parametrize("lens, top, seed", [([40], 8, 0), ([33, 50, 9], 5, 1), ([64], 1, 2)])
 def test_dsa_equals_its_definition_indexer_choice_values_gradients_and_kl(lens, top, seed):
     pattern, attention, reference, q, k, v, inputs = twins(f"dsa:k={top},index_heads=3,index_dim=4,dense=0", lens, seed)
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    attention.begin_step(0)
-    got = attention(*xs, build_graph(pattern, None, lens).edges["dd"], inputs=inputs)
-    (kl,) = attention.pending  # the step's auxiliary loss, as the trainer takes it
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    weights = torch.linspace(-1, 1, v.numel()).view_as(v)
+    wide, stats = copy.deepcopy(attention).double(), []
+
+    def run(q, k, v, x, weights):  # gtx's dsa; on the float64 copy where the inputs are float64
+        module = wide if q.dtype == torch.float64 else attention
+        xs = [y.requires_grad_() for y in (q.clone(), k.clone(), v.clone())]
+        module.begin_step(0)
+        out = module(*xs, edges, inputs=x)
+        kl, _ = module.take_losses()  # the step's auxiliary loss, as the trainer takes it
+        stats.append(module.reset_stats()["kept_selected"])
+        # the KL trains the indexer, and only it: its inputs are detached
+        return out, *torch.autograd.grad((out * weights).sum(), xs), kl, *grads_of(kl, module.trainable.indexer)
+
+    want = float64_reference(run, q, k, v, inputs, weights)
+    want.check(run(q, k, v, inputs, weights), "dsa")
     ys = [x.double().requires_grad_() for x in (q, k, v)]
-    want, want_kl, kept = dsa_by_definition(reference, *ys, inputs.double(), lens, top)
-    torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
-    weights = torch.linspace(-1, 1, got.numel()).view_as(got)
-    for a, b in zip(
-        torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)
-    ):
-        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(kl.detach(), want_kl.detach().float(), atol=1e-5, rtol=1e-5)
-    params = list(attention.trainable.indexer.parameters())
-    kl_grads = torch.autograd.grad(kl, params)
-    want_kl_grads = torch.autograd.grad(want_kl, list(reference.trainable.indexer.parameters()))
-    for a, b in zip(kl_grads, want_kl_grads):  # the KL trains the indexer, and only it: its inputs are detached
-        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
-    assert sum(len(s) for s in kept) == attention.reset_stats()["kept_selected"] * sum(lens)
+    out, kl, kept = dsa_by_definition(reference, *ys, inputs.double(), lens, top)
+    grads = torch.autograd.grad((out * weights.double()).sum(), ys)
+    want.check_float64((out, *grads, kl, *grads_of(kl, reference.trainable.indexer)), "dsa's definition")
+    assert sum(len(s) for s in kept) == stats[-1] * sum(lens)
+
+
+def grads_of(loss, module):
+    """The gradients of ``loss`` for ``module``'s parameters."""
+    return torch.autograd.grad(loss, list(module.parameters()))
 
 
 def test_the_dense_stage_is_dense_fits_the_indexer_to_the_dense_attention_and_freezes_the_model():
@@ -168,21 +179,24 @@ def test_the_dense_stage_is_dense_fits_the_indexer_to_the_dense_attention_and_fr
     x = torch.randn(sum(lens), heads * dim)
     attention.begin_step(1)  # the second step: still the dense stage
     out = attention(q, k, v, edges, inputs=x)
-    dense = get_backend("dense")(q, k, v, build_graph(parse_pattern("causal"), None, lens).edges["dd"])
-    torch.testing.assert_close(out, dense)
     kl, frozen = attention.take_losses()
     assert frozen  # the trainer leaves the model's loss out of this step
-    want, start = [], 0
-    indexer = attention.trainable.indexer
-    for n in lens:
-        rows = slice(start, start + n)
-        score = indexer_by_definition(indexer, q[rows].flatten(1), x[rows])
-        later = torch.ones(n, n, dtype=torch.bool).triu(1)
-        p = torch.softmax(torch.einsum("thd,shd->hts", q[rows], k[rows]).masked_fill(later, float("-inf")), -1).mean(0)
-        logq = torch.log_softmax(score.masked_fill(later, float("-inf")), -1)
-        want.append((p * (p.clamp_min(1e-30).log() - logq.masked_fill(later, 0))).sum(-1))
-        start += n
-    torch.testing.assert_close(kl, torch.cat(want).mean())
+    causal = build_graph(parse_pattern("causal"), None, lens).edges["dd"]
+    indexer = copy.deepcopy(attention.trainable.indexer).double()
+
+    def definition(q, k, v, x):  # dense attention, and the KL of the indexer's scores to its head mean
+        want, start = [], 0
+        for n in lens:
+            rows = slice(start, start + n)
+            score = indexer_by_definition(indexer, q[rows].flatten(1), x[rows])
+            later = torch.ones(n, n, dtype=torch.bool).triu(1)
+            p = torch.softmax(torch.einsum("thd,shd->hts", q[rows], k[rows]).masked_fill(later, -math.inf), -1).mean(0)
+            logq = torch.log_softmax(score.masked_fill(later, -math.inf), -1)
+            want.append((p * (p.clamp_min(1e-30).log() - logq.masked_fill(later, 0))).sum(-1))
+            start += n
+        return get_backend("dense")(q, k, v, causal), torch.cat(want).mean()
+
+    float64_reference(definition, q, k, v, x).check((out, kl), "dsa's dense stage")
     attention.begin_step(2)  # the dense stage over: sparse, and the model trains
     attention(q, k, v, edges, inputs=x)
     assert not attention.take_losses()[1] and "kept_selected" in attention.reset_stats()
@@ -344,12 +358,13 @@ def test_results_name_the_rotary_share_and_an_indexer_of_another_definition_is_r
     assert set(rows.pattern) == {
         "dsa:k=8,index_heads=2,index_dim=4,rope=0.5,dense=0,freeze=auto,b=1,index_precision=float32"
     }
+    assert set(rows.definitions) == {'{"dsa": 2}'}  # the definition the refusals below name, recorded in every row
     run_id = rows.run_id.iloc[0]
     path = next(tmp_path.glob("checkpoints/*/best.pt"))  # what gtx eval reads
     state = torch.load(path, weights_only=False)
     good = dict(state["model"])
     for edit, why in [
-        ({}, "under an earlier definition (index keys from the attention's keys, nothing turned"),
+        ({}, "under definition 1 (index keys from the attention's keys, nothing turned"),
         ({"rotated": 4}, "turning 4 index"),
     ]:
         model = {key: value for key, value in good.items() if not key.endswith(".indexer.rotated")}
@@ -446,27 +461,27 @@ def test_blocks_chosen_by_the_indexer_equal_their_definition(lens, top, size, se
     def chosen_by(t):
         return sel.blocks[t, 0][sel.valid[t, 0]].tolist()
 
+    weights = torch.linspace(-1, 1, v.numel()).view_as(v)
+    wide = copy.deepcopy(attention).double()
+
+    def run(q, k, v, x, weights):  # gtx's dsa over blocks; on the float64 copy where the inputs are float64
+        module = wide if q.dtype == torch.float64 else attention
+        module.begin_step(0)  # the dense stage: dense, the KL over block masses
+        module(q, k, v, edges, inputs=x)
+        dense, _ = module.take_losses()
+        module.begin_step(1)
+        xs = [y.requires_grad_() for y in (q.clone(), k.clone(), v.clone())]
+        out = module(*xs, edges, inputs=x)
+        sparse, _ = module.take_losses()
+        grads = torch.autograd.grad((out * weights).sum(), xs)
+        return dense, out, *grads, sparse, *grads_of(sparse, module.trainable.indexer)
+
+    want = float64_reference(run, q, k, v, inputs, weights)
+    want.check(run(q, k, v, inputs, weights), "dsa over blocks")
     ys = [x.double().requires_grad_() for x in (q, k, v)]
-    want, want_sparse, want_dense = blocks_by_definition(reference, *ys, inputs.double(), lens, top, size, chosen_by)
-    attention.begin_step(0)  # the dense stage: dense, the KL over block masses
-    attention(q, k, v, edges, inputs=inputs)
-    (dense,) = attention.pending
-    torch.testing.assert_close(dense.detach(), want_dense.detach().float(), atol=1e-5, rtol=1e-5)
-    attention.take_losses()
-    attention.begin_step(1)
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    got = attention(*xs, edges, inputs=inputs)
-    (sparse,) = attention.pending
-    torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
-    weights = torch.linspace(-1, 1, got.numel()).view_as(got)
-    for a, b in zip(
-        torch.autograd.grad((got * weights).sum(), xs), torch.autograd.grad((want * weights.double()).sum(), ys)
-    ):
-        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(sparse.detach(), want_sparse.detach().float(), atol=1e-5, rtol=1e-5)
-    params, want_params = list(attention.trainable.indexer.parameters()), list(reference.trainable.indexer.parameters())
-    for a, b in zip(torch.autograd.grad(sparse, params), torch.autograd.grad(want_sparse, want_params)):
-        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
+    out, sparse, dense = blocks_by_definition(reference, *ys, inputs.double(), lens, top, size, chosen_by)
+    grads = torch.autograd.grad((out * weights.double()).sum(), ys)
+    want.check_float64((dense, out, *grads, sparse, *grads_of(sparse, reference.trainable.indexer)), "the definition")
 
 
 @pytest.mark.parametrize("model", ["lm", "transformer", "hf", "ut"])
@@ -534,27 +549,19 @@ def test_the_c_kernels_and_the_torch_path_agree_on_the_turned_indexer(lens, top,
         pytest.skip("no C compiler: the torch path is all there is")
     pattern, attention, _, q, k, v, inputs = twins(f"dsa:k={top},index_heads=2,index_dim=8,dense=0", lens, seed)
     edges = build_graph(pattern, None, lens).edges["dd"]
+    wide, kept = copy.deepcopy(attention).double(), []
 
-    def run():
-        xs = [x.clone().requires_grad_() for x in (q, k, v)]
-        attention.begin_step(0)
-        out = attention(*xs, edges, inputs=inputs)
-        kl, _ = attention.take_losses()
-        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
-        return (
-            out,
-            kl,
-            *grads,
-            *torch.autograd.grad(kl, list(attention.trainable.indexer.parameters())),
-            attention.reset_stats()["kept_selected"],
-        )
+    def run(q, k, v, inputs, weights):  # on the float64 copy where the inputs are float64
+        module = wide if q.dtype == torch.float64 else attention
+        xs = [x.requires_grad_() for x in (q.clone(), k.clone(), v.clone())]
+        module.begin_step(0)
+        out = module(*xs, edges, inputs=inputs)
+        kl, _ = module.take_losses()
+        kept.append(module.reset_stats()["kept_selected"])
+        return out, kl, *torch.autograd.grad((out * weights).sum(), xs), *grads_of(kl, module.trainable.indexer)
 
-    got = run()
-    monkeypatch.setattr(native, "kernel", lambda *_: None)
-    want = run()
-    for a, b in zip(got[:-1], want[:-1]):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    assert got[-1] == want[-1]
+    both_hold(run, q, k, v, inputs, torch.linspace(-1, 1, v.numel()).view_as(v))
+    assert kept[-2] == kept[-1]  # the C kernels' choice and the torch path's
 
 
 def dense_kl_by_softmax(q, k, iq, w, ik, lens, size):
@@ -606,9 +613,12 @@ def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_k
     def keys_of(ik):
         return ik if size == 1 else block_means(ik[:, None], lens, size)[:, 0]
 
-    ys = [x.double().requires_grad_() for x in (iq, w, ik)]
-    want = dense_kl_by_softmax(q.double(), k.double(), ys[0], ys[1], keys_of(ys[2]), lens, size)
-    want_grads = torch.autograd.grad(want, ys)
+    def definition(q, k, *inputs):  # the backward scales the gradients
+        ys = [y.clone().requires_grad_() for y in inputs]
+        want = dense_kl_by_softmax(q, k, ys[0], ys[1], keys_of(ys[2]), lens, size)
+        return want, *torch.autograd.grad(want * 0.5, ys)
+
+    want = float64_reference(definition, q, k, iq, w, ik)
     threads = torch.get_num_threads()
     for given, workers in ((lse, 2), (None, 1)):  # row blocks side by side on two threads, or on one
         torch.set_num_threads(workers)
@@ -618,16 +628,14 @@ def test_the_dense_kl_from_the_fused_attentions_log_sum_exp_equals_the_softmax_k
             assert torch.get_num_threads() == workers  # as it was: the workers' own count undone
         finally:
             torch.set_num_threads(threads)
-        torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=1e-5)
-        for a, b in zip(torch.autograd.grad(got * 0.5, xs), want_grads):  # the backward scales the gradients
-            torch.testing.assert_close(a.double(), 0.5 * b, atol=1e-5, rtol=1e-4)
+        want.check((got, *torch.autograd.grad(got * 0.5, xs)), f"the dense KL on {workers} threads")
 
 
 @pytest.mark.parametrize("size", [1, 3])
-def test_the_dense_kls_kernel_agrees_with_its_torch_path_over_long_rows(size, monkeypatch):
+def test_the_dense_kls_kernel_and_its_torch_path_hold_float64s_over_long_rows(size):
     """Rows of 1100 keys, past the kernel's chunks of 512 columns and its vectors' tails, with scores so
     spread that some of p underflows to 0 and the index scores span hundreds: the C kernel's loss and
-    gradients are the torch path's (float32 both)."""
+    gradients and the torch path's, each within what float32 holds of the float64 ones."""
     from gtx import native
     from gtx.selection.indexer import dense_index_kl
 
@@ -641,20 +649,9 @@ def test_the_dense_kls_kernel_agrees_with_its_torch_path_over_long_rows(size, mo
     low, high = (q[:, 0] @ k[:, 0].T).aminmax()
     assert high - low > 200  # exp(q . k - lse) underflows for some keys
 
-    def run(*tensors):
-        q, k, *inputs = tensors
+    def run(q, k, *inputs):
         xs = [x.clone().requires_grad_() for x in inputs]
         loss = dense_index_kl(q, k, None, *xs, [n], 64, size)
-        return [t.double() for t in (loss, *torch.autograd.grad(loss, xs))]
+        return loss, *torch.autograd.grad(loss, xs)
 
-    tensors = (q, k, iq, w, keys)
-    kernel = run(*tensors)
-    monkeypatch.setattr(native, "kernel", lambda *_: None)
-    torch_path, exact = run(*tensors), run(*(t.double() for t in tensors))
-    # the order of float32 sums differs between CPUs (vector widths, threads), so neither path is the
-    # other's reference: each is held to float64, within what float32 holds here (the torch path's own
-    # error, a few times over) and never worse than 1e-4 of the largest value
-    for c, t, e in zip(kernel, torch_path, exact):
-        scale = e.abs().max()
-        assert (t - e).abs().max() <= 1e-4 * scale
-        assert (c - e).abs().max() <= max(4 * (t - e).abs().max(), 1e-5 * scale)
+    both_hold(run, q, k, iq, w, keys)

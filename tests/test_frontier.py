@@ -312,6 +312,24 @@ def test_each_reading_is_saved_under_its_metric_and_margin(small, cli):
             ["--family", "moba:b=4,k=1,2", "--family", "moba:k=1,b=4,8", "--lengths", "16"],
             "pattern 'moba:b=4,k=1,gate=token' is a budget of two families ('moba b=4' and 'moba k=1')",
         ),
+        (
+            ["--decode-family", "local:w=4,8", "--lengths", "16"],
+            "--decode-pattern local:w=4: task 'recall' is not scored by generation",
+        ),
+        (
+            [
+                "--family",
+                "local:w=4",
+                "--decode-family",
+                "local:w=8",
+                "--set",
+                "decode_pattern=full",
+                "--lengths",
+                "16",
+            ],
+            "--set decode_pattern=...: a frontier sets each cell's decode pattern from its families",
+        ),
+        (["--lengths", "16"], "give the budgets to study: --family, --prefill-family or --decode-family"),
     ],
 )
 def test_bad_frontiers_say_so_in_one_line_and_run_nothing(tmp_path, args, match, cli):

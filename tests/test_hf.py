@@ -86,6 +86,24 @@ def test_full_is_transformers_own_sdpa(family):
             torch.testing.assert_close(logits[a:b], expected, atol=1e-4, rtol=0)
 
 
+def test_grouped_query_heads_reach_sdpa_as_they_are(monkeypatch):
+    """Under full, a grouped-query model's keys and values reach SDPA with their own heads
+    (``enable_gqa``), as transformers' sdpa hands them: no copy of them repeated per query head."""
+    task = recall_task()
+    model, pattern = hf_model("llama", "full", task)
+    batch = make_batch(task, "valid", [0], pattern)
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        model(batch)
+    assert seen == [(4, 2, True)] * 2  # a call per layer, 4 query heads over 2 key/value heads
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_local_window_is_eager_attention_with_its_mask(family):
     import transformers
@@ -187,6 +205,30 @@ def test_bench_prefill_of_a_folder_with_fewer_tokens_than_its_random_ids(tmp_pat
     sizes = ("--lengths", 32, "--repeats", 1)
     result = cli("bench", "prefill", "--set", f"path={tmp_path / 'm'}", *sizes, "--results", tmp_path)
     assert result.exit_code == 0, result.output
+
+
+def test_bench_prefill_times_a_pretrained_model_saying_each_load_and_timing(tmp_path, cli):
+    """``--set path=`` of a GGUF file (as path=smollm2 names one): its rows named by the path, beside
+    transformers' sdpa on the same weights, each load and timing said as it starts."""
+    import pandas as pd
+    from pretrained import save_tiny_gguf
+
+    file = save_tiny_gguf(tmp_path / "tiny.gguf")
+    args = ["bench", "prefill", "--set", f"path={file}", "--pattern", "full", "--pattern", "sinks:s=2,w=4"]
+    result = cli(*args, "--lengths", 32, "--repeats", 1, "--results", tmp_path)
+    assert result.exit_code == 0, result.output
+    (path,) = (tmp_path / "bench").glob("prefill-*.csv")
+    df = pd.read_csv(path)
+    assert df.attention.tolist() == ["transformers sdpa", "no attention", "gtx", "gtx"]
+    assert (df.family == str(file)).all() and df.pattern.tolist()[2:] == ["full", "sinks:s=2,w=4"]
+    said = [line.split(maxsplit=2)[2] for line in result.output.splitlines() if line.startswith(str(file))]
+    # the ceiling's model, then sinks's, loaded after full's; each row's timing said before its figure
+    assert [s for s in said if s.startswith("loading")] == [
+        "loading the model for full",
+        "loading the model for local:w=0",
+        "loading the model for sinks:s=2,w=4",
+    ]
+    assert sum("timing 1 pass after a warm-up" in s for s in said) == 4
 
 
 def test_bench_prefill_rows(tmp_path, cli):

@@ -15,6 +15,7 @@ from gtx.graph.tokens import build_graph
 from gtx.selection import choice, indexer
 from gtx.selection.choice import int8_scores, quantised
 from gtx.selection.indexer import index_scores, top_indexed
+from gtx.testing.float32 import float64_reference
 
 on_kernel = pytest.mark.skipif(native.load("index_kernel") is None, reason="no C compiler: the torch path only")
 
@@ -46,8 +47,11 @@ def test_int8_scores_are_the_float_formula_on_dequantised_queries_and_keys():
     g = torch.Generator().manual_seed(0)
     iq, w, ik = torch.randn(30, 2, 16, generator=g), torch.randn(30, 2, generator=g), torch.randn(40, 16, generator=g)
     (q8, sq), (k8, sk) = quantised(iq), quantised(ik)
-    want = index_scores(q8.float() * sq[..., None], w, k8.float() * sk[:, None])
-    torch.testing.assert_close(int8_scores(iq, w, ik), want, rtol=1e-5, atol=1e-5)
+
+    def formula(q8, sq, w, k8, sk):  # the products of integers and scales exact in float64
+        return index_scores(q8 * sq[..., None], w, k8 * sk[:, None])
+
+    float64_reference(formula, q8.float(), sq, w, k8.float(), sk).check(int8_scores(iq, w, ik), "int8 scores")
 
 
 @pytest.mark.parametrize("n, count, seed", [(1024, 64, 0), (1500, 100, 1)])

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import both_hold, both_paths
 
 from gtx import files, native
 from gtx.backends.flash import flash_attention
@@ -30,14 +31,6 @@ pytestmark = pytest.mark.skipif(
 
 
 KERNELS = ("keys_kernel", "index_kernel", "dense_kernel", "packed_kernel")  # what ``loads_and_agrees`` builds
-
-
-def both_paths(fn):
-    """fn() on the C kernels, then on the torch path (the kernels hidden)."""
-    got = fn()
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(native, "kernel", lambda *_: None)
-        return got, fn()
 
 
 @settings(max_examples=30, deadline=None)
@@ -64,11 +57,9 @@ def test_attention_over_keys_in_several_ranges_agrees_with_the_torch_path(shared
 
 def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
     g = torch.Generator().manual_seed(seed)
-    q = (
-        torch.randn(n, heads, dims[0], generator=g) * dims[0] ** -0.5
-    ).requires_grad_()  # scaled, as attention's: scores of order 1
-    k = torch.randn(n_keys, heads, dims[0], generator=g, requires_grad=True)
-    v = torch.randn(n_keys, heads, dims[1], generator=g, requires_grad=True)
+    q = torch.randn(n, heads, dims[0], generator=g) * dims[0] ** -0.5  # scaled, as attention's: scores of order 1
+    k = torch.randn(n_keys, heads, dims[0], generator=g)
+    v = torch.randn(n_keys, heads, dims[1], generator=g)
     # count > 8: runs of 8 slots and a rest
     keys = torch.randint(0, n_keys, (n, 1 if shared else heads, count), generator=g)
     valid = torch.rand(n, 1 if shared else heads, count, generator=g) > 0.3
@@ -77,13 +68,12 @@ def check_selected_keys(n, n_keys, heads, count, shared, dims, seed):
     weights = torch.randn(n, heads, dims[1], generator=g)
     edges = build_graph(parse_pattern("full"), [n], None).edges["ee"]
 
-    def run():
-        out, mean_p = attend_keys(q, k, v, edges, sel, probs=True)
-        return out, mean_p, *torch.autograd.grad((out * weights).sum(), (q, k, v))
+    def run(q, k, v, weights):
+        xs = [x.requires_grad_() for x in (q.clone(), k.clone(), v.clone())]
+        out, mean_p = attend_keys(*xs, edges, sel, probs=True)
+        return out, mean_p, *torch.autograd.grad((out * weights).sum(), xs)
 
-    got, want = both_paths(run)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    got, _ = both_hold(run, q, k, v, weights)
     assert (got[0][0] == 0).all()
 
 
@@ -156,25 +146,21 @@ def test_topk_chooses_the_same_keys_per_head_on_the_kernel(lens, count, heads, s
 def test_the_indexer_kl_over_kept_keys_agrees_with_the_torch_path(n, count, dim, seed):
     g = torch.Generator().manual_seed(seed)
     iq, w, ik = (
-        x.requires_grad_()
-        for x in (
-            torch.randn(n, 2, dim, generator=g),
-            torch.randn(n, 2, generator=g),
-            torch.randn(n + 5, dim, generator=g),
-        )
+        torch.randn(n, 2, dim, generator=g),
+        torch.randn(n, 2, generator=g),
+        torch.randn(n + 5, dim, generator=g),
     )
     keys = torch.randint(0, n + 5, (n, count), generator=g)
     valid = torch.rand(n, count, generator=g) > 0.25
     p = torch.softmax(torch.randn(n, count, generator=g).masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0)
     p[:, 0] = p[:, 0] * valid[:, 0]  # a zero target weight: p log p is 0
 
-    def run():
-        loss = index_kl(p, iq, w, ik, keys, valid)
-        return loss, *torch.autograd.grad(loss * 1.5, (iq, w, ik))
+    def run(p, iq, w, ik):
+        xs = [x.clone().requires_grad_() for x in (iq, w, ik)]
+        loss = index_kl(p, *xs, keys, valid)
+        return loss, *torch.autograd.grad(loss * 1.5, xs)
 
-    got, want = both_paths(run)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    both_hold(run, p, iq, w, ik)
 
 
 REAL_CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -219,28 +205,35 @@ def loads_and_agrees(monkeypatch):
     edges = build_graph(parse_pattern("causal"), None, [300]).edges["dd"]
     (keys, valid), (want_keys, want_valid) = both_paths(lambda: top_indexed(iq, w, ik, edges, 40, "int8"))
     assert same_sets(keys, valid, want_keys, want_valid)
-    # the dense KL's element-wise steps: rows past a chunk of 512 columns
+    # the dense KL's element-wise steps: rows past a chunk of 512 columns, on random values (small
+    # integers' equal terms make a scalar build's sums round alike each time: coherent, beyond the bound)
     q, k = (torch.randn(600, 2, 8, generator=g) for _ in range(2))
-    xs = [x.requires_grad_() for x in indexer_inputs(600, 2, 8, 1)]
 
-    def dense():
+    def dense(q, k, *inputs):
+        xs = [x.clone().requires_grad_() for x in inputs]
         loss = dense_index_kl(q, k, None, *xs, [600], 64)
         return loss, *torch.autograd.grad(loss, xs)
 
-    for a, b in zip(*both_paths(dense)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    both_hold(
+        dense,
+        q,
+        k,
+        torch.randn(600, 2, 8, generator=g),
+        torch.randn(600, 2, generator=g),
+        torch.randn(600, 8, generator=g),
+    )
     # plain attention over packed short samples (the kernel hidden: SDPA's padded calls), at the unrolled size
     edges = build_graph(parse_pattern("full"), [3, 9, 20], [5, 1, 12]).edges["ed"]
-    qkv = [torch.randn(n, 2, 32, generator=g, requires_grad=True) for n in (edges.n_dst, edges.n_src, edges.n_src)]
+    qkv = [torch.randn(n, 2, 32, generator=g) for n in (edges.n_dst, edges.n_src, edges.n_src)]
 
-    def plain():
+    def plain(*qkv):
+        qkv = [x.clone().requires_grad_() for x in qkv]
         out = flash_attention(
             *qkv, EdgeSet(edges.src, edges.dst, edges.n_src, edges.n_dst, "ed", edges.q_lens, edges.k_lens), "complete"
         )
         return out, *torch.autograd.grad(out.sin().sum(), qkv)
 
-    for a, b in zip(*both_paths(plain)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    both_hold(plain, *qkv)
 
 
 def int8_kind(lib) -> str:
@@ -283,6 +276,8 @@ def test_the_float32_choice_keeps_the_same_keys_built_for_avx512_and_portable(fr
 def test_a_cpu_with_avx512_vnni_scores_int8_on_it():
     if "avx512_vnni" not in native._cpu_features().split():
         pytest.skip("this CPU has no AVX-512 VNNI")
+    if native.arch() != ["-march=native"]:
+        pytest.skip(f"GTX_NATIVE_ARCH: the kernels are built for {native.arch()[0]}, not this CPU")
     assert int8_kind(native.load("index_kernel")) == "avx512-vnni"
 
 
@@ -313,6 +308,32 @@ def test_cc_is_split_as_a_shell_would_a_wrapper_and_flags_too(fresh, tmp_path, m
     monkeypatch.setenv("CC", f"'{wrap}' {REAL_CC} -O2")
     loads_and_agrees(monkeypatch)
     assert fresh() == [] and len(calls.read_text().split()) == 1 + len(KERNELS)  # --version, then one build per kernel
+
+
+def test_gtx_native_arch_builds_for_that_target_under_its_own_key(fresh, tmp_path, monkeypatch):
+    """GTX_NATIVE_ARCH=x86-64: the compiler gets -march=x86-64 (SSE2: the int8 choice's portable loop),
+    build_flags says so, and the library is another than -march=native's."""
+    calls = tmp_path / "calls"
+    wrap = script(tmp_path / "wrap", f'echo "$*" >> "{calls}"; exec {REAL_CC} "$@"')
+    monkeypatch.setenv("CC", wrap)
+    monkeypatch.setenv("GTX_NATIVE_ARCH", "x86-64")
+    portable = native.library("index_kernel")
+    assert int8_kind(ctypes.CDLL(str(portable))) == "portable"
+    assert "-march=x86-64 " in calls.read_text() and "-march=native" not in calls.read_text()
+    assert "-march=x86-64" in native.build_flags("index_kernel").split()
+    monkeypatch.delenv("GTX_NATIVE_ARCH")
+    assert native.library("index_kernel") != portable and "-march=native" in calls.read_text()
+    assert fresh() == []
+
+
+def test_python_m_gtx_native_says_the_machine_and_the_flags_in_two_lines(capsys):
+    """What CI prints first: the CPU and torch's threads, then the compiler and flags the kernels build with."""
+    import runpy
+
+    runpy.run_module("gtx.native", run_name="__main__")
+    machine, flags = capsys.readouterr().out.splitlines()
+    assert machine.startswith("machine: ") and f"threads {torch.get_num_threads()}" in machine
+    assert flags.startswith("C kernels: ") and "-O3" in flags.split()  # the test run builds them
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "gcc '-O2"])
@@ -446,6 +467,7 @@ def test_a_compiler_that_refuses_march_native_builds_for_the_baseline(fresh, tmp
         f'case "$*" in *-march=native*) echo "error: unknown target CPU native" >&2; exit 1;; esac; exec {REAL_CC} "$@"',
     )
     monkeypatch.setenv("CC", picky)
+    monkeypatch.delenv("GTX_NATIVE_ARCH", raising=False)  # -march=native, what the compiler refuses
     loads_and_agrees(monkeypatch)
     (line,) = fresh()  # one line for both kernels
     assert line.startswith("the C kernels are built for the baseline CPU (the compiler refused -march=native)")

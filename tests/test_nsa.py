@@ -11,6 +11,7 @@ here in float64, not against fetched code:
   sigmoid(linear(q)).
 """
 
+import copy
 import json
 
 import pytest
@@ -24,6 +25,7 @@ from gtx.graph.spec import parse_pattern
 from gtx.graph.tokens import batch_edges, build_graph
 from gtx.selection import compressed
 from gtx.selection.blocks import TokenBlockSelection, attend_token_blocks
+from gtx.testing.float32 import float64_reference
 
 
 def selected_and_window_by_definition(q, k, v, lens, block_indices, block, window, g_slc, g_swa):
@@ -64,10 +66,15 @@ def random_blocks(lens, heads, block, count, g):
     return torch.tensor(rows)
 
 
-def grads_of(f, *xs):
-    xs = [x.clone().requires_grad_() for x in xs]
-    out = f(*xs)
-    return out.detach(), torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), xs)
+def grads_of(f):
+    """(q, k, v, weights) -> f's output on q, k, v and its gradients under an uneven loss (weights)."""
+
+    def run(q, k, v, weights):
+        xs = [x.requires_grad_() for x in (q.clone(), k.clone(), v.clone())]
+        out = f(*xs)
+        return out, *torch.autograd.grad((out * weights).sum(), xs)
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -99,11 +106,10 @@ def test_selected_and_window_branches_equal_naive_nsa_given_blocks_and_gates(len
     def definition(q, k, v):
         return selected_and_window_by_definition(q, k, v, lens, indices, block, window, g_slc.double(), g_swa.double())
 
-    got, got_grads = grads_of(gtx_branches, q, k, v)
-    want, want_grads = grads_of(definition, q.double(), k.double(), v.double())
-    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
-    for a, b in zip(got_grads, want_grads):
-        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-5)
+    weights = torch.linspace(-1, 1, v.numel()).view_as(v)
+    want = float64_reference(grads_of(gtx_branches), q, k, v, weights)
+    want.check(grads_of(gtx_branches)(q, k, v, weights), "the selected and window branches")
+    want.check_float64(grads_of(definition)(*(x.double() for x in (q, k, v, weights))), "their definition")
 
 
 def mlp_of_block(phi, block):
@@ -189,20 +195,27 @@ def test_nsa_equals_its_definition_on_values_and_every_gradient(spec, lens, head
     reference = Attention(get_backend("dense"), pattern, heads, 8).double()
     reference.load_state_dict(attention.state_dict())
     q, k, v = (torch.randn(sum(lens), heads, 8) for _ in range(3))
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    got = attention(*xs, build_graph(pattern, None, lens).edges["dd"])
-    weights = torch.linspace(-1, 1, got.numel()).view_as(got)
-    got_grads = torch.autograd.grad((got * weights).sum(), [*xs, *attention.trainable.parameters()])
-    ys = [x.double().requires_grad_() for x in (q, k, v)]
-    want = nsa_by_definition(reference.trainable, *ys, lens)
-    want_grads = torch.autograd.grad((want * weights.double()).sum(), [*ys, *reference.trainable.parameters()])
-    torch.testing.assert_close(got.detach(), want.detach().float(), atol=1e-5, rtol=1e-5)
+    edges = build_graph(pattern, None, lens).edges["dd"]
+    weights = torch.linspace(-1, 1, v.numel()).view_as(v)
+
+    def run(nsa, module):  # q, k, v, weights -> the output and the gradients of q, k, v and module's parameters
+        def on(q, k, v, weights):
+            xs = [x.requires_grad_() for x in (q.clone(), k.clone(), v.clone())]
+            out = nsa(*xs)
+            return out, *torch.autograd.grad((out * weights).sum(), [*xs, *module.parameters()])
+
+        return on
+
+    got = run(lambda *xs: attention(*xs, edges), attention.trainable)(q, k, v, weights)
     names = ["q", "k", "v", *(n for n, _ in attention.trainable.named_parameters())]
-    for name, a, b in zip(names, got_grads, want_grads):
+    for name, a in zip(names, got[1:]):
         assert a.abs().sum() > 0, f"no gradient reaches {name}: phi, the gates and all three branches train"
-        torch.testing.assert_close(
-            a, b.float(), atol=2e-5, rtol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}"
-        )
+    wide = copy.deepcopy(attention).double()
+    want = float64_reference(run(lambda *xs: wide(*xs, edges), wide.trainable), q, k, v, weights)
+    outputs = f"the attention, then the gradients of {', '.join(names)}"
+    want.check(got, f"nsa ({outputs})")
+    definition = run(lambda *ys: nsa_by_definition(reference.trainable, *ys, lens), reference.trainable)
+    want.check_float64(definition(*(x.double() for x in (q, k, v, weights))), f"nsa's definition ({outputs})")
 
 
 def test_a_group_of_heads_shares_one_row_of_the_selection():

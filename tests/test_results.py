@@ -10,7 +10,7 @@ import pytest
 from rows import row
 
 from gtx.records.compare import compare
-from gtx.records.results import COLUMNS, load, validate, write_run
+from gtx.records.results import COLUMNS, SCHEMA_VERSION, load, validate, write_run
 
 
 def test_schema_is_enforced():
@@ -108,7 +108,9 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 def test_older_files_load_with_the_added_columns_missing(tmp_path):
     write_run(tmp_path, "new", [row(run_id="new", cell="abc", split=split) for split in ("valid", "test")])
     old = pd.DataFrame([row(run_id="old", schema_version=1, split=split) for split in ("valid", "test")])
-    old.drop(columns=["context_len", "density", "cell", "eval_of"]).to_csv(tmp_path / "runs" / "old.csv", index=False)
+    old.drop(columns=["context_len", "density", "cell", "eval_of", "definitions"]).to_csv(
+        tmp_path / "runs" / "old.csv", index=False
+    )
     two = pd.DataFrame([row(run_id="two", schema_version=2, split=split) for split in ("valid", "test")])
     two.drop(columns=["cell", "eval_of"]).to_csv(tmp_path / "runs" / "two.csv", index=False)
     df = load(tmp_path).drop_duplicates("run_id").set_index("run_id")  # a valid and a test row each: one is enough here
@@ -118,6 +120,7 @@ def test_older_files_load_with_the_added_columns_missing(tmp_path):
         and np.isnan(df.density["old"])
         and pd.isna(df.cell["two"])
         and pd.isna(df.eval_of["old"])
+        and pd.isna(df.definitions["old"])
     )
     assert compare(load(tmp_path), ["task", "context_len"]).runs.sum() == 3
 
@@ -131,7 +134,9 @@ def test_a_file_of_a_newer_schema_is_refused_in_one_line_never_rewritten(tmp_pat
         newer, index=False
     )
     before = newer.read_bytes()
-    with pytest.raises(GtxError, match=r"newer.csv has schema version 999, newer than this gtx reads \(5\)"):
+    with pytest.raises(
+        GtxError, match=rf"newer.csv has schema version 999, newer than this gtx reads \({SCHEMA_VERSION}\)"
+    ):
         load(tmp_path)
     with pytest.raises(GtxError, match="schema version 999"):
         write_run(tmp_path, "newer", [row(run_id="newer")])

@@ -251,6 +251,38 @@ def test_a_run_keeps_each_samples_outcome(tokenizer, tmp_path):
     assert df.pattern.iloc[0] == "local:w=16"
 
 
+def test_a_run_says_each_long_phase(tokenizer, tmp_path):
+    """Loading a pretrained model is said first; generation counts its samples (the teacher-forced
+    pass its batches) through the run's progress callback."""
+    from gtx.run.runner import RunConfig, run
+
+    calls, lines = [], []
+
+    def progress(description, total, unit="batch"):
+        calls.append({"what": description, "total": total, "unit": unit, "done": 0})
+        call = calls[-1]
+        return lambda: call.update(done=call["done"] + 1)
+
+    settings = {"path": str(tokenizer.folder), "context": "400", "new": "4", "n_valid": "2", "n_test": "3"}
+    config = RunConfig(task="niah", model="hf", settings={**settings, "epochs": "0"}, results_dir=str(tmp_path))
+    run(config, progress=progress, log=lines.append)
+    assert lines[0].startswith("loading model hf from ") and lines[1].startswith("run ")
+    samples = [(c["what"], c["total"], c["done"]) for c in calls if c["unit"] == "sample"]
+    assert samples == [("epoch 0 valid: generation", 2, 2), ("test: generation", 3, 3)]
+    assert [c["what"] for c in calls if c["unit"] == "batch"] == ["epoch 0 valid", "test"]
+
+
+def test_a_log_counts_samples_where_a_phase_counts_them():
+    from gtx.cli.common import progress_lines
+
+    now, lines = [0.0], []
+    tick = progress_lines("test: generation", 3, lines.append, clock=lambda: now[0], unit="sample")
+    for t in (12, 30, 31):
+        now[0] = t
+        tick()
+    assert lines == ["test: generation: 1/3 samples, 12 s", "test: generation: 2/3 samples, 30 s"]
+
+
 def test_no_prompt_appears_twice():
     task = make("niah", context=400, new=8, key="number", digits=1, n_train=30, n_valid=10, n_test=10)
     prompts_ = [

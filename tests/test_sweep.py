@@ -49,6 +49,9 @@ def test_children_share_the_cores_unless_told():
     assert sw.child_env(2, {})["OMP_NUM_THREADS"] == str(max(1, cpus // 2))
     assert sw.child_env(64, {})["OMP_NUM_THREADS"] == "1"
     assert sw.child_env(2, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+    # cells side by side do not warn of each other's load; one cell at a time looks
+    assert sw.child_env(2, {})["GTX_BUSY_CHECK"] == "0" and "GTX_BUSY_CHECK" not in sw.child_env(1, {})
+    assert sw.child_env(2, {"GTX_BUSY_CHECK": "1"})["GTX_BUSY_CHECK"] == "1"
 
 
 def fake_run(results, run_id, cell, splits, started, eval_of=None, **kw):

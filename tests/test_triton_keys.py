@@ -20,6 +20,7 @@ from gtx.graph.tokens import build_graph
 from gtx.records import results
 from gtx.selection import kernels
 from gtx.selection.keys import KeySelection, attend_keys
+from gtx.testing.float32 import float64_reference
 from tests.test_native import (
     test_attention_over_no_keys_reads_nothing_and_ids_out_of_range_are_an_error as on_no_keys,
 )
@@ -128,7 +129,10 @@ def test_tiles_that_split_queries_and_slots_give_the_same_results(sizes, monkeyp
 
 
 @pytest.mark.parametrize("group", [1, 2, HEADS])
-def test_the_triton_kernels_equal_the_c_kernel(group, monkeypatch):
+def test_the_triton_kernels_and_the_c_kernel_each_hold_the_float64_softmax(group, monkeypatch):
+    """Each against the masked softmax in float64, within what float32 holds on these inputs, not
+    against each other: the order of their float32 sums (the interpreter's, the C kernel's vectors)
+    decides their last bits, and it differs between CPUs."""
     g = torch.Generator().manual_seed(2)
     lens = [33, 31]
     edges = build_graph(parse_pattern("causal"), None, lens).edges["dd"]
@@ -141,10 +145,11 @@ def test_the_triton_kernels_equal_the_c_kernel(group, monkeypatch):
 
     got = values_and_grads(attend, q, k, v, weights)
     monkeypatch.setenv("GTX_KERNELS", "torch")
-    want = values_and_grads(attend, q, k, v, weights)
+    c_kernel = values_and_grads(attend, q, k, v, weights)
     assert kernels.take_ran() == {"dd": {"triton:keys": 1, "c:keys": 1}}
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    want = float64_reference(lambda *x: values_and_grads(lambda *y: reference(*y, sel), *x), q, k, v, weights)
+    want.check(got, "the Triton kernels")
+    want.check(c_kernel, "the C kernel")
 
 
 def test_no_keys_read_nothing_and_ids_out_of_range_are_an_error(monkeypatch):

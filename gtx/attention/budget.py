@@ -82,3 +82,26 @@ class Account:
         out = {stage: tuple(t) for stage, t in self.stages.items()}
         self.stages.clear()
         return out
+
+
+def generated_keys(pattern, prompt: int, generated: int) -> tuple[float, int]:
+    """(keys, queries): the keys the queries of generated tokens read under ``pattern``'s ``dd`` rule
+    after a prompt of ``prompt`` tokens, summed, and those queries: the ``generated - 1`` positions
+    from ``prompt`` on (the first generated token is read off the prompt's last query, the last one
+    is read by none). A fixed pattern's edges; a selection's budget, at most its candidates'; head
+    groups averaged. NaN keys for a pattern that learns which keys it reads (nsa, dsa)."""
+    queries = max(generated - 1, 0)
+    n = prompt + queries
+    if pattern.heads:
+        return sum(generated_keys(p, prompt, generated)[0] for p in pattern.heads) / len(pattern.heads), queries
+    if pattern.trainable is not None:
+        return float("nan"), queries
+    if not queries:
+        return 0.0, 0
+    if pattern.structure("dd", n, n) == "causal":  # full, and selections among every earlier key: no edge built
+        degree = torch.arange(prompt, n, dtype=torch.float64) + 1
+    else:
+        degree = torch.bincount(pattern.edges("dd", n, n)[1], minlength=n)[prompt:].to(torch.float64)
+    if pattern.budget:
+        degree = degree.clamp(max=pattern.budget)
+    return float(degree.sum()), queries

@@ -27,7 +27,7 @@ import torch
 from gtx.attention.budget import Account, on_active
 from gtx.attention.checks import check_keep, check_selection
 from gtx.attention.trainable import Run
-from gtx.backends import Backend
+from gtx.backends import Backend, repeat_kv
 from gtx.errors import GtxError, PluginError, plugin_code
 from gtx.graph.tokens import EdgeSet
 from gtx.selection.blocks import BlockSelection, TokenBlockSelection, attend_blocks, attend_token_blocks
@@ -50,7 +50,8 @@ def bias_key(bias: tuple[str, tuple]) -> str:
 
 
 class Attention(torch.nn.Module):
-    """``attention(q, k, v, edges)`` as a backend is called (q pre-scaled; (n, H, D) tensors), for any
+    """``attention(q, k, v, edges)`` as a backend is called (q pre-scaled; (n, H, D) tensors; k and v
+    may hold fewer heads, H_kv dividing H: grouped-query attention, ``repeat_kv``'s order), for any
     pattern; ``pattern``, ``heads`` (the model's head count) and ``head_dim`` build the pattern's bias
     modules and trainable attention; ``from_trained``: the run starts from a trained model
     (``gtx.attention.trainable.starts_trained``), what its trainable attention is told."""
@@ -201,7 +202,10 @@ class Attention(torch.nn.Module):
 
     def _forward(self, q, k, v, edges: EdgeSet, trainable=None, inputs=None):
         pattern = edges.pattern
-        if pattern is None or pattern.plain:
+        plain = pattern is None or pattern.plain
+        if k.shape[1] != q.shape[1] and not (plain and getattr(self.backend, "grouped_kv", False)):
+            k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+        if plain:
             out = self.backend(q, k, v, edges)
             keys = work = edges.num_edges  # a filtered (ACT) set holds its active queries' edges alone
             offered = 0.0

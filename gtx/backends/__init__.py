@@ -5,7 +5,9 @@ Contract for every backend: ``backend(q, k, v, edges)`` with q (n_dst, H, D) alr
 q.k over its incoming edges (numerically stable: max-subtracted) weighting the values. A backend
 with ``supports_bias`` also takes ``bias=`` (E, H), added to each edge's score before the softmax. A query with
 no incoming edge (a halted ACT node) gets zeros. All backends compute the same function, forward
-and gradients, to float tolerance; ``dense`` is the reference.
+and gradients, to float tolerance; ``dense`` is the reference. A backend with ``grouped_kv`` also
+takes k and v of fewer heads, H_kv dividing H (grouped-query attention, ``repeat_kv``'s order);
+``Attention`` repeats them for any other.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Backend:
 
     name = "?"
     supports_bias = False  # True: ``__call__(q, k, v, edges, bias=...)`` adds bias (E, H) to each edge's score
+    grouped_kv = False  # True: takes k and v of fewer heads than q (grouped-query attention)
 
     def available(self, device: torch.device | str = "cpu") -> str | None:
         """None when usable on ``device``, else a one-line reason."""
@@ -50,6 +53,17 @@ class Backend:
     def reset_choices(self) -> dict[str, dict[str, int]]:
         """What the backend chose per stage since the last call (backends that choose override this)."""
         return {}
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query keys or values ``x`` (n, H_kv, D) for ``heads`` query heads: each head repeated
+    for the ``heads // H_kv`` query heads of its group, in a row (query head h reads head
+    h // (heads // H_kv): transformers' ``repeat_kv`` order); ``x`` itself where it has ``heads``."""
+    if x.shape[1] == heads:
+        return x
+    if heads % x.shape[1]:
+        raise ValueError(f"{x.shape[1]} key/value heads for {heads} query heads: they must divide them")
+    return x.repeat_interleave(heads // x.shape[1], 1)
 
 
 def float32_sums(call):

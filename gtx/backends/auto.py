@@ -31,12 +31,13 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from gtx.backends import Backend
+from gtx.backends import Backend, repeat_kv
 from gtx.backends.blocksparse import block_pairs
 from gtx.backends.flash import flash_attention, flash_plan, flash_structure
 from gtx.backends.packed import QUERY_WORK
@@ -262,6 +263,7 @@ class AutoBackend(Backend):
         return min(self.measured[shape], key=self.measured[shape].get)
 
     supports_bias = True  # routed to the candidates that take biases
+    grouped_kv = True  # plain attention's SDPA takes the groups; the other candidates get them repeated
 
     def _chosen(self, q, k, v, edges, bias) -> str:
         """The choice for this call (planned once per edge set), counted."""
@@ -269,7 +271,7 @@ class AutoBackend(Backend):
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
         name = root.plan(
             ("auto", q.device, q.shape[1], q.shape[2], biased, grad),
-            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, k, v, bias), biased, grad),
+            lambda: self.choose(root, q.shape[1], q.shape[2], q.device, (q, *_heads(q, k, v), bias), biased, grad),
         )
         ran = name
         if name.startswith(FLASH) and flash_plan(q, k, v, root, name.removeprefix(FLASH)).ranges is not None:
@@ -290,6 +292,7 @@ class AutoBackend(Backend):
         if name.startswith(FLASH):  # a subset of a plain-attention set too: flash_attention zeroes dropped queries
             return flash_attention(q, k, v, edges, name.removeprefix(FLASH))
         backend = self._usable(q.device)[name]
+        k, v = _heads(q, k, v)
         return backend(q, k, v, edges) if bias is None else backend(q, k, v, edges, bias=bias)
 
     def reset_choices(self) -> dict[str, dict[str, int]]:
@@ -300,11 +303,17 @@ class AutoBackend(Backend):
 
 
 def time_candidates(
-    backends: dict[str, Backend], inputs, edges: EdgeSet, biased: bool = False, rounds: int = 3
+    backends: dict[str, Backend],
+    inputs,
+    edges: EdgeSet,
+    biased: bool = False,
+    rounds: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Seconds per call of each backend on copies of ``inputs`` (q, k, v), backward included when
     gradients are on: the fastest of ``rounds`` calls, taken in turns so that a slow spell of a shared
-    machine hits every candidate; a first untimed call builds each backend's plan for the edges."""
+    machine hits every candidate; a first untimed call builds each backend's plan for the edges.
+    ``clock``: seconds, read before and after each call."""
     bias = inputs[3].detach() if biased else None  # timing must not add gradient to learned biases
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3])
     q, k, v = (t.detach().requires_grad_(grad) for t in inputs[:3])
@@ -319,8 +328,13 @@ def time_candidates(
     best = {}
     for round_ in range(rounds + 1):
         for name, backend in backends.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             call(backend)
             if round_:
-                best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
+                best[name] = min(best.get(name, math.inf), clock() - t0)
     return best
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with q's heads (``repeat_kv``): what every candidate but plain attention's SDPA takes."""
+    return repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])

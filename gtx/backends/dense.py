@@ -8,7 +8,7 @@ instead, as SDPA's fastest kernels; an ACT subset of one too.
 import torch
 import torch.nn.functional as F
 
-from gtx.backends import Backend
+from gtx.backends import Backend, repeat_kv
 from gtx.backends.flash import flash_attention, flash_structure
 from gtx.graph.tokens import EdgeSet
 
@@ -48,6 +48,7 @@ class DenseBackend(Backend):
 
     name = "dense"
     supports_bias = True
+    grouped_kv = True  # plain attention's SDPA takes the groups; the mask's path repeats them
 
     def __init__(self, flash: bool = True):
         self.flash = flash
@@ -56,7 +57,7 @@ class DenseBackend(Backend):
         structure = flash_structure(edges.root) if self.flash and bias is None else None
         if structure is not None:
             return flash_attention(q, k, v, edges, structure)
-        return masked_attention(q, k, v, edges, bias)
+        return masked_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), edges, bias)
 
     def with_lse(self, q, k, v, edges):
         structure = flash_structure(edges.root) if self.flash and edges.parent is None else None

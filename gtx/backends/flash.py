@@ -26,7 +26,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from gtx.backends import packed
+from gtx.backends import packed, repeat_kv
 from gtx.graph.tokens import EdgeSet
 
 COMPLETE, CAUSAL = "complete", "causal"
@@ -200,16 +200,19 @@ def buckets(shapes: list[tuple[int, int]], causal: bool, call_pairs: float) -> l
 
 def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, causal: bool, lse: bool = False):
     """(count*n_q, H, Dv): the bucket as one (count, H, n, D) SDPA call. Four dimensions matter:
-    SDPA's CPU flash kernel takes only 4-D inputs (3-D ones fall back to the math kernel). With
-    ``lse``, also each query's log-sum-exp of its scores per head, (count*n_q, H), from the CPU
-    flash kernel itself (the one SDPA runs there, called directly: SDPA returns no log-sum-exp);
-    elsewhere None."""
+    SDPA's CPU flash kernel takes only 4-D inputs (3-D ones fall back to the math kernel). k and v
+    may hold fewer heads than q (grouped-query attention: SDPA's ``enable_gqa``, as transformers
+    calls it, no copy). With ``lse``, also each query's log-sum-exp of its scores per head,
+    (count*n_q, H), from the CPU flash kernel itself (the one SDPA runs there, called directly: SDPA
+    returns no log-sum-exp); elsewhere None."""
     if b.q_idx is not None:  # index_select: its backward is index_add
         q, k, v = q.index_select(0, b.q_idx), k.index_select(0, b.k_idx), v.index_select(0, b.k_idx)
+    sums = None
+    if lse and q.device.type == "cpu":
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # the kernel called directly has no groups
     q4 = q.view(b.count, b.n_q, *q.shape[1:]).transpose(1, 2)
     k4 = k.view(b.count, b.n_k, *k.shape[1:]).transpose(1, 2)
     v4 = v.view(b.count, b.n_k, *v.shape[1:]).transpose(1, 2)
-    sums = None
     if lse and q.device.type == "cpu":
         mask = None if b.mask is None else torch.zeros(b.mask.shape, dtype=q.dtype).masked_fill_(~b.mask, -torch.inf)
         out, sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -217,7 +220,8 @@ def _run_bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Bucket, ca
         )
         sums = sums.transpose(1, 2).reshape(b.count * b.n_q, q.shape[1])
     else:  # (count, H, n_q, Dv)
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=b.mask, is_causal=causal, scale=1.0)
+        grouped = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=b.mask, is_causal=causal, scale=1.0, **grouped)
     out = out.transpose(1, 2).reshape(b.count * b.n_q, q.shape[1], v.shape[-1])
     return (out, sums) if lse else out
 
@@ -238,13 +242,14 @@ def flash_attention(
 ):
     """The backend contract (q (n_dst, H, D) scaled, k (n_src, H, D), v (n_src, H, Dv) ->
     (n_dst, H, Dv)) for an edge set whose ``flash_structure`` is ``structure``, or an ACT subset
-    of one (then ``structure`` is its full set's). ``lse`` (a full set only): (out, each query's
+    of one (then ``structure`` is its full set's); k and v may hold fewer heads than q (grouped-query
+    attention, ``repeat_kv``'s order). ``lse`` (a full set only): (out, each query's
     log-sum-exp of its scores per head, (n_dst, H), no gradient; None off the CPU)."""
     plan = flash_plan(q, k, v, edges, structure)
     if lse and edges.parent is not None:
         raise ValueError("flash_attention: lse=True takes a full edge set, not an ACT subset")
     if plan.ranges is not None:
-        out, sums = packed.attend_ranges(q, k, v, plan.ranges)
+        out, sums = packed.attend_ranges(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), plan.ranges)
     else:
         runs = [_run_bucket(q, k, v, b, plan.causal, lse) for b in plan.buckets]
         outs, sums = zip(*runs) if lse else (runs, [None])

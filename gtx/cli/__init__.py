@@ -16,6 +16,7 @@ docs/cli.md holds every command's help (reference.py writes it).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
@@ -126,6 +127,7 @@ def run(
     over N processes (data parallel)."""
     from tqdm import tqdm
 
+    from gtx.measure.load import busy_note
     from gtx.run.runner import RunConfig
     from gtx.run.runner import run as run_experiment
 
@@ -166,15 +168,20 @@ def run(
         loggers=list(loggers),
     )
 
-    def progress(description, total):
+    def progress(description, total, unit="batch"):
         if quiet:
             return lambda: None
         if sys.stderr.isatty():
-            bar = tqdm(total=total, desc=description, leave=False, unit="batch")
+            bar = tqdm(total=total, desc=description, leave=False, unit=unit)
             return lambda: bar.update() if bar.n + 1 < total else bar.close()
-        return progress_lines(description, total, lambda s: click.echo(s, err=True))
+        return progress_lines(description, total, lambda s: click.echo(s, err=True), unit=unit)
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
+    # one process looks, alone: torchrun's other ranks are this run's own load, not another's
+    alone = is_main_process() and os.environ.get("WORLD_SIZE", "1") == "1"
+    note = busy_note("its wall_s and tokens_per_s") if alone else None
+    if note:
+        click.echo(f"warning: {note}", err=True)
     rows = run_experiment(config, progress=progress, log=log, resume=resume)
     if is_main_process():
         _summary(rows[(rows.epoch == rows.epoch.max())], results_dir)

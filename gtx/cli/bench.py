@@ -25,35 +25,11 @@ from gtx.records.results import format_table
 @click.group(cls=GtxGroup)
 def bench():
     """Benchmarks: attention kernels, training throughput, a transformers model's prefill. Tables land under <results>/bench/."""
-    note = busy_note()
+    from gtx.measure.load import busy_note
+
+    note = busy_note("these timings")
     if note:
         click.echo(f"warning: {note}", err=True)
-
-
-def busy_note(busy: float | None = None, cores: int | None = None) -> str | None:
-    """A warning when other processes keep cores busy (``busy``: how many, measured now by
-    ``gtx.measure.bench.busy_cores``): torch's threads in several processes spin against each other
-    (measured 30-40x slower), so timings taken now do not compare with a quiet run's."""
-    import os
-
-    from gtx.measure.bench import busy_cores
-
-    if busy is None:
-        busy = busy_cores()
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if busy is None or busy <= max(0.5, 0.25 * cores):
-        return None
-    threads = os.environ.get("OMP_NUM_THREADS")
-    advice = (
-        "quote only ratios measured side by side in one run"
-        if threads == "1"
-        else "set OMP_NUM_THREADS=1 and quote only ratios measured side by side"
-    )
-    return (
-        f"other processes keep {busy:.1f} of {cores} cores busy: they share this machine, so these timings do not "
-        f"compare with a quiet run's; {advice}"
-    )
 
 
 @bench.command(name="attention")
@@ -209,7 +185,10 @@ def bench_train(
 )
 @pattern_option("Pattern spec (repeatable).", "full", several=True)
 @lengths_option("4096,16384")
-@settings_option("An hf model setting (layers, heads, kv_heads, dim, dim_ff).")
+@settings_option(
+    "An hf model setting (layers, heads, kv_heads, dim, dim_ff), or path=: a pretrained model (a folder, a GGUF "
+    "file, smollm2) instead of a random one."
+)
 @count_option("--repeats", default=3, help="Timed forward passes (median).")
 @click.option(
     "--backends",
@@ -222,10 +201,12 @@ def bench_train(
 @results_option()
 def bench_prefill(family, patterns, lengths, settings, repeats, backends, fmt, results_dir):
     """A transformers causal LM's prefill (forward, no gradients) with gtx's attention under each pattern,
-    against the same weights on transformers' own SDPA; peak memory growth per row. Needs pip install -e '.[hf]'.
+    against the same weights on transformers' own SDPA; peak memory growth per row. Each timing, and each load
+    of a pretrained model (--set path=), is said on stderr as it starts. Needs pip install -e '.[hf]'.
 
     \b
       gtx bench prefill --family llama --pattern full --pattern local:w=256 --lengths 4096,16384
+      gtx bench prefill --set path=smollm2 --pattern full --pattern sinks:s=4,w=256 --lengths 4096
     """
     from gtx.measure import bench as gtx_bench
     from gtx.measure.prefill import bench_prefill as run

@@ -201,17 +201,21 @@ def parse_lengths(ctx, param, value: str) -> list[int]:
     return [int(v) for v in items]
 
 
-def progress_lines(description: str, total: int, echo, every_s: float = 10.0, clock=time.monotonic):
-    """A per-batch callback for output that is not a terminal (a log): a line such as "epoch 2/4:
-    120/400 batches, 31 s" at most every ``every_s`` seconds, so that a long phase is not silent."""
+def progress_lines(
+    description: str, total: int, echo, every_s: float = 10.0, clock=time.monotonic, unit: str = "batch"
+):
+    """A per-unit callback for output that is not a terminal (a log): a line such as "epoch 2/4:
+    120/400 batches, 31 s" at most every ``every_s`` seconds, so that a long phase is not silent;
+    ``unit``: what is counted (``batch``, ``sample``)."""
     start = clock()
     state = {"done": 0, "shown": start}
+    units = "batches" if unit == "batch" else f"{unit}s"
 
     def tick():
         state["done"] += 1
         now = clock()
         if now - state["shown"] >= every_s and state["done"] < total:
             state["shown"] = now
-            echo(f"{description}: {state['done']}/{total} batches, {now - start:.0f} s")
+            echo(f"{description}: {state['done']}/{total} {units}, {now - start:.0f} s")
 
     return tick

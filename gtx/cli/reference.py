@@ -3,7 +3,9 @@
 
 - docs/cli.md: every command's --help, at 100 columns;
 - docs/methods.md: every pattern and score bias (what ``gtx patterns NAME`` prints);
-- results/README.md: the results folder's layout (``gtx.records.layout``).
+- results/README.md: the results folder's layout (``gtx.records.layout``);
+- the figure tables of docs/*.md (docs/results.md's), each between its markers, from its CSV
+  (``gtx.records.figures``).
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def method_entry(name: str, bias: bool = False) -> str:
     entry = (BIASES if bias else PATTERNS).get(name)
     shown = f"+{name}" if bias else f"{name}(PATTERN)" if is_modifier(entry.obj) else name
     params = describe_params(entry.obj, skip="heads" if bias else "inner") or "none"
-    return f"## {shown}\n\nParameters: `{params}`\n\n{_markdown(inspect.getdoc(entry.obj) or 'Undocumented.')}\n"
+    version = f"Definition: version {entry.definition} (results rows record it)\n\n" if entry.definition else ""
+    doc = _markdown(inspect.getdoc(entry.obj) or "Undocumented.")
+    return f"## {shown}\n\nParameters: `{params}`\n\n{version}{doc}\n"
 
 
 def _markdown(doc: str) -> str:
@@ -118,11 +122,13 @@ PAGES = {"docs/cli.md": markdown, "docs/methods.md": methods, "results/README.md
 def write_pages(root: Path) -> list[Path]:
     """Write every generated page under ``root`` (the checkout), each atomically: a page is replaced
     only once its new text exists (a shell redirect empties it before the code has run)."""
+    from gtx.records import figures
+
     written = []
     for name, make in PAGES.items():
         atomic_write(root / name, make())
         written.append(root / name)
-    return written
+    return written + figures.write_pages(root)
 
 
 if __name__ == "__main__":

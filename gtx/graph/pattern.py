@@ -82,6 +82,9 @@ class Pattern:
     # stage -> "complete" or "causal" where that holds by construction at every length: plain attention
     # then runs from the lengths alone, never listing the n^2 edges (tests check the claim against the rules)
     structures: Mapping[str, str] = field(default_factory=dict)
+    # registered name -> definition version, for each method in this pattern (a union's parts, a modifier's inner
+    # pattern, its bias) that declares one (``register(name, factory, definition=N)``): what results rows record
+    definitions: Mapping[str, int] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -307,6 +310,7 @@ def _combine(a: Pattern, b: Pattern, op: str, logical, merge) -> Pattern:
         spec=f"{_wrap(a.spec, op)}{op}{_wrap(b.spec, op)}",
         edge_fns={s: stage_edges(s) for s in STAGES},
         filter=a.filter or b.filter,
+        definitions={**a.definitions, **b.definitions},
     )
 
 

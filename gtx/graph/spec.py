@@ -233,7 +233,8 @@ def add_bias(pattern: Pattern, name: str, raw: Mapping[str, str]) -> Pattern:
         raise PatternError(
             f"pattern {pattern.spec!r} already has the bias {pattern.bias[0]!r}; give one bias per pattern"
         )
-    factory = BIASES.get(name).obj
+    entry = BIASES.get(name)
+    factory = entry.obj
     kwargs = _kwargs("bias", name, factory, raw, skip="heads")
     resolved = {n: kwargs.get(n, p.default) for n, p in pattern_params(factory, "heads").items()}
     args = ",".join(f"{k}={_fmt(v)}" for k, v in resolved.items())
@@ -241,8 +242,14 @@ def add_bias(pattern: Pattern, name: str, raw: Mapping[str, str]) -> Pattern:
         pattern,
         bias=(name, tuple(kwargs.items())),
         spec=f"{pattern.spec}+{name}{':' + args if args else ''}",
+        definitions=declared(pattern.definitions, name, entry.definition),
         _cache={},
     )
+
+
+def declared(parts: Mapping[str, int], name: str, definition: int | None) -> dict[str, int]:
+    """The definition versions of a pattern's parts, with ``name``'s own where its registration declares one."""
+    return dict(sorted({**parts, **({name: definition} if definition is not None else {})}.items()))
 
 
 def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | tuple[Pattern, ...] | None = None) -> Pattern:
@@ -276,7 +283,13 @@ def build_pattern(name: str, raw: Mapping[str, str], inner: Pattern | tuple[Patt
     args = ",".join(f"{k}={_fmt(v)}" for k, v in resolved.items())
     inners = inner if isinstance(inner, tuple) else (inner,) if inner is not None else ()
     spec = f"{name}({','.join(p.spec for p in inners)})" if inners else name
-    return replace(pattern, spec=f"{spec}:{args}" if args else spec, _cache={})
+    parts = {k: v for p in (*inners, pattern) for k, v in p.definitions.items()}
+    return replace(
+        pattern,
+        spec=f"{spec}:{args}" if args else spec,
+        definitions=declared(parts, name, entry.definition),
+        _cache={},
+    )
 
 
 def _fmt(v: object) -> str:

@@ -70,23 +70,6 @@ class AttentionCell:
             out.backward(grad)
 
 
-def busy_cores(window_s: float = 0.5) -> float | None:
-    """How many cores other processes keep busy now: the machine's busy share over ``window_s`` seconds
-    (Linux's /proc/stat, while this process sleeps) times its cores; None where it cannot be read.
-    Unlike the load average, which lags by a minute, a benchmark that just finished does not count."""
-
-    def ticks():  # (this machine's ticks, its idle ones): user nice system idle iowait irq softirq; not steal
-        with open("/proc/stat") as f:
-            values = [int(x) for x in f.readline().split()[1:8]]
-        return sum(values), values[3] + values[4]
-
-    try:
-        (total0, idle0), _, (total1, idle1) = ticks(), time.sleep(window_s), ticks()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (1 - (idle1 - idle0) / max(1, total1 - total0)) * (os.cpu_count() or 1)
-
-
 def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

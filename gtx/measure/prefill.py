@@ -3,9 +3,10 @@ its attention run by gtx under each pattern, against the same weights on transfo
 
     df = bench_prefill("llama", patterns=["full", "local:w=256"], lengths=[4096, 16384])
 
-The model is ``--model hf``'s (``plugins/models/hf.py``), randomly initialised: speed does not depend on
-the weights. Each row times ``repeats`` forward passes without gradients (the median, after one
-warm-up) and measures the pass's peak memory growth over the loaded model (``gtx.memory``).
+The model is ``--model hf``'s (``plugins/models/hf.py``), randomly initialised (speed does not depend
+on the weights), or a pretrained one given by ``path`` (``settings={"path": "smollm2"}``: the same
+code over a real model's sizes). Each row times ``repeats`` forward passes without gradients (the
+median, after one warm-up) and measures the pass's peak memory growth over the loaded model (``gtx.memory``).
 """
 
 from __future__ import annotations
@@ -130,34 +131,45 @@ def bench_prefill(
     prefill), gtx's model with attention skipped (the ceiling of the gtx rows: the same code around the
     attention, ``SkipAttention`` over one edge per query), then gtx under each pattern and backend
     (``attention`` names a backend other than auto: "gtx flex"). Columns: family, length, attention, pattern, ms,
-    tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes)."""
+    tokens_per_s, vs_sdpa (SDPA's time over the row's), peak_mem_mb (growth during the passes).
+    ``settings``: the hf model's (``--set``); with ``path`` (a pretrained folder, a GGUF file,
+    ``smollm2``) that model is timed, its rows' family column naming the path. Each timing, and each
+    load of a pretrained model's weights, is said through ``log`` as it starts (progress)."""
     from gtx.graph.spec import parse_pattern
     from gtx.measure.reference import NO_EDGES, SkipAttention
 
-    check_lengths(family, dict(settings or {}), lengths)
+    given = dict(settings or {})
+    check_lengths(family, given, lengths)
+    label = given.get("path") or family  # a pretrained model by its path (smollm2), a random one by family
     rows = []
+
+    def timed(n: int, name: str, spec: str, forward: Callable, *args, **kwargs) -> None:
+        say = f"{label} {n:>6} {name:<18} {spec:<20}"
+        log(f"{say} timing {repeats} pass{'es' * (repeats > 1)} after a warm-up")
+        ms, mem = _time(repeats, forward, *args, **kwargs)
+        rows.append({"family": label, "length": n, "attention": name, "pattern": spec, "ms": ms, "peak_mem_mb": mem})
+        log(f"{say} {ms:10.1f} ms {mem:8.1f} MB")
+
     for n in lengths:
-        config = _config(family, dict(settings or {}), n)
-        reference = _gtx_model(config, parse_pattern("full"))
+        config = _config(family, given, n)
+
+        def build(pattern, backend="auto", config=config, n=n):
+            if config.path:  # reading (and dequantizing) the weights takes seconds
+                log(f"{label} {n:>6} loading the model for {pattern.spec}")
+            return _gtx_model(config, pattern, backend)
+
+        reference = build(parse_pattern("full"))
         tokens = min(VOCAB, reference.hf.get_input_embeddings().num_embeddings)  # a folder's may be smaller
         ids = torch.randint(tokens, (n,), generator=torch.Generator().manual_seed(n))
         skip = parse_pattern(NO_EDGES)
-        timed = [
-            (SDPA, "causal", _time(repeats, _same_weights(reference, "sdpa"), input_ids=ids[None], use_cache=False)),
-            (CEILING, "-", _time(repeats, _gtx_model(config, skip, SkipAttention()), _batch(ids, skip))),
-        ]
+        timed(n, SDPA, "causal", _same_weights(reference, "sdpa"), input_ids=ids[None], use_cache=False)
+        timed(n, CEILING, "-", build(skip, SkipAttention()), _batch(ids, skip))
         for spec in patterns:
             pattern = parse_pattern(spec)
             for backend in backends:
                 name = "gtx" if backend == "auto" else f"gtx {backend}"
-                timed.append(
-                    (name, pattern.spec, _time(repeats, _gtx_model(config, pattern, backend), _batch(ids, pattern)))
-                )
-        for name, spec, (ms, mem) in timed:
-            rows.append(
-                {"family": family, "length": n, "attention": name, "pattern": spec, "ms": ms, "peak_mem_mb": mem}
-            )
-            log(f"{family} {n:>6} {name:<18} {spec:<20} {ms:10.1f} ms {mem:8.1f} MB")
+                model = reference if spec == "full" and backend == "auto" else build(pattern, backend)
+                timed(n, name, pattern.spec, model, _batch(ids, pattern))
     df = pd.DataFrame(rows)
     df["tokens_per_s"] = df.length / (df.ms / 1000)
     df["vs_sdpa"] = df.groupby("length").ms.transform(lambda ms: ms.iloc[0]) / df.ms

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from gtx.backends import Backend
+from gtx.backends import Backend, repeat_kv
 from gtx.data.batch import batches, make_batch
 from gtx.graph.pattern import Pattern
 from gtx.graph.spec import forget_parsed, parse_pattern
@@ -233,9 +233,12 @@ class SkipAttention(Backend):
     backend can reach in that model: the step with attention at zero cost."""
 
     name = "(no attention)"
+    grouped_kv = True  # grouped-query k and v read as they come: the ceiling makes no copy a kernel need not
 
     def __call__(self, q, k, v, edges):
-        return v.mean(0) + q.sum(-1, keepdim=True) + k.mean(0).sum(-1, keepdim=True)  # (n_dst, H, Dv)
+        heads = q.shape[1]
+        k_mean, v_mean = (repeat_kv(x.mean(0, keepdim=True), heads)[0] for x in (k, v))
+        return v_mean + q.sum(-1, keepdim=True) + k_mean.sum(-1, keepdim=True)  # (n_dst, H, Dv)
 
 
 # The rows of ``gtx bench train`` (``gtx.measure.bench.bench_train``) as cells a fresh process builds again.

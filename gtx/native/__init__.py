@@ -7,7 +7,10 @@ cached under ``<cache>/native`` (``gtx.files.cache_dir``: ``$GTX_CACHE``, else `
 by the hash of the sources, the toolchain (the compiler's path and ``--version``), the flags and
 the CPU's features, so a machine builds each version once. The build tries ``-march=native`` with
 OpenMP, then without OpenMP, then the baseline architecture (for compilers that refuse
-``-march=native``) with and without OpenMP, each under its own key. A built library is synced to
+``-march=native``) with and without OpenMP, each under its own key. ``GTX_NATIVE_ARCH`` names
+another target for ``-march`` (``x86-64-v3``: AVX2 without AVX-512, as on many servers; ``x86-64``:
+SSE2 alone), so that one machine builds and tests what another's CPU runs; ``build_flags()`` says
+which flags this process builds with. A built library is synced to
 disk before it is moved into place, with its size and SHA-256 beside it, and checked against them
 before it is loaded: one cut short (a crash, a full disk) is rebuilt, never loaded. Before it is
 moved into place, a new library is loaded by a child process: one whose loading ends the process
@@ -51,7 +54,7 @@ FLAGS = [
     "-fPIC",
 ]
 # this CPU's vector instructions; some compilers refuse it (clang <= 14 on AArch64, older Apple clang)
-ARCH = ["-march=native"]
+ARCH_VARIABLE = "GTX_NATIVE_ARCH"  # -march's target instead of native: another CPU's build on this one
 OPENMP = ["-fopenmp"]  # a kernel's parts on the OpenMP team torch's threads form (the kernels' ON_PARTS)
 RETRY_AFTER = 24 * 3600  # seconds a failed build is remembered
 # in every cache key: libraries built before their loading was tried in a child process are built again
@@ -60,6 +63,7 @@ SLOWER = "topk, dsa and dropout run on their torch path, several times slower on
 HERE = Path(__file__).parent
 
 _said: set[str] = set()
+_flags: dict[str, list[str]] = {}  # kernel name -> the flags its loaded library was built with
 
 
 def _say(level: int, message: str, about: str | None = None) -> None:
@@ -70,12 +74,18 @@ def _say(level: int, message: str, about: str | None = None) -> None:
         log.log(level, message)
 
 
+def arch() -> list[str]:
+    """The ``-march`` flag the kernels build with first: ``$GTX_NATIVE_ARCH``'s target, else native."""
+    return [f"-march={os.environ.get(ARCH_VARIABLE, '').strip() or 'native'}"]
+
+
 def _variants() -> list[tuple[list[str], str]]:
     """The builds tried, best first: (flags, what the build lacks; empty for the best)."""
+    march = arch()
     return [
-        ([*ARCH, *OPENMP], ""),
-        (ARCH, "without OpenMP: their parts run one after another"),
-        (OPENMP, "for the baseline CPU (the compiler refused -march=native)"),
+        ([*march, *OPENMP], ""),
+        (march, "without OpenMP: their parts run one after another"),
+        (OPENMP, f"for the baseline CPU (the compiler refused {march[0]})"),
         ([], "for the baseline CPU and without OpenMP"),
     ]
 
@@ -226,6 +236,7 @@ def library(name: str) -> Path | None:
             ).hexdigest()[:16]
             target, marker = folder / f"{name}-{key}.so", folder / f"{name}-{key}.failed"
             if _verified(target):
+                _flags[name] = [*FLAGS, *flags]
                 if lacks:
                     _say(
                         logging.INFO,
@@ -237,6 +248,7 @@ def library(name: str) -> Path | None:
             if error is None:
                 error = _build(argv, flags, source, target)
                 if error is None:
+                    _flags[name] = [*FLAGS, *flags]
                     if lacks:
                         _say(
                             logging.WARNING,
@@ -278,6 +290,39 @@ def load(name: str) -> ctypes.CDLL | None:
             "does not load",
         )
         return None
+
+
+VECTORS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_vnni", "neon", "asimd", "sve")  # what the kernels use
+
+
+def machine() -> str:
+    """One line: this CPU's model, cores and vector instructions (those the kernels' builds use), and
+    torch's version, threads and the vector code its own kernels picked."""
+    model = platform.processor() or platform.machine()
+    try:
+        found = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+        model = found[0].split(":", 1)[1].strip() if found else model
+    except OSError:
+        pass
+    have = set(_cpu_features().split())
+    vectors = " ".join(v for v in VECTORS if v in have) or "none listed"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"{model}, {os.cpu_count()} cores ({vectors}); torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"its kernels for {capability}"
+    )
+
+
+def build_flags(name: str = "dense_kernel") -> str:
+    """One line: the compiler and flags kernel ``name`` is built with on this machine (building it if
+    it is not yet), or why it runs as torch ops."""
+    path = library(name)
+    tool = toolchain(os.environ.get("CC"))
+    if path is None or isinstance(tool, str):
+        reason = "GTX_NATIVE=0" if os.environ.get("GTX_NATIVE", "1") == "0" else "not built: see the warning above"
+        return f"none ({tool if isinstance(tool, str) else reason}): their torch ops run instead"
+    version = tool[1].splitlines()[1] if len(tool[1].splitlines()) > 1 else tool[1]
+    return f"{shlex.join(tool[0])} ({version.strip()}) {shlex.join(_flags[name])}"
 
 
 def kernel(name: str, *tensors: torch.Tensor) -> ctypes.CDLL | None:

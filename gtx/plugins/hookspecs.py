@@ -16,17 +16,21 @@ hookimpl = pluggy.HookimplMarker("gtx")
 
 @hookspec
 def register_patterns(register):
-    """Register attention patterns: ``register(name, factory)``.
+    """Register attention patterns: ``register(name, factory, definition=None)``.
 
     ``factory(**params) -> gtx.graph.pattern.Pattern``; its keyword parameters (with type annotations and
     defaults) are the pattern's command-line parameters (``local:w=4``) and the first line of its
-    docstring is the description shown by ``gtx patterns``.
+    docstring is the description shown by ``gtx patterns``. ``definition`` (an int from 1): the
+    method's definition version, raised whenever it computes something else under the same name;
+    the pattern carries it (``Pattern.definitions``), results rows record it (``definitions``), and
+    checkpoints and figure tables of another version are refused.
     """
 
 
 @hookspec
 def register_biases(register):
-    """Register score biases: ``register(name, bias_cls)``; ``P+name:key=value`` adds one to a pattern.
+    """Register score biases: ``register(name, bias_cls, definition=None)``; ``P+name:key=value`` adds one
+    to a pattern; ``definition`` as for patterns.
 
     ``bias_cls(heads, **params)`` is a ``torch.nn.Module`` (its parameters train with the model,
     shared by all layers) whose ``forward(q_pos, k_pos, stage, heads) -> (E, len(heads))`` gives the

@@ -152,14 +152,21 @@ def label_of(plugin_name: str) -> str:
     return _labels.get(plugin_name, plugin_name)
 
 
+#: the kinds whose entries may declare a definition version (``register(name, factory, definition=N)``)
+DEFINED_KINDS = ("pattern", "bias")
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One registered thing: its name, the object, the plugin that registered it, its config class."""
+    """One registered thing: its name, the object, the plugin that registered it, its config class,
+    and (patterns and score biases) its definition version: the number a plugin raises when the
+    method computes something else under the same name; results rows and figure tables record it."""
 
     name: str
     obj: Any
     plugin: str
     config: type | None = None
+    definition: int | None = None
 
     @property
     def description(self) -> str:
@@ -189,7 +196,9 @@ class Registry:
         for impl in reversed(getattr(pm.hook, self.hook).get_hookimpls()):  # registration order
             label = label_of(impl.plugin_name)
 
-            def register(name: str, obj: Any, *, config: type | None = None, _label: str = label) -> None:
+            def register(
+                name: str, obj: Any, *, config: type | None = None, definition: int | None = None, _label: str = label
+            ) -> None:
                 if not isinstance(name, str) or not NAME_RE.match(name):
                     raise PluginError(
                         f"plugin {_label} registered the {self.kind} name {name!r}; use letters, digits, '_' or '-'"
@@ -202,7 +211,18 @@ class Registry:
                     raise PluginError(
                         f"plugin {_label} registered {self.kind} {name!r} with config={config!r}; pass a dataclass (or no config)"
                     )
-                entries[name] = Entry(name, obj, _label, config)
+                if definition is not None and (
+                    self.kind not in DEFINED_KINDS or type(definition) is not int or definition < 1
+                ):
+                    raise PluginError(
+                        f"plugin {_label} registered {self.kind} {name!r} with definition={definition!r}; "
+                        + (
+                            "give a whole number from 1, raised when the method computes something else under its name"
+                            if self.kind in DEFINED_KINDS
+                            else f"only patterns and score biases declare a definition version; drop it from {name!r}"
+                        )
+                    )
+                entries[name] = Entry(name, obj, _label, config, definition)
 
             call_hook(impl, label, register=register)
         return entries

@@ -160,6 +160,17 @@ def _check_common(state: dict, key: str, path: Path) -> None:
         raise _newer(state, path, key, unknown)
     if bad := [k for k in ("run_id", "pattern") if not isinstance(common.get(k), str)]:
         raise _damaged(path, key, f"has no {bad[0]}")
+    if common.get("definitions") is not None and not _versions(common["definitions"]):
+        raise _damaged(path, key, "holds definitions that are not JSON of methods' versions")
+
+
+def _versions(text) -> bool:
+    """Whether ``text`` is what a run records as its definitions: JSON of method names to whole numbers."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, dict) and all(type(v) is int for v in value.values())
 
 
 def _check_rows(state: dict, key: str, path: Path) -> None:
@@ -232,6 +243,26 @@ def check_vocab(state: dict, task, path: Path) -> None:
             raise GtxError(
                 f"checkpoint {path} was trained with a {side} vocabulary of {len(theirs)} tokens; task {task.name!r} here has "
                 f"{len(mine)}{' (other tokens)' if len(mine) == len(theirs) else ''}: evaluate it on the task and settings it was trained on"
+            )
+
+
+def recorded_definitions(state: dict) -> dict[str, int]:
+    """The definition versions a checkpoint's run recorded (its ``common``'s ``definitions``); {} for a
+    checkpoint written before runs recorded them."""
+    text = json.loads(state["common"]).get("definitions")
+    return json.loads(text) if isinstance(text, str) else {}
+
+
+def check_definitions(state: dict, definitions: Mapping[str, int], path: Path) -> None:
+    """One line where a method the checkpoint was trained with has another definition version here
+    (``definitions``: this gtx's, of the pattern the checkpoint is read under): its weights were
+    learned for a computation this code no longer runs under that name."""
+    recorded = recorded_definitions(state)
+    for name, version in sorted(definitions.items()):
+        if name in recorded and recorded[name] != version:
+            raise GtxError(
+                f"checkpoint {path} was trained under {name} definition {recorded[name]}; this gtx's {name} is definition "
+                f"{version}, which computes something else: train again, or evaluate it under a pattern without {name}"
             )
 
 

@@ -90,7 +90,8 @@ def _per_run(rows: pd.DataFrame) -> dict:
         **{f"best_valid_{k}": v.min() if lower_is_better(k) else v.max() for k, v in task.items() if k not in COLUMNS},
         SPEED: last_train.tokens_per_s.iloc[-1] if len(last_train) else np.nan,
         "density": rows.density.mean(),
-        "edges_per_query": train[[f"edges_per_query_{s}" for s in STAGES]].mean().mean(),  # NaN stages left out
+        # NaN stages left out; a run scored untrained (--epochs 0) trains nothing: its valid rows read the keys
+        "edges_per_query": (train if len(train) else valid)[[f"edges_per_query_{s}" for s in STAGES]].mean().mean(),
         "train_flops": train.flops.sum(min_count=1),
         "train_attn_flops": train.attn_flops.sum(min_count=1),
         "train_s": train.wall_s.sum(min_count=1),
@@ -137,7 +138,7 @@ def run_table(
     ``results.finished``): the ``by`` columns, ``task``, ``run_id``, ``experiment`` and ``cell``, the
     per-run values ``compare`` summarises (see there), the cost (``train_flops``, ``train_attn_flops``:
     summed over the train rows; ``train_s``: their wall seconds), ``edges_per_query`` (the train rows'
-    mean, averaged over the model's stages) and ``metric``, the name of the column the run is judged
+    mean, or the valid rows' for a run scored untrained, averaged over the model's stages) and ``metric``, the name of the column the run is judged
     by. ``attrs["unfinished"]``: the run ids left out for having no test rows yet."""
     df = training_runs(df)
     done = finished(df)

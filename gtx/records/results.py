@@ -21,7 +21,7 @@ from gtx.errors import GtxError
 from gtx.files import atomic_write
 from gtx.records.layout import ResultsFolder
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 KEYED_SINCE = 4  # cell and experiment keys as today's: older files are rekeyed on load
 #: columns added since version 1, with the value older files get on load
 ADDED = {
@@ -32,6 +32,7 @@ ADDED = {
     "eval_of": pd.NA,
     "flops": float("nan"),
     "attn_flops": float("nan"),
+    "definitions": pd.NA,
 }
 #: the resolved configs an experiment's identity holds, as stored in the ``config`` column
 CONFIG_PARTS = ("model_config", "task_config", "train")
@@ -47,6 +48,9 @@ COLUMNS: dict[str, str] = {
     "task": "string",
     "model": "string",
     "pattern": "string",  # canonical spec with parameters, e.g. "local:w=4"
+    # JSON {name: version}: the definition version of each method the run's attention ran that declares one
+    # (``register(name, factory, definition=N)``; a decode pattern's too), {} where none does; <NA> before schema 6
+    "definitions": "string",
     "backend": "string",
     "device": "string",
     "seed": "int64",
@@ -130,7 +134,7 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-JSON_COLUMNS = ("metrics", "backend_plan", "config")
+JSON_COLUMNS = ("definitions", "metrics", "backend_plan", "config")
 #: the values a numeric column can hold (NaN aside where the column allows it); never infinite.
 #: Accuracies and density are shares (density: keys read over keys allowed, never above 1); the rest
 #: counts, sizes, times and losses.
@@ -383,9 +387,13 @@ def cell_text(v) -> str:
     return str(v)
 
 
+#: numbers a phase's metrics hold that judge nothing: timing, and the keys generated tokens read
+NOT_METRICS = ("decode_s", "generate_s", "decode_edges_per_query")
+
+
 def scalar_metrics(metrics: dict) -> dict[str, float]:
-    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), decode and generation timing left out."""
-    return {k: v for k, v in metrics.items() if isinstance(v, float) and k not in ("decode_s", "generate_s")}
+    """A phase's single-number metrics (bpc, query_acc, bleu, seq_acc, ...), ``NOT_METRICS`` left out."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and k not in NOT_METRICS}
 
 
 def metrics_json(d: dict) -> str:

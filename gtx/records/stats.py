@@ -139,3 +139,64 @@ def tost_p(a, b, margin: float) -> float:
     p_low = float(sps.t.sf((d + margin) / se, df))  # H0: d <= -margin
     p_high = float(sps.t.cdf((d - margin) / se, df))  # H0: d >= margin
     return max(p_low, p_high)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A run's per-sample outcomes (in [0, 1]) against a baseline's on the same samples, in order.
+
+    ``test``: ``mcnemar`` where every outcome is 0 or 1, else ``bootstrap``; ``n`` the pairs;
+    ``base_acc`` and ``acc`` the two means over them; ``worse`` and ``better`` the discordant pairs
+    (the run's outcome below the baseline's, above it); ``p`` two-sided (no difference), ``p_worse``
+    one-sided (the run is not worse: small when it is)."""
+
+    test: str
+    n: int
+    base_acc: float
+    acc: float
+    worse: int
+    better: int
+    p: float
+    p_worse: float
+
+
+def mcnemar_p(worse: int, better: int) -> tuple[float, float]:
+    """Exact McNemar test on the discordant pairs: under no difference each of the ``worse + better``
+    is a fair coin's toss. (two-sided p: twice the smaller tail of Binomial(worse + better, 1/2), at
+    most 1; one-sided p that the run is not worse: P(X >= worse)). No discordant pair: (1, 1)."""
+    n = worse + better
+    if n == 0:
+        return 1.0, 1.0
+    two = min(1.0, 2 * float(sps.binom.cdf(min(worse, better), n, 0.5)))
+    return two, float(sps.binom.sf(worse - 1, n, 0.5))
+
+
+def bootstrap_p(diff, resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap of the mean of ``diff`` (run minus baseline, per sample), under the null of
+    mean 0: the differences are centred, resampled with replacement ``resamples`` times (a fixed
+    ``seed``: the same p every time) and the observed mean compared with the resampled means:
+    (two-sided p, one-sided p that the run is not worse), each (1 + as extreme) / (1 + resamples),
+    never 0. No pair: (1, 1)."""
+    d = np.asarray(diff, dtype=float)
+    if len(d) == 0:
+        return 1.0, 1.0
+    mean = d.mean()
+    rng = np.random.default_rng(seed)
+    means = (d - mean)[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
+    tol = 1e-12  # the centred means of equal differences are 0 up to rounding
+    two = (1 + np.count_nonzero(np.abs(means) >= abs(mean) - tol)) / (1 + resamples)
+    one = (1 + np.count_nonzero(means <= mean + tol)) / (1 + resamples)
+    return float(two), float(one)
+
+
+def paired_test(outcomes, base, resamples: int = 10_000, seed: int = 0) -> Paired:
+    """``outcomes`` against ``base``, sample by sample (equal lengths, values in [0, 1]): exact McNemar
+    where all are 0 or 1, else the paired bootstrap of the mean difference (``bootstrap_p``)."""
+    a, b = np.asarray(outcomes, dtype=float), np.asarray(base, dtype=float)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired outcomes of {a.shape} and {b.shape} samples: a paired test needs the same samples")
+    worse, better = int(np.count_nonzero(a < b)), int(np.count_nonzero(a > b))
+    binary = bool(np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all())
+    p, p_worse = mcnemar_p(worse, better) if binary else bootstrap_p(a - b, resamples, seed)
+    acc, base_acc = (float(x.mean()) if len(x) else math.nan for x in (a, b))
+    return Paired("mcnemar" if binary else "bootstrap", len(a), base_acc, acc, worse, better, p, p_worse)

@@ -55,6 +55,12 @@ class Resolved:
         }
 
     @property
+    def definitions(self) -> dict[str, int]:
+        """The definition version of each method the run's attention runs that declares one (its pattern's
+        parts, and those generated tokens read by): the results' ``definitions`` column."""
+        return dict(sorted({**self.pattern_run.definitions, **self.decode.definitions}.items()))
+
+    @property
     def decode(self) -> Pattern:
         """The pattern generated tokens read their keys by (``train.decode_pattern``; empty: the run's)."""
         return parse_pattern(self.train.decode_pattern) if self.train.decode_pattern else self.pattern_run

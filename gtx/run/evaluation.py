@@ -39,6 +39,7 @@ def trained_model(path: Path, state: dict, config: RunConfig) -> tuple[torch.nn.
     one line."""
     resolved = resolve(config)
     checkpoint.check_vocab(state, resolved.task, path)
+    checkpoint.check_definitions(state, resolved.definitions, path)
     attention = build_attention(resolved)
     model = build_model(resolved, attention)
     checkpoint.check_shapes(model, state, path, config.model, resolved.pattern_given.spec)
@@ -120,6 +121,10 @@ def evaluate_checkpoint(
         "run_id": run_id,
         "started_at": started.isoformat(timespec="seconds"),
         "pattern": resolved.pattern_given.spec,
+        # the trained run's methods and the evaluating pattern's: the figures depend on both
+        "definitions": json.dumps(
+            dict(sorted({**checkpoint.recorded_definitions(state), **resolved.definitions}.items()))
+        ),
         "cell": None,
         "experiment": resolved.experiment,
         "eval_of": source["run_id"],

@@ -54,7 +54,8 @@ __all__ = [
     "run",
 ]
 
-Progress = Callable[[str, int], Callable[[], None]]
+#: ``progress(description, total, unit="batch")``: a callback to call after each of ``total`` units
+Progress = Callable[..., Callable[[], None]]
 
 
 class RunInterrupted(Interrupted):
@@ -121,6 +122,12 @@ class _Run:
             return lambda: None
         return self.progress(label, -(-len(self.resolved.task.splits()[split]) // size))
 
+    def samples(self, label: str) -> Callable[[int], Callable[[], None]]:
+        """The progress of a phase's generation: given its count of samples, a callback per sample."""
+        if not (self.progress and self.world.main):
+            return lambda count: lambda: None
+        return lambda count: self.progress(f"{label}: generation", count, "sample")
+
     def judge(self, phase: PhaseStats, epoch: int) -> None:
         """Say ``complete_note`` judged by the keys a phase read (patterns that choose or learn them), once."""
         if not self.note:
@@ -140,6 +147,7 @@ def _new_common(config: RunConfig, resolved: Resolved, model: torch.nn.Module, w
         "task": config.task,
         "model": config.model,
         "pattern": resolved.pattern_given.spec,
+        "definitions": json.dumps(resolved.definitions),
         "cell": resolved.cell,
         "experiment": resolved.experiment,
         "eval_of": None,
@@ -156,8 +164,13 @@ def _restore(state: dict, resolved: Resolved, trainer: Trainer, world) -> tuple[
     """A checkpoint's training state loaded into ``trainer``: (common, rows, next epoch, best valid loss)."""
     trainer.load_state_dict(state)
     torch.set_rng_state(state["rng"][world.rank % len(state["rng"])])
-    # a checkpoint from before schema 4 is rekeyed
-    keys = {"schema_version": SCHEMA_VERSION, "cell": resolved.cell, "experiment": resolved.experiment}
+    # a checkpoint from before schema 4 is rekeyed; one from before schema 6 gets the definitions it continues under
+    keys = {
+        "schema_version": SCHEMA_VERSION,
+        "cell": resolved.cell,
+        "experiment": resolved.experiment,
+        "definitions": json.dumps(resolved.definitions),
+    }
     common = {**json.loads(state["common"]), **keys}
     rows = [{**row, **keys} for row in checkpoint.rows_of(state)]
     return common, rows, state["epoch"] + 1, state["best_valid_loss"]
@@ -180,13 +193,16 @@ def _prepare(config: RunConfig, resume: str | None, progress, log) -> _Run:
     world, resolved.device = distributed.setup(resolved.device)
     torch.manual_seed(config.seed)
     attention = build_attention(resolved)
+    path = getattr(resolved.model_config, "path", "")
+    if path and world.main:  # reading (and dequantizing) a pretrained model's weights takes seconds: said first
+        log(f"loading model {config.model} from {path}")
     model = build_model(resolved, attention)
     width = getattr(resolved.model_config, "dim", 128)
     trainer = Trainer(model, resolved.train, width, resolved.device, resolved.task, world)
     if state:
-        checkpoint.check_vocab(
-            state, resolved.task, checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST
-        )
+        last = checkpoint.checkpoint_dir(config.results_dir, resume) / checkpoint.LAST
+        checkpoint.check_vocab(state, resolved.task, last)
+        checkpoint.check_definitions(state, resolved.definitions, last)
         common, rows, start, best = _restore(state, resolved, trainer, world)
     else:
         if world.rank:  # dropout masks differ between ranks, as they would between the examples of one process
@@ -240,6 +256,7 @@ def _epoch(run: _Run, epoch: int) -> list[dict]:
         decode_limit=train.decode_valid,
         precision=train.precision,
         on_batch=run.tick(f"epoch {epoch} valid", "valid", train.eval_batch_size),
+        on_sample=run.samples(f"epoch {epoch} valid"),
         decode_pattern=resolved.decode,
     )
     run.judge(valid, epoch)
@@ -300,6 +317,7 @@ def _test(run: _Run, last: int) -> None:
         beam=getattr(resolved.task_config, "beam", 1),
         precision=resolved.train.precision,
         on_batch=run.tick("test", "test", resolved.train.eval_batch_size),
+        on_sample=run.samples("test"),
         decode_pattern=resolved.decode,
     )
     run.rows.append(result_row(run.common, last, "test", test, run.attention, stages_of(run.model)))

@@ -324,13 +324,15 @@ def evaluate(
     precision: str = "float32",
     on_batch: Callable[[], None] = lambda: None,
     decode_pattern: Pattern | None = None,
+    on_sample: Callable[[int], Callable[[], None]] = lambda count: lambda: None,
 ) -> PhaseStats:
     """Teacher-forced loss and token accuracy over the batches, and the task's phase metrics; for
     seq2seq tasks then decode up to ``decode_limit`` examples (-1: all) for sequence accuracy and
     the task's metrics of decoded outputs, timed separately. For classify, ``seq_acc`` is the
     accuracy (one target per sample). A task scored by generation, with a model that generates,
     has up to ``decode_limit`` of its prompts continued, each new token under ``decode_pattern``
-    (None: ``pattern``), and the texts scored (``gtx.run.generation``), timed separately."""
+    (None: ``pattern``), and the texts scored (``gtx.run.generation``), timed separately; ``on_sample(count)``
+    gives the callback called after each generated sample (progress)."""
     model.eval()
     attention = getattr(model, "attention", None)
     attention = attention if isinstance(attention, Attention) else None
@@ -371,7 +373,9 @@ def evaluate(
     if generate_limit:  # at the run's precision, as the teacher-forced pass
         dtype = check_precision(precision)
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            generated = generation_metrics(model, task, stats.split, pattern, decode_pattern or pattern, generate_limit)
+            generated = generation_metrics(
+                model, task, stats.split, pattern, decode_pattern or pattern, generate_limit, on_sample
+            )
         stats.extra.update(generated)
         if attention is not None:
             attention.take_reads()  # the teacher-forced pass's reads are the row's, not generation's

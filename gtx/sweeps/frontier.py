@@ -30,10 +30,11 @@ import pandas as pd
 from gtx.errors import GtxError
 from gtx.graph.spec import parse_pattern
 from gtx.records.compare import FALLBACK_METRIC, SPEED, run_table
-from gtx.records.results import finished, lower_is_better, metric_range
+from gtx.records.results import finished, metric_range
 from gtx.records.stats import summarize, tost_p
+from gtx.sweeps.frontier_paired import PAIRED_COLUMNS, against_full, mark_largest, run_sides
 from gtx.sweeps.grid import Grid
-from gtx.sweeps.study import FULL, Study
+from gtx.sweeps.study import ALL, DECODE, DECODE_SETTING, FULL, PHASES, PREFILL, Study
 from gtx.sweeps.sweep import Cell, plan, sweep_name
 
 ALPHA = 0.05
@@ -43,41 +44,75 @@ NEARLY_FULL = 1 - 1e-9  # a fixed pattern's density at or above this attends to 
 @dataclass(frozen=True)
 class Point:
     """What a cell is on the frontier: its family (None: the full baseline) and budget, its length
-    (the value of its task's setting ``length_key``)."""
+    (the value of its task's setting ``length_key``), where its pattern applies (``phase``:
+    ``study.PHASES``) and that pattern (``spec``: the run's pattern, or for ``decode`` its decode
+    pattern)."""
 
     family: str | None
     budget: str
     length: str
     length_key: str
     rank: int  # where the spec stands in the study: full first, then the families' budgets as given
+    phase: str = ALL
+    spec: str = FULL
+
+
+def _arms(study: Study) -> list[tuple[str, str | None, Point]]:
+    """The study's runs at one length, as (pattern, decode pattern or None, its Point without length):
+    full first, then every family's budgets; a phase's family sets the other phase to full."""
+    arms = [(FULL, None, Point(None, "-", "", "", 0))]
+    for f in study.families:
+        for budget, spec in zip(f.budgets, f.specs):
+            pattern, decode = {ALL: (spec, None), PREFILL: (spec, FULL), DECODE: (FULL, spec)}[f.phase]
+            arms.append((pattern, decode, Point(f.name, budget, "", "", len(arms), f.phase, spec)))
+    return arms
 
 
 def plan_study(study: Study, results_dir) -> tuple[list[Cell], dict[str, Point]]:
     """The study's sweep cells (``sweep.plan``: complete ones marked skip) and each cell key's ``Point``.
     A budget that attends to every candidate at a length is left out there, with a line in
-    ``study.notes``; any other bad cell raises GtxError naming it, before anything runs."""
-    specs = {FULL: (None, "-")} | {s: (f.name, b) for f in study.families for b, s in zip(f.budgets, f.specs)}
+    ``study.notes``; any other bad cell raises GtxError naming it, before anything runs. A family of
+    one phase (``Family.phase``) sets the cells' decode pattern (the ``decode_pattern`` setting)."""
+    arms = _arms(study)
+    specs = list(dict.fromkeys(s for f in study.families for s in f.specs))
     cells: list[Cell] = []
     points: dict[str, Point] = {}
     for task in study.grid.task:
         key = f"task.{study.key(task)}"
         for length in study.lengths:
-            grid = dataclasses.replace(
-                study.grid, task=[task], pattern=list(specs), settings={**study.grid.settings, key: [length]}
+            base = dataclasses.replace(
+                study.grid, task=[task], pattern=[FULL], settings={**study.grid.settings, key: [length]}
             )
-            full_at = _full_budgets(grid, list(specs)[1:], length)
+            # with a phase's family, checked as its runs are: a decode pattern needs a task scored by generation
+            phased = [f.specs[0] for f in study.families if f.phase != ALL]
+            probe = (
+                base
+                if not phased
+                else dataclasses.replace(base, settings={**base.settings, DECODE_SETTING: phased[:1]})
+            )
+            full_at = _full_budgets(probe, specs, length)
             for f in study.families:
                 if set(f.specs) <= set(full_at):
                     raise GtxError(
                         f"family {f.specs[0] if len(f.specs) == 1 else f.name}: every budget attends to every "
                         f"candidate at {task}'s {key.partition('.')[2]}={length} ({full_at[f.specs[0]]}); give smaller budgets or longer lengths"
                     )
-            for cell in plan(grid, results_dir):
-                spec = cell.config.pattern
-                if spec in full_at:
+            kept = [a for a in arms if a[2].family is None or a[2].spec not in full_at]
+            for phase in PHASES:  # one sweep plan per phase: its patterns, or its decode patterns, vary
+                group = [a for a in kept if a[2].phase == phase]
+                if not group:
                     continue
-                cells.append(dataclasses.replace(cell, index=len(cells)))
-                points[cell.key] = Point(*specs[spec], length, key, list(specs).index(spec))
+                settings = dict(base.settings)
+                if phase != ALL:
+                    settings[DECODE_SETTING] = list(dict.fromkeys(decode for _, decode, _ in group))
+                where = {(pattern, decode): point for pattern, decode, point in group}
+                grid = dataclasses.replace(base, pattern=list(dict.fromkeys(a[0] for a in group)), settings=settings)
+                for cell in plan(grid, results_dir):
+                    decode = cell.config.settings[DECODE_SETTING] if phase != ALL else None
+                    cells.append(dataclasses.replace(cell, index=len(cells)))
+                    points[cell.key] = dataclasses.replace(
+                        where[cell.config.pattern, decode], length=length, length_key=key
+                    )
             study.notes += [
                 f"{task} at {key.partition('.')[2]}={length}: {why}; left out"
                 for why in dict.fromkeys(full_at.values())
@@ -233,48 +268,35 @@ def frontier_table(
     """One row per experiment of the study that has runs (seeds pooled), numbers only.
 
     Columns: ``task``, ``model``, ``length``, the study's other swept settings, ``family`` (``full``
-    for the baseline), ``budget``, ``pattern``, ``runs``, ``metric`` and its ``mean``, ``std``,
-    ``ci_low``, ``ci_high`` (95%, clipped to the metric's range), ``density`` and ``edges_per_query``
-    (measured: what the pattern kept), ``tokens_per_s``, ``speed_vs_full``, the cost (``train_flops``,
+    for the baseline), ``phase`` (where the budget applies: ``study.PHASES``), ``budget``,
+    ``pattern`` (the budget's: a decode family's decode pattern), ``runs``, ``metric`` and its
+    ``mean``, ``std``, ``ci_low``, ``ci_high`` (95%, clipped to the metric's range), ``density`` and
+    ``edges_per_query`` (measured: what the pattern kept; for a decode family, the keys each generated
+    token's query read, and their share of full's), ``compression`` (full's keys per query over the
+    row's, ``frontier_paired``), ``tokens_per_s``, ``speed_vs_full``, the cost (``train_flops``,
     ``train_attn_flops``, ``train_s``: per run, means), ``tost_p`` against ``full`` of the same task,
     model, length and settings (TOST at ``margin``, in the metric's units, kept as the ``margin`` column
     so that a saved table still says it) and ``equivalent`` (tost_p < 0.05; NaN/False with fewer than
-    2 runs a side). Only the study's own cells count: runs of
-    other experiments in the folder never mix in, and only finished runs (with test rows) count."""
+    2 runs a side); for tasks scored by generation, the paired test of the row's per-sample outcomes
+    against full's (``frontier_paired.PAIRED_COLUMNS``; NaN where the runs hold no outcomes). Only
+    the study's own cells count: runs of other experiments in the folder never mix in, and only
+    finished runs (with test rows) count."""
     check_margin(margin)
     swept = _swept(cells, {p.length_key for p in points.values()})
     keyed = {c.key: c for c in cells}
     runs = run_table(df[df.cell.isin(list(keyed))], ("pattern",), metric)
     columns = [
-        "task",
-        "model",
-        "length",
-        *swept,
-        "family",
-        "budget",
-        "pattern",
-        "runs",
-        "metric",
-        "mean",
-        "std",
-        "ci_low",
-        "ci_high",
-        "density",
-        "edges_per_query",
-        "tokens_per_s",
-        "speed_vs_full",
-        "train_flops",
-        "train_attn_flops",
-        "train_s",
-        "tost_p",
-        "margin",
-        "equivalent",
+        *("task", "model", "length", *swept, "family", "phase", "budget", "pattern", "runs", "metric"),
+        *("mean", "std", "ci_low", "ci_high", "density", "edges_per_query", "compression", "tokens_per_s"),
+        *("speed_vs_full", "train_flops", "train_attn_flops", "train_s", "tost_p", "margin", "equivalent"),
+        *PAIRED_COLUMNS,
     ]
     if runs.empty:
         return pd.DataFrame(columns=columns)
     check_margin(margin, runs.metric)
     runs["value"] = [r[r["metric"]] for _, r in runs.iterrows()]
-    rows, samples = [], {}
+    rows_by_run = dict(iter(df[df.run_id.isin(runs.run_id)].groupby("run_id", sort=False)))
+    rows, samples, sides = [], {}, {}
     for _, group in runs.groupby("experiment", sort=False):
         cell = keyed[group.cell.iloc[0]]
         point = points[cell.key]
@@ -287,46 +309,81 @@ def frontier_table(
             "length": point.length,
             **{k: cell.config.settings[k] for k in swept},
         }
+        outcomes, decode_read = run_sides(rows_by_run, group.run_id, name)
+        decode = point.phase == DECODE
         rows.append(
             {
                 **where,
                 "family": point.family or FULL,
+                "phase": point.phase,
                 "budget": point.budget,
                 "_order": point.rank,
-                "pattern": cell.config.pattern,
+                "pattern": point.spec,
                 "runs": s.n,
                 "metric": name.removeprefix("best_valid_"),
                 "mean": s.mean,
                 "std": s.std,
                 "ci_low": max(s.ci_low, lo),
                 "ci_high": min(s.ci_high, hi),
-                **{c: group[c].mean() for c in ("density", "edges_per_query")},
+                "density": math.nan if decode else group.density.mean(),
+                "edges_per_query": decode_read if decode else group.edges_per_query.mean(),
                 "tokens_per_s": group[SPEED].mean(),
                 **{c: group[c].mean() for c in ("train_flops", "train_attn_flops", "train_s")},
                 "_where": tuple(where.values()),
-                "_lower": lower_is_better(name),
+                "_what": " ".join(
+                    [
+                        *(str(v) for k, v in where.items() if k in ("task", "model")),
+                        *(f"{k.rpartition('.')[2]}={cell.config.settings[k]}" for k in swept),
+                        f"{point.length_key.partition('.')[2]}={point.length}:",
+                        f"{point.family or FULL} {point.budget}",
+                    ]
+                ),
+                "_decode_read": decode_read,
             }
         )
         samples[len(rows) - 1] = group.value.to_numpy(dtype=float)
+        sides[len(rows) - 1] = outcomes
     table = pd.DataFrame(rows)
     table["speed_vs_full"], table["tost_p"], table["margin"], table["equivalent"] = np.nan, np.nan, margin, False
+    table["compression"] = np.nan
+    for c in PAIRED_COLUMNS:
+        table[c] = False if c in ("sig_worse", "largest_not_worse") else np.nan
+    table["paired_test"] = table.paired_test.astype(object)
     for _, idx in table.groupby("_where", sort=False).groups.items():
         full = [i for i in idx if table.at[i, "family"] == FULL]
         if not full:
             continue
         f = full[0]
         table.loc[idx, "speed_vs_full"] = table.loc[idx, "tokens_per_s"] / table.at[f, "tokens_per_s"]
+        table.at[f, "compression"] = 1.0
         for i in idx:
-            if i != f:
-                p = tost_p(samples[i], samples[f], margin)
-                table.loc[i, ["tost_p", "equivalent"]] = p, bool(p < ALPHA)
+            if i == f:
+                continue
+            p = tost_p(samples[i], samples[f], margin)
+            table.loc[i, ["tost_p", "equivalent"]] = p, bool(p < ALPHA)
+            if table.at[i, "phase"] == DECODE:  # generated tokens' keys, against full's generated tokens'
+                table.at[i, "density"] = table.at[i, "edges_per_query"] / table.at[f, "_decode_read"]
+                table.at[i, "compression"] = table.at[f, "_decode_read"] / table.at[i, "edges_per_query"]
+            else:
+                table.at[i, "compression"] = table.at[f, "edges_per_query"] / table.at[i, "edges_per_query"]
+            for c, v in against_full(sides[i], sides[f], table.at[i, "_what"]).items():
+                table.at[i, c] = v
+    table["largest_not_worse"] = mark_largest(table, ["_where"])
     table = table.assign(_len=pd.to_numeric(table.length, errors="coerce"))
     table = table.sort_values(["task", "model", *swept, "_len", "_order"], kind="stable")
-    return table.drop(columns=["_where", "_lower", "_order", "_len"]).reset_index(drop=True)[columns]
+    drop = ["_where", "_what", "_decode_read", "_order", "_len"]
+    return table.drop(columns=drop).reset_index(drop=True)[columns]
 
 
 def _swept(cells: list[Cell], length_keys: set[str]) -> list[str]:
-    """Settings other than the length (a ``task.`` setting each cell sets to its point's length) that
-    take several values among the cells: model sizes and the like."""
+    """Settings other than the length (a ``task.`` setting each cell sets to its point's length) and
+    the decode pattern (a family's phase sets it) that take several values among the cells: model
+    sizes and the like."""
     keys = dict.fromkeys(k for c in cells for k in c.config.settings)
-    return [k for k in keys if len({c.config.settings.get(k) for c in cells}) > 1 and k not in length_keys]
+    return [
+        k
+        for k in keys
+        if len({c.config.settings.get(k) for c in cells}) > 1
+        and k not in length_keys
+        and k.rpartition(".")[2] != DECODE_SETTING
+    ]

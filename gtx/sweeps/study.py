@@ -14,6 +14,13 @@ from gtx.sweeps.grid import Grid, split_list
 FULL = "full"  # every frontier's baseline
 KEY_RE = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(.*)\Z", re.S)
 OPERATORS = "+|&"  # pattern-spec operators (gtx.graph.spec): what follows one applies to every budget
+#: where a family's patterns apply, for tasks scored by generation: everywhere (--family), the prompt
+#: alone with generated tokens under full (--prefill-family), or generated tokens alone after a prompt
+#: read under full (--decode-family); what sets them: the run's pattern and its decode_pattern setting
+ALL, PREFILL, DECODE = "all", "prefill", "decode"
+PHASES = (ALL, PREFILL, DECODE)
+OPTIONS = {ALL: "--family", PREFILL: "--prefill-family", DECODE: "--decode-family"}
+DECODE_SETTING = "decode_pattern"
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class Family:
     param: str | None
     budgets: tuple[str, ...]
     specs: tuple[str, ...]
+    phase: str = ALL  # where the specs apply: ALL (prompt and generated tokens), PREFILL or DECODE (PHASES)
 
 
 def _split_operator(text: str) -> tuple[str, str]:
@@ -39,11 +47,12 @@ def _split_operator(text: str) -> tuple[str, str]:
     return text, ""
 
 
-def parse_family(text: str) -> Family:
+def parse_family(text: str, phase: str = ALL) -> Family:
     """``local:w=16,32,64`` or ``moba:b=16,k=2,4,8`` (the one parameter given several values is the
     budget) or a single spec (``nsa``). What follows the first pattern after ``+``, ``|`` or ``&``
     (``local:w=8,16+alibi``, ``local:w=8,16|strided:l=8``) applies to every budget; a budget list
-    there is refused. Raises GtxError naming the family and the fix."""
+    there is refused. ``phase`` (``PHASES``): where the patterns apply; a family of one phase but
+    ``ALL`` is named so (``sinks s=4 (decode)``). Raises GtxError naming the family and the fix."""
     head, rest = _split_operator(text.strip())
     name, _, params = head.strip().partition(":")
     values: dict[str, list[str]] = {}
@@ -95,7 +104,12 @@ def parse_family(text: str) -> Family:
     if len(set(specs)) < len(specs):
         raise GtxError(f"family {text!r}: two budgets give the same pattern; list each budget once")
     fixed = " ".join(f"{k}={v[0]}" for k, v in values.items() if k != param) if param else ""
-    return Family(" ".join(f"{name} {fixed} {rest.strip()}".split()), param, tuple(budgets), tuple(specs))
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r}: choose one of {', '.join(PHASES)}")
+    where = "" if phase == ALL else f"({phase})"
+    return Family(
+        " ".join(f"{name} {fixed} {rest.strip()} {where}".split()), param, tuple(budgets), tuple(specs), phase
+    )
 
 
 def length_key(task: str) -> str:
@@ -130,20 +144,28 @@ class Study:
                 "--length-key out for the task's own"
             )
         named: dict[str, Family] = {}
-        owner: dict[str, Family] = {}
+        owner: dict[tuple[str, str], Family] = {}
         for f in self.families:  # the table groups by family name and budget spec: neither may be in two families
+            option = OPTIONS[f.phase]
             if f.name in named:
                 raise GtxError(
-                    f"--family {f.name!r} is given twice ({_budgets(named[f.name])} and {_budgets(f)}); give each "
-                    "pattern's budgets once, in one --family"
+                    f"{option} {f.name!r} is given twice ({_budgets(named[f.name])} and {_budgets(f)}); give each "
+                    f"pattern's budgets once, in one {option}"
                 )
             named[f.name] = f
             for spec in f.specs:
-                if spec in owner:
+                if (f.phase, spec) in owner:
                     raise GtxError(
-                        f"pattern {spec!r} is a budget of two families ({owner[spec].name!r} and {f.name!r}); give it in one"
+                        f"pattern {spec!r} is a budget of two families ({owner[f.phase, spec].name!r} and {f.name!r}); give it in one"
                     )
-                owner[spec] = f
+                owner[f.phase, spec] = f
+        given = [k for k in self.grid.settings if k.rpartition(".")[2] == DECODE_SETTING]
+        phased = [f for f in self.families if f.phase != ALL]
+        if given and (phased or len(self.grid.settings[given[0]]) > 1):
+            raise GtxError(
+                f"--set {given[0]}=...: a frontier sets each cell's decode pattern from its families; give the patterns "
+                "generated tokens read under as --decode-family (the prompt under full) and drop the --set"
+            )
 
     def key(self, task: str) -> str:
         return self.length_key or length_key(task)

@@ -180,8 +180,12 @@ def sweep_name(grid_file: str | Path | None, cells: list[Cell]) -> str:
 
 def child_env(jobs: int, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The children's environment: the cores shared out as OpenMP threads unless the user chose
-    (N runs each spinning every core's threads ran 30x slower on 2 cores)."""
+    (N runs each spinning every core's threads ran 30x slower on 2 cores); with more than one job,
+    the cells do not look at the machine's load (``GTX_BUSY_CHECK=0``): their siblings keep the cores
+    busy by design, and the cores are shared out for it."""
     env = dict(os.environ if environ is None else environ)
+    if jobs > 1:
+        env.setdefault("GTX_BUSY_CHECK", "0")
     if "OMP_NUM_THREADS" not in env:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cpus // jobs))

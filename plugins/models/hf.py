@@ -220,11 +220,11 @@ def gtx_attention(
         raise GtxError(
             "a model under attn_implementation='gtx' reads packed batches through gtx's hf model plugin (one row, gtx's edges)"
         )
-    groups = query.shape[1] // key.shape[1]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = (query[0] * scale).transpose(0, 1)  # (N, H, D), pre-scaled as gtx's attention takes it
-    # grouped-query heads as repeat_kv orders them
-    k, v = (x[0].repeat_interleave(groups, 0).transpose(0, 1) for x in (key, value))
+    # (N, H_kv, D): grouped-query heads as they are, repeated only for a kernel that needs them (repeat_kv's
+    # order), so that full attention runs SDPA on them as transformers' own sdpa does, without the copies
+    k, v = (x[0].transpose(0, 1) for x in (key, value))
     edges = holder.edges if sliding_window is None else holder.window(sliding_window)
     if isinstance(edges, _Prefilled):
         return edges.attend(attention, q, k, v, holder.inputs)[None], None
