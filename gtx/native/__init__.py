@@ -230,31 +230,27 @@ def library(name: str) -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         errors = []
+
+        def chosen(flags: list[str], lacks: str, level: int) -> None:
+            """The variant built with ``flags`` serves ``name``; where it lacks a feature (the first
+            variant failed), say so once at ``level``."""
+            _flags[name] = [*FLAGS, *flags]
+            if lacks:
+                _say(level, f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})", f"{lacks} {cc}")
+
         for flags, lacks in _variants():
             key = hashlib.sha256(
                 "\0".join([*texts, *argv, identity, *FLAGS, *flags, _cpu_features(), PROBED]).encode()
             ).hexdigest()[:16]
             target, marker = folder / f"{name}-{key}.so", folder / f"{name}-{key}.failed"
             if _verified(target):
-                _flags[name] = [*FLAGS, *flags]
-                if lacks:
-                    _say(
-                        logging.INFO,
-                        f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})",
-                        f"{lacks} {cc}",
-                    )
+                chosen(flags, lacks, logging.INFO)
                 return target
             error = _failed_recently(marker)
             if error is None:
                 error = _build(argv, flags, source, target)
                 if error is None:
-                    _flags[name] = [*FLAGS, *flags]
-                    if lacks:
-                        _say(
-                            logging.WARNING,
-                            f"the C kernels are built {lacks} ({cc}: {_first_error(errors[0])})",
-                            f"{lacks} {cc}",
-                        )
+                    chosen(flags, lacks, logging.WARNING)
                     return target
                 atomic_write(marker, error)
             errors.append(error)

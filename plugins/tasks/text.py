@@ -218,10 +218,10 @@ class Text(Task):
         return vocab, vocab
 
     def declared_len(self) -> int:
+        """Every window is ``context`` tokens: the settings say it, and it is the longest a model reads."""
         return self.config.context
 
-    def context_len(self) -> int:
-        return self.config.context
+    context_len = declared_len
 
     def phase_metrics(self, loss, groups, split):
         """``bpc``: ``loss`` (mean nats per predicted token) in bits; per byte under a model's tokenizer."""
