@@ -30,7 +30,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from test_docs import example_plugin
+from test_docs import doc_example
 
 from gtx.cli import cli
 from gtx.errors import GtxError
@@ -247,7 +247,7 @@ def workdir(tmp_path_factory):
     ((_, _, grid),) = [b for b in blocks((ROOT / "docs" / "experiments.md").read_text()) if b[1] == "toml"]
     (folder / "grid.toml").write_text("\n".join(grid))
     (folder / "my_patterns").mkdir()
-    (folder / "my_patterns" / "chunks.py").write_text(example_plugin())
+    (folder / "my_patterns" / "chunks.py").write_text(doc_example("plugin-example"))
     yield folder
     plugins.unload_dir(folder / "my_patterns")
 
