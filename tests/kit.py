@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
+import pytest
 from click.testing import CliRunner, Result
 
+from gtx import native
 from gtx.cli import cli as gtx_cli
 from gtx.errors import UnknownNameError
 from gtx.plugins import registry as plugins
@@ -90,3 +92,11 @@ def tiny_run(
     )
     assert result.exit_code == exit_code, result.output
     return Run(result, folder, load(folder))
+
+
+def on_torch(fn):
+    """fn() on torch ops: no Triton, no C kernel (the reference a kernel is held to)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("GTX_KERNELS", "torch")
+        m.setattr(native, "kernel", lambda *_: None)
+        return fn()
